@@ -1,0 +1,74 @@
+"""Platform: what the rest of the harness needs to know about the device, in one object."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from executor.platform import npu_runtime
+
+DEVICE_TYPES = ("auto", "cpu", "cuda", "npu")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class Platform:
+    device_type: str  # "cpu" | "cuda" | "npu"
+    device: torch.device
+    ops_backend: str  # which ops/ implementation runs: "torch" or "npu"
+    dist_backend: str  # torch.distributed backend: gloo / nccl / hccl
+
+    def synchronize(self) -> None:
+        """Wait for queued device work, so host timers measure the device."""
+        if self.device_type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elif self.device_type == "npu":
+            torch.npu.synchronize(self.device)
+
+    def memory_info_bytes(self) -> tuple[int, int] | None:
+        """(free, total) device memory, or None on the CPU."""
+        if self.device_type == "cuda":
+            return torch.cuda.mem_get_info(self.device)
+        if self.device_type == "npu":
+            return torch.npu.mem_get_info(self.device)
+        return None
+
+
+def detect_device_type(requested: str = "auto") -> str:
+    """Resolve `model_config.device` ("auto" prefers npu, then cuda, then cpu)."""
+    if requested not in DEVICE_TYPES:
+        raise ValueError(f"device must be one of {DEVICE_TYPES}, got {requested!r}")
+    if requested == "npu":
+        npu_runtime.torch_npu()  # raises a clear NpuUnavailableError when it cannot load
+        if not torch.npu.is_available():
+            raise npu_runtime.NpuUnavailableError("torch_npu loaded but sees no NPU device")
+        return "npu"
+    if requested == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("model_config.device is 'cuda' but torch sees no CUDA device")
+        return "cuda"
+    if requested == "cpu":
+        return "cpu"
+    if npu_runtime.npu_is_available():
+        return "npu"
+    if torch.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+def create_platform(requested: str = "auto", local_rank: int = 0) -> Platform:
+    device_type = detect_device_type(requested)
+    if device_type == "npu":
+        torch.npu.set_device(local_rank)
+        return Platform("npu", torch.device("npu", local_rank), ops_backend="npu", dist_backend="hccl")
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        return Platform("cuda", torch.device("cuda", local_rank), ops_backend="torch", dist_backend="nccl")
+    return Platform("cpu", torch.device("cpu"), ops_backend="torch", dist_backend="gloo")
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}") from None
