@@ -1,0 +1,174 @@
+"""InferenceConfig: a run's YAML, loaded, overridden from the command line and validated.
+
+Validation happens here, before anything heavy: an unknown key, a wrong type or an
+out-of-range value raises ConfigError naming the section, the key, the file and the closest
+valid key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import logging
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from executor.core.config.sections import SECTIONS, DataConfig, ModelConfig, ParallelConfig, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+
+class ConfigError(ValueError):
+    """A configuration mistake, reported before any model is loaded."""
+
+
+@dataclass(slots=True)
+class InferenceConfig:
+    model_config: ModelConfig = field(default_factory=ModelConfig)
+    data_config: DataConfig = field(default_factory=DataConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    source: str = "<defaults>"  # the YAML file this came from, for error messages and output names
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> InferenceConfig:
+    """Read a YAML file, apply `section.key=value` overrides, validate, and build the config."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must hold a mapping of sections, got {type(raw).__name__}")
+    for override in overrides or []:
+        apply_override(raw, override, source=str(path))
+    return build_config(raw, source=str(path))
+
+
+def apply_override(raw: dict[str, Any], override: str, source: str) -> None:
+    """Apply one `--set section.key=value`; the value is parsed as YAML (so 8, true, [1, 2] work)."""
+    dotted, sep, value_text = override.partition("=")
+    section, dot, key = dotted.strip().partition(".")
+    if not sep or not dot or not section or not key:
+        raise ConfigError(f"--set expects section.key=value, got {override!r}")
+    try:
+        value = yaml.safe_load(value_text) if value_text.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {override!r}: value is not valid YAML ({exc})") from exc
+    target = raw.setdefault(section, {})
+    if not isinstance(target, dict):
+        raise ConfigError(f"--set {override!r}: section {section!r} in {source} is not a mapping")
+    target[key] = value
+
+
+def build_config(raw: dict[str, Any], source: str = "<dict>") -> InferenceConfig:
+    for section in raw:
+        if section not in SECTIONS:
+            raise ConfigError(f"unknown section {section!r} in {source}{_did_you_mean(section, SECTIONS)}")
+    built = {
+        name: _build_section(name, section_cls, raw.get(name) or {}, source)
+        for name, section_cls in SECTIONS.items()
+    }
+    config = InferenceConfig(**built, source=source)
+    _check_cross_rules(config)
+    return config
+
+
+def _build_section(name: str, section_cls: type, values: Any, source: str) -> Any:
+    if not isinstance(values, dict):
+        raise ConfigError(f"section {name} in {source} must be a mapping, got {type(values).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(section_cls)}
+    hints = typing.get_type_hints(section_cls)
+    for key, value in values.items():
+        if key not in fields:
+            raise ConfigError(f"unknown key {name}.{key} in {source}{_did_you_mean(key, fields)}")
+        where = f"{name}.{key} in {source}"
+        _check_type(value, hints[key], where)
+        _check_rule(value, fields[key].metadata, where)
+    return section_cls(**values)
+
+
+def _check_type(value: Any, expected: Any, where: str) -> None:
+    origin = typing.get_origin(expected)
+    if origin is list:
+        (item_type,) = typing.get_args(expected)
+        if not isinstance(value, list):
+            raise ConfigError(f"{where} must be a list, got {value!r}")
+        for item in value:
+            _check_type(item, item_type, where)
+        return
+    if origin in (typing.Union, types.UnionType):
+        if not any(_matches(value, option) for option in typing.get_args(expected)):
+            raise ConfigError(f"{where} must be {expected}, got {value!r}")
+        return
+    if not _matches(value, expected):
+        raise ConfigError(f"{where} must be {_type_name(expected)}, got {type(value).__name__} {value!r}")
+
+
+def _matches(value: Any, expected: Any) -> bool:
+    if expected is type(None):
+        return value is None
+    if expected is float:  # an int is a fine float; a bool is not a number here
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if expected is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, expected)
+
+
+def _type_name(expected: Any) -> str:
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string", dict: "a mapping"}.get(
+        expected, str(expected)
+    )
+
+
+def _check_rule(value: Any, metadata: typing.Mapping[str, Any], where: str) -> None:
+    choices = metadata.get("choices")
+    if choices is not None and value not in choices:
+        raise ConfigError(f"{where} must be one of {list(choices)}, got {value!r}{_did_you_mean(str(value), choices)}")
+    if "min" in metadata and value < metadata["min"]:
+        raise ConfigError(f"{where} must be >= {metadata['min']}, got {value!r}")
+    if "max" in metadata and value > metadata["max"]:
+        raise ConfigError(f"{where} must be <= {metadata['max']}, got {value!r}")
+
+
+def _check_cross_rules(config: InferenceConfig) -> None:
+    """Rules that involve more than one key, or features that are not built yet."""
+    model, data = config.model_config, config.data_config
+    if model.exe_mode != "eager":
+        raise ConfigError(
+            f"model_config.exe_mode {model.exe_mode!r} in {config.source}: graph modes are not built yet; use eager"
+        )
+    if model.next_n > 0:
+        raise ConfigError(f"model_config.next_n in {config.source}: MTP speculative decoding is not built yet; use 0")
+    if data.temperature > 0 or data.top_k > 0 or data.top_p < 1.0:
+        raise ConfigError(
+            f"data_config.temperature/top_k/top_p in {config.source}: only greedy decoding is built yet "
+            "(temperature 0, top_k 0, top_p 1.0)"
+        )
+
+
+def unused_npu_keys(config: InferenceConfig, device_type: str) -> list[str]:
+    """Keys set away from their defaults that only mean something on an NPU."""
+    if device_type == "npu":
+        return []
+    unused = []
+    for name in SECTIONS:
+        section = getattr(config, name)
+        for f in dataclasses.fields(section):
+            if f.metadata.get("npu_only") and getattr(section, f.name) != f.default:
+                unused.append(f"{name}.{f.name}")
+    return unused
+
+
+def _did_you_mean(word: str, candidates: typing.Iterable[str]) -> str:
+    close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.5)
+    return f"; did you mean {close[0]!r}?" if close else f"; valid: {', '.join(sorted(candidates))}"

@@ -1,0 +1,86 @@
+"""The YAML sections of a run, with cann-recipes-infer key names, defaults and rules.
+
+Each field's metadata states its rule (`choices`, `min`, `max`) and whether it only means
+something on an NPU (`npu_only`), so one generic validator (schema.py) checks every key and
+docs/configuration.md can be read straight off these classes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def rule(default: Any = None, *, default_factory: Any = None, **metadata: Any) -> Any:
+    """A dataclass field carrying its validation rule in metadata."""
+    if default_factory is not None:
+        return field(default_factory=default_factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    model_name: str = rule("llama", help="folder under models/ holding the model code")
+    model_path: str = rule("", help="HF model folder; empty = the default SmolLM2-135M-Instruct in $INFER_RECIPES_HOME")
+    output_path: str = rule("", help="where results go; empty = models/<model_name>/res/<timestamp>_<yaml-stem>/")
+    dtype: str = rule("bfloat16", choices=("float32", "bfloat16", "float16"))
+    with_ckpt: bool = rule(True, help="false: seeded random weights (DummyModelLoader)")
+    exe_mode: str = rule("eager", choices=("eager", "ge_graph", "npugraph_ex"))
+    next_n: int = rule(0, min=0, help="MTP draft tokens per step; 0 = no speculative decoding")
+    enable_cache_compile: bool = rule(False, npu_only=True)
+    enable_static_kernel: bool = rule(False, npu_only=True)
+    enable_dynamic_graph: bool = rule(False, npu_only=True)
+    enable_profiler: bool = rule(False, help="write a torch profiler trace of the run next to the outputs")
+    custom_params: dict = rule(default_factory=dict, help="free-form parameters handed to the model")
+    device: str = rule("auto", choices=("auto", "cpu", "cuda", "npu"), help="ours: force a platform")
+
+
+@dataclass(slots=True)
+class DataConfig:
+    dataset: str = rule("default", help="a file in dataset/ (name with or without .jsonl)")
+    dataset_path: str = rule("", help="any JSONL prompt file; wins over dataset")
+    input_truncated_len: int = rule(0, min=0, help="keep the first N prompt tokens; 0 = no truncation")
+    temperature: float = rule(0.0, min=0.0, help="0 = greedy (the only mode so far)")
+    top_p: float = rule(1.0, min=0.0, max=1.0)
+    top_k: int = rule(0, min=0)
+    seed: int = rule(0, min=0, help="seed for random weights and sampling")
+    apply_chat_template: bool = rule(True, help="ours: send text prompts through the chat template")
+    num_prompts: int = rule(0, min=0, help="ours: use the first N prompts; 0 = all")
+
+
+@dataclass(slots=True)
+class ParallelConfig:
+    world_size: int = rule(1, min=1, max=1, help="one process for now")
+    attn_tp_size: int = rule(1, min=1, max=1)
+    moe_tp_size: int = rule(1, min=1, max=1)
+    embed_tp_size: int = rule(1, min=1, max=1)
+    lmhead_tp_size: int = rule(1, min=1, max=1)
+    dense_tp_size: int = rule(1, min=1, max=1)
+
+    @property
+    def attn_dp_size(self) -> int:
+        return self.world_size // self.attn_tp_size
+
+    @property
+    def moe_ep_size(self) -> int:
+        return self.world_size // self.moe_tp_size
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    batch_size: int = rule(1, min=1, help="most requests running at once")
+    max_new_tokens: int = rule(32, min=1)
+    max_prefill_tokens: int = rule(8192, min=1, help="token budget of one prefill step")
+    mem_fraction_static: float = rule(0.9, min=0.01, max=1.0, help="share of free device memory for the KV cache")
+    block_size: int = rule(128, min=1, help="tokens per KV block (NPU fused attention wants a multiple of 128)")
+    num_blocks: int = rule(0, min=0, help="ours: KV blocks to allocate; 0 = size from the memory budget")
+    max_model_len: int = rule(0, min=0, help="ours: longest prompt+output; 0 = the model's max_position_embeddings")
+    ignore_eos: bool = rule(False, help="ours: run every request to max_new_tokens (benchmarks)")
+    stop_token_ids: list[int] = rule(default_factory=list, help="ours: extra token ids that end a request")
+
+
+SECTIONS: dict[str, type] = {
+    "model_config": ModelConfig,
+    "data_config": DataConfig,
+    "parallel_config": ParallelConfig,
+    "scheduler_config": SchedulerConfig,
+}
