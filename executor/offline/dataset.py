@@ -1,0 +1,177 @@
+"""Prompt datasets: find the JSONL file a run names, validate every line, turn records into token ids.
+
+A bad line fails the run before the model loads, with the file and line number, instead of
+surfacing as an odd request halfway through a long batch. dataset/README.md describes the format.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+DATASET_DIR = Path(__file__).resolve().parents[2] / "dataset"
+
+_PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
+_ALLOWED_KEYS = frozenset(("id", *_PROMPT_FIELDS))
+
+
+class DatasetError(ValueError):
+    """A dataset that cannot be found, read or used; the message names the file (and line)."""
+
+
+@dataclass(slots=True)
+class PromptRecord:
+    """One prompt as the dataset gives it; exactly one of prompt, messages, prompt_token_ids is set."""
+
+    id: str
+    prompt: str | None = None
+    messages: list[dict[str, str]] | None = None
+    prompt_token_ids: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        num_set = sum(x is not None for x in (self.prompt, self.messages, self.prompt_token_ids))
+        assert num_set == 1, f"record {self.id!r}: exactly one prompt field must be set, got {num_set}"
+
+
+def resolve_dataset_path(dataset: str, dataset_path: str | None, dataset_dir: Path) -> Path:
+    """data_config.dataset_path wins when given; else data_config.dataset names a file in dataset_dir."""
+    if dataset_path:
+        path = Path(dataset_path).expanduser()
+        if not path.is_file():
+            raise DatasetError(f"dataset_path {str(path)!r} does not exist or is not a file")
+        return path
+    name = dataset.strip()
+    if not name or "/" in name or "\\" in name:
+        raise DatasetError(
+            f"dataset must be the name of a file in {dataset_dir}, got {dataset!r}; "
+            "use dataset_path for a file elsewhere"
+        )
+    file_name = name if name.endswith(".jsonl") else f"{name}.jsonl"
+    path = dataset_dir / file_name
+    if not path.is_file():
+        available = sorted(p.stem for p in dataset_dir.glob("*.jsonl")) if dataset_dir.is_dir() else []
+        raise DatasetError(
+            f"unknown dataset {dataset!r}: no {file_name} in {dataset_dir}; "
+            f"available: {', '.join(available) or 'none'}"
+        )
+    return path
+
+
+def load_prompts(path: Path) -> list[PromptRecord]:
+    """Read and validate a JSONL prompt file; blank lines are skipped, anything malformed is an error."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DatasetError(f"{path}: cannot read dataset: {exc}") from exc
+    records: list[PromptRecord] = []
+    line_of_id: dict[str, int] = {}
+    for line_no, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = _parse_record(line, default_id=str(len(records)))
+        except ValueError as exc:  # json.JSONDecodeError is a ValueError too
+            raise DatasetError(f"{path}:{line_no}: {exc}") from None
+        if record.id in line_of_id:
+            raise DatasetError(
+                f"{path}:{line_no}: duplicate id {record.id!r} (first used on line {line_of_id[record.id]})"
+            )
+        line_of_id[record.id] = line_no
+        records.append(record)
+    if not records:
+        raise DatasetError(f"{path}: dataset has no records")
+    return records
+
+
+def _parse_record(line: str, default_id: str) -> PromptRecord:
+    """One line to a PromptRecord; raises ValueError saying what is wrong (the caller adds file:line)."""
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"invalid JSON: {exc.msg} at column {exc.colno}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
+    unknown = sorted(set(obj) - _ALLOWED_KEYS)
+    if unknown:
+        raise ValueError(f"unknown key(s) {unknown}; allowed: {sorted(_ALLOWED_KEYS)}")
+    present = [f for f in _PROMPT_FIELDS if f in obj]
+    if len(present) != 1:
+        found = f"found {present}" if present else "found none"
+        raise ValueError(f"expected exactly one of {list(_PROMPT_FIELDS)}, {found}")
+    record_id = _parse_id(obj["id"]) if "id" in obj else default_id
+    field_name = present[0]
+    value = obj[field_name]
+    if field_name == "prompt":
+        if not isinstance(value, str) or not value.strip():
+            raise ValueError(f"'prompt' must be a non-empty string, got {_describe(value)}")
+        return PromptRecord(id=record_id, prompt=value)
+    if field_name == "messages":
+        return PromptRecord(id=record_id, messages=_parse_messages(value))
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"'prompt_token_ids' must be a non-empty list of ints, got {_describe(value)}")
+    for index, token_id in enumerate(value):
+        if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+            raise ValueError(f"'prompt_token_ids'[{index}] must be a non-negative int, got {token_id!r}")
+    return PromptRecord(id=record_id, prompt_token_ids=value)
+
+
+def _parse_id(value: Any) -> str:
+    # bool is an int subclass; `"id": true` is a mistake, not the id "True".
+    if isinstance(value, bool) or not isinstance(value, (str, int)) or value == "":
+        raise ValueError(f"'id' must be a non-empty string or an int, got {_describe(value)}")
+    return str(value)
+
+
+def _parse_messages(value: Any) -> list[dict[str, str]]:
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"'messages' must be a non-empty list of {{role, content}}, got {_describe(value)}")
+    for index, message in enumerate(value):
+        if not isinstance(message, dict) or set(message) != {"role", "content"}:
+            raise ValueError(
+                f"'messages'[{index}] must be an object with exactly 'role' and 'content', got {message!r}"
+            )
+        if not isinstance(message["role"], str) or not message["role"]:
+            raise ValueError(f"'messages'[{index}].role must be a non-empty string, got {message['role']!r}")
+        if not isinstance(message["content"], str):
+            content = message["content"]
+            raise ValueError(f"'messages'[{index}].content must be a string, got {_describe(content)}")
+    return value
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:40] + '...' if len(text) > 40 else text}"
+
+
+def tokenize_record(
+    record: PromptRecord, tokenizer: PreTrainedTokenizerBase, apply_chat_template: bool
+) -> list[int]:
+    """Token ids for one record: given ids as they are, messages always through the chat template,
+    text through the chat template (as one user message) only when apply_chat_template is True.
+
+    Plain text uses `tokenizer.encode(text)` with its default add_special_tokens=True, so the
+    tokenizer adds what the model saw in pre-training and nothing more: Llama 2/3 prepend BOS,
+    SmolLM2 (GPT-2 style BPE) adds nothing. The chat template path tokenizes with
+    add_special_tokens=False (transformers does this itself), because templates that need BOS
+    write `{{ bos_token }}` themselves; BOS therefore appears once either way.
+    """
+    if record.prompt_token_ids is not None:
+        return list(record.prompt_token_ids)
+    if record.messages is not None:
+        messages = record.messages
+    elif apply_chat_template:
+        messages = [{"role": "user", "content": record.prompt}]
+    else:
+        return list(tokenizer.encode(record.prompt))
+    if getattr(tokenizer, "chat_template", None) is None:
+        why = "it has messages" if record.messages is not None else "apply_chat_template is on"
+        raise DatasetError(f"record {record.id!r}: the tokenizer has no chat template, and {why}")
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    # transformers 5 returns a BatchEncoding (return_dict=True by default); 4.x returned the ids.
+    token_ids = out["input_ids"] if isinstance(out, Mapping) else out
+    return [int(token_id) for token_id in token_ids]

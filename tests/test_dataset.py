@@ -1,0 +1,269 @@
+"""Specification of the prompt dataset: where files are found, what a valid line is, how records tokenize."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from executor.offline.dataset import (
+    DATASET_DIR,
+    DatasetError,
+    PromptRecord,
+    load_prompts,
+    resolve_dataset_path,
+    tokenize_record,
+)
+
+
+def write_jsonl(path: Path, *lines: object) -> Path:
+    """Objects are dumped as JSON; strings are written verbatim (for blank or broken lines)."""
+    text = "\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines)
+    path.write_text(text + "\n", encoding="utf-8")
+    return path
+
+
+# --- resolve_dataset_path -------------------------------------------------------------------------
+
+
+def test_dataset_path_wins_over_dataset_name(tmp_path: Path) -> None:
+    explicit = write_jsonl(tmp_path / "mine.jsonl", {"prompt": "hi"})
+    write_jsonl(tmp_path / "default.jsonl", {"prompt": "hi"})
+    assert resolve_dataset_path("default", str(explicit), tmp_path) == explicit
+
+
+def test_missing_dataset_path_is_an_error_naming_it(tmp_path: Path) -> None:
+    with pytest.raises(DatasetError, match="nope.jsonl"):
+        resolve_dataset_path("default", str(tmp_path / "nope.jsonl"), tmp_path)
+
+
+def test_dataset_name_resolves_with_or_without_suffix(tmp_path: Path) -> None:
+    expected = write_jsonl(tmp_path / "default.jsonl", {"prompt": "hi"})
+    assert resolve_dataset_path("default", None, tmp_path) == expected
+    assert resolve_dataset_path("default.jsonl", None, tmp_path) == expected
+
+
+def test_unknown_dataset_name_lists_the_available_ones(tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "default.jsonl", {"prompt": "hi"})
+    write_jsonl(tmp_path / "long.jsonl", {"prompt": "hi"})
+    with pytest.raises(DatasetError, match="unknown dataset 'gsm8k'.*available: default, long"):
+        resolve_dataset_path("gsm8k", None, tmp_path)
+
+
+def test_dataset_name_that_is_a_path_is_rejected(tmp_path: Path) -> None:
+    with pytest.raises(DatasetError, match="use dataset_path"):
+        resolve_dataset_path("../secret", None, tmp_path)
+
+
+def test_shipped_default_dataset_is_found() -> None:
+    assert resolve_dataset_path("default", None, DATASET_DIR) == DATASET_DIR / "default.jsonl"
+
+
+# --- load_prompts: valid files --------------------------------------------------------------------
+
+
+def test_each_prompt_kind_loads(tmp_path: Path) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    path = write_jsonl(
+        tmp_path / "d.jsonl",
+        {"prompt": "hello"},
+        {"messages": messages},
+        {"prompt_token_ids": [0, 5, 7]},
+    )
+    assert load_prompts(path) == [
+        PromptRecord(id="0", prompt="hello"),
+        PromptRecord(id="1", messages=messages),
+        PromptRecord(id="2", prompt_token_ids=[0, 5, 7]),
+    ]
+
+
+def test_default_id_is_the_record_index_not_the_line_number(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "d.jsonl", "", {"prompt": "a"}, "   ", {"prompt": "b"})
+    assert [r.id for r in load_prompts(path)] == ["0", "1"]
+
+
+def test_explicit_ids_may_be_strings_or_ints(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "d.jsonl", {"id": "q-a", "prompt": "a"}, {"id": 42, "prompt": "b"})
+    assert [r.id for r in load_prompts(path)] == ["q-a", "42"]
+
+
+def test_blank_lines_are_skipped(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "d.jsonl", "", {"prompt": "a"}, "\t", "", {"prompt": "b"}, "")
+    assert [r.prompt for r in load_prompts(path)] == ["a", "b"]
+
+
+# --- load_prompts: errors name the file and the 1-based line --------------------------------------
+
+
+def load_error(tmp_path: Path, *lines: object) -> str:
+    path = write_jsonl(tmp_path / "bad.jsonl", *lines)
+    with pytest.raises(DatasetError) as info:
+        load_prompts(path)
+    return str(info.value)
+
+
+def test_bad_json_names_file_and_line(tmp_path: Path) -> None:
+    message = load_error(tmp_path, {"prompt": "ok"}, "", '{"prompt": "unterminated}')
+    assert f"{tmp_path / 'bad.jsonl'}:3:" in message
+    assert "invalid JSON" in message
+
+
+def test_line_that_is_not_an_object_is_an_error(tmp_path: Path) -> None:
+    assert "bad.jsonl:1: expected a JSON object, got list" in load_error(tmp_path, '["a prompt"]')
+
+
+def test_line_with_no_prompt_field_is_an_error(tmp_path: Path) -> None:
+    assert "bad.jsonl:1: expected exactly one of" in load_error(tmp_path, {"id": "x"})
+
+
+def test_line_with_two_prompt_fields_is_an_error(tmp_path: Path) -> None:
+    message = load_error(tmp_path, {"prompt": "a", "prompt_token_ids": [1]})
+    assert "bad.jsonl:1:" in message and "found ['prompt', 'prompt_token_ids']" in message
+
+
+def test_unknown_key_is_an_error(tmp_path: Path) -> None:
+    assert "bad.jsonl:1: unknown key(s) ['promt']" in load_error(tmp_path, {"prompt": "a", "promt": "b"})
+
+
+@pytest.mark.parametrize("prompt", ["", "   ", 7, None, ["a"]])
+def test_prompt_must_be_a_non_empty_string(tmp_path: Path, prompt: object) -> None:
+    assert "bad.jsonl:1: 'prompt' must be a non-empty string" in load_error(tmp_path, {"prompt": prompt})
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [],
+        "hi",
+        ["hi"],
+        [{"role": "user"}],
+        [{"role": "user", "content": "hi", "name": "x"}],
+        [{"role": "", "content": "hi"}],
+        [{"role": 1, "content": "hi"}],
+        [{"role": "user", "content": ["hi"]}],
+    ],
+)
+def test_messages_must_be_a_non_empty_list_of_role_and_content(tmp_path: Path, messages: object) -> None:
+    assert "bad.jsonl:1: 'messages'" in load_error(tmp_path, {"messages": messages})
+
+
+@pytest.mark.parametrize("token_ids", [[], [1, -1], [1, 2.0], [True], "1 2", [1, "2"]])
+def test_prompt_token_ids_must_be_non_negative_ints(tmp_path: Path, token_ids: object) -> None:
+    assert "bad.jsonl:1: 'prompt_token_ids'" in load_error(tmp_path, {"prompt_token_ids": token_ids})
+
+
+@pytest.mark.parametrize("record_id", ["", True, 1.5, None, ["a"]])
+def test_id_must_be_a_non_empty_string_or_an_int(tmp_path: Path, record_id: object) -> None:
+    assert "bad.jsonl:1: 'id' must be" in load_error(tmp_path, {"id": record_id, "prompt": "a"})
+
+
+def test_duplicate_ids_name_both_lines(tmp_path: Path) -> None:
+    message = load_error(tmp_path, {"id": "a", "prompt": "x"}, {"prompt": "y"}, "", {"id": "a", "prompt": "z"})
+    assert "bad.jsonl:4: duplicate id 'a' (first used on line 1)" in message
+
+
+def test_explicit_id_clashing_with_a_default_id_is_a_duplicate(tmp_path: Path) -> None:
+    message = load_error(tmp_path, {"prompt": "x"}, {"id": 0, "prompt": "y"})
+    assert "bad.jsonl:2: duplicate id '0' (first used on line 1)" in message
+
+
+def test_empty_dataset_names_the_file(tmp_path: Path) -> None:
+    message = load_error(tmp_path, "", "  ")
+    assert f"{tmp_path / 'bad.jsonl'}: dataset has no records" in message
+
+
+def test_missing_file_is_a_dataset_error(tmp_path: Path) -> None:
+    with pytest.raises(DatasetError, match="absent.jsonl: cannot read"):
+        load_prompts(tmp_path / "absent.jsonl")
+
+
+# --- the shipped dataset --------------------------------------------------------------------------
+
+
+def test_shipped_default_dataset_loads_with_unique_ids() -> None:
+    records = load_prompts(DATASET_DIR / "default.jsonl")
+    assert len(records) >= 32
+    assert len({r.id for r in records}) == len(records)
+    assert any(r.messages is not None for r in records)
+
+
+# --- tokenize_record ------------------------------------------------------------------------------
+
+VOCAB = ["<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|end|>", "hello", "world", "how", "are", "you"]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+ID = {word: index for index, word in enumerate(VOCAB)}
+
+
+def tiny_tokenizer(chat_template: str | None = CHAT_TEMPLATE):
+    """A whitespace word-level tokenizer that prepends BOS on encode, as Llama's does; built offline."""
+    from tokenizers import Tokenizer, pre_tokenizers, processors
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(WordLevel(ID, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", ID["<s>"])])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        additional_special_tokens=["<|user|>", "<|assistant|>", "<|end|>"],
+    )
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def test_prompt_token_ids_are_returned_as_given() -> None:
+    record = PromptRecord(id="0", prompt_token_ids=[9, 8, 7])
+    assert tokenize_record(record, tiny_tokenizer(), apply_chat_template=True) == [9, 8, 7]
+
+
+def test_text_without_chat_template_is_encoded_with_the_tokenizers_default_specials() -> None:
+    record = PromptRecord(id="0", prompt="hello world")
+    expected = [ID["<s>"], ID["hello"], ID["world"]]
+    assert tokenize_record(record, tiny_tokenizer(), apply_chat_template=False) == expected
+
+
+def test_text_with_chat_template_becomes_one_user_message_with_a_single_bos() -> None:
+    record = PromptRecord(id="0", prompt="hello world")
+    token_ids = tokenize_record(record, tiny_tokenizer(), apply_chat_template=True)
+    assert token_ids == [ID[w] for w in ["<s>", "<|user|>", "hello", "world", "<|end|>", "<|assistant|>"]]
+    assert all(type(t) is int for t in token_ids)
+
+
+def test_messages_always_go_through_the_chat_template() -> None:
+    messages = [
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": "how are you"},
+        {"role": "user", "content": "world"},
+    ]
+    record = PromptRecord(id="chat", messages=messages)
+    expected_words = [
+        "<s>", "<|user|>", "hello", "<|end|>", "<|assistant|>", "how", "are", "you", "<|end|>",
+        "<|user|>", "world", "<|end|>", "<|assistant|>",
+    ]  # fmt: skip
+    expected = [ID[w] for w in expected_words]
+    assert tokenize_record(record, tiny_tokenizer(), apply_chat_template=False) == expected
+    assert tokenize_record(record, tiny_tokenizer(), apply_chat_template=True) == expected
+
+
+def test_messages_without_a_chat_template_name_the_record() -> None:
+    record = PromptRecord(id="chat-7", messages=[{"role": "user", "content": "hello"}])
+    with pytest.raises(DatasetError, match="record 'chat-7'.*no chat template"):
+        tokenize_record(record, tiny_tokenizer(chat_template=None), apply_chat_template=False)
+
+
+def test_text_needing_a_missing_chat_template_names_the_record() -> None:
+    record = PromptRecord(id="q3", prompt="hello")
+    with pytest.raises(DatasetError, match="record 'q3'.*no chat template"):
+        tokenize_record(record, tiny_tokenizer(chat_template=None), apply_chat_template=True)
+
+
+def test_plain_text_works_with_a_tokenizer_that_has_no_chat_template() -> None:
+    record = PromptRecord(id="q3", prompt="hello")
+    tokenizer = tiny_tokenizer(chat_template=None)
+    assert tokenize_record(record, tokenizer, apply_chat_template=False) == [ID["<s>"], ID["hello"]]
