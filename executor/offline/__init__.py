@@ -1,0 +1,1 @@
+"""The offline entry point: a YAML and a prompt list in, generated text and timings out."""

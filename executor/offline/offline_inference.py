@@ -1,0 +1,106 @@
+"""OfflineInference: a fixed prompt list through the engine, with results and timings written as they come."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from executor.core.config import InferenceConfig
+from executor.core.engine import ExecutionEngine
+from executor.core.scheduler import Scheduler, SchedulerLimits, StepRecord
+from executor.core.types_ import Request, SamplingParams
+from executor.offline.dataset import DatasetError, PromptRecord, tokenize_record
+from executor.offline.results import ResultWriter, request_result
+from executor.platform.profiler import profile_run
+from executor.utils.metrics import summarize
+from executor.utils.model_registry import resolve_model
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RunResult:
+    requests: list[Request]  # in dataset order
+    results: list[dict[str, Any]]  # outputs.jsonl lines, in dataset order
+    steps: list[StepRecord]
+    summary: dict[str, Any]
+
+
+class OfflineInference:
+    def __init__(self, config: InferenceConfig, model_path: str) -> None:
+        self.config = config
+        model_cls, config_cls = resolve_model(config.model_config.model_name)
+        self.engine = ExecutionEngine(config)
+        self.engine.init(model_cls, config_cls, model_path)
+        self.engine.warm_up()
+        assert self.engine.kv_cache_manager is not None
+        sched = config.scheduler_config
+        self.scheduler = Scheduler(
+            SchedulerLimits(sched.batch_size, sched.max_prefill_tokens, self.engine.max_model_len),
+            self.engine.kv_cache_manager,
+            self.engine.eos_token_ids,
+        )
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(self, records: list[PromptRecord], writer: ResultWriter | None = None) -> RunResult:
+        """Run every record to completion; a record that fails is reported alone."""
+        steps: list[StepRecord] = []
+        results: dict[str, dict[str, Any]] = {}
+        requests = [self._make_request(record) for record in records]
+        prompts = {record.id: record.prompt if record.prompt is not None else record.messages for record in records}
+
+        def finish(request: Request) -> None:
+            text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+            result = request_result(request, text) | {"prompt": prompts[request.request_id]}
+            results[request.request_id] = result
+            if writer is not None:
+                writer.write_request(result)
+            progress.update(1)
+
+        profiling = self.config.model_config.enable_profiler and writer is not None
+        profiler = profile_run(self.engine.platform.device_type, writer.output_dir / "profile") if profiling else contextlib.nullcontext()
+        start_s = time.perf_counter()
+        with logging_redirect_tqdm(), tqdm(total=len(requests), unit="req", desc="requests") as progress, profiler:
+            for request in requests:
+                if request.is_finished:
+                    finish(request)
+                else:
+                    self.scheduler.add_request(request)
+            while self.scheduler.has_work():
+                output = self.scheduler.run_step(self.engine)
+                if output.record is not None:
+                    steps.append(output.record)
+                    if writer is not None:
+                        writer.write_step(output.record)
+                for request in output.finished:
+                    finish(request)
+        summary = summarize(requests, steps, start_s, time.perf_counter())
+        summary |= {"device": str(self.engine.platform.device), "dtype": self.config.model_config.dtype}
+        if writer is not None:
+            writer.write_summary(summary)
+        return RunResult(requests, [results[r.request_id] for r in requests], steps, summary)
+
+    def _make_request(self, record: PromptRecord) -> Request:
+        data, sched = self.config.data_config, self.config.scheduler_config
+        params = SamplingParams(
+            max_new_tokens=sched.max_new_tokens,
+            ignore_eos=sched.ignore_eos,
+            stop_token_ids=tuple(sched.stop_token_ids),
+        )
+        try:
+            token_ids = tokenize_record(record, self.tokenizer, data.apply_chat_template)
+        except DatasetError as exc:
+            request = Request(record.id, record.prompt, [], params)
+            request.fail(str(exc), time.perf_counter())
+            return request
+        if data.input_truncated_len:
+            token_ids = token_ids[: data.input_truncated_len]
+        return Request(record.id, record.prompt, token_ids, params)
