@@ -1,0 +1,122 @@
+"""InferenceConfig: defaults, overrides and errors that name the section, key, file and closest key."""
+from pathlib import Path
+
+import pytest
+
+from executor.core.config import ConfigError, build_config, load_config
+from executor.core.config.inference_config import unused_npu_keys
+
+
+def write_yaml(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_fill_missing_sections(tmp_path):
+    config = load_config(write_yaml(tmp_path, "scheduler_config:\n  batch_size: 4\n"))
+    assert config.scheduler_config.batch_size == 4
+    assert config.scheduler_config.block_size == 128
+    assert config.model_config.exe_mode == "eager"
+    assert config.data_config.dataset == "default"
+
+
+def test_unknown_key_names_section_file_and_closest_key(tmp_path):
+    path = write_yaml(tmp_path, "scheduler_config:\n  batch_sise: 4\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    message = str(err.value)
+    assert "scheduler_config.batch_sise" in message and str(path) in message and "'batch_size'" in message
+
+
+def test_unknown_section_suggests_closest(tmp_path):
+    with pytest.raises(ConfigError, match="did you mean 'model_config'"):
+        load_config(write_yaml(tmp_path, "modle_config:\n  dtype: float32\n"))
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "value", "expected"),
+    [
+        ("scheduler_config", "batch_size", "'eight'", "must be an integer"),
+        ("scheduler_config", "batch_size", "true", "must be an integer"),
+        ("model_config", "with_ckpt", "1", "must be true or false"),
+        ("scheduler_config", "stop_token_ids", "[1, x]", "must be an integer"),
+        ("scheduler_config", "stop_token_ids", "7", "must be a list"),
+    ],
+)
+def test_wrong_type_is_named(tmp_path, section, key, value, expected):
+    path = write_yaml(tmp_path, f"{section}:\n  {key}: {value}\n")
+    with pytest.raises(ConfigError, match=expected) as err:
+        load_config(path)
+    assert f"{section}.{key}" in str(err.value) and str(path) in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "value"),
+    [
+        ("scheduler_config", "batch_size", "0"),
+        ("scheduler_config", "mem_fraction_static", "1.5"),
+        ("data_config", "top_p", "2.0"),
+        ("parallel_config", "world_size", "2"),
+    ],
+)
+def test_out_of_range_value_is_named(tmp_path, section, key, value):
+    with pytest.raises(ConfigError, match=rf"{section}\.{key} .* must be [<>]="):
+        load_config(write_yaml(tmp_path, f"{section}:\n  {key}: {value}\n"))
+
+
+def test_bad_choice_suggests_closest(tmp_path):
+    with pytest.raises(ConfigError, match="did you mean 'float32'"):
+        load_config(write_yaml(tmp_path, "model_config:\n  dtype: floa32\n"))
+
+
+def test_integer_is_accepted_where_a_number_is_expected():
+    assert build_config({"scheduler_config": {"mem_fraction_static": 1}}).scheduler_config.mem_fraction_static == 1
+
+
+def test_set_overrides_yaml_and_parses_values(tmp_path):
+    path = write_yaml(tmp_path, "scheduler_config:\n  batch_size: 4\n")
+    config = load_config(
+        path, ["scheduler_config.batch_size=16", "model_config.dtype=float32", "scheduler_config.stop_token_ids=[5, 6]"]
+    )
+    assert config.scheduler_config.batch_size == 16
+    assert config.model_config.dtype == "float32"
+    assert config.scheduler_config.stop_token_ids == [5, 6]
+
+
+@pytest.mark.parametrize("override", ["batch_size=4", "scheduler_config.batch_size", "=3"])
+def test_malformed_set_is_an_error(tmp_path, override):
+    with pytest.raises(ConfigError, match="--set"):
+        load_config(write_yaml(tmp_path, ""), [override])
+
+
+def test_set_with_unknown_key_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="scheduler_config.max_new_token .*'max_new_tokens'"):
+        load_config(write_yaml(tmp_path, ""), ["scheduler_config.max_new_token=3"])
+
+
+def test_missing_file_and_bad_yaml_are_errors(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(write_yaml(tmp_path, "model_config: [unclosed\n"))
+
+
+def test_features_not_built_yet_are_refused_clearly():
+    with pytest.raises(ConfigError, match="exe_mode 'ge_graph'"):
+        build_config({"model_config": {"exe_mode": "ge_graph"}})
+    with pytest.raises(ConfigError, match="next_n"):
+        build_config({"model_config": {"next_n": 1}})
+    with pytest.raises(ConfigError, match="greedy"):
+        build_config({"data_config": {"temperature": 0.7}})
+
+
+def test_npu_only_keys_are_reported_unused_elsewhere():
+    config = build_config({"model_config": {"enable_static_kernel": True}})
+    assert unused_npu_keys(config, "cpu") == ["model_config.enable_static_kernel"]
+    assert unused_npu_keys(config, "npu") == []
+
+
+def test_shipped_configs_are_valid():
+    for path in Path("models").glob("*/configs/*.yaml"):
+        load_config(path)

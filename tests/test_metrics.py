@@ -1,0 +1,47 @@
+"""The run summary and KV-cache sizing arithmetic."""
+import pytest
+
+from executor.core.engine.kv_cache_sizing import plan_num_blocks
+from executor.core.scheduler import StepRecord
+from executor.core.types_ import FinishReason, Request, SamplingParams
+from executor.utils.metrics import percentile, summarize
+
+
+def test_percentile_interpolates():
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([5.0], 99) == 5.0
+    assert percentile([], 50) == 0.0
+
+
+def test_summary_counts_tokens_and_times_and_skips_failed_requests():
+    ok = Request("ok", None, [1, 2, 3], SamplingParams(), output_token_ids=[4, 5, 6])
+    ok.arrival_time_s, ok.first_token_time_s, ok.finish_time_s = 0.0, 0.5, 1.5
+    ok.finish_reason = FinishReason.LENGTH
+    bad = Request("bad", None, [1] * 50, SamplingParams())
+    bad.fail("too long", 0.0)
+    steps = [StepRecord(1, "prefill", 1, 3, 500.0, 0.1), StepRecord(2, "decode", 1, 1, 400.0, 0.1), StepRecord(3, "decode", 1, 1, 600.0, 0.1)]
+    summary = summarize([ok, bad], steps, start_s=0.0, end_s=2.0)
+    assert summary["requests"] == 2 and summary["failed_requests"] == 1
+    assert summary["prompt_tokens"] == 3 and summary["output_tokens"] == 3
+    assert summary["decode"]["steps"] == 2 and summary["decode"]["p50_ms"] == 500.0
+    assert summary["prefill"]["mean_ms"] == 500.0
+    assert summary["ttft_mean_ms"] == pytest.approx(500.0)
+    assert summary["tpot_mean_ms"] == pytest.approx(500.0)
+    assert summary["output_tokens_per_s"] == pytest.approx(1.5)
+
+
+def test_explicit_block_count_wins():
+    assert plan_num_blocks(num_blocks=7, block_size=16, bytes_per_block=10**9, batch_size=1, max_model_len=16,
+                           free_memory_bytes=1, mem_fraction_static=0.5) == 7
+
+
+def test_budget_is_capped_at_the_full_batch_worst_case():
+    common = dict(num_blocks=0, block_size=16, bytes_per_block=1000, batch_size=4, max_model_len=100)
+    assert plan_num_blocks(**common, free_memory_bytes=10**9, mem_fraction_static=0.9) == 4 * 7
+    assert plan_num_blocks(**common, free_memory_bytes=10_000, mem_fraction_static=0.5) == 5
+
+
+def test_no_room_for_one_block_is_an_error():
+    with pytest.raises(RuntimeError, match="no memory for even one KV block"):
+        plan_num_blocks(num_blocks=0, block_size=16, bytes_per_block=1000, batch_size=1, max_model_len=16,
+                        free_memory_bytes=100, mem_fraction_static=0.9)
