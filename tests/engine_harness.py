@@ -1,0 +1,57 @@
+"""Running our engine and transformers side by side on the same model folder, for parity tests."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from executor.core.config import build_config
+from executor.offline.dataset import PromptRecord
+from executor.offline.offline_inference import OfflineInference, RunResult
+from executor.offline.results import ResultWriter
+
+
+def make_inference(model_dir: Path, **scheduler) -> OfflineInference:
+    config = build_config(
+        {
+            "model_config": {"model_path": str(model_dir), "dtype": "float32", "device": "cpu"},
+            "data_config": {"apply_chat_template": False},
+            "scheduler_config": {"block_size": 16, "max_new_tokens": 32} | scheduler,
+        },
+        source="test.yaml",
+    )
+    return OfflineInference(config, str(model_dir))
+
+
+def run_engine(model_dir: Path, records: list[PromptRecord], output_dir: Path | None = None, **scheduler) -> RunResult:
+    inference = make_inference(model_dir, **scheduler)
+    writer = ResultWriter(output_dir) if output_dir is not None else None
+    try:
+        return inference.generate(records, writer)
+    finally:
+        if writer is not None:
+            writer.close()
+
+
+def load_hf_model(model_dir: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@torch.inference_mode()
+def hf_greedy(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy output for one prompt alone (stops at the model's EOS, like ours)."""
+    input_ids = torch.tensor([prompt_ids])
+    out = model.generate(
+        input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False, max_new_tokens=max_new_tokens
+    )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+@torch.inference_mode()
+def hf_last_logits(model: torch.nn.Module, prompt_ids: list[int]) -> torch.Tensor:
+    return model(torch.tensor([prompt_ids])).logits[0, -1]
+
+
+def token_records(prompts: list[list[int]]) -> list[PromptRecord]:
+    return [PromptRecord(id=f"p{i}", prompt_token_ids=ids) for i, ids in enumerate(prompts)]
