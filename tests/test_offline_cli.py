@@ -1,0 +1,80 @@
+"""`python -m executor.offline`: bad input is a clear error before any model loads; a good run
+writes outputs.jsonl, steps.jsonl, summary.json and the resolved config."""
+import json
+from pathlib import Path
+
+import pytest
+
+from executor.offline import __main__ as cli
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Fail the test if anything tries to build the engine."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded although the input was bad")
+
+    monkeypatch.setattr(cli, "OfflineInference", refuse)
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def run_cli(tmp_path: Path, model_dir: Path, dataset_text: str, *overrides: str) -> int:
+    dataset = write(tmp_path / "prompts.jsonl", dataset_text)
+    yaml_path = write(
+        tmp_path / "run.yaml",
+        f"model_config:\n  model_path: {model_dir}\n  dtype: float32\n  device: cpu\n  output_path: {tmp_path / 'out'}\n"
+        f"data_config:\n  dataset_path: {dataset}\n"
+        "scheduler_config:\n  batch_size: 4\n  max_new_tokens: 5\n  block_size: 16\n",
+    )
+    return cli.main(["--yaml", str(yaml_path), *[arg for o in overrides for arg in ("--set", o)]])
+
+
+def test_empty_dataset_is_a_clear_error(tmp_path, tiny_llama_dir, no_model_load, capsys):
+    assert run_cli(tmp_path, tiny_llama_dir, "\n") == 2
+    assert "prompts.jsonl" in capsys.readouterr().err
+
+
+def test_malformed_line_is_named_by_number(tmp_path, tiny_llama_dir, no_model_load, capsys):
+    assert run_cli(tmp_path, tiny_llama_dir, '{"prompt": "w3 w4"}\n{"prompt": \n') == 2
+    assert "prompts.jsonl:2" in capsys.readouterr().err
+
+
+def test_missing_model_path_is_a_clear_error(tmp_path, no_model_load, capsys):
+    assert run_cli(tmp_path, tmp_path / "no-such-model", '{"prompt": "w3"}\n') == 2
+    err = capsys.readouterr().err
+    assert "model_config.model_path" in err and "no-such-model" in err
+
+
+def test_bad_override_is_a_clear_error(tmp_path, tiny_llama_dir, no_model_load, capsys):
+    assert run_cli(tmp_path, tiny_llama_dir, '{"prompt": "w3"}\n', "scheduler_config.batch_size=0") == 2
+    assert "scheduler_config.batch_size" in capsys.readouterr().err
+
+
+def test_unknown_model_name_is_a_clear_error(tmp_path, tiny_llama_dir, no_model_load, capsys):
+    assert run_cli(tmp_path, tiny_llama_dir, '{"prompt": "w3"}\n', "model_config.model_name=gpt9") == 2
+    assert "gpt9" in capsys.readouterr().err
+
+
+def test_run_writes_every_result_file(tmp_path, tiny_llama_dir, capsys):
+    dataset = '{"prompt": "w3 w4 w5"}\n{"id": "chat", "messages": [{"role": "user", "content": "w9 w10"}]}\n' \
+              '{"prompt_token_ids": [5, 6, 7, 8]}\n'
+    assert run_cli(tmp_path, tiny_llama_dir, dataset, "scheduler_config.ignore_eos=true") == 0
+    out = tmp_path / "out"
+    outputs = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
+    assert sorted(o["id"] for o in outputs) == ["0", "2", "chat"]
+    assert all(len(o["output_token_ids"]) == 5 and o["finish_reason"] == "length" for o in outputs)
+    assert {"id", "prompt", "output_text", "output_token_ids", "prompt_tokens", "finish_reason", "error"} <= set(outputs[0])
+    steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    assert steps[0]["phase"] == "prefill" and [s["phase"] for s in steps[1:]] == ["decode"] * 4
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["requests"] == 3 and summary["output_tokens"] == 15
+    assert {"ttft_mean_ms", "tpot_mean_ms", "output_tokens_per_s", "prefill", "decode"} <= set(summary)
+    assert "p99_ms" in summary["decode"]
+    assert "ignore_eos: true" in (out / "config.yaml").read_text()
+    printed = capsys.readouterr().out
+    assert "=== summary" in printed and "[chat]" in printed
