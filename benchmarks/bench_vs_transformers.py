@@ -1,0 +1,117 @@
+"""Throughput of our engine against transformers' `generate` on the same prompts, in one process.
+
+Both run greedy with EOS ignored, so every prompt yields exactly --max-new-tokens tokens, and
+both batch --batch-size prompts at a time (transformers with left padding). Prints JSON with
+both throughputs and their ratio; docs/benchmarks.md records the figures.
+
+    python benchmarks/bench_vs_transformers.py --dtype bfloat16 --batch-size 32
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import time
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from executor.core.config import build_config
+from executor.model_loader.default_model import default_model_path
+from executor.offline.dataset import DATASET_DIR, load_prompts, resolve_dataset_path, tokenize_record
+from executor.offline.offline_inference import OfflineInference
+from executor.platform import resolve_dtype
+
+
+def run_ours(args: argparse.Namespace, records: list) -> tuple[dict, list[list[int]]]:
+    config = build_config(
+        {
+            "model_config": {"model_path": str(args.model_path), "dtype": args.dtype, "device": args.device},
+            "data_config": {"apply_chat_template": True},
+            "scheduler_config": {
+                "batch_size": args.batch_size,
+                "max_new_tokens": args.max_new_tokens,
+                "ignore_eos": True,
+                "block_size": args.block_size,
+                "max_model_len": 2048,
+            },
+        },
+        source="bench",
+    )
+    inference = OfflineInference(config, str(args.model_path))
+    prompts = [tokenize_record(r, inference.tokenizer, True) for r in records]
+    start = time.perf_counter()
+    result = inference.generate(records)
+    elapsed = time.perf_counter() - start
+    output_tokens = result.summary["output_tokens"]
+    figures = {
+        "output_tokens": output_tokens,
+        "total_s": elapsed,
+        "output_tokens_per_s": output_tokens / elapsed,
+        "decode_ms_per_step_mean": result.summary["decode"]["mean_ms"],
+        "prefill_ms_per_step_mean": result.summary["prefill"]["mean_ms"],
+    }
+    del inference
+    return figures, prompts
+
+
+@torch.inference_mode()
+def run_transformers(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
+    model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=resolve_dtype(args.dtype)).eval()
+    pad_id = model.generation_config.pad_token_id or 0
+    output_tokens = 0
+    start = time.perf_counter()
+    for first in range(0, len(prompts), args.batch_size):
+        chunk = prompts[first : first + args.batch_size]
+        width = max(map(len, chunk))
+        input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in chunk])
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        out = model.generate(
+            input_ids,
+            attention_mask=attention_mask,
+            do_sample=False,
+            max_new_tokens=args.max_new_tokens,
+            min_new_tokens=args.max_new_tokens,
+        )
+        output_tokens += (out.shape[1] - width) * len(chunk)
+    elapsed = time.perf_counter() - start
+    return {"output_tokens": output_tokens, "total_s": elapsed, "output_tokens_per_s": output_tokens / elapsed}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-path", default=None, help="HF model folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--dataset", default="default")
+    parser.add_argument("--num-prompts", type=int, default=0, help="0 = every prompt of the dataset")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--skip-transformers", action="store_true")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    args.model_path = args.model_path or default_model_path()
+    records = load_prompts(resolve_dataset_path(args.dataset, None, DATASET_DIR))
+    records = records[: args.num_prompts] if args.num_prompts else records
+
+    ours, prompts = run_ours(args, records)
+    report = {
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
+        "dtype": args.dtype,
+        "batch_size": args.batch_size,
+        "prompts": len(prompts),
+        "prompt_tokens": sum(map(len, prompts)),
+        "max_new_tokens": args.max_new_tokens,
+        "ours": ours,
+    }
+    if not args.skip_transformers:
+        reference = run_transformers(args, prompts)
+        report["transformers"] = reference
+        report["ratio_ours_over_transformers"] = ours["output_tokens_per_s"] / reference["output_tokens_per_s"]
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
