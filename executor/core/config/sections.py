@@ -22,15 +22,15 @@ class ModelConfig:
     model_name: str = rule("llama", help="folder under models/ holding the model code")
     model_path: str = rule("", help="HF model folder; empty = the default SmolLM2-135M-Instruct in $INFER_RECIPES_HOME")
     output_path: str = rule("", help="where results go; empty = models/<model_name>/res/<timestamp>_<yaml-stem>/")
-    dtype: str = rule("bfloat16", choices=("float32", "bfloat16", "float16"))
+    dtype: str = rule("bfloat16", choices=("float32", "bfloat16", "float16"), help="weights, activations and KV cache")
     with_ckpt: bool = rule(True, help="false: seeded random weights (DummyModelLoader)")
-    exe_mode: str = rule("eager", choices=("eager", "ge_graph", "npugraph_ex"))
+    exe_mode: str = rule("eager", choices=("eager", "ge_graph", "npugraph_ex"), help="graph modes are not built yet: eager only")
     next_n: int = rule(0, min=0, help="MTP draft tokens per step; 0 = no speculative decoding")
-    enable_cache_compile: bool = rule(False, npu_only=True)
-    enable_static_kernel: bool = rule(False, npu_only=True)
-    enable_dynamic_graph: bool = rule(False, npu_only=True)
+    enable_cache_compile: bool = rule(False, npu_only=True, help="torchair cache_compile of the graph")
+    enable_static_kernel: bool = rule(False, npu_only=True, help="npugraph_ex static kernel compile")
+    enable_dynamic_graph: bool = rule(False, npu_only=True, help="GE graph with dynamic shapes")
     enable_profiler: bool = rule(False, help="write a torch profiler trace of the run next to the outputs")
-    custom_params: dict = rule(default_factory=dict, help="free-form parameters handed to the model")
+    custom_params: dict = rule(default_factory=dict, help="model-specific switches, kept with the run; no model reads any yet")
     device: str = rule("auto", choices=("auto", "cpu", "cuda", "npu"), help="ours: force a platform")
 
 
@@ -40,8 +40,8 @@ class DataConfig:
     dataset_path: str = rule("", help="any JSONL prompt file; wins over dataset")
     input_truncated_len: int = rule(0, min=0, help="keep the first N prompt tokens; 0 = no truncation")
     temperature: float = rule(0.0, min=0.0, help="0 = greedy (the only mode so far)")
-    top_p: float = rule(1.0, min=0.0, max=1.0)
-    top_k: int = rule(0, min=0)
+    top_p: float = rule(1.0, min=0.0, max=1.0, help="1.0 only, until sampling is built")
+    top_k: int = rule(0, min=0, help="0 only, until sampling is built")
     seed: int = rule(0, min=0, help="seed for random weights and sampling")
     apply_chat_template: bool = rule(True, help="ours: send text prompts through the chat template")
     num_prompts: int = rule(0, min=0, help="ours: use the first N prompts; 0 = all")
@@ -49,12 +49,12 @@ class DataConfig:
 
 @dataclass(slots=True)
 class ParallelConfig:
-    world_size: int = rule(1, min=1, max=1, help="one process for now")
-    attn_tp_size: int = rule(1, min=1, max=1)
-    moe_tp_size: int = rule(1, min=1, max=1)
-    embed_tp_size: int = rule(1, min=1, max=1)
-    lmhead_tp_size: int = rule(1, min=1, max=1)
-    dense_tp_size: int = rule(1, min=1, max=1)
+    world_size: int = rule(1, min=1, max=1, help="processes; one for now")
+    attn_tp_size: int = rule(1, min=1, max=1, help="attention tensor parallel size")
+    moe_tp_size: int = rule(1, min=1, max=1, help="MoE tensor parallel size (EP = world_size / this)")
+    embed_tp_size: int = rule(1, min=1, max=1, help="embedding tensor parallel size")
+    lmhead_tp_size: int = rule(1, min=1, max=1, help="LM head tensor parallel size")
+    dense_tp_size: int = rule(1, min=1, max=1, help="dense FFN tensor parallel size")
 
     @property
     def attn_dp_size(self) -> int:
@@ -68,7 +68,7 @@ class ParallelConfig:
 @dataclass(slots=True)
 class SchedulerConfig:
     batch_size: int = rule(1, min=1, help="most requests running at once")
-    max_new_tokens: int = rule(32, min=1)
+    max_new_tokens: int = rule(32, min=1, help="tokens generated per request at most")
     max_prefill_tokens: int = rule(8192, min=1, help="token budget of one prefill step")
     mem_fraction_static: float = rule(0.9, min=0.01, max=1.0, help="share of free device memory for the KV cache")
     block_size: int = rule(128, min=1, help="tokens per KV block (NPU fused attention wants a multiple of 128)")
