@@ -1,0 +1,40 @@
+"""Operators behind one dispatch: every op has a torch reference (ops.torch_ref, which defines what
+it computes) and, where the device has a fused kernel, an NPU implementation (ops.npu). Layers
+call only the functions exported here.
+
+Shapes use the packed TND layout: T tokens of the whole batch, H heads, D head dim.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
+
+from ops import torch_ref
+from ops.dispatch import current_backend, implementation, set_backend
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _dispatched(reference: Callable[P, R]) -> Callable[P, R]:
+    """The public op: the reference's signature and docstring, the current backend's body."""
+    name = reference.__name__
+
+    @functools.wraps(reference)
+    def op(*args: P.args, **kwargs: P.kwargs) -> R:
+        return getattr(implementation(), name)(*args, **kwargs)
+
+    return op
+
+
+rms_norm = _dispatched(torch_ref.rms_norm)
+add_rms_norm = _dispatched(torch_ref.add_rms_norm)
+apply_rotary = _dispatched(torch_ref.apply_rotary)
+silu_and_mul = _dispatched(torch_ref.silu_and_mul)
+write_kv_cache = _dispatched(torch_ref.write_kv_cache)
+paged_attention = _dispatched(torch_ref.paged_attention)
+
+OPS = ("rms_norm", "add_rms_norm", "apply_rotary", "silu_and_mul", "write_kv_cache", "paged_attention")
+
+__all__ = [*OPS, "current_backend", "set_backend"]

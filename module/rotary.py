@@ -1,0 +1,47 @@
+"""Rotary position embedding with the frequencies (and rope scaling) computed by transformers itself,
+so every static rope_type (default, linear, llama3, yarn, ...) matches HF, and a cos/sin table looked up
+by position instead of recomputed each step. Models look it up once per step for all layers.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+
+def rope_inv_freq(config: PretrainedConfig) -> tuple[torch.Tensor, float]:
+    """(inv_freq [D/2] fp32, attention_scaling) for the config's rope_type."""
+    rope_type = config.rope_parameters["rope_type"]
+    if "dynamic" in rope_type or rope_type == "longrope":
+        raise ValueError(
+            f"rope_type {rope_type!r} changes its frequencies with the sequence length, which a "
+            "precomputed cos/sin table cannot follow; it is not supported"
+        )
+    if rope_type == "default":
+        return LlamaRotaryEmbedding.compute_default_rope_parameters(config)
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"unknown rope_type {rope_type!r}; transformers knows {sorted(ROPE_INIT_FUNCTIONS)}")
+    return ROPE_INIT_FUNCTIONS[rope_type](config)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config: PretrainedConfig, head_dim: int) -> None:
+        super().__init__()
+        inv_freq, attention_scaling = rope_inv_freq(config)
+        if 2 * inv_freq.numel() != head_dim:
+            raise ValueError(
+                f"rope covers {2 * inv_freq.numel()} of head_dim {head_dim}: partial rotary is not supported"
+            )
+        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq.float())
+        # As HF: cos/sin in fp32 times attention_scaling, cast to the activation dtype on use.
+        # Only half of each row is stored; HF's emb = cat(freqs, freqs) repeats it.
+        cos_sin_cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1) * attention_scaling
+        self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> (cos, sin) [T, D] in `dtype`, for ops.apply_rotary."""
+        cos, sin = self.cos_sin_cache[positions].to(dtype).chunk(2, dim=-1)
+        return cos.repeat(1, 2), sin.repeat(1, 2)

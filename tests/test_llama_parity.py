@@ -1,0 +1,206 @@
+"""models/llama against transformers' LlamaForCausalLM with the same weights, on the paged path.
+
+Prompts run packed together over scattered KV blocks (NaN in every slot not yet written); each
+prompt's logits and greedy tokens must equal HF's for that prompt alone.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import transformers
+
+import ops
+from executor.core.engine.model_inputs import ScheduledSequence, build_model_inputs
+from executor.model_loader.errors import WeightLoadError
+from models.llama import LlamaForCausalLM
+from module.attention import Attention
+
+VOCAB = 256
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+    "rope_theta": 10000.0,
+}
+# name -> (LlamaConfig overrides, KV block size)
+CONFIGS = {
+    "mha_untied": ({"num_key_value_heads": 4}, 4),
+    "gqa2_tied": ({"num_key_value_heads": 2, "tie_word_embeddings": True}, 16),
+    "mqa_linear_rope": (
+        {"num_key_value_heads": 1, "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
+        4,
+    ),
+    "gqa2_llama3_rope_biases": (
+        {"num_key_value_heads": 2, "rope_parameters": LLAMA3_ROPE, "attention_bias": True, "mlp_bias": True},
+        16,
+    ),
+}
+PREFILL_PROMPT_LENS = [5, 17, 1, 9, 12]
+DECODE_PROMPT_LENS = [3, 11, 6, 1, 15, 8, 4, 20]
+MAX_NEW_TOKENS = 32
+
+
+def llama_config(**overrides: object) -> transformers.LlamaConfig:
+    settings = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        vocab_size=VOCAB,
+        max_position_embeddings=128,
+        initializer_range=0.1,  # peaked logits, so greedy choices are far from ties
+        bos_token_id=None,
+        eos_token_id=None,  # HF generate must not stop early
+        pad_token_id=None,
+        attn_implementation="eager",
+    )
+    settings.update(overrides)
+    return transformers.LlamaConfig(**settings)
+
+
+class PagedLlama:
+    """Our model with a NaN-filled KV cache and a shuffled free list of blocks, driven like the engine."""
+
+    def __init__(self, config: transformers.LlamaConfig, hf_model: torch.nn.Module, block_size: int) -> None:
+        self.model = LlamaForCausalLM(config)
+        filled = self.model.load_weights(hf_model.state_dict().items())
+        assert filled == {name for name, _ in self.model.named_parameters()}
+        self.block_size = block_size
+        num_blocks = 512 // block_size * 4
+        head_dim = config.hidden_size // config.num_attention_heads
+        for attention in (m for m in self.model.modules() if isinstance(m, Attention)):
+            cache_shape = (num_blocks, block_size, config.num_key_value_heads, head_dim)
+            attention.bind_kv_cache(torch.full(cache_shape, float("nan")), torch.full(cache_shape, float("nan")))
+        self.free_blocks = random.Random(0).sample(range(num_blocks), num_blocks)
+
+    def allocate(self, num_tokens: int) -> list[int]:
+        num_blocks = -(-num_tokens // self.block_size)
+        blocks, self.free_blocks = self.free_blocks[:num_blocks], self.free_blocks[num_blocks:]
+        return blocks
+
+    def blocks_for(self, blocks: list[int], num_tokens: int) -> list[int]:
+        """The prefix of a request's blocks that covers num_tokens, as the KV cache manager hands them out."""
+        return blocks[: -(-num_tokens // self.block_size)]
+
+    @torch.no_grad()
+    def step(self, sequences: list[ScheduledSequence], *, is_prefill: bool) -> torch.Tensor:
+        inputs = build_model_inputs(
+            sequences, is_prefill=is_prefill, block_size=self.block_size, device=torch.device("cpu")
+        )
+        return self.model(inputs.input_ids, inputs.position_ids, inputs.forward_metadata)
+
+    def greedy(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        """One packed prefill, then one batched decode step per token for all prompts together."""
+        blocks = [self.allocate(len(prompt) + max_new_tokens) for prompt in prompts]
+        sequences = [ScheduledSequence(p, 0, self.blocks_for(b, len(p))) for p, b in zip(prompts, blocks)]
+        outputs: list[list[int]] = [[] for _ in prompts]
+        for step in range(max_new_tokens):
+            next_tokens = self.step(sequences, is_prefill=step == 0).argmax(-1).tolist()
+            for output, token in zip(outputs, next_tokens):
+                output.append(token)
+            num_tokens = [len(prompt) + step + 1 for prompt in prompts]  # after appending the new token
+            sequences = [
+                ScheduledSequence([token], total - 1, self.blocks_for(request_blocks, total))
+                for token, total, request_blocks in zip(next_tokens, num_tokens, blocks)
+            ]
+        return outputs
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_thread():
+    """Matmuls this small run faster on one thread; extra threads only contend on a busy machine."""
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)
+
+
+@pytest.fixture(params=list(CONFIGS), scope="module")
+def models(request) -> tuple[torch.nn.Module, PagedLlama]:
+    ops.set_backend("torch")
+    overrides, block_size = CONFIGS[request.param]
+    config = llama_config(**overrides)
+    torch.manual_seed(0)
+    hf_model = transformers.LlamaForCausalLM(config).eval()
+    return hf_model, PagedLlama(config, hf_model, block_size)
+
+
+def random_prompts(lengths: list[int], seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (length,), generator=generator).tolist() for length in lengths]
+
+
+@torch.no_grad()
+def hf_last_logits(hf_model: torch.nn.Module, prompt: list[int]) -> torch.Tensor:
+    return hf_model(torch.tensor([prompt])).logits[0, -1]
+
+
+def test_packed_prefill_logits_match_hf_per_prompt(models):
+    hf_model, ours = models
+    prompts = random_prompts(PREFILL_PROMPT_LENS, seed=1)
+    sequences = [ScheduledSequence(p, 0, ours.allocate(len(p))) for p in prompts]
+    logits = ours.step(sequences, is_prefill=True)
+    assert logits.shape == (len(prompts), VOCAB)
+    for prompt, row in zip(prompts, logits):
+        assert (row - hf_last_logits(hf_model, prompt)).abs().max() <= 1e-4
+
+
+def test_prefill_over_a_cached_prefix_matches_hf_on_the_whole_prompt(models):
+    hf_model, ours = models
+    prompts = random_prompts([13, 8], seed=2)
+    splits = [7, 3]
+    blocks = [ours.allocate(len(p)) for p in prompts]
+    ours.step([ScheduledSequence(p[:s], 0, b) for p, s, b in zip(prompts, splits, blocks)], is_prefill=True)
+    logits = ours.step([ScheduledSequence(p[s:], s, b) for p, s, b in zip(prompts, splits, blocks)], is_prefill=True)
+    for prompt, row in zip(prompts, logits):
+        assert (row - hf_last_logits(hf_model, prompt)).abs().max() <= 1e-4
+
+
+def test_batched_greedy_decoding_matches_hf_generate_per_prompt(models):
+    hf_model, ours = models
+    prompts = random_prompts(DECODE_PROMPT_LENS, seed=3)
+    outputs = ours.greedy(prompts, MAX_NEW_TOKENS)
+    for prompt, output in zip(prompts, outputs):
+        expected = hf_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=MAX_NEW_TOKENS)
+        assert output == expected[0, len(prompt) :].tolist()
+
+
+def test_tied_model_ignores_lm_head_in_checkpoint_and_loads_without_it():
+    model = LlamaForCausalLM(llama_config(tie_word_embeddings=True, num_key_value_heads=2))
+    state = transformers.LlamaForCausalLM(llama_config(tie_word_embeddings=False, num_key_value_heads=2)).state_dict()
+    with_head = model.load_weights(state.items())
+    without_head = model.load_weights((k, v) for k, v in state.items() if k != "lm_head.weight")
+    assert with_head == without_head == {name for name, _ in model.named_parameters()}
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_merged_parameter_counts_as_filled_only_with_all_shards():
+    model = LlamaForCausalLM(llama_config(num_key_value_heads=2))
+    state = transformers.LlamaForCausalLM(llama_config(num_key_value_heads=2)).state_dict()
+    filled = model.load_weights((k, v) for k, v in state.items() if k != "model.layers.1.self_attn.v_proj.weight")
+    assert {name for name, _ in model.named_parameters()} - filled == {"model.layers.1.self_attn.qkv_proj.weight"}
+
+
+def test_unexpected_checkpoint_tensor_is_named():
+    model = LlamaForCausalLM(llama_config())
+    with pytest.raises(WeightLoadError, match="model.layers.0.self_attn.q_norm.weight"):
+        model.load_weights([("model.layers.0.self_attn.q_norm.weight", torch.zeros(16))])
+
+
+def test_shape_mismatch_names_tensor_and_both_shapes():
+    model = LlamaForCausalLM(llama_config(num_key_value_heads=2))
+    with pytest.raises(WeightLoadError, match=r"k_proj.weight.*expected \(32, 64\), got \(64, 64\)"):
+        model.load_weights([("model.layers.2.self_attn.k_proj.weight", torch.zeros(64, 64))])
+
+
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_sequence_dependent_rope_is_rejected(rope_type):
+    rope = {"rope_type": rope_type, "factor": 2.0, "rope_theta": 10000.0}
+    if rope_type == "longrope":
+        rope.update(short_factor=[1.0] * 8, long_factor=[1.0] * 8, original_max_position_embeddings=64)
+    with pytest.raises(ValueError, match=rope_type):
+        LlamaForCausalLM(llama_config(rope_parameters=rope))
