@@ -75,27 +75,24 @@ def _decode_attention(
 ) -> torch.Tensor:
     """One batched SDPA for one query token per request, over K/V gathered up to the longest KV.
 
-    Gathered slots past a request's kv_len belong to padding blocks or unwritten offsets and may
-    hold anything (NaN included), so they are zeroed with `where` as well as masked: a boolean
-    mask alone would still let NaN through the q.k product.
+    The gather follows forward_metadata.decode_kv_slots, whose padding positions repeat a written
+    slot of the same request: unwritten slots may hold anything (NaN included) and are never read,
+    and the mask drops the repeats.
     """
-    batch_size = forward_metadata.batch_size
-    block_size = key_cache.shape[1]
-    max_kv_len = forward_metadata.max_kv_len
-    block_ids = forward_metadata.block_table[:, : -(-max_kv_len // block_size)]
-    positions = torch.arange(max_kv_len, device=query.device)
-    valid = positions[None, :] < forward_metadata.actual_seq_lengths_kv[:, None]  # [B, S]
+    slots, mask = forward_metadata.decode_kv_slots, forward_metadata.decode_kv_mask
+    assert slots is not None and mask is not None, "decode steps carry decode_kv_slots (build_model_inputs)"
+    batch_size, max_kv_len = slots.shape
+    num_kv_heads, head_dim = key_cache.shape[2:]
 
     def gather(cache: torch.Tensor) -> torch.Tensor:
-        kv = cache[block_ids].flatten(1, 2)[:, :max_kv_len]  # [B, S, Hkv, D]
-        kv = torch.where(valid[:, :, None, None], kv, torch.zeros((), dtype=kv.dtype, device=kv.device))
-        return kv.transpose(1, 2)  # [B, Hkv, S, D]
+        rows = cache.view(-1, num_kv_heads, head_dim).index_select(0, slots.flatten())
+        return rows.view(batch_size, max_kv_len, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, S, D]
 
     out = F.scaled_dot_product_attention(
         query.reshape(batch_size, 1, *query.shape[1:]).transpose(1, 2),  # [B, H, 1, D]
         gather(key_cache),
         gather(value_cache),
-        attn_mask=valid[:, None, None, :],
+        attn_mask=mask[:, None, None, :],
         scale=scale,
         enable_gqa=True,
     )

@@ -46,3 +46,20 @@ def test_select_all_tokens_selects_every_row():
     )
     assert inputs.forward_metadata.selected_token_indices.tolist() == [0, 1]
     assert inputs.forward_metadata.slot_mapping.tolist() == [3, 4]
+
+
+def test_decode_kv_slots_cover_each_request_and_pad_with_a_written_slot():
+    inputs = build_model_inputs(
+        [ScheduledSequence([9], 4, [3, 1]), ScheduledSequence([8], 1, [6])],
+        is_prefill=False,
+        block_size=4,
+        device=CPU,
+    )
+    meta = inputs.forward_metadata
+    assert meta.decode_kv_slots.tolist() == [[12, 13, 14, 15, 4], [24, 25, 24, 24, 24]]
+    assert meta.decode_kv_mask.tolist() == [[True] * 5, [True, True, False, False, False]]
+
+
+def test_prefill_carries_no_decode_slots():
+    meta = build_model_inputs([ScheduledSequence([1, 2], 0, [0])], is_prefill=True, block_size=4, device=CPU).forward_metadata
+    assert meta.decode_kv_slots is None and meta.decode_kv_mask is None

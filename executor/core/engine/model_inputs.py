@@ -66,20 +66,36 @@ def build_model_inputs(
     def to_device(values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
+    block_table_tensor = to_device(block_table, torch.int32)
+    kv_lens_tensor = to_device(kv_lens, torch.int64)
     metadata = ForwardMetaData(
         is_prefill=is_prefill,
         actual_seq_lengths_q=to_device(cu_query_lens, torch.int64),
         actual_seq_lengths_q_list=cu_query_lens,
-        actual_seq_lengths_kv=to_device(kv_lens, torch.int64),
+        actual_seq_lengths_kv=kv_lens_tensor,
         actual_seq_lengths_kv_list=kv_lens,
-        block_table=to_device(block_table, torch.int32),
+        block_table=block_table_tensor,
         slot_mapping=to_device(slot_mapping, torch.int64),
         selected_token_indices=to_device(selected, torch.int64),
         block_size=block_size,
         max_kv_len=max(kv_lens),
     )
+    if not is_prefill:
+        metadata.decode_kv_slots, metadata.decode_kv_mask = _decode_kv_slots(
+            block_table_tensor, kv_lens_tensor, max(kv_lens), block_size
+        )
     return ModelInputs(
         input_ids=to_device(input_ids, torch.int64),
         position_ids=to_device(position_ids, torch.int64),
         forward_metadata=metadata,
     )
+
+
+def _decode_kv_slots(
+    block_table: torch.Tensor, kv_lens: torch.Tensor, max_kv_len: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slot of every (request, KV position) up to the longest KV, and the mask of real positions."""
+    positions = torch.arange(max_kv_len, device=block_table.device)
+    slots = block_table[:, positions // block_size].long() * block_size + positions % block_size
+    mask = positions[None, :] < kv_lens[:, None]
+    return torch.where(mask, slots, slots[:, :1]), mask

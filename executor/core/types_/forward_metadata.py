@@ -34,6 +34,11 @@ class ForwardMetaData:
     block_size: int
     # Longest KV length in the batch (host int), for sizing gathers without a device sync.
     max_kv_len: int
+    # Decode only: [B, max_kv_len] cache slot of each request's KV position (padding positions repeat
+    # the request's first slot, so a gather reads only written slots) and which positions are real.
+    # Built once per step so the torch attention does not rebuild them in every layer.
+    decode_kv_slots: torch.Tensor | None = None
+    decode_kv_mask: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
