@@ -78,3 +78,22 @@ def test_run_writes_every_result_file(tmp_path, tiny_llama_dir, capsys):
     assert "ignore_eos: true" in (out / "config.yaml").read_text()
     printed = capsys.readouterr().out
     assert "=== summary" in printed and "[chat]" in printed
+
+
+def test_enable_profiler_writes_a_trace(tmp_path, tiny_llama_dir):
+    assert run_cli(tmp_path, tiny_llama_dir, '{"prompt": "w3 w4"}\n', "model_config.enable_profiler=true") == 0
+    trace = json.loads((tmp_path / "out" / "profile" / "trace.json").read_text())
+    assert trace["traceEvents"]
+
+
+def test_random_weights_are_seeded(tmp_path, tiny_llama_dir):
+    def outputs(seed: int, run: str) -> list[list[int]]:
+        run_dir = tmp_path / run
+        run_dir.mkdir(exist_ok=True)
+        assert run_cli(run_dir, tiny_llama_dir, '{"prompt_token_ids": [5, 6, 7]}\n', "model_config.with_ckpt=false",
+                       f"data_config.seed={seed}", "scheduler_config.ignore_eos=true") == 0
+        lines = (run_dir / "out" / "outputs.jsonl").read_text().splitlines()
+        return [json.loads(line)["output_token_ids"] for line in lines]
+
+    assert outputs(1, "a") == outputs(1, "b")
+    assert outputs(1, "a") != outputs(2, "c")

@@ -1,0 +1,80 @@
+"""Platform detection and the guarded torch_npu import, on a machine without an NPU or a GPU."""
+import importlib
+
+import pytest
+import torch
+
+from executor.platform import create_platform, detect_device_type, npu_runtime, resolve_dtype
+from executor.platform.npu_runtime import NpuUnavailableError
+
+
+@pytest.fixture
+def fresh_npu_import(monkeypatch):
+    """Pretend torch_npu is installed and make its import fail with `error`."""
+    npu_runtime.torch_npu.cache_clear()
+    monkeypatch.setattr(npu_runtime, "is_torch_npu_installed", lambda: True)
+
+    def failing_import(error):
+        real_import = importlib.import_module
+
+        def import_module(name, *args):
+            if name == "torch_npu":
+                raise error
+            return real_import(name, *args)
+
+        monkeypatch.setattr(npu_runtime.importlib, "import_module", import_module)
+
+    yield failing_import
+    npu_runtime.torch_npu.cache_clear()
+
+
+def test_auto_falls_back_to_cpu_here():
+    assert detect_device_type("auto") == "cpu"
+    platform = create_platform("auto")
+    assert platform.device == torch.device("cpu") and platform.ops_backend == "torch"
+    assert platform.dist_backend == "gloo" and platform.memory_info_bytes() is None
+    platform.synchronize()  # a no-op on the CPU, but callable
+
+
+def test_forcing_a_missing_device_is_a_clear_error():
+    with pytest.raises(NpuUnavailableError, match="torch_npu, which is not installed"):
+        detect_device_type("npu")
+    with pytest.raises(RuntimeError, match="no CUDA device"):
+        detect_device_type("cuda")
+    with pytest.raises(ValueError, match="device must be one of"):
+        detect_device_type("tpu")
+
+
+def test_missing_cann_libraries_say_to_source_set_env(fresh_npu_import):
+    fresh_npu_import(ImportError("libhccl.so: cannot open shared object file"))
+    with pytest.raises(NpuUnavailableError, match="set_env.sh") as err:
+        npu_runtime.torch_npu()
+    assert "libhccl.so" in str(err.value)
+    assert npu_runtime.npu_is_available() is False
+
+
+def test_cuda_build_of_torch_says_to_use_the_cpu_build(fresh_npu_import):
+    fresh_npu_import(RuntimeError("Two accelerators cannot be used at the same time in PyTorch: npu and cuda"))
+    with pytest.raises(NpuUnavailableError, match="CPU build of torch"):
+        npu_runtime.torch_npu()
+
+
+def test_dtype_names():
+    assert resolve_dtype("bfloat16") is torch.bfloat16
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        resolve_dtype("fp8")
+
+
+def test_nothing_outside_the_platform_imports_torch_npu():
+    import re
+    from pathlib import Path
+
+    direct_import = re.compile(r"^\s*(import torch_npu|from torch_npu\b)", re.MULTILINE)
+    root = Path(__file__).resolve().parents[1]
+    offenders = [
+        str(path.relative_to(root))
+        for folder in ("executor", "module", "ops", "models", "benchmarks")
+        for path in (root / folder).rglob("*.py")
+        if direct_import.search(path.read_text()) and "platform" not in path.parts
+    ]
+    assert offenders == []
