@@ -6,6 +6,7 @@ both throughputs and their ratio; docs/benchmarks.md records the figures.
 
     python benchmarks/bench_vs_transformers.py --dtype bfloat16 --batch-size 32
 """
+
 from __future__ import annotations
 
 import argparse

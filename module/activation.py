@@ -1,4 +1,5 @@
 """Gated activations for MLPs whose gate and up projections are merged into one matmul."""
+
 from __future__ import annotations
 
 import torch

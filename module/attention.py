@@ -3,6 +3,7 @@
 The cache tensors are not parameters: the worker sizes them after the model is loaded and binds
 them to every Attention module with `bind_kv_cache`.
 """
+
 from __future__ import annotations
 
 import torch

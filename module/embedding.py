@@ -1,4 +1,5 @@
 """Token embedding and LM head with the vocabulary split over tensor-parallel ranks."""
+
 from __future__ import annotations
 
 import torch

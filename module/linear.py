@@ -5,6 +5,7 @@ loaded_weight, shard_id=None)` that cuts this rank's shard out of the full check
 model loaders never know how a layer is split. Column layers split the output dim and need no
 communication; RowParallelLinear splits the input dim and all-reduces its partial sums.
 """
+
 from __future__ import annotations
 
 import torch
@@ -24,9 +25,7 @@ def divide(numerator: int, denominator: int) -> int:
 class LinearBase(nn.Module):
     """y = x W^T + b with W [output_size, input_size] already cut to this rank's shard."""
 
-    def __init__(
-        self, input_size: int, output_size: int, bias: bool, tp_dim: int, tp_rank: int, tp_size: int
-    ) -> None:
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int, tp_rank: int, tp_size: int) -> None:
         super().__init__()
         self.tp_dim = tp_dim
         self.tp_rank = tp_rank

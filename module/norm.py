@@ -1,4 +1,5 @@
 """RMSNorm, fused with the residual add when a residual is passed (one kernel on NPU)."""
+
 from __future__ import annotations
 
 import torch

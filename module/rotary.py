@@ -2,6 +2,7 @@
 so every static rope_type (default, linear, llama3, yarn, ...) matches HF, and a cos/sin table looked up
 by position instead of recomputed each step. Models look it up once per step for all layers.
 """
+
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,5 @@
 """Copying checkpoint tensors into (sharded) parameters with shape checks that name both shapes."""
+
 from __future__ import annotations
 
 import torch

@@ -4,6 +4,7 @@ call only the functions exported here.
 
 Shapes use the packed TND layout: T tokens of the whole batch, H heads, D head dim.
 """
+
 from __future__ import annotations
 
 import functools

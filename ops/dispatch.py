@@ -3,6 +3,7 @@
 The choice is a module-level switch rather than a per-call argument so that layers stay free of
 device checks; the worker sets it from `Platform.ops_backend` before building the model.
 """
+
 from __future__ import annotations
 
 from types import ModuleType

@@ -3,6 +3,7 @@
 torch_npu is fetched from executor.platform.npu_runtime at call time, so this module imports on
 any machine; ops.set_backend("npu") is where a missing torch_npu is reported.
 """
+
 from __future__ import annotations
 
 import functools

@@ -3,6 +3,7 @@
 Numerics follow Hugging Face (RMSNorm in fp32 then cast back, weight applied after the cast) so
 that fp32 parity tests hold to 1e-4; attention computes in the input dtype.
 """
+
 from __future__ import annotations
 
 import torch
@@ -121,7 +122,7 @@ def paged_attention(
     outputs = []
     query_start = 0
     for index, (query_end, kv_len) in enumerate(
-        zip(forward_metadata.actual_seq_lengths_q_list, forward_metadata.actual_seq_lengths_kv_list)
+        zip(forward_metadata.actual_seq_lengths_q_list, forward_metadata.actual_seq_lengths_kv_list, strict=True)
     ):
         q_len = query_end - query_start
         block_ids = forward_metadata.block_table[index, : -(-kv_len // block_size)]

@@ -1,4 +1,5 @@
 """Running our engine and transformers side by side on the same model folder, for parity tests."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,4 +1,5 @@
 """InferenceConfig: defaults, overrides and errors that name the section, key, file and closest key."""
+
 from pathlib import Path
 
 import pytest

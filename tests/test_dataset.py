@@ -1,4 +1,5 @@
 """Specification of the prompt dataset: where files are found, what a valid line is, how records tokenize."""
+
 from __future__ import annotations
 
 import json

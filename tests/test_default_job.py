@@ -1,4 +1,5 @@
 """The shipped default job runs end to end on the real model (a few prompts, a few tokens)."""
+
 import json
 from pathlib import Path
 
@@ -10,10 +11,14 @@ DEFAULT_YAML = Path(__file__).resolve().parents[1] / "models" / "llama" / "confi
 def test_default_yaml_generates_text_for_the_shipped_prompts(smollm2_dir, tmp_path, capsys):
     status = cli.main(
         [
-            "--yaml", str(DEFAULT_YAML),
-            "--set", "data_config.num_prompts=4",
-            "--set", "scheduler_config.max_new_tokens=8",
-            "--set", f"model_config.output_path={tmp_path}",
+            "--yaml",
+            str(DEFAULT_YAML),
+            "--set",
+            "data_config.num_prompts=4",
+            "--set",
+            "scheduler_config.max_new_tokens=8",
+            "--set",
+            f"model_config.output_path={tmp_path}",
         ]
     )
     assert status == 0

@@ -1,4 +1,5 @@
 """docs/ stays true to the code it describes."""
+
 from pathlib import Path
 
 from executor.core.config.reference import render_key_tables

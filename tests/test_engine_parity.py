@@ -1,4 +1,5 @@
 """The whole engine (scheduler, paged KV cache, packed batches) against transformers on a tiny random Llama."""
+
 import json
 
 import pytest

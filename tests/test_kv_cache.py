@@ -1,4 +1,5 @@
 """BlockPool, the single-type manager and KVCacheManager.allocate_slots."""
+
 import pytest
 
 from executor.core.kv_cache import BlockPool, KVCacheManager

@@ -3,6 +3,7 @@
 Prompts run packed together over scattered KV blocks (NaN in every slot not yet written); each
 prompt's logits and greedy tokens must equal HF's for that prompt alone.
 """
+
 from __future__ import annotations
 
 import random
@@ -96,16 +97,16 @@ class PagedLlama:
     def greedy(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         """One packed prefill, then one batched decode step per token for all prompts together."""
         blocks = [self.allocate(len(prompt) + max_new_tokens) for prompt in prompts]
-        sequences = [ScheduledSequence(p, 0, self.blocks_for(b, len(p))) for p, b in zip(prompts, blocks)]
+        sequences = [ScheduledSequence(p, 0, self.blocks_for(b, len(p))) for p, b in zip(prompts, blocks, strict=True)]
         outputs: list[list[int]] = [[] for _ in prompts]
         for step in range(max_new_tokens):
             next_tokens = self.step(sequences, is_prefill=step == 0).argmax(-1).tolist()
-            for output, token in zip(outputs, next_tokens):
+            for output, token in zip(outputs, next_tokens, strict=True):
                 output.append(token)
             num_tokens = [len(prompt) + step + 1 for prompt in prompts]  # after appending the new token
             sequences = [
                 ScheduledSequence([token], total - 1, self.blocks_for(request_blocks, total))
-                for token, total, request_blocks in zip(next_tokens, num_tokens, blocks)
+                for token, total, request_blocks in zip(next_tokens, num_tokens, blocks, strict=True)
             ]
         return outputs
 
@@ -145,7 +146,7 @@ def test_packed_prefill_logits_match_hf_per_prompt(models):
     sequences = [ScheduledSequence(p, 0, ours.allocate(len(p))) for p in prompts]
     logits = ours.step(sequences, is_prefill=True)
     assert logits.shape == (len(prompts), VOCAB)
-    for prompt, row in zip(prompts, logits):
+    for prompt, row in zip(prompts, logits, strict=True):
         assert (row - hf_last_logits(hf_model, prompt)).abs().max() <= 1e-4
 
 
@@ -154,9 +155,13 @@ def test_prefill_over_a_cached_prefix_matches_hf_on_the_whole_prompt(models):
     prompts = random_prompts([13, 8], seed=2)
     splits = [7, 3]
     blocks = [ours.allocate(len(p)) for p in prompts]
-    ours.step([ScheduledSequence(p[:s], 0, b) for p, s, b in zip(prompts, splits, blocks)], is_prefill=True)
-    logits = ours.step([ScheduledSequence(p[s:], s, b) for p, s, b in zip(prompts, splits, blocks)], is_prefill=True)
-    for prompt, row in zip(prompts, logits):
+    ours.step(
+        [ScheduledSequence(p[:s], 0, b) for p, s, b in zip(prompts, splits, blocks, strict=True)], is_prefill=True
+    )
+    logits = ours.step(
+        [ScheduledSequence(p[s:], s, b) for p, s, b in zip(prompts, splits, blocks, strict=True)], is_prefill=True
+    )
+    for prompt, row in zip(prompts, logits, strict=True):
         assert (row - hf_last_logits(hf_model, prompt)).abs().max() <= 1e-4
 
 
@@ -164,7 +169,7 @@ def test_batched_greedy_decoding_matches_hf_generate_per_prompt(models):
     hf_model, ours = models
     prompts = random_prompts(DECODE_PROMPT_LENS, seed=3)
     outputs = ours.greedy(prompts, MAX_NEW_TOKENS)
-    for prompt, output in zip(prompts, outputs):
+    for prompt, output in zip(prompts, outputs, strict=True):
         expected = hf_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=MAX_NEW_TOKENS)
         assert output == expected[0, len(prompt) :].tolist()
 

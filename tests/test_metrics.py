@@ -1,4 +1,5 @@
 """The run summary and KV-cache sizing arithmetic."""
+
 import pytest
 
 from executor.core.engine.kv_cache_sizing import plan_num_blocks
@@ -19,7 +20,11 @@ def test_summary_counts_tokens_and_times_and_skips_failed_requests():
     ok.finish_reason = FinishReason.LENGTH
     bad = Request("bad", None, [1] * 50, SamplingParams())
     bad.fail("too long", 0.0)
-    steps = [StepRecord(1, "prefill", 1, 3, 500.0, 0.1), StepRecord(2, "decode", 1, 1, 400.0, 0.1), StepRecord(3, "decode", 1, 1, 600.0, 0.1)]
+    steps = [
+        StepRecord(1, "prefill", 1, 3, 500.0, 0.1),
+        StepRecord(2, "decode", 1, 1, 400.0, 0.1),
+        StepRecord(3, "decode", 1, 1, 600.0, 0.1),
+    ]
     summary = summarize([ok, bad], steps, start_s=0.0, end_s=2.0)
     assert summary["requests"] == 2 and summary["failed_requests"] == 1
     assert summary["prompt_tokens"] == 3 and summary["output_tokens"] == 3
@@ -31,8 +36,18 @@ def test_summary_counts_tokens_and_times_and_skips_failed_requests():
 
 
 def test_explicit_block_count_wins():
-    assert plan_num_blocks(num_blocks=7, block_size=16, bytes_per_block=10**9, batch_size=1, max_model_len=16,
-                           free_memory_bytes=1, mem_fraction_static=0.5) == 7
+    assert (
+        plan_num_blocks(
+            num_blocks=7,
+            block_size=16,
+            bytes_per_block=10**9,
+            batch_size=1,
+            max_model_len=16,
+            free_memory_bytes=1,
+            mem_fraction_static=0.5,
+        )
+        == 7
+    )
 
 
 def test_budget_is_capped_at_the_full_batch_worst_case():
@@ -43,5 +58,12 @@ def test_budget_is_capped_at_the_full_batch_worst_case():
 
 def test_no_room_for_one_block_is_an_error():
     with pytest.raises(RuntimeError, match="no memory for even one KV block"):
-        plan_num_blocks(num_blocks=0, block_size=16, bytes_per_block=1000, batch_size=1, max_model_len=16,
-                        free_memory_bytes=100, mem_fraction_static=0.9)
+        plan_num_blocks(
+            num_blocks=0,
+            block_size=16,
+            bytes_per_block=1000,
+            batch_size=1,
+            max_model_len=16,
+            free_memory_bytes=100,
+            mem_fraction_static=0.9,
+        )

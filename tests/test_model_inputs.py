@@ -1,4 +1,5 @@
 """Packing requests into TND inputs: slot mapping, block table, cumulative and per-request lengths."""
+
 import torch
 
 from executor.core.engine.model_inputs import ScheduledSequence, build_model_inputs
@@ -61,5 +62,7 @@ def test_decode_kv_slots_cover_each_request_and_pad_with_a_written_slot():
 
 
 def test_prefill_carries_no_decode_slots():
-    meta = build_model_inputs([ScheduledSequence([1, 2], 0, [0])], is_prefill=True, block_size=4, device=CPU).forward_metadata
+    meta = build_model_inputs(
+        [ScheduledSequence([1, 2], 0, [0])], is_prefill=True, block_size=4, device=CPU
+    ).forward_metadata
     assert meta.decode_kv_slots is None and meta.decode_kv_mask is None

@@ -1,4 +1,5 @@
 """Tensor-parallel weight loading: each rank's shard, put back together, is the full weight."""
+
 from __future__ import annotations
 
 import pytest
@@ -39,7 +40,7 @@ def test_merged_column_parallel_holds_each_ranks_slice_of_every_shard():
     for layer in ranks:
         load(layer, "weight", gate, 0)
         load(layer, "weight", up, 1)
-    gate_parts, up_parts = zip(*(layer.weight.data.split(3) for layer in ranks))
+    gate_parts, up_parts = zip(*(layer.weight.data.split(3) for layer in ranks), strict=True)
     torch.testing.assert_close(torch.cat(gate_parts), gate)
     torch.testing.assert_close(torch.cat(up_parts), up)
 

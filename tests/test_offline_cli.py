@@ -1,5 +1,6 @@
 """`python -m executor.offline`: bad input is a clear error before any model loads; a good run
 writes outputs.jsonl, steps.jsonl, summary.json and the resolved config."""
+
 import json
 from pathlib import Path
 
@@ -27,7 +28,8 @@ def run_cli(tmp_path: Path, model_dir: Path, dataset_text: str, *overrides: str)
     dataset = write(tmp_path / "prompts.jsonl", dataset_text)
     yaml_path = write(
         tmp_path / "run.yaml",
-        f"model_config:\n  model_path: {model_dir}\n  dtype: float32\n  device: cpu\n  output_path: {tmp_path / 'out'}\n"
+        f"model_config:\n  model_path: {model_dir}\n  dtype: float32\n  device: cpu\n"
+        f"  output_path: {tmp_path / 'out'}\n"
         f"data_config:\n  dataset_path: {dataset}\n"
         "scheduler_config:\n  batch_size: 4\n  max_new_tokens: 5\n  block_size: 16\n",
     )
@@ -61,14 +63,18 @@ def test_unknown_model_name_is_a_clear_error(tmp_path, tiny_llama_dir, no_model_
 
 
 def test_run_writes_every_result_file(tmp_path, tiny_llama_dir, capsys):
-    dataset = '{"prompt": "w3 w4 w5"}\n{"id": "chat", "messages": [{"role": "user", "content": "w9 w10"}]}\n' \
-              '{"prompt_token_ids": [5, 6, 7, 8]}\n'
+    dataset = (
+        '{"prompt": "w3 w4 w5"}\n{"id": "chat", "messages": [{"role": "user", "content": "w9 w10"}]}\n'
+        '{"prompt_token_ids": [5, 6, 7, 8]}\n'
+    )
     assert run_cli(tmp_path, tiny_llama_dir, dataset, "scheduler_config.ignore_eos=true") == 0
     out = tmp_path / "out"
     outputs = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
     assert sorted(o["id"] for o in outputs) == ["0", "2", "chat"]
     assert all(len(o["output_token_ids"]) == 5 and o["finish_reason"] == "length" for o in outputs)
-    assert {"id", "prompt", "output_text", "output_token_ids", "prompt_tokens", "finish_reason", "error"} <= set(outputs[0])
+    assert {"id", "prompt", "output_text", "output_token_ids", "prompt_tokens", "finish_reason", "error"} <= set(
+        outputs[0]
+    )
     steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
     assert steps[0]["phase"] == "prefill" and [s["phase"] for s in steps[1:]] == ["decode"] * 4
     summary = json.loads((out / "summary.json").read_text())
@@ -90,8 +96,17 @@ def test_random_weights_are_seeded(tmp_path, tiny_llama_dir):
     def outputs(seed: int, run: str) -> list[list[int]]:
         run_dir = tmp_path / run
         run_dir.mkdir(exist_ok=True)
-        assert run_cli(run_dir, tiny_llama_dir, '{"prompt_token_ids": [5, 6, 7]}\n', "model_config.with_ckpt=false",
-                       f"data_config.seed={seed}", "scheduler_config.ignore_eos=true") == 0
+        assert (
+            run_cli(
+                run_dir,
+                tiny_llama_dir,
+                '{"prompt_token_ids": [5, 6, 7]}\n',
+                "model_config.with_ckpt=false",
+                f"data_config.seed={seed}",
+                "scheduler_config.ignore_eos=true",
+            )
+            == 0
+        )
         lines = (run_dir / "out" / "outputs.jsonl").read_text().splitlines()
         return [json.loads(line)["output_token_ids"] for line in lines]
 

@@ -1,4 +1,5 @@
 """The torch reference of every op against a naive formula, and the backend switch."""
+
 from __future__ import annotations
 
 import math
@@ -83,7 +84,7 @@ def run_paged(query_lens: list[int], kv_lens: list[int], *, is_prefill: bool) ->
     key_cache = torch.full((NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM), float("nan"))
     value_cache = torch.full_like(key_cache, float("nan"))
     sequences, contiguous_kv = [], []
-    for q_len, kv_len in zip(query_lens, kv_lens):
+    for q_len, kv_len in zip(query_lens, kv_lens, strict=True):
         num_blocks = -(-kv_len // BLOCK_SIZE)
         blocks, block_order = block_order[:num_blocks], block_order[num_blocks:]
         sequences.append(ScheduledSequence(list(range(q_len)), kv_len - q_len, blocks))
@@ -100,7 +101,7 @@ def run_paged(query_lens: list[int], kv_lens: list[int], *, is_prefill: bool) ->
 
     assert output.shape == query.shape
     expected = torch.cat(
-        [naive_attention(q, k, v) for q, (k, v) in zip(query.split(query_lens), contiguous_kv)]
+        [naive_attention(q, k, v) for q, (k, v) in zip(query.split(query_lens), contiguous_kv, strict=True)]
     )
     torch.testing.assert_close(output, expected)
 

@@ -1,4 +1,5 @@
 """Platform detection and the guarded torch_npu import, on a machine without an NPU or a GPU."""
+
 import importlib
 
 import pytest

@@ -1,7 +1,6 @@
 """Scheduler: the request state machine, prefill-first batching and its budgets, with a fake engine."""
-from collections.abc import Callable
 
-import pytest
+from collections.abc import Callable
 
 from executor.core.kv_cache import KVCacheManager
 from executor.core.scheduler import Scheduler, SchedulerLimits
@@ -18,12 +17,18 @@ class FakeEngine:
         self.batches: list[tuple[bool, list[str], list[RequestStatus]]] = []
 
     def forward_batch(self, batch: Batch) -> list[int]:
-        self.batches.append((batch.is_prefill, [r.request_id for r in batch.requests], [r.status for r in batch.requests]))
+        self.batches.append(
+            (batch.is_prefill, [r.request_id for r in batch.requests], [r.status for r in batch.requests])
+        )
         return [self.next_token(r) for r in batch.requests]
 
 
 def make_scheduler(
-    batch_size: int = 4, max_prefill_tokens: int = 1000, max_model_len: int = 100, num_blocks: int = 64, block_size: int = 4
+    batch_size: int = 4,
+    max_prefill_tokens: int = 1000,
+    max_model_len: int = 100,
+    num_blocks: int = 64,
+    block_size: int = 4,
 ) -> Scheduler:
     return Scheduler(
         SchedulerLimits(batch_size, max_prefill_tokens, max_model_len),

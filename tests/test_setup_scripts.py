@@ -4,6 +4,7 @@ The stand-in is a real (empty) venv's python behind a wrapper that only pretends
 (unless STAND_IN_NO_TORCH=1) and to run pip, the default-model CLI and pytest, so these tests
 install and download nothing.
 """
+
 from __future__ import annotations
 
 import os
@@ -77,7 +78,7 @@ def test_setup_is_quiet_and_skips_pip_the_second_time(stand_in: Path) -> None:
 
 
 def test_setup_exports_python_and_hub_offline_to_the_caller(stand_in: Path) -> None:
-    result = run_bash('source scripts/setup.sh && bash -c \'echo "$PYTHON $HF_HUB_OFFLINE"\'', stand_in)
+    result = run_bash("source scripts/setup.sh && bash -c 'echo \"$PYTHON $HF_HUB_OFFLINE\"'", stand_in)
     assert result.stdout.split() == [str(stand_in), "1"]
 
 

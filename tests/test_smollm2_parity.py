@@ -1,4 +1,5 @@
 """The real default model (SmolLM2-135M-Instruct) against transformers on the same weights, fp32."""
+
 import pytest
 import torch
 

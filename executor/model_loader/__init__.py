@@ -1,4 +1,5 @@
 """Weight loading: safetensors checkpoints, seeded dummy weights, and GGUF import."""
+
 from executor.model_loader.base_loader import BaseModelLoader
 from executor.model_loader.default_loader import DefaultModelLoader
 from executor.model_loader.dummy_loader import DummyModelLoader

@@ -1,4 +1,5 @@
 """The one interface the model worker uses to put weights into a model, whatever their source."""
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod

@@ -3,6 +3,7 @@
 The loader only finds files and yields (name, tensor) pairs lazily; the model's `load_weights` maps
 names to parameters, so the loader knows no model. It then checks that nothing was left unfilled.
 """
+
 from __future__ import annotations
 
 import json
@@ -62,6 +63,7 @@ class DefaultModelLoader(BaseModelLoader):
         loaded = model.load_weights(safetensors_weights(model_path))
         missing = [name for name, _ in model.named_parameters() if name not in loaded]
         if missing:
+            model_name = type(model).__name__
             raise WeightLoadError(
-                f"{len(missing)} parameter(s) of {type(model).__name__} not found in {model_path}: {_name_list(missing)}"
+                f"{len(missing)} parameter(s) of {model_name} not found in {model_path}: {_name_list(missing)}"
             )

@@ -6,6 +6,7 @@ to `<home>/models/SmolLM2-135M-Instruct`; later calls find the folder and return
 
     python -m executor.model_loader.default_model [--home DIR]   # prints the folder's path
 """
+
 from __future__ import annotations
 
 import argparse

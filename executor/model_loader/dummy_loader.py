@@ -4,6 +4,7 @@ Values are drawn on the CPU with a private generator, so a seed gives the same w
 device and does not disturb the global RNG. Norm weights are 1 and biases 0, so activations stay
 in a sane range through many layers.
 """
+
 from __future__ import annotations
 
 import torch

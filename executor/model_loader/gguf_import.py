@@ -4,6 +4,7 @@ transformers reads the GGUF (dequantising every tensor, rebuilding config and to
 folder it writes then loads in about a second, where the GGUF takes tens of seconds, and every
 loader here reads it like any other checkpoint. The folder appears only once it is complete.
 """
+
 from __future__ import annotations
 
 import os

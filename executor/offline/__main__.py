@@ -1,4 +1,5 @@
 """`python -m executor.offline --yaml FILE [--set section.key=value ...]`: the entry every infer.sh calls."""
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,7 @@ def resolve_model_path(config: InferenceConfig) -> Path:
     if not (path / "config.json").is_file():
         hint = "" if configured else "; run `bash infer.sh` (or scripts/setup.sh) once to fetch the default model"
         raise ConfigError(
-            f"model_config.model_path {str(path)!r} in {config.source} is not a model folder "
-            f"(no config.json){hint}"
+            f"model_config.model_path {str(path)!r} in {config.source} is not a model folder (no config.json){hint}"
         )
     return path
 

@@ -3,6 +3,7 @@
 A bad line fails the run before the model loads, with the file and line number, instead of
 surfacing as an odd request halfway through a long batch. dataset/README.md describes the format.
 """
+
 from __future__ import annotations
 
 import json
@@ -56,8 +57,7 @@ def resolve_dataset_path(dataset: str, dataset_path: str | None, dataset_dir: Pa
     if not path.is_file():
         available = sorted(p.stem for p in dataset_dir.glob("*.jsonl")) if dataset_dir.is_dir() else []
         raise DatasetError(
-            f"unknown dataset {dataset!r}: no {file_name} in {dataset_dir}; "
-            f"available: {', '.join(available) or 'none'}"
+            f"unknown dataset {dataset!r}: no {file_name} in {dataset_dir}; available: {', '.join(available) or 'none'}"
         )
     return path
 
@@ -148,9 +148,7 @@ def _describe(value: Any) -> str:
     return f"{type(value).__name__} {text[:40] + '...' if len(text) > 40 else text}"
 
 
-def tokenize_record(
-    record: PromptRecord, tokenizer: PreTrainedTokenizerBase, apply_chat_template: bool
-) -> list[int]:
+def tokenize_record(record: PromptRecord, tokenizer: PreTrainedTokenizerBase, apply_chat_template: bool) -> list[int]:
     """Token ids for one record: given ids as they are, messages always through the chat template,
     text through the chat template (as one user message) only when apply_chat_template is True.
 

@@ -1,4 +1,5 @@
 """OfflineInference: a fixed prompt list through the engine, with results and timings written as they come."""
+
 from __future__ import annotations
 
 import contextlib
@@ -66,7 +67,11 @@ class OfflineInference:
             progress.update(1)
 
         profiling = self.config.model_config.enable_profiler and writer is not None
-        profiler = profile_run(self.engine.platform.device_type, writer.output_dir / "profile") if profiling else contextlib.nullcontext()
+        profiler = (
+            profile_run(self.engine.platform.device_type, writer.output_dir / "profile")
+            if profiling
+            else contextlib.nullcontext()
+        )
         start_s = time.perf_counter()
         with logging_redirect_tqdm(), tqdm(total=len(requests), unit="req", desc="requests") as progress, profiler:
             for request in requests:

@@ -1,5 +1,6 @@
 """Where a run's results go: outputs.jsonl (one line per request, written as it finishes),
 steps.jsonl (one line per step), summary.json and the resolved config."""
+
 from __future__ import annotations
 
 import dataclasses

@@ -4,6 +4,7 @@ Importing torch_npu can fail in two ways that matter (see shared/npu-api-facts.m
 an ImportError when the CANN libraries are not on the loader path, and a RuntimeError when the
 installed torch is a CUDA build ("Two accelerators cannot be used at the same time").
 """
+
 from __future__ import annotations
 
 import functools

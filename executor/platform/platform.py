@@ -1,4 +1,5 @@
 """Platform: what the rest of the harness needs to know about the device, in one object."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,4 +1,5 @@
 """A profiler for the platform: torch.profiler on CPU/CUDA, torch_npu.profiler on NPU."""
+
 from __future__ import annotations
 
 import contextlib

@@ -1,4 +1,5 @@
 """setup_logging(): one format for every module; INFER_RECIPES_LOG_LEVEL picks the level."""
+
 from __future__ import annotations
 
 import logging

@@ -1,4 +1,5 @@
 """The run summary: token counts, step-time percentiles, TTFT, TPOT and throughput."""
+
 from __future__ import annotations
 
 import statistics

@@ -2,6 +2,7 @@
 
 A model package exports `model_cls` (the torch module) and `config_cls` (its HF config class).
 """
+
 from __future__ import annotations
 
 import importlib

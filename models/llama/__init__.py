@@ -1,4 +1,5 @@
 """Llama: the model class and the HF config class the engine builds it from."""
+
 from transformers import LlamaConfig
 
 from models.llama.model import LlamaForCausalLM

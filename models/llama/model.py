@@ -3,6 +3,7 @@
 Built from module/ layers so that tensor parallelism, the ops dispatch and the paged KV cache come
 for free; parity with transformers is checked in tests/test_llama_parity.py.
 """
+
 from __future__ import annotations
 
 from collections import Counter

@@ -1,4 +1,5 @@
 """InferenceConfig and its sections, loaded and validated from YAML."""
+
 from executor.core.config.inference_config import ConfigError, InferenceConfig, build_config, load_config
 from executor.core.config.sections import DataConfig, ModelConfig, ParallelConfig, SchedulerConfig
 

@@ -4,6 +4,7 @@ Validation happens here, before anything heavy: an unknown key, a wrong type or 
 out-of-range value raises ConfigError naming the section, the key, the file and the closest
 valid key.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -75,8 +76,7 @@ def build_config(raw: dict[str, Any], source: str = "<dict>") -> InferenceConfig
         if section not in SECTIONS:
             raise ConfigError(f"unknown section {section!r} in {source}{_did_you_mean(section, SECTIONS)}")
     built = {
-        name: _build_section(name, section_cls, raw.get(name) or {}, source)
-        for name, section_cls in SECTIONS.items()
+        name: _build_section(name, section_cls, raw.get(name) or {}, source) for name, section_cls in SECTIONS.items()
     }
     config = InferenceConfig(**built, source=source)
     _check_cross_rules(config)

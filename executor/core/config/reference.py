@@ -1,7 +1,8 @@
 """Renders docs/configuration.md's key tables from the section classes, so the doc cannot drift.
 
-    python -m executor.core.config.reference > docs/configuration_keys.md
+python -m executor.core.config.reference > docs/configuration_keys.md
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,7 +29,9 @@ def render_key_tables() -> str:
         lines += [f"### `{name}`", "", "| key | default | rule | meaning |", "|---|---|---|---|"]
         for f in dataclasses.fields(section_cls):
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            lines.append(f"| `{f.name}` | `{default!r}` | {_rule_text(dict(f.metadata))} | {f.metadata.get('help', '')} |")
+            lines.append(
+                f"| `{f.name}` | `{default!r}` | {_rule_text(dict(f.metadata))} | {f.metadata.get('help', '')} |"
+            )
         lines.append("")
     return "\n".join(lines)
 

@@ -4,6 +4,7 @@ Each field's metadata states its rule (`choices`, `min`, `max`) and whether it o
 something on an NPU (`npu_only`), so one generic validator (schema.py) checks every key and
 docs/configuration.md can be read straight off these classes.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -24,13 +25,17 @@ class ModelConfig:
     output_path: str = rule("", help="where results go; empty = models/<model_name>/res/<timestamp>_<yaml-stem>/")
     dtype: str = rule("bfloat16", choices=("float32", "bfloat16", "float16"), help="weights, activations and KV cache")
     with_ckpt: bool = rule(True, help="false: seeded random weights (DummyModelLoader)")
-    exe_mode: str = rule("eager", choices=("eager", "ge_graph", "npugraph_ex"), help="graph modes are not built yet: eager only")
+    exe_mode: str = rule(
+        "eager", choices=("eager", "ge_graph", "npugraph_ex"), help="graph modes are not built yet: eager only"
+    )
     next_n: int = rule(0, min=0, help="MTP draft tokens per step; 0 = no speculative decoding")
     enable_cache_compile: bool = rule(False, npu_only=True, help="torchair cache_compile of the graph")
     enable_static_kernel: bool = rule(False, npu_only=True, help="npugraph_ex static kernel compile")
     enable_dynamic_graph: bool = rule(False, npu_only=True, help="GE graph with dynamic shapes")
     enable_profiler: bool = rule(False, help="write a torch profiler trace of the run next to the outputs")
-    custom_params: dict = rule(default_factory=dict, help="model-specific switches, kept with the run; no model reads any yet")
+    custom_params: dict = rule(
+        default_factory=dict, help="model-specific switches, kept with the run; no model reads any yet"
+    )
     device: str = rule("auto", choices=("auto", "cpu", "cuda", "npu"), help="ours: force a platform")
 
 

@@ -3,6 +3,7 @@
 Built in two phases, as in cann-recipes: the constructor readies the platform and an empty
 ModelWorker; init() loads weights, the tokenizer and the KV cache.
 """
+
 from __future__ import annotations
 
 import logging
@@ -87,7 +88,9 @@ class ExecutionEngine:
     def warm_up(self) -> None:
         """One dummy prefill and one decode step, so first-call costs stay out of the step log."""
         assert self.kv_cache_manager is not None
-        num_tokens = max(1, min(16, self.max_model_len - 2, self.kv_cache_manager.num_blocks * self.kv_cache_manager.block_size - 1))
+        num_tokens = max(
+            1, min(16, self.max_model_len - 2, self.kv_cache_manager.num_blocks * self.kv_cache_manager.block_size - 1)
+        )
         request = Request("warm-up", None, [0] * num_tokens, SamplingParams(max_new_tokens=2))
         for batch in (Batch([request], True, [num_tokens]), Batch([request], False, [1])):
             if self.kv_cache_manager.allocate_slots(request, batch.total_tokens) is None:
@@ -108,7 +111,7 @@ class ExecutionEngine:
                 num_computed_tokens=request.num_computed_tokens,
                 block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
             )
-            for request, num_tokens in zip(batch.requests, batch.num_scheduled_tokens)
+            for request, num_tokens in zip(batch.requests, batch.num_scheduled_tokens, strict=True)
         ]
         return build_model_inputs(
             sequences,

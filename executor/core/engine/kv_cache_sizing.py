@@ -3,6 +3,7 @@
 There is no point holding more than the worst case of a full batch (batch_size requests of
 max_model_len tokens), so the budget is capped there.
 """
+
 from __future__ import annotations
 
 from pathlib import Path

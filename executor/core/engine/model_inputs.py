@@ -3,6 +3,7 @@
 Everything is built on the host as Python lists and copied to the device once per tensor, so the
 hot loop makes no device round-trips.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -55,7 +56,9 @@ def build_model_inputs(
         first_row = len(input_ids)
         input_ids.extend(seq.token_ids)
         position_ids.extend(range(start, end))
-        slot_mapping.extend(seq.block_ids[pos // block_size] * block_size + pos % block_size for pos in range(start, end))
+        slot_mapping.extend(
+            seq.block_ids[pos // block_size] * block_size + pos % block_size for pos in range(start, end)
+        )
         cu_query_lens.append(len(input_ids))
         kv_lens.append(end)
         selected.extend(range(first_row, len(input_ids)) if select_all_tokens else [len(input_ids) - 1])

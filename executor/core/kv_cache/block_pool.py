@@ -3,6 +3,7 @@
 The free queue is FIFO, so a block freed long ago is reused first; prefix caching will keep a
 hash -> block map here and evict from the front of this queue.
 """
+
 from __future__ import annotations
 
 from collections import deque

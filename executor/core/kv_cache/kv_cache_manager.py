@@ -10,6 +10,7 @@ Layout of one request's blocks (block_size 4, 10 tokens computed, 3 new):
 
 allocate_slots(request, 3) hands out block d only; slots for n0..n2 follow from the table.
 """
+
 from __future__ import annotations
 
 from executor.core.kv_cache.block_pool import BlockPool

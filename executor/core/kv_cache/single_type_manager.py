@@ -4,6 +4,7 @@ It decides how many blocks a request needs for a number of tokens and keeps each
 block list (its row of the block table). A sliding-window manager will add which blocks a
 request can drop.
 """
+
 from __future__ import annotations
 
 from executor.core.kv_cache.block_pool import BlockPool

@@ -1,4 +1,5 @@
 """ModelWorker: owns the model on its device, its KV tensors, and runs one forward pass."""
+
 from __future__ import annotations
 
 import contextlib

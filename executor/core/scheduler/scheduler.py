@@ -8,6 +8,7 @@ Until preemption exists, a request is admitted only when the pool can also hold 
 (prompt + max_new_tokens, capped at max_model_len) next to the worst cases still owed to the
 requests already running, so a decode step never finds the pool empty.
 """
+
 from __future__ import annotations
 
 import logging

@@ -1,4 +1,5 @@
 """Plain data shared by the scheduler, the engine and the models."""
+
 from executor.core.types_.batch import Batch
 from executor.core.types_.forward_metadata import ForwardMetaData
 from executor.core.types_.request import FinishReason, Request, RequestStatus, SamplingParams

@@ -1,4 +1,5 @@
 """Batch: the requests chosen for one step, and the write-back of the sampled tokens."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,6 +25,6 @@ class Batch:
     def update_requests_from_batch(self, next_token_ids: list[int]) -> None:
         """Record one sampled token per request and advance its computed-token count."""
         assert len(next_token_ids) == len(self.requests)
-        for request, num_tokens, token_id in zip(self.requests, self.num_scheduled_tokens, next_token_ids):
+        for request, num_tokens, token_id in zip(self.requests, self.num_scheduled_tokens, next_token_ids, strict=True):
             request.num_computed_tokens += num_tokens
             request.output_token_ids.append(token_id)

@@ -2,6 +2,7 @@
 
 It is built once per step by the engine and passed down explicitly; no layer keeps it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -52,7 +53,7 @@ class ForwardMetaData:
     def query_lens(self) -> list[int]:
         """Per-request query lengths, derived from the cumulative list."""
         starts = [0, *self.actual_seq_lengths_q_list[:-1]]
-        return [end - start for start, end in zip(starts, self.actual_seq_lengths_q_list)]
+        return [end - start for start, end in zip(starts, self.actual_seq_lengths_q_list, strict=True)]
 
     @property
     def kv_len(self) -> torch.Tensor:

@@ -1,4 +1,5 @@
 """Request: one prompt's journey through the scheduler, as plain data."""
+
 from __future__ import annotations
 
 import enum
