@@ -1,6 +1,5 @@
 """The NPU ops pass the documented torch_npu arguments (shared/npu-api-facts.md section 3), checked
 against a recording stand-in for torch_npu, since this machine has no NPU."""
-from types import SimpleNamespace
 
 import pytest
 import torch
