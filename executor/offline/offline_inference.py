@@ -56,11 +56,10 @@ class OfflineInference:
         steps: list[StepRecord] = []
         results: dict[str, dict[str, Any]] = {}
         requests = [self._make_request(record) for record in records]
-        prompts = {record.id: record.prompt if record.prompt is not None else record.messages for record in records}
 
         def finish(request: Request) -> None:
             text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
-            result = request_result(request, text) | {"prompt": prompts[request.request_id]}
+            result = request_result(request, text)
             results[request.request_id] = result
             if writer is not None:
                 writer.write_request(result)
@@ -100,12 +99,13 @@ class OfflineInference:
             ignore_eos=sched.ignore_eos,
             stop_token_ids=tuple(sched.stop_token_ids),
         )
+        prompt = record.prompt if record.prompt is not None else record.messages
         try:
             token_ids = tokenize_record(record, self.tokenizer, data.apply_chat_template)
         except DatasetError as exc:
-            request = Request(record.id, record.prompt, [], params)
+            request = Request(record.id, prompt, [], params)
             request.fail(str(exc), time.perf_counter())
             return request
         if data.input_truncated_len:
             token_ids = token_ids[: data.input_truncated_len]
-        return Request(record.id, record.prompt, token_ids, params)
+        return Request(record.id, prompt, token_ids, params)

@@ -88,9 +88,8 @@ class ExecutionEngine:
     def warm_up(self) -> None:
         """One dummy prefill and one decode step, so first-call costs stay out of the step log."""
         assert self.kv_cache_manager is not None
-        num_tokens = max(
-            1, min(16, self.max_model_len - 2, self.kv_cache_manager.num_blocks * self.kv_cache_manager.block_size - 1)
-        )
+        capacity = self.kv_cache_manager.num_blocks * self.kv_cache_manager.block_size
+        num_tokens = max(1, min(16, self.max_model_len - 2, capacity - 1))
         request = Request("warm-up", None, [0] * num_tokens, SamplingParams(max_new_tokens=2))
         for batch in (Batch([request], True, [num_tokens]), Batch([request], False, [1])):
             if self.kv_cache_manager.allocate_slots(request, batch.total_tokens) is None:

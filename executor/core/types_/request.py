@@ -31,7 +31,7 @@ class SamplingParams:
 @dataclass(slots=True)
 class Request:
     request_id: str
-    prompt: str | None
+    prompt: str | list[dict[str, str]] | None  # as given: text or chat messages; None for token ids
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     output_token_ids: list[int] = field(default_factory=list)
