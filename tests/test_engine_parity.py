@@ -46,3 +46,10 @@ def test_too_long_prompt_fails_alone_with_its_reason(tiny_llama_dir, hf_outputs,
     assert by_id["p3"]["finish_reason"] == "error" and "300 tokens" in by_id["p3"]["error"]
     assert by_id["p3"]["output_token_ids"] == []
     assert all(by_id[f"p{i}"]["error"] is None for i in range(3))
+
+
+def test_batch_of_one_token_prompts_equals_transformers(tiny_llama_dir):
+    prompts = make_prompts([1, 1, 1], seed=3)
+    model = load_hf_model(tiny_llama_dir)
+    result = run_engine(tiny_llama_dir, token_records(prompts), batch_size=3, max_new_tokens=8)
+    assert [r.output_token_ids for r in result.requests] == [hf_greedy(model, p, 8) for p in prompts]

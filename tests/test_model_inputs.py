@@ -66,3 +66,10 @@ def test_prefill_carries_no_decode_slots():
         [ScheduledSequence([1, 2], 0, [0])], is_prefill=True, block_size=4, device=CPU
     ).forward_metadata
     assert meta.decode_kv_slots is None and meta.decode_kv_mask is None
+
+
+def test_a_prefill_of_one_token_prompts_carries_decode_slots():
+    meta = build_model_inputs(
+        [ScheduledSequence([1], 0, [3]), ScheduledSequence([2], 0, [1])], is_prefill=True, block_size=4, device=CPU
+    ).forward_metadata
+    assert meta.decode_kv_slots.tolist() == [[12], [4]]

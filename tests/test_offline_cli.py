@@ -2,6 +2,7 @@
 writes outputs.jsonl, steps.jsonl, summary.json and the resolved config."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -112,3 +113,24 @@ def test_random_weights_are_seeded(tmp_path, tiny_llama_dir):
 
     assert outputs(1, "a") == outputs(1, "b")
     assert outputs(1, "a") != outputs(2, "c")
+
+
+def test_input_truncated_len_keeps_the_first_tokens(tmp_path, tiny_llama_dir):
+    dataset = '{"prompt_token_ids": [5, 6, 7, 8, 9, 10]}\n'
+    assert run_cli(tmp_path, tiny_llama_dir, dataset, "data_config.input_truncated_len=4") == 0
+    (output,) = [json.loads(line) for line in (tmp_path / "out" / "outputs.jsonl").read_text().splitlines()]
+    assert output["prompt_tokens"] == 4
+
+
+def test_a_record_that_needs_a_missing_chat_template_fails_alone(tmp_path, tiny_llama_dir):
+    model_dir = tmp_path / "no_template"
+    shutil.copytree(tiny_llama_dir, model_dir)
+    (model_dir / "chat_template.jinja").unlink()
+    dataset = (
+        '{"id": "chat", "messages": [{"role": "user", "content": "w3"}]}\n{"id": "ids", "prompt_token_ids": [5]}\n'
+    )
+    assert run_cli(tmp_path, model_dir, dataset) == 0
+    lines = [json.loads(line) for line in (tmp_path / "out" / "outputs.jsonl").read_text().splitlines()]
+    by_id = {line["id"]: line for line in lines}
+    assert by_id["chat"]["finish_reason"] == "error" and "chat template" in by_id["chat"]["error"]
+    assert by_id["ids"]["error"] is None and by_id["ids"]["output_token_ids"]

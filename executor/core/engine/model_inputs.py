@@ -83,7 +83,7 @@ def build_model_inputs(
         block_size=block_size,
         max_kv_len=max(kv_lens),
     )
-    if not is_prefill:
+    if len(input_ids) == len(sequences):  # one query token per request: a decode-shaped step
         metadata.decode_kv_slots, metadata.decode_kv_mask = _decode_kv_slots(
             block_table_tensor, kv_lens_tensor, max(kv_lens), block_size
         )

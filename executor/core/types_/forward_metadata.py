@@ -35,7 +35,8 @@ class ForwardMetaData:
     block_size: int
     # Longest KV length in the batch (host int), for sizing gathers without a device sync.
     max_kv_len: int
-    # Decode only: [B, max_kv_len] cache slot of each request's KV position (padding positions repeat
+    # Steps with one query token per request (decode, or a prefill of one-token prompts) only:
+    # [B, max_kv_len] cache slot of each request's KV position (padding positions repeat
     # the request's first slot, so a gather reads only written slots) and which positions are real.
     # Built once per step so the torch attention does not rebuild them in every layer.
     decode_kv_slots: torch.Tensor | None = None
