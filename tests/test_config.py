@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from executor.core.config import ConfigError, build_config, load_config
-from executor.core.config.inference_config import unused_npu_keys
+from executor.core.config.inference_config import check_device_rules, unused_npu_keys
 
 
 def write_yaml(tmp_path: Path, text: str) -> Path:
@@ -121,3 +121,11 @@ def test_npu_only_keys_are_reported_unused_elsewhere():
 def test_shipped_configs_are_valid():
     for path in (Path(__file__).resolve().parents[1] / "models").glob("*/configs/*.yaml"):
         load_config(path)
+
+
+def test_npu_needs_block_sizes_in_multiples_of_128():
+    config = build_config({"scheduler_config": {"block_size": 16}}, source="run.yaml")
+    check_device_rules(config, "cpu")
+    with pytest.raises(ConfigError, match="block_size in run.yaml must be a multiple of 128 on NPU"):
+        check_device_rules(config, "npu")
+    check_device_rules(build_config({"scheduler_config": {"block_size": 256}}), "npu")

@@ -169,6 +169,16 @@ def unused_npu_keys(config: InferenceConfig, device_type: str) -> list[str]:
     return unused
 
 
+def check_device_rules(config: InferenceConfig, device_type: str) -> None:
+    """Rules that depend on the platform the run landed on."""
+    block_size = config.scheduler_config.block_size
+    if device_type == "npu" and block_size % 128:
+        raise ConfigError(
+            f"scheduler_config.block_size in {config.source} must be a multiple of 128 on NPU "
+            f"(npu_fused_infer_attention_score prefill with paged KV), got {block_size}"
+        )
+
+
 def _did_you_mean(word: str, candidates: typing.Iterable[str]) -> str:
     close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.5)
     return f"; did you mean {close[0]!r}?" if close else f"; valid: {', '.join(sorted(candidates))}"

@@ -14,6 +14,7 @@ from transformers import AutoTokenizer, GenerationConfig
 
 import ops
 from executor.core.config import ConfigError, InferenceConfig
+from executor.core.config.inference_config import check_device_rules
 from executor.core.engine.kv_cache_sizing import host_available_bytes, plan_num_blocks
 from executor.core.engine.model_inputs import ModelInputs, ScheduledSequence, build_model_inputs
 from executor.core.kv_cache import KVCacheManager
@@ -28,6 +29,7 @@ class ExecutionEngine:
     def __init__(self, config: InferenceConfig) -> None:
         self.config = config
         self.platform = create_platform(config.model_config.device)
+        check_device_rules(config, self.platform.device_type)
         ops.set_backend(self.platform.ops_backend)
         self.dtype = resolve_dtype(config.model_config.dtype)
         self.worker = ModelWorker(
