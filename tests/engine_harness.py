@@ -8,15 +8,16 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from executor.core.config import build_config
+from executor.core.types_ import Batch, Request, SamplingParams
 from executor.offline.dataset import PromptRecord
 from executor.offline.offline_inference import OfflineInference, RunResult
 from executor.offline.results import ResultWriter
 
 
-def make_inference(model_dir: Path, **scheduler) -> OfflineInference:
+def make_inference(model_dir: Path, dtype: str = "float32", **scheduler) -> OfflineInference:
     config = build_config(
         {
-            "model_config": {"model_path": str(model_dir), "dtype": "float32", "device": "cpu"},
+            "model_config": {"model_path": str(model_dir), "dtype": dtype, "device": "cpu"},
             "data_config": {"apply_chat_template": False},
             "scheduler_config": {"block_size": 16, "max_new_tokens": 32} | scheduler,
         },
@@ -35,8 +36,22 @@ def run_engine(model_dir: Path, records: list[PromptRecord], output_dir: Path | 
             writer.close()
 
 
-def load_hf_model(model_dir: Path) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+def load_hf_model(model_dir: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+
+
+def engine_prefill_logits(inference: OfflineInference, prompts: list[list[int]]) -> torch.Tensor:
+    """Our last-token logits for `prompts` prefilled together in one packed step, as fp32."""
+    engine = inference.engine
+    requests = [Request(f"p{i}", None, ids, SamplingParams()) for i, ids in enumerate(prompts)]
+    for request in requests:
+        assert engine.kv_cache_manager.allocate_slots(request, request.num_prompt_tokens) is not None
+    batch = Batch(requests, is_prefill=True, num_scheduled_tokens=[r.num_prompt_tokens for r in requests])
+    try:
+        return engine.worker.inference(engine._build_model_inputs(batch)).float()
+    finally:
+        for request in requests:
+            engine.kv_cache_manager.free(request)
 
 
 @torch.inference_mode()
