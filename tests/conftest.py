@@ -28,27 +28,23 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def save_tiny_llama(path: Path, seed: int = 0, **overrides) -> Path:
-    """A random HF Llama saved as safetensors with a tokenizer: a complete model folder."""
-    settings = (
-        dict(
-            vocab_size=TINY_VOCAB,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=256,
-            bos_token_id=1,
-            eos_token_id=2,
-            pad_token_id=2,
-            tie_word_embeddings=False,
-        )
-        | overrides
+def save_tiny_llama(path: Path) -> Path:
+    """A random HF Llama (GQA, untied) saved as safetensors with a tokenizer: a complete model folder."""
+    config = LlamaConfig(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        tie_word_embeddings=False,
     )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**settings)).eval()
-    model.save_pretrained(path)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).eval().save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     return path
 
