@@ -171,3 +171,10 @@ def test_empty_prompt_fails_alone():
     r = Request("e", "", [], SamplingParams())
     finished = run_all(make_scheduler(), FakeEngine(), [r])
     assert finished == [r] and r.error == "empty prompt"
+
+
+def test_token_ids_between_spans_prompt_and_output():
+    r = Request("a", None, [1, 2, 3], SamplingParams(), output_token_ids=[4, 5])
+    assert r.token_ids_between(0, 3) == [1, 2, 3]
+    assert r.token_ids_between(4, 5) == [5]
+    assert r.token_ids_between(2, 5) == [3, 4, 5]

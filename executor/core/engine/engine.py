@@ -108,7 +108,9 @@ class ExecutionEngine:
         assert self.kv_cache_manager is not None
         sequences = [
             ScheduledSequence(
-                token_ids=request.all_token_ids[request.num_computed_tokens : request.num_computed_tokens + num_tokens],
+                token_ids=request.token_ids_between(
+                    request.num_computed_tokens, request.num_computed_tokens + num_tokens
+                ),
                 num_computed_tokens=request.num_computed_tokens,
                 block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
             )
