@@ -81,7 +81,6 @@ def _decode_attention(
     and the mask drops the repeats.
     """
     slots, mask = forward_metadata.decode_kv_slots, forward_metadata.decode_kv_mask
-    assert slots is not None and mask is not None, "decode steps carry decode_kv_slots (build_model_inputs)"
     batch_size, max_kv_len = slots.shape
     num_kv_heads, head_dim = key_cache.shape[2:]
 
@@ -113,10 +112,10 @@ def paged_attention(
     whose query is shorter than its KV (cached prefix) is causal from the bottom-right corner:
     its query row j sees KV positions <= kv_len - q_len + j.
 
-    One query token per request (decode) runs as one batched call; otherwise one SDPA per
+    A step with decode_kv_slots (one query token per request) runs as one batched call; otherwise one SDPA per
     request, which reads only the request's first kv_len slots, all of them written.
     """
-    if forward_metadata.num_tokens == forward_metadata.batch_size:
+    if forward_metadata.decode_kv_slots is not None:  # one query token per request
         return _decode_attention(query, key_cache, value_cache, forward_metadata, scale)
     block_size = key_cache.shape[1]
     outputs = []
