@@ -134,3 +134,12 @@ def test_a_record_that_needs_a_missing_chat_template_fails_alone(tmp_path, tiny_
     by_id = {line["id"]: line for line in lines}
     assert by_id["chat"]["finish_reason"] == "error" and "chat template" in by_id["chat"]["error"]
     assert by_id["ids"]["error"] is None and by_id["ids"]["output_token_ids"]
+
+
+def test_max_model_len_beyond_the_model_fails_before_the_weights_load(tmp_path, tiny_llama_dir, monkeypatch, capsys):
+    def refuse(*args, **kwargs):
+        raise AssertionError("weights were loaded although max_model_len was bad")
+
+    monkeypatch.setattr("executor.core.model_worker.model_worker.get_model_loader", refuse)
+    assert run_cli(tmp_path, tiny_llama_dir, '{"prompt": "w3"}\n', "scheduler_config.max_model_len=100000") == 2
+    assert "max_position_embeddings 256" in capsys.readouterr().err

@@ -65,7 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DatasetError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    inference = OfflineInference(config, str(model_path))
+    try:  # rules that need the platform or the model's config.json, still checked before the weights load
+        inference = OfflineInference(config, str(model_path))
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     for key in unused_npu_keys(config, inference.engine.platform.device_type):
         logger.info("%s only applies on NPU; unused here", key)
     output_dir = default_output_dir(config)

@@ -42,14 +42,14 @@ class ExecutionEngine:
         logger.info("platform %s, dtype %s", self.platform.device, config.model_config.dtype)
 
     def init(self, model_cls: type[torch.nn.Module], config_cls: Any, model_path: str) -> None:
-        self.worker.init(model_cls, config_cls, model_path)
+        hf_config = config_cls.from_pretrained(model_path)
+        self.max_model_len = self._resolve_max_model_len(hf_config.max_position_embeddings)  # before the weights
+        self.worker.init(model_cls, hf_config, model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.max_model_len = self._resolve_max_model_len()
         self.eos_token_ids = self._collect_eos_token_ids(model_path)
         self._init_cache_manager()
 
-    def _resolve_max_model_len(self) -> int:
-        model_limit = self.worker.hf_config.max_position_embeddings
+    def _resolve_max_model_len(self, model_limit: int) -> int:
         requested = self.config.scheduler_config.max_model_len
         if requested > model_limit:
             raise ConfigError(
@@ -73,10 +73,11 @@ class ExecutionEngine:
         sched = self.config.scheduler_config
         memory = self.platform.memory_info_bytes()
         free_bytes = memory[0] if memory is not None else host_available_bytes()
+        bytes_per_block = self.worker.kv_cache_bytes_per_block(sched.block_size)
         num_blocks = plan_num_blocks(
             num_blocks=sched.num_blocks,
             block_size=sched.block_size,
-            bytes_per_block=self.worker.kv_cache_bytes_per_block(sched.block_size),
+            bytes_per_block=bytes_per_block,
             batch_size=sched.batch_size,
             max_model_len=self.max_model_len,
             free_memory_bytes=free_bytes,
@@ -84,7 +85,7 @@ class ExecutionEngine:
         )
         self.worker.init_kv_cache(num_blocks, sched.block_size)
         self.kv_cache_manager = KVCacheManager(num_blocks, sched.block_size)
-        total_mib = num_blocks * self.worker.kv_cache_bytes_per_block(sched.block_size) / 2**20
+        total_mib = num_blocks * bytes_per_block / 2**20
         logger.info("KV cache: %d blocks of %d tokens (%.0f MiB)", num_blocks, sched.block_size, total_mib)
 
     def warm_up(self) -> None:

@@ -37,9 +37,9 @@ class ModelWorker:
         self.hf_config: Any = None
         self.attention_layers: list[Attention] = []
 
-    def init(self, model_cls: type[torch.nn.Module], config_cls: Any, model_path: str) -> None:
-        """Build the model from the folder's config.json on the device and load its weights."""
-        self.hf_config = config_cls.from_pretrained(model_path)
+    def init(self, model_cls: type[torch.nn.Module], hf_config: Any, model_path: str) -> None:
+        """Build the model from its HF config on the device and load the folder's weights."""
+        self.hf_config = hf_config
         with _default_dtype(self.dtype), self.platform.device:
             model = model_cls(self.hf_config)
         get_model_loader(self.with_ckpt, self.seed).load_weights(model, model_path)
