@@ -1,7 +1,8 @@
 """Attention over the paged KV cache: write this step's K/V, then attend through the block table.
 
-The cache tensors are not parameters: the worker sizes them after the model is loaded and binds
-them to every Attention module with `bind_kv_cache`.
+Every layer that keeps K/V is a KVCacheLayer: it declares what it stores per token
+(`kv_cache_spec`), and the worker, after sizing the cache from all the specs, hands it its tensors
+and its cache group with `bind_kv_cache`. The tensors are not parameters.
 """
 
 from __future__ import annotations
@@ -11,21 +12,48 @@ from torch import nn
 
 import ops
 from executor.core.types_.forward_metadata import ForwardMetaData
+from executor.core.types_.kv_cache_spec import AttentionKind, KVCacheSpec, KVTensorSpec
 
 
-class Attention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+class KVCacheLayer(nn.Module):
+    """A layer with a paged KV cache of its own (standard attention, MLA, ...)."""
+
+    kv_cache_group_id: int = -1
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        raise NotImplementedError
+
+    def bind_kv_cache(self, caches: dict[str, torch.Tensor], group_id: int) -> None:
+        """`caches` maps each spec tensor's name to [num_blocks, block_size, *per-token shape]."""
+        raise NotImplementedError
+
+
+class Attention(KVCacheLayer):
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None = None
+    ) -> None:
         super().__init__()
         assert num_heads % num_kv_heads == 0, f"{num_heads} query heads do not group over {num_kv_heads} KV heads"
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.sliding_window = sliding_window
+        self.cache_dtype = torch.get_default_dtype()  # the worker builds the model under its dtype
         self.key_cache = torch.empty(0)
         self.value_cache = torch.empty(0)
 
-    def bind_kv_cache(self, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
-        """Caches are [num_blocks, block_size, num_kv_heads, head_dim] in the model dtype."""
+    def kv_cache_spec(self) -> KVCacheSpec:
+        shape = (self.num_kv_heads, self.head_dim)
+        kind = AttentionKind.FULL if self.sliding_window is None else AttentionKind.SLIDING_WINDOW
+        return KVCacheSpec(
+            (KVTensorSpec("key", shape, self.cache_dtype), KVTensorSpec("value", shape, self.cache_dtype)),
+            kind,
+            self.sliding_window,
+        )
+
+    def bind_kv_cache(self, caches: dict[str, torch.Tensor], group_id: int) -> None:
+        key_cache, value_cache = caches["key"], caches["value"]
         expected = (self.num_kv_heads, self.head_dim)
         assert key_cache.shape[2:] == expected and value_cache.shape[2:] == expected, (
             f"KV cache must be [num_blocks, block_size, {self.num_kv_heads}, {self.head_dim}], "
@@ -33,12 +61,22 @@ class Attention(nn.Module):
         )
         self.key_cache = key_cache
         self.value_cache = value_cache
+        self.kv_cache_group_id = group_id
 
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, forward_metadata: ForwardMetaData
     ) -> torch.Tensor:
         """query [T, H, D], key/value [T, Hkv, D] -> [T, H, D]."""
-        if self.key_cache.numel() == 0:
+        if self.kv_cache_group_id < 0:
             raise RuntimeError("Attention has no KV cache: the worker must call bind_kv_cache before forward")
-        ops.write_kv_cache(key, value, self.key_cache, self.value_cache, forward_metadata.slot_mapping)
-        return ops.paged_attention(query, self.key_cache, self.value_cache, forward_metadata, self.scale)
+        tables = forward_metadata.groups[self.kv_cache_group_id]
+        ops.write_kv_cache(key, value, self.key_cache, self.value_cache, tables.slot_mapping)
+        return ops.paged_attention(
+            query,
+            self.key_cache,
+            self.value_cache,
+            tables.block_table,
+            forward_metadata,
+            self.scale,
+            self.sliding_window,
+        )

@@ -42,8 +42,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     """hidden -> logits for the selected rows only; each rank computes its vocab slice, then the
     slices are gathered so every rank holds full logits."""
 
-    def forward(self, hidden_states: torch.Tensor, selected_token_indices: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden_states[selected_token_indices], self.weight)
+    def forward(self, hidden_states: torch.Tensor, row_indices: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden_states[row_indices], self.weight)
         if self.tp_size == 1:
             return logits
         shards = [torch.empty_like(logits) for _ in range(self.tp_size)]

@@ -1,6 +1,6 @@
 """Operators behind one dispatch: every op has a torch reference (ops.torch_ref, which defines what
 it computes) and, where the device has a fused kernel, an NPU implementation (ops.npu). Layers
-call only the functions exported here.
+call only the functions exported here; the table behind them is chosen by (backend, exe_mode).
 
 Shapes use the packed TND layout: T tokens of the whole batch, H heads, D head dim.
 """
@@ -12,14 +12,14 @@ from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
 from ops import torch_ref
-from ops.dispatch import current_backend, implementation, set_backend
+from ops.dispatch import current_table, implementation, make_op_table, set_backend
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
 
 def _dispatched(reference: Callable[P, R]) -> Callable[P, R]:
-    """The public op: the reference's signature and docstring, the current backend's body."""
+    """The public op: the reference's signature and docstring, the current table's body."""
     name = reference.__name__
 
     @functools.wraps(reference)
@@ -38,4 +38,4 @@ paged_attention = _dispatched(torch_ref.paged_attention)
 
 OPS = ("rms_norm", "add_rms_norm", "apply_rotary", "silu_and_mul", "write_kv_cache", "paged_attention")
 
-__all__ = [*OPS, "current_backend", "set_backend"]
+__all__ = [*OPS, "current_table", "make_op_table", "set_backend"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from executor.core.types_.forward_metadata import ForwardMetaData
+from ops.attention_metadata import TorchAttentionMetadata
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -67,74 +67,105 @@ def _gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, kv_len: int) -> tor
     return cache[block_ids].flatten(0, 1)[:kv_len].transpose(0, 1)
 
 
-def _decode_attention(
+@torch.library.custom_op("infer_recipes::paged_decode_attention", mutates_args=())
+def paged_decode_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    forward_metadata: ForwardMetaData,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int,
 ) -> torch.Tensor:
-    """One batched SDPA for one query token per request, over K/V gathered up to the longest KV.
+    """One query token per request [B, H, D] over its paged K/V -> [B, H, D], in one batched SDPA.
 
-    The gather follows forward_metadata.decode_kv_slots, whose padding positions repeat a written
-    slot of the same request: unwritten slots may hold anything (NaN included) and are never read,
-    and the mask drops the repeats.
+    Registered as an op so that compilers see one opaque call with fixed shapes ([B, max_blocks]
+    block table, [B] lengths) while the body reads the lengths and gathers only the real K/V, up to
+    the longest sequence of the step, never the table's whole width. Positions past a request's
+    length (and before its window, when `sliding_window` > 0) gather its last written slot instead
+    and are masked off: unwritten slots may hold anything (NaN included) and are never read.
     """
-    slots, mask = forward_metadata.decode_kv_slots, forward_metadata.decode_kv_mask
-    batch_size, max_kv_len = slots.shape
-    num_kv_heads, head_dim = key_cache.shape[2:]
+    batch_size = query.shape[0]
+    block_size, num_kv_heads, head_dim = key_cache.shape[1:]
+    max_len = int(seq_lens.max())
+    positions = torch.arange(max_len, device=query.device)
+    slots = block_table[:, positions // block_size].long() * block_size + positions % block_size
+    mask = positions[None, :] < seq_lens[:, None]
+    if sliding_window > 0:
+        mask &= positions[None, :] >= (seq_lens - sliding_window)[:, None]
+    last_written = slots.gather(1, (seq_lens - 1)[:, None])
+    slots = torch.where(mask, slots, last_written).flatten()
 
     def gather(cache: torch.Tensor) -> torch.Tensor:
-        rows = cache.view(-1, num_kv_heads, head_dim).index_select(0, slots.flatten())
-        return rows.view(batch_size, max_kv_len, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, S, D]
+        rows = cache.view(-1, num_kv_heads, head_dim).index_select(0, slots)
+        return rows.view(batch_size, max_len, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, S, D]
 
     out = F.scaled_dot_product_attention(
-        query.reshape(batch_size, 1, *query.shape[1:]).transpose(1, 2),  # [B, H, 1, D]
+        query.unsqueeze(2),  # [B, H, 1, D]
         gather(key_cache),
         gather(value_cache),
         attn_mask=mask[:, None, None, :],
         scale=scale,
         enable_gqa=True,
     )
-    return out.transpose(1, 2).reshape(query.shape)
+    return out.squeeze(2)
+
+
+@paged_decode_attention.register_fake
+def _(query, key_cache, value_cache, block_table, seq_lens, scale, sliding_window):  # noqa: ANN001, ANN202
+    return torch.empty_like(query)
+
+
+def _prefill_mask(q_len: int, kv_len: int, sliding_window: int | None, device: torch.device) -> torch.Tensor | None:
+    """Bottom-right causal (query row j is token kv_len - q_len + j), within the window if any;
+    None where plain top-left causal is the same thing."""
+    if q_len == kv_len and sliding_window is None:
+        return None
+    query_positions = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+    key_positions = torch.arange(kv_len, device=device)[None, :]
+    mask = key_positions <= query_positions
+    if sliding_window is not None:
+        mask &= key_positions > query_positions - sliding_window
+    return mask
 
 
 def paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    forward_metadata: ForwardMetaData,
+    block_table: torch.Tensor,
+    forward_metadata: TorchAttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of query [T, H, D] over each request's paged K/V -> [T, H, D].
 
-    K/V are read only through forward_metadata.block_table and actual_seq_lengths_kv. A request
-    whose query is shorter than its KV (cached prefix) is causal from the bottom-right corner:
-    its query row j sees KV positions <= kv_len - q_len + j.
+    K/V are read only through `block_table` (the layer's cache group) and the sequence lengths. A
+    request whose query is shorter than its KV (cached prefix, chunk, verify step) is causal from
+    the bottom-right corner. With `sliding_window` W a query token sees itself and the W - 1
+    tokens before it, as transformers' sliding-window layers do.
 
-    A step with decode_kv_slots (one query token per request) runs as one batched call; otherwise one SDPA per
-    request, which reads only the request's first kv_len slots, all of them written.
+    A decode-shaped step runs as one batched op; any other as one SDPA per request, which reads
+    only the request's first kv_len slots, all of them written.
     """
-    if forward_metadata.decode_kv_slots is not None:  # one query token per request
-        return _decode_attention(query, key_cache, value_cache, forward_metadata, scale)
+    if forward_metadata.is_decode_shaped:
+        return paged_decode_attention(
+            query, key_cache, value_cache, block_table, forward_metadata.seq_lens, scale, sliding_window or 0
+        )
     block_size = key_cache.shape[1]
     outputs = []
     query_start = 0
     for index, (query_end, kv_len) in enumerate(
-        zip(forward_metadata.actual_seq_lengths_q_list, forward_metadata.actual_seq_lengths_kv_list, strict=True)
+        zip(forward_metadata.query_ends_list, forward_metadata.seq_lens_list, strict=True)
     ):
         q_len = query_end - query_start
-        block_ids = forward_metadata.block_table[index, : -(-kv_len // block_size)]
+        block_ids = block_table[index, : -(-kv_len // block_size)]
         request_query = query[query_start:query_end].transpose(0, 1)  # [H, q_len, D]
         key = _gather_kv(key_cache, block_ids, kv_len)
         value = _gather_kv(value_cache, block_ids, kv_len)
-        if q_len == kv_len:
-            mask, is_causal = None, True
-        else:  # bottom-right causal: query row j is token kv_len - q_len + j
-            rows = torch.arange(kv_len - q_len, kv_len, device=query.device)
-            mask, is_causal = torch.arange(kv_len, device=query.device)[None, :] <= rows[:, None], False
+        mask = _prefill_mask(q_len, kv_len, sliding_window, query.device)
         out = F.scaled_dot_product_attention(
-            request_query, key, value, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True
+            request_query, key, value, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
         )
         outputs.append(out.transpose(0, 1))
         query_start = query_end

@@ -8,6 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from executor.core.config import build_config
+from executor.core.engine.step_inputs import build_model_inputs, build_step_layout
 from executor.core.types_ import Batch, Request, SamplingParams
 from executor.offline.dataset import PromptRecord
 from executor.offline.offline_inference import OfflineInference, RunResult
@@ -46,9 +47,15 @@ def engine_prefill_logits(inference: OfflineInference, prompts: list[list[int]])
     requests = [Request(f"p{i}", None, ids, SamplingParams()) for i, ids in enumerate(prompts)]
     for request in requests:
         assert engine.kv_cache_manager.allocate_slots(request, request.num_prompt_tokens) is not None
-    batch = Batch(requests, is_prefill=True, num_scheduled_tokens=[r.num_prompt_tokens for r in requests])
+    batch = Batch(requests, [r.num_prompt_tokens for r in requests], is_prefill=True)
+    layout = build_step_layout(
+        engine._schedule_sequences(batch),
+        block_size=engine.kv_cache_manager.block_size,
+        max_blocks_per_request=engine.max_blocks_per_request,
+    )
+    inputs = build_model_inputs(layout, engine.metadata_builder)
     try:
-        return engine.worker.inference(engine._build_model_inputs(batch)).float()
+        return engine.worker.compute_logits(engine.worker.forward(inputs), inputs.logits_indices).float()
     finally:
         for request in requests:
             engine.kv_cache_manager.free(request)

@@ -1,25 +1,43 @@
-"""BlockPool, the single-type manager and KVCacheManager.allocate_slots."""
+"""BlockPool (with its null block), the single-type managers and KVCacheManager.allocate_slots."""
 
 import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from executor.core.kv_cache import BlockPool, KVCacheManager
-from executor.core.types_ import Request, SamplingParams
+from executor.core.kv_cache import NULL_BLOCK_ID, BlockPool, KVCacheManager, SlidingWindowManager
+from executor.core.types_ import KVCacheSpec, KVTensorSpec, Request, SamplingParams, full_attention_spec
+from executor.core.types_.kv_cache_spec import AttentionKind
+
+FULL = full_attention_spec(2, 8, torch.float32)
+SLIDING = KVCacheSpec(FULL.tensors, AttentionKind.SLIDING_WINDOW, sliding_window=8)
 
 
 def make_request(request_id: str, num_prompt_tokens: int) -> Request:
     return Request(request_id, None, list(range(num_prompt_tokens)), SamplingParams())
 
 
+def make_manager(num_blocks: int, block_size: int, specs: list[KVCacheSpec] | None = None) -> KVCacheManager:
+    return KVCacheManager(num_blocks, block_size, specs or [FULL])
+
+
 def test_pool_hands_out_distinct_blocks_and_takes_them_back():
-    pool = BlockPool(4)
+    pool = BlockPool(5)
     first = pool.get_new_blocks(3)
     assert len(set(first)) == 3 and pool.num_free_blocks == 1
     pool.free_blocks(first)
-    assert pool.num_free_blocks == 4
+    assert pool.num_free_blocks == 4 == pool.num_usable_blocks
+
+
+def test_pool_never_hands_out_the_null_block():
+    pool = BlockPool(4)
+    assert NULL_BLOCK_ID not in pool.get_new_blocks(3)
+    with pytest.raises(ValueError, match="only 0 free"):
+        pool.get_new_blocks(1)
 
 
 def test_pool_reuses_least_recently_freed_block_first():
-    pool = BlockPool(3)
+    pool = BlockPool(4)
     a, b, c = pool.get_new_blocks(3)
     pool.free_blocks([b])
     pool.free_blocks([a])
@@ -27,7 +45,7 @@ def test_pool_reuses_least_recently_freed_block_first():
 
 
 def test_pool_refuses_more_blocks_than_free_and_double_free():
-    pool = BlockPool(2)
+    pool = BlockPool(3)
     with pytest.raises(ValueError, match="only 2 free"):
         pool.get_new_blocks(3)
     (block,) = pool.get_new_blocks(1)
@@ -36,13 +54,13 @@ def test_pool_refuses_more_blocks_than_free_and_double_free():
         pool.free_blocks([block])
 
 
-def test_pool_needs_a_block():
-    with pytest.raises(ValueError):
-        BlockPool(0)
+def test_pool_needs_a_block_beside_the_null_block():
+    with pytest.raises(ValueError, match="null block"):
+        BlockPool(1)
 
 
 def test_allocate_slots_grows_the_block_table_only_at_block_boundaries():
-    manager = KVCacheManager(num_blocks=8, block_size=4)
+    manager = make_manager(num_blocks=8, block_size=4)
     request = make_request("r", 6)
     assert [len(new) for new in manager.allocate_slots(request, 6)] == [2]
     request.num_computed_tokens = 6
@@ -50,30 +68,87 @@ def test_allocate_slots_grows_the_block_table_only_at_block_boundaries():
     request.num_computed_tokens = 8
     new_blocks = manager.allocate_slots(request, 1)
     assert len(new_blocks[0]) == 1
-    assert manager.get_block_ids("r")[-1] == new_blocks[0][0]
-    assert len(manager.get_block_ids("r")) == 3
+    assert manager.get_block_ids("r")[0][-1] == new_blocks[0][0]
+    assert len(manager.get_block_ids("r")[0]) == 3
+
+
+def test_lookahead_tokens_get_slots_too():
+    manager = make_manager(num_blocks=8, block_size=4)
+    request = make_request("r", 4)
+    request.num_computed_tokens = 3
+    assert [len(new) for new in manager.allocate_slots(request, 1, num_lookahead_tokens=3)] == [2]
 
 
 def test_allocate_slots_returns_none_and_allocates_nothing_when_short():
-    manager = KVCacheManager(num_blocks=3, block_size=4)
+    manager = make_manager(num_blocks=4, block_size=4)
     assert manager.allocate_slots(make_request("a", 8), 8) is not None
     big = make_request("b", 8)
     assert manager.allocate_slots(big, 8) is None
-    assert manager.get_block_ids("b") == [] and manager.num_free_blocks == 1
+    assert manager.get_block_ids("b") == [[]] and manager.num_free_blocks == 1
 
 
 def test_free_returns_every_block_of_the_request():
-    manager = KVCacheManager(num_blocks=4, block_size=2)
+    manager = make_manager(num_blocks=5, block_size=2)
     request = make_request("r", 7)
     manager.allocate_slots(request, 7)
     assert manager.num_free_blocks == 0 and manager.usage == 1.0
     manager.free(request)
-    assert manager.num_free_blocks == 4 and manager.get_block_ids("r") == []
+    assert manager.num_free_blocks == 4 and manager.get_block_ids("r") == [[]]
 
 
 def test_requests_never_share_blocks():
-    manager = KVCacheManager(num_blocks=10, block_size=2)
+    manager = make_manager(num_blocks=11, block_size=2)
     for i in range(5):
         manager.allocate_slots(make_request(str(i), 3), 3)
-    all_blocks = [b for i in range(5) for b in manager.get_block_ids(str(i))]
+    all_blocks = [b for i in range(5) for b in manager.get_block_ids(str(i))[0]]
     assert len(all_blocks) == len(set(all_blocks)) == 10
+
+
+def test_each_cache_group_gets_its_own_blocks_and_table_row():
+    manager = make_manager(num_blocks=11, block_size=4, specs=[FULL, SLIDING])
+    assert isinstance(manager.managers[1], SlidingWindowManager)
+    request = make_request("r", 9)
+    assert manager.num_blocks_for_tokens(9) == 6  # 3 blocks in each group
+    assert [len(new) for new in manager.allocate_slots(request, 9)] == [3, 3]
+    full_row, sliding_row = manager.get_block_ids("r")
+    assert not set(full_row) & set(sliding_row)
+
+
+def test_a_group_short_of_blocks_stops_every_group_from_allocating():
+    manager = make_manager(num_blocks=6, block_size=4, specs=[FULL, SLIDING])
+    assert manager.allocate_slots(make_request("r", 12), 12) is None  # 3 + 3 blocks needed, 5 usable
+    assert manager.num_free_blocks == 5
+
+
+def test_an_mla_latent_spec_is_sized_by_its_latent():
+    latent = KVCacheSpec((KVTensorSpec("kv_latent", (512 + 64,), torch.bfloat16),))
+    assert latent.bytes_per_block(128) == 128 * 576 * 2
+    assert FULL.bytes_per_block(16) == 16 * 2 * (2 * 8) * 4
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    num_blocks=st.integers(2, 24),
+    block_size=st.sampled_from([1, 2, 4]),
+    two_groups=st.booleans(),
+    actions=st.lists(st.tuples(st.sampled_from(["grow", "free"]), st.integers(0, 5), st.integers(1, 9)), max_size=60),
+)
+def test_random_allocate_and_free_never_hand_out_the_null_block_nor_leak(num_blocks, block_size, two_groups, actions):
+    manager = make_manager(num_blocks, block_size, [FULL, SLIDING] if two_groups else [FULL])
+    requests = {i: make_request(str(i), 1) for i in range(6)}
+    for action, index, num_tokens in actions:
+        request = requests[index]
+        if action == "free":
+            manager.free(request)
+            request.num_computed_tokens = 0
+        elif manager.allocate_slots(request, num_tokens) is not None:
+            request.num_computed_tokens += num_tokens
+        held = [b for r in requests.values() for row in manager.get_block_ids(r.request_id) for b in row]
+        free = list(manager.block_pool._free_queue)
+        assert NULL_BLOCK_ID not in held and NULL_BLOCK_ID not in free
+        assert len(held) == len(set(held)), "a block is held twice"
+        assert not set(held) & set(free), "a block is both free and in use"
+        assert len(held) + len(free) == num_blocks - 1, "a block leaked"
+        for r in requests.values():  # each request holds exactly the blocks its computed tokens need
+            for row in manager.get_block_ids(r.request_id):
+                assert len(row) == -(-r.num_computed_tokens // block_size)

@@ -13,10 +13,11 @@ import torch
 import transformers
 
 import ops
-from executor.core.engine.model_inputs import ScheduledSequence, build_model_inputs
+from executor.core.engine.step_inputs import ScheduledSequence, build_model_inputs, build_step_layout
 from executor.model_loader.errors import WeightLoadError
 from models.llama import LlamaForCausalLM
 from module.attention import Attention
+from ops.attention_metadata import TorchMetadataBuilder
 
 VOCAB = 256
 LLAMA3_ROPE = {
@@ -75,8 +76,10 @@ class PagedLlama:
         head_dim = config.hidden_size // config.num_attention_heads
         for attention in (m for m in self.model.modules() if isinstance(m, Attention)):
             cache_shape = (num_blocks, block_size, config.num_key_value_heads, head_dim)
-            attention.bind_kv_cache(torch.full(cache_shape, float("nan")), torch.full(cache_shape, float("nan")))
-        self.free_blocks = random.Random(0).sample(range(num_blocks), num_blocks)
+            caches = {"key": torch.full(cache_shape, float("nan")), "value": torch.full(cache_shape, float("nan"))}
+            attention.bind_kv_cache(caches, group_id=0)
+        self.max_blocks_per_request = -(-config.max_position_embeddings // block_size)
+        self.free_blocks = random.Random(0).sample(range(1, num_blocks), num_blocks - 1)  # block 0 is the null block
 
     def allocate(self, num_tokens: int) -> list[int]:
         num_blocks = -(-num_tokens // self.block_size)
@@ -88,24 +91,29 @@ class PagedLlama:
         return blocks[: -(-num_tokens // self.block_size)]
 
     @torch.no_grad()
-    def step(self, sequences: list[ScheduledSequence], *, is_prefill: bool) -> torch.Tensor:
-        inputs = build_model_inputs(
-            sequences, is_prefill=is_prefill, block_size=self.block_size, device=torch.device("cpu")
+    def step(self, sequences: list[ScheduledSequence]) -> torch.Tensor:
+        """Logits of each sequence's last token."""
+        layout = build_step_layout(
+            sequences, block_size=self.block_size, max_blocks_per_request=self.max_blocks_per_request
         )
-        return self.model(inputs.input_ids, inputs.position_ids, inputs.forward_metadata)
+        inputs = build_model_inputs(layout, TorchMetadataBuilder(torch.device("cpu")))
+        hidden_states = self.model(inputs.input_ids, inputs.positions, inputs.forward_metadata)
+        return self.model.compute_logits(hidden_states, inputs.logits_indices)
 
     def greedy(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         """One packed prefill, then one batched decode step per token for all prompts together."""
         blocks = [self.allocate(len(prompt) + max_new_tokens) for prompt in prompts]
-        sequences = [ScheduledSequence(p, 0, self.blocks_for(b, len(p))) for p, b in zip(prompts, blocks, strict=True)]
+        sequences = [
+            ScheduledSequence(p, 0, [self.blocks_for(b, len(p))]) for p, b in zip(prompts, blocks, strict=True)
+        ]
         outputs: list[list[int]] = [[] for _ in prompts]
         for step in range(max_new_tokens):
-            next_tokens = self.step(sequences, is_prefill=step == 0).argmax(-1).tolist()
+            next_tokens = self.step(sequences).argmax(-1).tolist()
             for output, token in zip(outputs, next_tokens, strict=True):
                 output.append(token)
             num_tokens = [len(prompt) + step + 1 for prompt in prompts]  # after appending the new token
             sequences = [
-                ScheduledSequence([token], total - 1, self.blocks_for(request_blocks, total))
+                ScheduledSequence([token], total - 1, [self.blocks_for(request_blocks, total)])
                 for token, total, request_blocks in zip(next_tokens, num_tokens, blocks, strict=True)
             ]
         return outputs
@@ -143,8 +151,8 @@ def hf_last_logits(hf_model: torch.nn.Module, prompt: list[int]) -> torch.Tensor
 def test_packed_prefill_logits_match_hf_per_prompt(models):
     hf_model, ours = models
     prompts = random_prompts(PREFILL_PROMPT_LENS, seed=1)
-    sequences = [ScheduledSequence(p, 0, ours.allocate(len(p))) for p in prompts]
-    logits = ours.step(sequences, is_prefill=True)
+    sequences = [ScheduledSequence(p, 0, [ours.allocate(len(p))]) for p in prompts]
+    logits = ours.step(sequences)
     assert logits.shape == (len(prompts), VOCAB)
     for prompt, row in zip(prompts, logits, strict=True):
         assert (row - hf_last_logits(hf_model, prompt)).abs().max() <= 1e-4
@@ -155,12 +163,8 @@ def test_prefill_over_a_cached_prefix_matches_hf_on_the_whole_prompt(models):
     prompts = random_prompts([13, 8], seed=2)
     splits = [7, 3]
     blocks = [ours.allocate(len(p)) for p in prompts]
-    ours.step(
-        [ScheduledSequence(p[:s], 0, b) for p, s, b in zip(prompts, splits, blocks, strict=True)], is_prefill=True
-    )
-    logits = ours.step(
-        [ScheduledSequence(p[s:], s, b) for p, s, b in zip(prompts, splits, blocks, strict=True)], is_prefill=True
-    )
+    ours.step([ScheduledSequence(p[:s], 0, [b]) for p, s, b in zip(prompts, splits, blocks, strict=True)])
+    logits = ours.step([ScheduledSequence(p[s:], s, [b]) for p, s, b in zip(prompts, splits, blocks, strict=True)])
     for prompt, row in zip(prompts, logits, strict=True):
         assert (row - hf_last_logits(hf_model, prompt)).abs().max() <= 1e-4
 

@@ -39,10 +39,8 @@ def test_explicit_block_count_wins():
     assert (
         plan_num_blocks(
             num_blocks=7,
-            block_size=16,
             bytes_per_block=10**9,
-            batch_size=1,
-            max_model_len=16,
+            max_blocks_in_use=1,
             free_memory_bytes=1,
             mem_fraction_static=0.5,
         )
@@ -50,20 +48,18 @@ def test_explicit_block_count_wins():
     )
 
 
-def test_budget_is_capped_at_the_full_batch_worst_case():
-    common = dict(num_blocks=0, block_size=16, bytes_per_block=1000, batch_size=4, max_model_len=100)
-    assert plan_num_blocks(**common, free_memory_bytes=10**9, mem_fraction_static=0.9) == 4 * 7
+def test_budget_is_capped_at_the_full_batch_worst_case_plus_the_null_block():
+    common = dict(num_blocks=0, bytes_per_block=1000, max_blocks_in_use=4 * 7)
+    assert plan_num_blocks(**common, free_memory_bytes=10**9, mem_fraction_static=0.9) == 4 * 7 + 1
     assert plan_num_blocks(**common, free_memory_bytes=10_000, mem_fraction_static=0.5) == 5
 
 
-def test_no_room_for_one_block_is_an_error():
-    with pytest.raises(RuntimeError, match="no memory for even one KV block"):
+def test_no_room_for_the_null_block_and_one_more_is_an_error():
+    with pytest.raises(RuntimeError, match="no memory for the null block and one KV block"):
         plan_num_blocks(
             num_blocks=0,
-            block_size=16,
             bytes_per_block=1000,
-            batch_size=1,
-            max_model_len=16,
-            free_memory_bytes=100,
+            max_blocks_in_use=1,
+            free_memory_bytes=1900,
             mem_fraction_static=0.9,
         )

@@ -10,8 +10,9 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 import ops
-from executor.core.engine.model_inputs import ScheduledSequence, build_model_inputs
+from executor.core.engine.step_inputs import ScheduledSequence, build_step_layout
 from executor.platform import npu_runtime
+from ops.attention_metadata import TorchMetadataBuilder
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 32
@@ -66,71 +67,107 @@ def test_write_kv_cache_puts_each_token_at_its_slot():
     assert key_cache.count_nonzero() == key.count_nonzero()  # nothing else touched
 
 
-def naive_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """query [q, H, D], contiguous key/value [kv, Hkv, D]; query row j is token kv - q + j."""
+def naive_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sliding_window: int | None = None
+) -> torch.Tensor:
+    """query [q, H, D], contiguous key/value [kv, Hkv, D]; query row j is token kv - q + j, and sees
+    the `sliding_window` tokens ending at itself when a window is given."""
     q_len, kv_len = query.shape[0], key.shape[0]
     groups = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     scores = torch.einsum("qhd,khd->hqk", query, key) / math.sqrt(query.shape[-1])
-    allowed = torch.arange(kv_len)[None, :] <= torch.arange(kv_len - q_len, kv_len)[:, None]
+    key_positions, query_positions = torch.arange(kv_len)[None, :], torch.arange(kv_len - q_len, kv_len)[:, None]
+    allowed = key_positions <= query_positions
+    if sliding_window is not None:
+        allowed &= key_positions > query_positions - sliding_window
     scores = scores.masked_fill(~allowed, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), value)
 
 
-def run_paged(query_lens: list[int], kv_lens: list[int], *, is_prefill: bool) -> None:
-    """Scatter each request's K/V over shuffled blocks, fill every other slot with NaN, and compare
-    paged attention with naive attention on the contiguous K/V."""
-    block_order = torch.randperm(NUM_BLOCKS).tolist()
+def run_paged(query_lens: list[int], kv_lens: list[int], sliding_window: int | None = None) -> None:
+    """Scatter each request's K/V over shuffled blocks (never the null block 0), fill every other
+    slot with NaN, and compare paged attention with naive attention on the contiguous K/V."""
+    block_order = (torch.randperm(NUM_BLOCKS - 1) + 1).tolist()
     key_cache = torch.full((NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM), float("nan"))
     value_cache = torch.full_like(key_cache, float("nan"))
     sequences, contiguous_kv = [], []
     for q_len, kv_len in zip(query_lens, kv_lens, strict=True):
         num_blocks = -(-kv_len // BLOCK_SIZE)
         blocks, block_order = block_order[:num_blocks], block_order[num_blocks:]
-        sequences.append(ScheduledSequence(list(range(q_len)), kv_len - q_len, blocks))
+        sequences.append(ScheduledSequence(list(range(q_len)), kv_len - q_len, [blocks]))
         key, value = torch.randn(kv_len, NUM_KV_HEADS, HEAD_DIM), torch.randn(kv_len, NUM_KV_HEADS, HEAD_DIM)
         slots = torch.tensor([blocks[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE for pos in range(kv_len)])
         ops.write_kv_cache(key, value, key_cache, value_cache, slots)
         contiguous_kv.append((key, value))
-    metadata = build_model_inputs(
-        sequences, is_prefill=is_prefill, block_size=BLOCK_SIZE, device=torch.device("cpu")
-    ).forward_metadata
+    layout = build_step_layout(sequences, block_size=BLOCK_SIZE, max_blocks_per_request=NUM_BLOCKS)
+    metadata = TorchMetadataBuilder(torch.device("cpu")).build(layout)
     query = torch.randn(sum(query_lens), NUM_HEADS, HEAD_DIM)
+    block_table = metadata.groups[0].block_table
 
-    output = ops.paged_attention(query, key_cache, value_cache, metadata, HEAD_DIM**-0.5)
+    output = ops.paged_attention(query, key_cache, value_cache, block_table, metadata, HEAD_DIM**-0.5, sliding_window)
 
     assert output.shape == query.shape
     expected = torch.cat(
-        [naive_attention(q, k, v) for q, (k, v) in zip(query.split(query_lens), contiguous_kv, strict=True)]
+        [
+            naive_attention(q, k, v, sliding_window)
+            for q, (k, v) in zip(query.split(query_lens), contiguous_kv, strict=True)
+        ]
     )
     torch.testing.assert_close(output, expected)
 
 
 def test_paged_attention_prefill_is_causal_per_request():
-    run_paged([5, 1, 9, 4], [5, 1, 9, 4], is_prefill=True)
+    run_paged([5, 1, 9, 4], [5, 1, 9, 4])
 
 
 def test_paged_attention_prefill_with_cached_prefix_is_bottom_right_causal():
-    run_paged([3, 6, 2], [10, 6, 7], is_prefill=True)
+    run_paged([3, 6, 2], [10, 6, 7])
 
 
 def test_paged_attention_decode_batches_requests_and_ignores_garbage_slots():
-    run_paged([1, 1, 1, 1], [1, 6, 13, 4], is_prefill=False)
+    run_paged([1, 1, 1, 1], [1, 6, 13, 4])
 
 
-def test_unknown_backend_is_rejected():
+def test_paged_attention_verify_step_with_several_queries_per_request_is_causal():
+    run_paged([3, 3, 3], [7, 3, 12])
+
+
+@pytest.mark.parametrize("query_lens, kv_lens", [([5, 9, 2], [5, 9, 10]), ([1, 1, 1], [2, 9, 14])])
+def test_paged_attention_sliding_window_sees_only_the_window(query_lens, kv_lens):
+    run_paged(query_lens, kv_lens, sliding_window=4)
+
+
+def test_decode_attention_reads_only_up_to_the_longest_sequence_not_the_table_width():
+    """The block table is as wide as max_model_len; the op must gather only the real K/V."""
+    key_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    query = torch.randn(2, NUM_HEADS, HEAD_DIM)
+    narrow = torch.tensor([[1, 2, 0], [3, 0, 0]], dtype=torch.int32)
+    wide = torch.cat([narrow, torch.zeros(2, 500, dtype=torch.int32)], dim=1)
+    seq_lens = torch.tensor([6, 3])
+    args = (query, key_cache, key_cache)
+    with torch.profiler.profile(record_shapes=True) as prof:
+        out_wide = ops.torch_ref.paged_decode_attention(*args, wide, seq_lens, 0.3, 0)
+    out_narrow = ops.torch_ref.paged_decode_attention(*args, narrow, seq_lens, 0.3, 0)
+    torch.testing.assert_close(out_wide, out_narrow)
+    index_shapes = [e.input_shapes[2] for e in prof.events() if e.name == "aten::index_select"]
+    assert index_shapes == [[2 * 6], [2 * 6]]  # K and V: 2 requests x the longest sequence (6), not x 503 blocks
+
+
+def test_unknown_backend_or_exe_mode_is_rejected():
     with pytest.raises(ValueError, match="'cuda'"):
         ops.set_backend("cuda")
-    assert ops.current_backend() == "torch"
+    with pytest.raises(ValueError, match="'graph'"):
+        ops.set_backend("torch", "graph")
+    assert ops.current_table().backend == "torch"
 
 
 @pytest.mark.skipif(npu_runtime.npu_is_available(), reason="torch_npu works on this machine")
 def test_npu_backend_without_torch_npu_raises_clear_error():
     with pytest.raises(npu_runtime.NpuUnavailableError, match="torch_npu"):
         ops.set_backend("npu")
-    assert ops.current_backend() == "torch"
+    assert ops.current_table().backend == "torch"
 
 
 def test_every_op_has_an_npu_implementation():
     for name in ops.OPS:
-        assert callable(getattr(ops.npu, name)), name
+        assert callable(getattr(ops.npu.NpuOps, name)), name

@@ -1,42 +1,90 @@
-"""The NPU ops pass the documented torch_npu arguments (shared/npu-api-facts.md section 3), checked
-against a recording stand-in for torch_npu, since this machine has no NPU."""
+"""The NPU ops pass the documented torch_npu / torchair arguments (shared/npu-api-facts.md sections 3
+and 4), checked against recording stand-ins, since this machine has no NPU.
+
+Shown here: FIA gets the TND paged layout with cumulative query ends and per-request KV lengths
+(host lists in eager mode, int64 tensors through torchair in the graph modes); the causal mask and
+sparse mode follow the step's longest query (a verify step is causal, a decode step is not); a
+sliding window uses the band mode; the KV write, RMSNorm and SwiGLU calls take the documented
+arguments; and the op table imports torch_npu once, when it is made, never during a forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
+import transformers
 
-from executor.core.engine.model_inputs import ScheduledSequence, build_model_inputs
-from ops import npu
+import ops
+from executor.core.engine.step_inputs import ScheduledSequence, build_model_inputs, build_step_layout
+from executor.core.types_.model_inputs import ModelInputs
+from executor.platform import npu_runtime
+from models.llama import LlamaForCausalLM
+from module.attention import Attention
+from ops import dispatch
+from ops.attention_metadata import NpuAttentionMetadata, NpuMetadataBuilder
+from ops.npu import NpuGraphOps, NpuOps
 
 NUM_BLOCKS, BLOCK_SIZE, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 8, 128, 4, 2, 64
+MAX_BLOCKS_PER_REQUEST = 4
+SCALE = 0.125
+CPU = torch.device("cpu")
+
+Call = tuple[tuple[Any, ...], dict[str, Any]]
 
 
 class RecordingTorchNpu:
-    """Records every call; returns tensors of the right shape."""
+    """Records every call by op name; returns tensors of the right shape."""
 
     def __init__(self) -> None:
-        self.calls: dict[str, tuple[tuple, dict]] = {}
+        self.calls: dict[str, list[Call]] = {}
 
-    def npu_fused_infer_attention_score(self, query, key, value, **kwargs):
-        self.calls["fia"] = ((query, key, value), kwargs)
+    def record(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.calls.setdefault(name, []).append((args, kwargs))
+
+    def last(self, name: str) -> Call:
+        return self.calls[name][-1]
+
+    def npu_fused_infer_attention_score(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.record("fia", (query, key, value), kwargs)
         return torch.zeros_like(query), torch.zeros(1)
 
-    def npu_scatter_pa_kv_cache(self, *args, **kwargs):
-        self.calls["scatter"] = (args, kwargs)
+    def npu_scatter_pa_kv_cache(self, *args: Any, **kwargs: Any) -> None:
+        self.record("scatter", args, kwargs)
 
-    def npu_rms_norm(self, x, gamma, epsilon):
-        self.calls["rms_norm"] = ((x, gamma, epsilon), {})
+    def npu_rms_norm(self, x: torch.Tensor, gamma: torch.Tensor, epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:
+        self.record("rms_norm", (x, gamma, epsilon), {})
         return x * 2, torch.ones(1)
 
-    def npu_swiglu(self, x, dim=-1):
-        self.calls["swiglu"] = ((x,), {"dim": dim})
+    def npu_add_rms_norm(
+        self, x1: torch.Tensor, x2: torch.Tensor, gamma: torch.Tensor, epsilon: float
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self.record("add_rms_norm", (x1, x2, gamma, epsilon), {})
+        return (x1 + x2) * 2, torch.ones(1), x1 + x2
+
+    def npu_apply_rotary_pos_emb(
+        self, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.record("apply_rotary_pos_emb", (query, key, cos, sin), {})
+        return query, key
+
+    def npu_rotary_mul(self, x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor) -> torch.Tensor:
+        self.record("rotary_mul", (x, r1, r2), {})
+        return x.clone()
+
+    def npu_swiglu(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        self.record("swiglu", (x,), {"dim": dim})
         return x[..., : x.shape[-1] // 2]
 
 
-@pytest.fixture
-def fake_npu(monkeypatch) -> RecordingTorchNpu:
-    recorder = RecordingTorchNpu()
-    monkeypatch.setattr(npu, "torch_npu", lambda: recorder)
-    return recorder
+def recording_torchair() -> SimpleNamespace:
+    """torchair with the one op the graph modes call: `torchair.ops.npu_fused_infer_attention_score`."""
+    return SimpleNamespace(ops=RecordingTorchNpu())
 
 
 def caches() -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,53 +92,247 @@ def caches() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.zeros(shape), torch.zeros(shape)
 
 
-def metadata(is_prefill: bool):
-    sequences = (
-        [ScheduledSequence([1] * 3, 0, [5]), ScheduledSequence([1] * 5, 0, [2])]
-        if is_prefill
-        else [ScheduledSequence([1], 130, [5, 6]), ScheduledSequence([1], 4, [2])]
-    )
-    return build_model_inputs(sequences, is_prefill=is_prefill, block_size=BLOCK_SIZE, device=torch.device("cpu"))
+# Each step: (cached tokens, tokens fed, blocks) for two requests.
+PREFILL = [ScheduledSequence([1] * 3, 0, [[5]]), ScheduledSequence([1] * 5, 0, [[2]])]
+DECODE = [ScheduledSequence([1], 130, [[5, 6]]), ScheduledSequence([1], 4, [[2]])]
+VERIFY = [  # 3 query tokens per request (2 draft tokens + 1) over a cached prefix: not a prefill, still causal
+    ScheduledSequence([1] * 3, 130, [[5, 6]], num_sampled_rows=3),
+    ScheduledSequence([1] * 3, 4, [[2]], num_sampled_rows=3),
+]
 
 
-def test_prefill_attention_is_tnd_paged_with_cumulative_q_and_per_request_kv(fake_npu):
-    meta = metadata(is_prefill=True).forward_metadata
-    key_cache, value_cache = caches()
+def model_inputs(sequences: list[ScheduledSequence], lengths_as_tensors: bool = False) -> ModelInputs:
+    layout = build_step_layout(sequences, block_size=BLOCK_SIZE, max_blocks_per_request=MAX_BLOCKS_PER_REQUEST)
+    return build_model_inputs(layout, NpuMetadataBuilder(CPU, lengths_as_tensors=lengths_as_tensors))
+
+
+def attend(
+    npu_ops: NpuOps, sequences: list[ScheduledSequence], lengths_as_tensors: bool = False, **kwargs: Any
+) -> tuple[NpuAttentionMetadata, torch.Tensor]:
+    """Run paged_attention over `sequences`; returns the metadata and the block table it was given."""
+    inputs = model_inputs(sequences, lengths_as_tensors)
+    meta = inputs.forward_metadata
+    block_table = meta.groups[0].block_table
+    query = torch.zeros(len(inputs.input_ids), NUM_HEADS, HEAD_DIM)
+    npu_ops.paged_attention(query, *caches(), block_table, meta, SCALE, **kwargs)
+    return meta, block_table
+
+
+def test_prefill_attention_is_tnd_paged_with_cumulative_q_and_per_request_kv():
+    torch_npu = RecordingTorchNpu()
+    meta = model_inputs(PREFILL).forward_metadata
+    block_table = meta.groups[0].block_table
     query = torch.zeros(8, NUM_HEADS, HEAD_DIM)
-    npu.paged_attention(query, key_cache, value_cache, meta, scale=0.125)
-    (q, k, v), kwargs = fake_npu.calls["fia"]
+    NpuOps(torch_npu).paged_attention(query, *caches(), block_table, meta, SCALE)
+    (q, k, v), kwargs = torch_npu.last("fia")
     assert q is query and k.shape == v.shape == (NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS * HEAD_DIM)
     assert kwargs["input_layout"] == "TND" and kwargs["block_size"] == BLOCK_SIZE
     assert kwargs["actual_seq_lengths"] == [3, 8] and kwargs["actual_seq_lengths_kv"] == [3, 5]
-    assert kwargs["block_table"] is meta.block_table and kwargs["block_table"].dtype == torch.int32
-    assert (kwargs["num_heads"], kwargs["num_key_value_heads"], kwargs["scale"]) == (NUM_HEADS, NUM_KV_HEADS, 0.125)
+    assert kwargs["block_table"] is block_table and block_table.dtype == torch.int32
+    assert block_table.shape == (2, MAX_BLOCKS_PER_REQUEST)
+    assert (kwargs["num_heads"], kwargs["num_key_value_heads"], kwargs["scale"]) == (NUM_HEADS, NUM_KV_HEADS, SCALE)
+
+
+def test_prefill_attention_gets_the_int8_2048_causal_mask_with_sparse_mode_3():
+    torch_npu = RecordingTorchNpu()
+    attend(NpuOps(torch_npu), PREFILL)
+    _, kwargs = torch_npu.last("fia")
     assert kwargs["sparse_mode"] == 3
     mask = kwargs["atten_mask"]
     assert mask.shape == (2048, 2048) and mask.dtype == torch.int8
     assert mask[0, 1] == 1 and mask[1, 0] == 0 and mask[0, 0] == 0  # 1 = masked out, above the diagonal
+    assert torch.equal(mask, torch.triu(torch.ones(2048, 2048, dtype=torch.int8), diagonal=1))
 
 
-def test_decode_attention_reads_per_request_kv_lengths_without_a_mask(fake_npu):
-    meta = metadata(is_prefill=False).forward_metadata
-    npu.paged_attention(torch.zeros(2, NUM_HEADS, HEAD_DIM), *caches(), meta, scale=0.125)
-    _, kwargs = fake_npu.calls["fia"]
+def test_verify_step_over_a_cached_prefix_is_causal_with_sparse_mode_3():
+    torch_npu = RecordingTorchNpu()
+    attend(NpuOps(torch_npu), VERIFY)
+    _, kwargs = torch_npu.last("fia")
+    assert kwargs["actual_seq_lengths"] == [3, 6] and kwargs["actual_seq_lengths_kv"] == [133, 7]
+    assert kwargs["sparse_mode"] == 3
+    assert kwargs["atten_mask"] is not None and kwargs["atten_mask"].shape == (2048, 2048)
+
+
+def test_decode_attention_reads_per_request_kv_lengths_without_a_mask():
+    torch_npu = RecordingTorchNpu()
+    attend(NpuOps(torch_npu), DECODE)
+    _, kwargs = torch_npu.last("fia")
     assert kwargs["actual_seq_lengths"] == [1, 2] and kwargs["actual_seq_lengths_kv"] == [131, 5]
-    assert kwargs["atten_mask"] is None
+    assert kwargs["atten_mask"] is None and kwargs["sparse_mode"] == 0
 
 
-def test_kv_write_uses_the_nd_cache_mode_and_contiguous_inputs(fake_npu):
+def test_eager_fia_gets_host_lists():
+    torch_npu = RecordingTorchNpu()
+    attend(NpuOps(torch_npu), DECODE, lengths_as_tensors=False)
+    _, kwargs = torch_npu.last("fia")
+    assert type(kwargs["actual_seq_lengths"]) is list and type(kwargs["actual_seq_lengths_kv"]) is list
+
+
+@pytest.mark.parametrize("sequences", [PREFILL, DECODE, VERIFY], ids=["prefill", "decode", "verify"])
+def test_graph_fia_goes_through_torchair_with_int64_length_tensors(sequences):
+    torch_npu, torchair = RecordingTorchNpu(), recording_torchair()
+    layout = build_step_layout(sequences, block_size=BLOCK_SIZE, max_blocks_per_request=MAX_BLOCKS_PER_REQUEST)
+    attend(NpuGraphOps(torch_npu, torchair), sequences, lengths_as_tensors=True)
+    assert "fia" not in torch_npu.calls  # the eager kernel is never called in a graph mode
+    _, kwargs = torchair.ops.last("fia")
+    for name, expected in (("actual_seq_lengths", layout.query_ends), ("actual_seq_lengths_kv", layout.seq_lens)):
+        lengths = kwargs[name]
+        assert isinstance(lengths, torch.Tensor) and lengths.dtype == torch.int64, name
+        assert lengths.tolist() == expected, name
+    assert kwargs["input_layout"] == "TND" and kwargs["block_table"].dtype == torch.int32
+
+
+def test_sliding_window_prefill_uses_the_band_mode_with_the_window_before_and_nothing_after():
+    torch_npu = RecordingTorchNpu()
+    attend(NpuOps(torch_npu), PREFILL, sliding_window=4)
+    _, kwargs = torch_npu.last("fia")
+    assert (kwargs["sparse_mode"], kwargs["pre_tokens"], kwargs["next_tokens"]) == (4, 4, 0)
+    assert kwargs["atten_mask"] is not None and kwargs["atten_mask"].shape == (2048, 2048)
+
+
+def test_full_attention_leaves_pre_and_next_tokens_unlimited():
+    torch_npu = RecordingTorchNpu()
+    attend(NpuOps(torch_npu), PREFILL)
+    _, kwargs = torch_npu.last("fia")
+    assert kwargs["pre_tokens"] == kwargs["next_tokens"] == 2147483647
+
+
+def test_kv_write_uses_the_nd_cache_mode_and_contiguous_inputs():
+    torch_npu = RecordingTorchNpu()
     key_cache, value_cache = caches()
     key = torch.zeros(NUM_KV_HEADS, 3, HEAD_DIM).transpose(0, 1)  # non-contiguous on purpose
     slots = torch.tensor([0, 1, 2])
-    npu.write_kv_cache(key, key, key_cache, value_cache, slots)
-    args, kwargs = fake_npu.calls["scatter"]
+    NpuOps(torch_npu).write_kv_cache(key, key, key_cache, value_cache, slots)
+    args, kwargs = torch_npu.last("scatter")
     assert kwargs == {"cache_mode": "Norm"}
-    assert args[0].is_contiguous() and args[2] is key_cache and args[3] is value_cache and args[4] is slots
+    assert args[0].is_contiguous() and args[1].is_contiguous()
+    assert torch.equal(args[0], key)
+    assert args[2] is key_cache and args[3] is value_cache and args[4] is slots
 
 
-def test_rms_norm_takes_the_first_output_and_swiglu_splits_the_last_dim(fake_npu):
+def test_rms_norm_takes_the_first_output():
+    torch_npu = RecordingTorchNpu()
     x = torch.ones(2, 4)
-    assert torch.equal(npu.rms_norm(x, torch.ones(4), 1e-5), x * 2)
-    assert fake_npu.calls["rms_norm"][0][2] == 1e-5
-    assert npu.silu_and_mul(torch.ones(2, 8)).shape == (2, 4)
-    assert fake_npu.calls["swiglu"][1] == {"dim": -1}
+    assert torch.equal(NpuOps(torch_npu).rms_norm(x, torch.ones(4), 1e-5), x * 2)
+    assert torch_npu.last("rms_norm")[0][2] == 1e-5
+
+
+def test_add_rms_norm_returns_the_norm_and_the_new_residual():
+    torch_npu = RecordingTorchNpu()
+    x, residual = torch.ones(2, 4), torch.full((2, 4), 2.0)
+    normed, new_residual = NpuOps(torch_npu).add_rms_norm(x, residual, torch.ones(4), 1e-5)
+    assert torch.equal(normed, (x + residual) * 2) and torch.equal(new_residual, x + residual)
+
+
+def test_swiglu_splits_the_last_dim():
+    torch_npu = RecordingTorchNpu()
+    assert NpuOps(torch_npu).silu_and_mul(torch.ones(2, 8)).shape == (2, 4)
+    assert torch_npu.last("swiglu")[1] == {"dim": -1}
+
+
+@pytest.mark.parametrize(("head_dim", "fused"), [(64, True), (128, True), (32, False)])
+def test_rotary_uses_the_fused_kernel_only_for_head_dims_64_and_128(head_dim, fused):
+    torch_npu = RecordingTorchNpu()
+    query, key = torch.zeros(5, NUM_HEADS, head_dim), torch.zeros(5, NUM_KV_HEADS, head_dim)
+    cos, sin = torch.ones(5, head_dim), torch.zeros(5, head_dim)
+    rotated_q, rotated_k = NpuOps(torch_npu).apply_rotary(query, key, cos, sin)
+    assert rotated_q.shape == query.shape and rotated_k.shape == key.shape
+    assert ("apply_rotary_pos_emb" in torch_npu.calls) is fused and ("rotary_mul" in torch_npu.calls) is not fused
+    if fused:  # BSND with B = 1: q [1, T, H, D], cos [1, T, 1, D]
+        q, k, cos_arg, _ = torch_npu.last("apply_rotary_pos_emb")[0]
+        assert q.shape == (1, 5, NUM_HEADS, head_dim) and k.shape == (1, 5, NUM_KV_HEADS, head_dim)
+        assert cos_arg.shape == (1, 5, 1, head_dim)
+
+
+class CountingRuntime:
+    """Stand-ins for npu_runtime.torch_npu / npu_runtime.torchair that count how often each is called."""
+
+    def __init__(self) -> None:
+        self.torch_npu_module = RecordingTorchNpu()
+        self.torchair_module = recording_torchair()
+        self.torch_npu_calls = 0
+        self.torchair_calls = 0
+
+    def torch_npu(self) -> RecordingTorchNpu:
+        self.torch_npu_calls += 1
+        return self.torch_npu_module
+
+    def torchair(self) -> SimpleNamespace:
+        self.torchair_calls += 1
+        return self.torchair_module
+
+
+@pytest.fixture
+def runtime(monkeypatch) -> Iterator[CountingRuntime]:
+    counting = CountingRuntime()
+    monkeypatch.setattr(npu_runtime, "torch_npu", counting.torch_npu)
+    monkeypatch.setattr(npu_runtime, "torchair", counting.torchair)
+    yield counting
+    ops.set_backend("torch")
+
+
+@pytest.mark.parametrize("exe_mode", dispatch.EXE_MODES)
+def test_npu_op_table_imports_torch_npu_once_and_matches_ops_and_builder_to_the_mode(runtime, exe_mode):
+    table = ops.make_op_table("npu", exe_mode)
+    graph = exe_mode != "eager"
+    assert runtime.torch_npu_calls == 1 and runtime.torchair_calls == int(graph)
+    assert type(table.ops) is (NpuGraphOps if graph else NpuOps)
+    assert table.ops.torch_npu is runtime.torch_npu_module
+    if graph:
+        assert table.ops.torchair is runtime.torchair_module
+    builder = table.metadata_builder(CPU)
+    assert isinstance(builder, NpuMetadataBuilder) and builder.lengths_as_tensors is graph
+
+
+def test_every_mode_imports_torch_npu_once_per_process_through_the_runtime(monkeypatch):
+    """The real helpers: torchair() goes through the cached torch_npu(), so torch_npu is imported once."""
+    modules = {"torch_npu": RecordingTorchNpu(), "torchair": recording_torchair()}
+    imported: list[str] = []
+
+    def import_module(name: str) -> Any:
+        imported.append(name)
+        return modules[name]
+
+    monkeypatch.setattr(npu_runtime, "is_torch_npu_installed", lambda: True)
+    monkeypatch.setattr(npu_runtime.importlib, "import_module", import_module)
+    npu_runtime.torch_npu.cache_clear()
+    try:
+        tables = [ops.make_op_table("npu", mode) for mode in dispatch.EXE_MODES]
+    finally:
+        npu_runtime.torch_npu.cache_clear()
+    assert imported.count("torch_npu") == 1 and imported.count("torchair") == len(dispatch.EXE_MODES) - 1
+    assert all(table.ops.torch_npu is modules["torch_npu"] for table in tables)
+
+
+def tiny_llama() -> LlamaForCausalLM:
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+        max_position_embeddings=512,
+    )
+    model = LlamaForCausalLM(config)
+    for param in model.parameters():
+        torch.nn.init.normal_(param, std=0.02)
+    for attention in (m for m in model.modules() if isinstance(m, Attention)):
+        shape = (NUM_BLOCKS, BLOCK_SIZE, attention.num_kv_heads, attention.head_dim)
+        attention.bind_kv_cache({"key": torch.zeros(shape), "value": torch.zeros(shape)}, group_id=0)
+    return model
+
+
+@pytest.mark.parametrize("exe_mode", dispatch.EXE_MODES)
+@torch.no_grad()
+def test_forward_passes_never_call_the_torch_npu_import_helper(runtime, exe_mode):
+    table = ops.set_backend("npu", exe_mode)
+    model = tiny_llama()
+    for sequences in (PREFILL, DECODE, VERIFY):
+        layout = build_step_layout(sequences, block_size=BLOCK_SIZE, max_blocks_per_request=MAX_BLOCKS_PER_REQUEST)
+        inputs = build_model_inputs(layout, table.metadata_builder(CPU))
+        hidden_states = model(inputs.input_ids, inputs.positions, inputs.forward_metadata)
+        assert hidden_states.shape == (len(layout.input_ids), 64)
+    fia_calls = runtime.torchair_module.ops if exe_mode != "eager" else runtime.torch_npu_module
+    assert len(fia_calls.calls["fia"]) == 3 * 2  # every layer of every step went through the NPU table
+    assert runtime.torch_npu_calls == 1

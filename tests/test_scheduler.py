@@ -2,25 +2,34 @@
 
 from collections.abc import Callable
 
+import pytest
+import torch
+
 from executor.core.kv_cache import KVCacheManager
 from executor.core.scheduler import Scheduler, SchedulerLimits
-from executor.core.types_ import Batch, FinishReason, Request, RequestStatus, SamplingParams
+from executor.core.types_ import Batch, FinishReason, Request, RequestStatus, SamplingParams, full_attention_spec
 
 EOS = 0
 
 
 class FakeEngine:
-    """Returns next_token(request) for each request and records every batch it saw."""
+    """Returns next_token(request) for each request whose scheduled tokens reach the end of its
+    sequence (none for a prompt chunk short of it), and records every batch it saw."""
 
     def __init__(self, next_token: Callable[[Request], int] = lambda r: 100 + r.num_tokens) -> None:
         self.next_token = next_token
         self.batches: list[tuple[bool, list[str], list[RequestStatus]]] = []
+        self.scheduled: list[list[int]] = []
 
-    def forward_batch(self, batch: Batch) -> list[int]:
+    def forward_batch(self, batch: Batch) -> list[list[int]]:
         self.batches.append(
             (batch.is_prefill, [r.request_id for r in batch.requests], [r.status for r in batch.requests])
         )
-        return [self.next_token(r) for r in batch.requests]
+        self.scheduled.append(list(batch.num_scheduled_tokens))
+        return [
+            [self.next_token(r)] if r.num_computed_tokens + n >= r.num_tokens else []
+            for r, n in zip(batch.requests, batch.num_scheduled_tokens, strict=True)
+        ]
 
 
 def make_scheduler(
@@ -32,7 +41,7 @@ def make_scheduler(
 ) -> Scheduler:
     return Scheduler(
         SchedulerLimits(batch_size, max_prefill_tokens, max_model_len),
-        KVCacheManager(num_blocks, block_size),
+        KVCacheManager(num_blocks, block_size, [full_attention_spec(1, 8, torch.float32)]),
         eos_token_ids={EOS},
     )
 
@@ -84,11 +93,13 @@ def test_batch_size_caps_running_requests():
     assert max(len(ids) for _, ids, _ in engine.batches) == 2
 
 
-def test_max_prefill_tokens_splits_prefill_batches():
+def test_max_prefill_tokens_caps_every_prefill_step_and_the_last_prompt_is_chunked():
     scheduler, engine = make_scheduler(max_prefill_tokens=10), FakeEngine()
     run_all(scheduler, engine, [request("a", 6), request("b", 6), request("c", 4)])
-    prefills = [ids for is_prefill, ids, _ in engine.batches if is_prefill]
-    assert prefills == [["a"], ["b", "c"]]
+    prefills = [
+        (ids, n) for (is_prefill, ids, _), n in zip(engine.batches, engine.scheduled, strict=True) if is_prefill
+    ]
+    assert prefills == [(["a", "b"], [6, 4]), (["b", "c"], [2, 4])]
 
 
 def test_eos_stops_unless_ignored():
@@ -121,10 +132,20 @@ def test_too_long_prompt_fails_alone():
     assert good.finish_reason is FinishReason.LENGTH and len(good.output_token_ids) == 3
 
 
-def test_prompt_over_prefill_budget_fails_alone():
-    bad = request("bad", 20)
-    run_all(make_scheduler(max_prefill_tokens=16), FakeEngine(), [bad, request("ok", 4)])
-    assert bad.finish_reason is FinishReason.ERROR and "max_prefill_tokens" in bad.error
+def test_prompt_over_prefill_budget_is_prefilled_in_chunks():
+    scheduler, engine = make_scheduler(max_prefill_tokens=8), FakeEngine()
+    long = request("long", 20, max_new_tokens=2)
+    run_all(scheduler, engine, [long])
+    assert engine.scheduled == [[8], [8], [4], [1]]
+    assert [statuses for _, _, statuses in engine.batches[:3]] == [[RequestStatus.PREFILLING]] * 3
+    assert long.finish_reason is FinishReason.LENGTH and long.output_token_ids == [120, 121]
+
+
+def test_a_chunked_prompt_leaves_the_rest_of_the_budget_to_the_next_request():
+    scheduler, engine = make_scheduler(max_prefill_tokens=8), FakeEngine()
+    run_all(scheduler, engine, [request("long", 12), request("short", 3)])
+    assert engine.batches[0][1] == ["long"] and engine.scheduled[0] == [8]
+    assert engine.batches[1][1] == ["long", "short"] and engine.scheduled[1] == [4, 3]
 
 
 def test_request_larger_than_the_pool_fails_alone():
@@ -135,14 +156,38 @@ def test_request_larger_than_the_pool_fails_alone():
     assert ok.finish_reason is FinishReason.LENGTH
 
 
-def test_small_pool_makes_requests_wait_but_all_complete():
-    # Each request needs up to 3 blocks (8 prompt + 4 new = 12 tokens); 7 blocks hold two at a time.
+def test_small_pool_preempts_the_newest_request_and_recomputes_it():
+    # 6 usable blocks of 4: three 8-token prompts fit (2 blocks each); each decode past a block
+    # boundary needs another, so the newest requests are preempted, then recomputed.
+    def make_requests() -> list[Request]:
+        return [request(str(i), 8, max_new_tokens=6) for i in range(3)]
+
     scheduler, engine = make_scheduler(batch_size=8, num_blocks=7, block_size=4), FakeEngine()
-    requests = [request(str(i), 8, max_new_tokens=4) for i in range(6)]
+    requests = make_requests()
     finished = run_all(scheduler, engine, requests)
-    assert len(finished) == 6 and all(r.finish_reason is FinishReason.LENGTH for r in requests)
-    assert max(len(ids) for _, ids, _ in engine.batches) == 2
-    assert scheduler.kv_cache_manager.num_free_blocks == 7
+    assert len(finished) == 3 and all(r.finish_reason is FinishReason.LENGTH for r in requests)
+    assert scheduler.num_preemptions >= 2
+    assert engine.batches[0][1] == ["0", "1", "2"]
+    assert engine.batches[1] == (False, ["0", "1"], [RequestStatus.RUNNING] * 2)  # "2" preempted for "0"
+    # A recomputed request feeds its prompt and the outputs it had (here 1), and keeps them.
+    recompute = next(i for i, (prefill, ids, _) in enumerate(engine.batches) if prefill and i > 0 and "2" in ids)
+    assert engine.scheduled[recompute][engine.batches[recompute][1].index("2")] == 9
+    unconstrained = make_requests()
+    run_all(make_scheduler(batch_size=8), FakeEngine(), unconstrained)
+    assert [r.output_token_ids for r in requests] == [r.output_token_ids for r in unconstrained]
+    assert scheduler.kv_cache_manager.num_free_blocks == 6
+
+
+def test_preempted_request_goes_back_to_the_front_of_the_waiting_queue():
+    scheduler, engine = make_scheduler(batch_size=2, num_blocks=5, block_size=4), FakeEngine()
+    first, second, third = request("a", 8, max_new_tokens=2), request("b", 8, max_new_tokens=2), request("c", 4)
+    for r in (first, second, third):
+        scheduler.add_request(r)
+    scheduler.run_step(engine)  # prefill a and b: 4 of 4 usable blocks
+    scheduler.run_step(engine)  # a needs a block: b is preempted
+    assert [r.request_id for r in scheduler.waiting] == ["b", "c"]
+    assert second.status is RequestStatus.WAITING and second.num_computed_tokens == 0
+    assert scheduler.num_preemptions == 1
 
 
 def test_blocks_follow_sequence_growth_and_are_freed_at_finish():
@@ -150,21 +195,72 @@ def test_blocks_follow_sequence_growth_and_are_freed_at_finish():
     r = request("a", 4, max_new_tokens=3)
     scheduler.add_request(r)
     scheduler.run_step(engine)
-    assert len(scheduler.kv_cache_manager.get_block_ids("a")) == 1
+    assert len(scheduler.kv_cache_manager.get_block_ids("a")[0]) == 1
     scheduler.run_step(engine)  # feeds token 5 -> needs a second block
-    assert len(scheduler.kv_cache_manager.get_block_ids("a")) == 2
+    assert len(scheduler.kv_cache_manager.get_block_ids("a")[0]) == 2
     scheduler.run_step(engine)
-    assert scheduler.kv_cache_manager.get_block_ids("a") == []
-    assert scheduler.kv_cache_manager.num_free_blocks == 64
+    assert scheduler.kv_cache_manager.get_block_ids("a") == [[]]
+    assert scheduler.kv_cache_manager.num_free_blocks == 63  # all but the null block
 
 
-def test_step_record_reports_phase_batch_and_tokens():
-    scheduler = make_scheduler()
+def test_step_record_reports_phase_batch_tokens_and_the_time_of_the_forward_pass():
+    now = [0.0]
+    scheduler = Scheduler(
+        SchedulerLimits(4, 1000, 100),
+        KVCacheManager(64, 4, [full_attention_spec(1, 8, torch.float32)]),
+        eos_token_ids={EOS},
+        clock=lambda: now[0],
+    )
+
+    class SlowEngine(FakeEngine):
+        def forward_batch(self, batch: Batch) -> list[list[int]]:
+            now[0] += 0.007
+            return super().forward_batch(batch)
+
     scheduler.add_request(request("a", 5))
     scheduler.add_request(request("b", 7))
-    record = scheduler.run_step(FakeEngine()).record
+    record = scheduler.run_step(SlowEngine()).record
     assert (record.step, record.phase, record.batch_size, record.num_tokens) == (1, "prefill", 2, 12)
-    assert record.step_time_ms >= 0 and "prefill" in record.log_line()
+    assert record.step_time_ms == pytest.approx(7.0) and "prefill" in record.log_line()
+
+
+class MultiTokenEngine(FakeEngine):
+    """Returns three tokens per request per step, as a verify step that accepts every draft would."""
+
+    def __init__(self, tokens: Callable[[Request], list[int]]) -> None:
+        super().__init__()
+        self.tokens = tokens
+
+    def forward_batch(self, batch: Batch) -> list[list[int]]:
+        super().forward_batch(batch)
+        return [self.tokens(r) for r in batch.requests]
+
+
+def test_several_tokens_per_step_are_cut_at_a_stop_token_and_at_max_new_tokens():
+    def three_tokens(r: Request) -> list[int]:
+        start = len(r.output_token_ids)
+        if r.request_id == "stops":
+            return [[10, 11, 12], [13, 42, 14]][start // 3]  # 42 is a stop token, in the middle
+        if r.request_id == "eos":
+            return [20, EOS, 21]
+        return [30 + start, 31 + start, 32 + start]
+
+    engine = MultiTokenEngine(three_tokens)
+    stops = request("stops", 3, max_new_tokens=10, stop_token_ids=(42,))
+    eos = request("eos", 3, max_new_tokens=10)
+    capped = request("capped", 3, max_new_tokens=4)
+    run_all(make_scheduler(), engine, [stops, eos, capped])
+    assert stops.output_token_ids == [10, 11, 12, 13, 42] and stops.finish_reason is FinishReason.STOP
+    assert eos.output_token_ids == [20, EOS] and eos.finish_reason is FinishReason.STOP
+    assert capped.output_token_ids == [30, 31, 32, 33] and capped.finish_reason is FinishReason.LENGTH
+
+
+def test_after_a_multi_token_step_the_next_step_feeds_every_token_not_yet_computed():
+    engine = MultiTokenEngine(lambda r: [7, 8, 9])
+    r = request("a", 4, max_new_tokens=6)
+    run_all(make_scheduler(), engine, [r])
+    assert engine.scheduled == [[4], [3]]  # the prompt, then the three tokens of the first step
+    assert r.output_token_ids == [7, 8, 9, 7, 8, 9]
 
 
 def test_empty_prompt_fails_alone():

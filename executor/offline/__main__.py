@@ -77,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     writer.write_config(config)
     try:
         result = inference.generate(records, writer)
+    except ConfigError as exc:  # a KV pool too small for every request of the run
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     finally:
         writer.close()
     print_report(result, output_dir)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +18,17 @@ if TYPE_CHECKING:
 DATASET_DIR = Path(__file__).resolve().parents[2] / "dataset"
 
 _PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
-_ALLOWED_KEYS = frozenset(("id", *_PROMPT_FIELDS))
+# Per-line overrides of the run's SamplingParams, with the JSON type each must have.
+SAMPLING_FIELDS: dict[str, type] = {
+    "max_new_tokens": int,
+    "temperature": float,
+    "top_k": int,
+    "top_p": float,
+    "seed": int,
+    "ignore_eos": bool,
+    "stop_token_ids": list,
+}
+_ALLOWED_KEYS = frozenset(("id", *_PROMPT_FIELDS, *SAMPLING_FIELDS))
 
 
 class DatasetError(ValueError):
@@ -33,6 +43,8 @@ class PromptRecord:
     prompt: str | None = None
     messages: list[dict[str, str]] | None = None
     prompt_token_ids: list[int] | None = None
+    # SamplingParams fields this line overrides (types checked here, ranges when the request is made).
+    sampling_overrides: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         num_set = sum(x is not None for x in (self.prompt, self.messages, self.prompt_token_ids))
@@ -104,20 +116,37 @@ def _parse_record(line: str, default_id: str) -> PromptRecord:
         found = f"found {present}" if present else "found none"
         raise ValueError(f"expected exactly one of {list(_PROMPT_FIELDS)}, {found}")
     record_id = _parse_id(obj["id"]) if "id" in obj else default_id
+    overrides = _parse_sampling_overrides(obj)
     field_name = present[0]
     value = obj[field_name]
     if field_name == "prompt":
         if not isinstance(value, str) or not value.strip():
             raise ValueError(f"'prompt' must be a non-empty string, got {_describe(value)}")
-        return PromptRecord(id=record_id, prompt=value)
+        return PromptRecord(id=record_id, prompt=value, sampling_overrides=overrides)
     if field_name == "messages":
-        return PromptRecord(id=record_id, messages=_parse_messages(value))
+        return PromptRecord(id=record_id, messages=_parse_messages(value), sampling_overrides=overrides)
     if not isinstance(value, list) or not value:
         raise ValueError(f"'prompt_token_ids' must be a non-empty list of ints, got {_describe(value)}")
     for index, token_id in enumerate(value):
         if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
             raise ValueError(f"'prompt_token_ids'[{index}] must be a non-negative int, got {token_id!r}")
-    return PromptRecord(id=record_id, prompt_token_ids=value)
+    return PromptRecord(id=record_id, prompt_token_ids=value, sampling_overrides=overrides)
+
+
+def _parse_sampling_overrides(obj: dict[str, Any]) -> dict[str, Any]:
+    """The line's sampling keys, each of its JSON type (an int is a fine float; a bool is no number)."""
+    overrides: dict[str, Any] = {}
+    for key, expected in SAMPLING_FIELDS.items():
+        if key not in obj:
+            continue
+        value = obj[key]
+        numeric = (int, float) if expected is float else expected
+        if (isinstance(value, bool) and expected is not bool) or not isinstance(value, numeric):
+            raise ValueError(f"{key!r} must be {expected.__name__}, got {_describe(value)}")
+        if key == "stop_token_ids" and not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+            raise ValueError(f"'stop_token_ids' must be a list of ints, got {_describe(value)}")
+        overrides[key] = tuple(value) if key == "stop_token_ids" else value
+    return overrides
 
 
 def _parse_id(value: Any) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ from typing import Any
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from executor.core.config import InferenceConfig
+from executor.core.config import ConfigError, InferenceConfig
 from executor.core.engine import ExecutionEngine
 from executor.core.scheduler import Scheduler, SchedulerLimits, StepRecord
 from executor.core.types_ import Request, SamplingParams
@@ -46,6 +47,16 @@ class OfflineInference:
             self.engine.kv_cache_manager,
             self.engine.eos_token_ids,
         )
+        data = config.data_config
+        self.default_sampling_params = SamplingParams(
+            max_new_tokens=sched.max_new_tokens,
+            ignore_eos=sched.ignore_eos,
+            stop_token_ids=tuple(sched.stop_token_ids),
+            temperature=data.temperature,
+            top_k=data.top_k,
+            top_p=data.top_p,
+            seed=data.seed,
+        )
 
     @property
     def tokenizer(self) -> Any:
@@ -56,6 +67,7 @@ class OfflineInference:
         steps: list[StepRecord] = []
         results: dict[str, dict[str, Any]] = {}
         requests = [self._make_request(record) for record in records]
+        self._check_pool_holds_a_request(requests)
 
         def finish(request: Request) -> None:
             text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
@@ -87,25 +99,38 @@ class OfflineInference:
                 for request in output.finished:
                     finish(request)
         summary = summarize(requests, steps, start_s, time.perf_counter())
-        summary |= {"device": str(self.engine.platform.device), "dtype": self.config.model_config.dtype}
+        summary |= {
+            "preemptions": self.scheduler.num_preemptions,
+            "device": str(self.engine.platform.device),
+            "dtype": self.config.model_config.dtype,
+        }
         if writer is not None:
             writer.write_summary(summary)
         return RunResult(requests, [results[r.request_id] for r in requests], steps, summary)
 
+    def _check_pool_holds_a_request(self, requests: list[Request]) -> None:
+        """A pool too small for every request of the run is a configuration error, not N failures."""
+        kv = self.scheduler.kv_cache_manager
+        needs = [self.scheduler.worst_case_blocks(r) for r in requests if not r.is_finished]
+        if needs and min(needs) > kv.num_usable_blocks:
+            raise ConfigError(
+                f"the KV cache pool has {kv.num_usable_blocks} usable blocks of {kv.block_size} tokens, too small for "
+                f"any request: the smallest needs {min(needs)} (prompt + max_new_tokens over {kv.num_groups} cache "
+                f"group(s)); raise scheduler_config.num_blocks or mem_fraction_static ({self.config.source})"
+            )
+
     def _make_request(self, record: PromptRecord) -> Request:
-        data, sched = self.config.data_config, self.config.scheduler_config
-        params = SamplingParams(
-            max_new_tokens=sched.max_new_tokens,
-            ignore_eos=sched.ignore_eos,
-            stop_token_ids=tuple(sched.stop_token_ids),
-        )
+        """A request with the run's sampling parameters and the line's overrides; a record that
+        cannot be tokenized or served fails alone."""
         prompt = record.prompt if record.prompt is not None else record.messages
+        params = dataclasses.replace(self.default_sampling_params, **record.sampling_overrides)
         try:
-            token_ids = tokenize_record(record, self.tokenizer, data.apply_chat_template)
+            token_ids = tokenize_record(record, self.tokenizer, self.config.data_config.apply_chat_template)
         except DatasetError as exc:
-            request = Request(record.id, prompt, [], params)
-            request.fail(str(exc), time.perf_counter())
-            return request
-        if data.input_truncated_len:
-            token_ids = token_ids[: data.input_truncated_len]
+            return Request.failed(record.id, prompt, params, str(exc), time.perf_counter())
+        if self.config.data_config.input_truncated_len:
+            token_ids = token_ids[: self.config.data_config.input_truncated_len]
+        reason = params.check()
+        if reason is not None:
+            return Request.failed(record.id, prompt, params, f"record {record.id!r}: {reason}", time.perf_counter())
         return Request(record.id, prompt, token_ids, params)

@@ -17,7 +17,6 @@ class Platform:
     device_type: str  # "cpu" | "cuda" | "npu"
     device: torch.device
     ops_backend: str  # which ops/ implementation runs: "torch" or "npu"
-    dist_backend: str  # torch.distributed backend: gloo / nccl / hccl
 
     def synchronize(self) -> None:
         """Wait for queued device work, so host timers measure the device."""
@@ -61,11 +60,11 @@ def create_platform(requested: str = "auto", local_rank: int = 0) -> Platform:
     device_type = detect_device_type(requested)
     if device_type == "npu":
         torch.npu.set_device(local_rank)
-        return Platform("npu", torch.device("npu", local_rank), ops_backend="npu", dist_backend="hccl")
+        return Platform("npu", torch.device("npu", local_rank), ops_backend="npu")
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
-        return Platform("cuda", torch.device("cuda", local_rank), ops_backend="torch", dist_backend="nccl")
-    return Platform("cpu", torch.device("cpu"), ops_backend="torch", dist_backend="gloo")
+        return Platform("cuda", torch.device("cuda", local_rank), ops_backend="torch")
+    return Platform("cpu", torch.device("cpu"), ops_backend="torch")
 
 
 def resolve_dtype(name: str) -> torch.dtype:

@@ -134,7 +134,6 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    hf_architecture = "LlamaForCausalLM"
     # checkpoint module name -> (our fused module, shard id passed to its weight_loader)
     packed_modules_mapping: dict[str, tuple[str, int | str]] = {
         "q_proj": ("qkv_proj", "q"),
@@ -153,21 +152,14 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        forward_metadata: ForwardMetaData,
-        slot_mapping: torch.Tensor | None = None,
-        block_table: torch.Tensor | None = None,
-        **kwargs: object,
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_metadata: ForwardMetaData
     ) -> torch.Tensor:
-        """Packed input_ids/position_ids [T] -> logits [num_selected, vocab] for the selected rows.
+        """Packed input_ids/positions [T] -> final hidden states [T, hidden] (after the last norm)."""
+        return self.model(input_ids, positions, forward_metadata)
 
-        slot_mapping and block_table are part of the model contract but read from forward_metadata,
-        which carries the same tensors.
-        """
-        hidden_states = self.model(input_ids, position_ids, forward_metadata)
-        return self.lm_head(hidden_states, forward_metadata.selected_token_indices)
+    def compute_logits(self, hidden_states: torch.Tensor, row_indices: torch.Tensor) -> torch.Tensor:
+        """Logits [rows, vocab] of the rows a step samples; the LM head gathers its vocab shards."""
+        return self.lm_head(hidden_states, row_indices)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors; returns the parameters that received every shard they need."""

@@ -16,8 +16,8 @@ import ops
 from executor.core.config import ConfigError, InferenceConfig
 from executor.core.config.inference_config import check_device_rules
 from executor.core.engine.kv_cache_sizing import host_available_bytes, plan_num_blocks
-from executor.core.engine.model_inputs import ModelInputs, ScheduledSequence, build_model_inputs
-from executor.core.kv_cache import KVCacheManager
+from executor.core.engine.step_inputs import ScheduledSequence, build_model_inputs, build_step_layout
+from executor.core.kv_cache import KVCacheManager, cdiv
 from executor.core.model_worker import ModelWorker
 from executor.core.types_ import Batch, Request, SamplingParams
 from executor.platform import create_platform, resolve_dtype
@@ -30,7 +30,8 @@ class ExecutionEngine:
         self.config = config
         self.platform = create_platform(config.model_config.device)
         check_device_rules(config, self.platform.device_type)
-        ops.set_backend(self.platform.ops_backend)
+        op_table = ops.set_backend(self.platform.ops_backend, config.model_config.exe_mode)
+        self.metadata_builder = op_table.metadata_builder(self.platform.device)
         self.dtype = resolve_dtype(config.model_config.dtype)
         self.worker = ModelWorker(
             self.platform, self.dtype, config.model_config.with_ckpt, seed=config.data_config.seed
@@ -38,6 +39,7 @@ class ExecutionEngine:
         self.tokenizer: Any = None
         self.kv_cache_manager: KVCacheManager | None = None
         self.max_model_len = 0
+        self.max_blocks_per_request = 0
         self.eos_token_ids: set[int] = set()
         logger.info("platform %s, dtype %s", self.platform.device, config.model_config.dtype)
 
@@ -74,56 +76,80 @@ class ExecutionEngine:
         memory = self.platform.memory_info_bytes()
         free_bytes = memory[0] if memory is not None else host_available_bytes()
         bytes_per_block = self.worker.kv_cache_bytes_per_block(sched.block_size)
+        groups = self.worker.kv_cache_groups
+        self.max_blocks_per_request = cdiv(self.max_model_len, sched.block_size)
         num_blocks = plan_num_blocks(
             num_blocks=sched.num_blocks,
-            block_size=sched.block_size,
             bytes_per_block=bytes_per_block,
-            batch_size=sched.batch_size,
-            max_model_len=self.max_model_len,
+            max_blocks_in_use=sched.batch_size * self.max_blocks_per_request * len(groups),
             free_memory_bytes=free_bytes,
             mem_fraction_static=sched.mem_fraction_static,
         )
         self.worker.init_kv_cache(num_blocks, sched.block_size)
-        self.kv_cache_manager = KVCacheManager(num_blocks, sched.block_size)
+        self.kv_cache_manager = KVCacheManager(num_blocks, sched.block_size, [group.spec for group in groups])
         total_mib = num_blocks * bytes_per_block / 2**20
-        logger.info("KV cache: %d blocks of %d tokens (%.0f MiB)", num_blocks, sched.block_size, total_mib)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.0f MiB, block 0 reserved), %d cache group(s)",
+            num_blocks,
+            sched.block_size,
+            total_mib,
+            len(groups),
+        )
 
     def warm_up(self) -> None:
         """One dummy prefill and one decode step, so first-call costs stay out of the step log."""
         assert self.kv_cache_manager is not None
-        capacity = self.kv_cache_manager.num_blocks * self.kv_cache_manager.block_size
-        num_tokens = max(1, min(16, self.max_model_len - 2, capacity - 1))
+        capacity = self.kv_cache_manager.num_usable_blocks // self.kv_cache_manager.num_groups
+        num_tokens = max(1, min(16, self.max_model_len - 2, capacity * self.kv_cache_manager.block_size - 1))
         request = Request("warm-up", None, [0] * num_tokens, SamplingParams(max_new_tokens=2))
-        for batch in (Batch([request], True, [num_tokens]), Batch([request], False, [1])):
+        for batch in (Batch([request], [num_tokens], is_prefill=True), Batch([request], [1], is_prefill=False)):
             if self.kv_cache_manager.allocate_slots(request, batch.total_tokens) is None:
-                raise RuntimeError("the KV cache is too small for a warm-up request")
-            batch.update_requests_from_batch(self.forward_batch(batch))
+                raise ConfigError(
+                    f"the KV cache ({self.kv_cache_manager.num_usable_blocks} usable blocks) cannot hold a "
+                    f"{request.num_tokens}-token warm-up request; raise scheduler_config.num_blocks "
+                    f"({self.config.source})"
+                )
+            (new_tokens,) = self.forward_batch(batch)
+            request.num_computed_tokens += batch.total_tokens
+            request.output_token_ids.extend(new_tokens)
         self.kv_cache_manager.free(request)
 
-    def forward_batch(self, batch: Batch) -> list[int]:
-        """Run one step for `batch` and return one sampled token id per request."""
-        logits = self.worker.inference(self._build_model_inputs(batch))
-        return self._sample_tokens(logits)
-
-    def _build_model_inputs(self, batch: Batch) -> ModelInputs:
-        assert self.kv_cache_manager is not None
-        sequences = [
-            ScheduledSequence(
-                token_ids=request.token_ids_between(
-                    request.num_computed_tokens, request.num_computed_tokens + num_tokens
-                ),
-                num_computed_tokens=request.num_computed_tokens,
-                block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
-            )
-            for request, num_tokens in zip(batch.requests, batch.num_scheduled_tokens, strict=True)
-        ]
-        return build_model_inputs(
+    def forward_batch(self, batch: Batch) -> list[list[int]]:
+        """Run one step for `batch`; the new token ids of each request (none for a prompt chunk
+        that does not reach the end of its prompt)."""
+        sequences = self._schedule_sequences(batch)
+        layout = build_step_layout(
             sequences,
-            is_prefill=batch.is_prefill,
-            block_size=self.kv_cache_manager.block_size,
-            device=self.platform.device,
+            block_size=self.config.scheduler_config.block_size,
+            max_blocks_per_request=self.max_blocks_per_request,
         )
+        inputs = build_model_inputs(layout, self.metadata_builder)
+        hidden_states = self.worker.forward(inputs)
+        if not layout.logits_indices:
+            return [[] for _ in sequences]
+        token_ids = self._sample(self.worker.compute_logits(hidden_states, inputs.logits_indices))
+        new_token_ids: list[list[int]] = []
+        row = 0
+        for seq in sequences:
+            new_token_ids.append(token_ids[row : row + seq.num_sampled_rows])
+            row += seq.num_sampled_rows
+        return new_token_ids
 
-    def _sample_tokens(self, logits: torch.Tensor) -> list[int]:
-        """Greedy argmax; the one host sync of the step."""
+    def _schedule_sequences(self, batch: Batch) -> list[ScheduledSequence]:
+        assert self.kv_cache_manager is not None
+        sequences = []
+        for request, num_tokens in zip(batch.requests, batch.num_scheduled_tokens, strict=True):
+            start, end = request.num_computed_tokens, request.num_computed_tokens + num_tokens
+            sequences.append(
+                ScheduledSequence(
+                    token_ids=request.token_ids_between(start, end),
+                    num_computed_tokens=start,
+                    block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+                    num_sampled_rows=1 if end >= request.num_tokens else 0,
+                )
+            )
+        return sequences
+
+    def _sample(self, logits: torch.Tensor) -> list[int]:
+        """Greedy argmax (every request is greedy until the sampler lands); the one host sync of the step."""
         return logits.argmax(dim=-1).tolist()

@@ -1,13 +1,14 @@
-"""SingleTypeKVCacheManager: the logical blocks of one attention type, per request.
+"""SingleTypeKVCacheManager: the logical blocks of one cache group, per request.
 
 It decides how many blocks a request needs for a number of tokens and keeps each request's
-block list (its row of the block table). A sliding-window manager will add which blocks a
-request can drop.
+block list (its row of the group's block table). The sliding-window manager will also drop the
+blocks that fall wholly outside the window; for now it keeps them, as the full manager does.
 """
 
 from __future__ import annotations
 
 from executor.core.kv_cache.block_pool import BlockPool
+from executor.core.types_.kv_cache_spec import AttentionKind, KVCacheSpec
 
 
 def cdiv(a: int, b: int) -> int:
@@ -17,7 +18,8 @@ def cdiv(a: int, b: int) -> int:
 class SingleTypeKVCacheManager:
     """Base: blocks grow with the sequence; subclasses change what a request must keep."""
 
-    def __init__(self, block_pool: BlockPool, block_size: int) -> None:
+    def __init__(self, spec: KVCacheSpec, block_pool: BlockPool, block_size: int) -> None:
+        self.spec = spec
         self.block_pool = block_pool
         self.block_size = block_size
         self.req_to_blocks: dict[str, list[int]] = {}
@@ -46,3 +48,13 @@ class SingleTypeKVCacheManager:
 
 class FullAttentionManager(SingleTypeKVCacheManager):
     """Full attention keeps every block of the sequence until the request ends."""
+
+
+class SlidingWindowManager(SingleTypeKVCacheManager):
+    """Sliding-window attention. It keeps every block for now (correct, not yet frugal): freeing the
+    blocks that fall out of the window is the KV cache issue's work."""
+
+
+def manager_for(spec: KVCacheSpec, block_pool: BlockPool, block_size: int) -> SingleTypeKVCacheManager:
+    manager_cls = SlidingWindowManager if spec.kind is AttentionKind.SLIDING_WINDOW else FullAttentionManager
+    return manager_cls(spec, block_pool, block_size)

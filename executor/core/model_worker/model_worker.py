@@ -1,18 +1,20 @@
-"""ModelWorker: owns the model on its device, its KV tensors, and runs one forward pass."""
+"""ModelWorker: owns the model on its device, its KV cache tensors, and runs one forward pass."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from executor.core.engine.model_inputs import ModelInputs
+from executor.core.types_.kv_cache_spec import KVCacheSpec
+from executor.core.types_.model_inputs import ModelInputs
 from executor.model_loader import get_model_loader
 from executor.platform import Platform
-from module.attention import Attention
+from module.attention import KVCacheLayer
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +29,22 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+@dataclass(frozen=True, slots=True)
+class KVCacheGroup:
+    """Layers with one KV cache spec: they share a block table and a SingleTypeKVCacheManager."""
+
+    spec: KVCacheSpec
+    layer_names: tuple[str, ...]
+
+
+def group_kv_cache_layers(layers: dict[str, KVCacheLayer]) -> list[KVCacheGroup]:
+    """One group per distinct spec, in the order the specs first appear in the model."""
+    by_spec: dict[KVCacheSpec, list[str]] = {}
+    for name, layer in layers.items():
+        by_spec.setdefault(layer.kv_cache_spec(), []).append(name)
+    return [KVCacheGroup(spec, tuple(names)) for spec, names in by_spec.items()]
+
+
 class ModelWorker:
     def __init__(self, platform: Platform, dtype: torch.dtype, with_ckpt: bool, seed: int) -> None:
         self.platform = platform
@@ -34,46 +52,49 @@ class ModelWorker:
         self.with_ckpt = with_ckpt
         self.seed = seed
         self.model: torch.nn.Module | None = None
-        self.hf_config: Any = None
-        self.attention_layers: list[Attention] = []
+        self.kv_cache_layers: dict[str, KVCacheLayer] = {}
+        self.kv_cache_groups: list[KVCacheGroup] = []
 
     def init(self, model_cls: type[torch.nn.Module], hf_config: Any, model_path: str) -> None:
-        """Build the model from its HF config on the device and load the folder's weights."""
-        self.hf_config = hf_config
+        """Build the model from its HF config on the device, load the folder's weights, and group
+        its KV cache layers by spec."""
         with _default_dtype(self.dtype), self.platform.device:
-            model = model_cls(self.hf_config)
+            model = model_cls(hf_config)
         get_model_loader(self.with_ckpt, self.seed).load_weights(model, model_path)
         self.model = model.eval()
-        self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
-        if not self.attention_layers:
-            raise ValueError(f"{model_cls.__name__} has no module.attention.Attention layer to hold a KV cache")
+        self.kv_cache_layers = {name: m for name, m in model.named_modules() if isinstance(m, KVCacheLayer)}
+        if not self.kv_cache_layers:
+            raise ValueError(f"{model_cls.__name__} has no module.attention.KVCacheLayer to hold a KV cache")
+        self.kv_cache_groups = group_kv_cache_layers(self.kv_cache_layers)
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
-        """Bytes one block takes across all layers, keys and values."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return sum(2 * block_size * layer.num_kv_heads * layer.head_dim * itemsize for layer in self.attention_layers)
+        """Bytes one block id takes across every layer's cache tensors (a sum over the layers' specs)."""
+        return sum(layer.kv_cache_spec().bytes_per_block(block_size) for layer in self.kv_cache_layers.values())
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        """Allocate [num_blocks, block_size, kv_heads, head_dim] key and value tensors per layer.
+        """Allocate [num_blocks, block_size, *per-token shape] for every tensor of every layer's spec.
 
         Left uninitialised: attention reads only slots this run has written (ops/torch_ref.py and
         its tests fill unused slots with NaN to hold it to that), so start-up touches no cache page.
         """
-        for layer in self.attention_layers:
-            shape = (num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
-            key_cache = torch.empty(shape, dtype=self.dtype, device=self.platform.device)
-            value_cache = torch.empty(shape, dtype=self.dtype, device=self.platform.device)
-            layer.bind_kv_cache(key_cache, value_cache)
+        for group_id, group in enumerate(self.kv_cache_groups):
+            for name in group.layer_names:
+                caches = {
+                    tensor.name: torch.empty(
+                        (num_blocks, block_size, *tensor.shape), dtype=tensor.dtype, device=self.platform.device
+                    )
+                    for tensor in group.spec.tensors
+                }
+                self.kv_cache_layers[name].bind_kv_cache(caches, group_id)
 
     @torch.inference_mode()
-    def inference(self, inputs: ModelInputs) -> torch.Tensor:
-        """One forward pass; logits [num_selected_rows, vocab]."""
+    def forward(self, inputs: ModelInputs) -> torch.Tensor:
+        """One forward pass; hidden states [T, hidden]."""
         assert self.model is not None, "ModelWorker.init() must run first"
-        metadata = inputs.forward_metadata
-        return self.model(
-            inputs.input_ids,
-            inputs.position_ids,
-            metadata,
-            slot_mapping=metadata.slot_mapping,
-            block_table=metadata.block_table,
-        )
+        return self.model(inputs.input_ids, inputs.positions, inputs.forward_metadata)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden_states: torch.Tensor, row_indices: torch.Tensor) -> torch.Tensor:
+        """Logits [rows, vocab] for the rows the step samples."""
+        assert self.model is not None, "ModelWorker.init() must run first"
+        return self.model.compute_logits(hidden_states, row_indices)

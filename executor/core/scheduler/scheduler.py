@@ -1,12 +1,16 @@
-"""Scheduler: the request lifecycle and prefill-first batching.
+"""Scheduler: the request lifecycle and prefill-first batching, with chunked prefill and preemption.
 
-Waiting -> Prefilling -> Running -> Finished. Each step is either one prefill batch (as many
-waiting requests as fit the running-slot, token and KV-block budgets) or, when nothing can be
-prefilled, one decode step for every running request.
+Waiting -> Prefilling -> Running -> Finished. Every step gives each scheduled request its
+remaining tokens (num_tokens - num_computed_tokens), capped by the step's token budget: a prompt
+longer than the budget is prefilled in chunks over several steps, a preempted request recomputes
+its prompt and outputs, a decode step feeds one token. A step is a prefill step (admitted requests
+still prefilling, then waiting requests, while slots and budget last) or, when nothing needs
+prefilling, a decode step for every running request.
 
-Until preemption exists, a request is admitted only when the pool can also hold its worst case
-(prompt + max_new_tokens, capped at max_model_len) next to the worst cases still owed to the
-requests already running, so a decode step never finds the pool empty.
+A waiting request is admitted when its tokens fit the free blocks. When a running request cannot
+get a block, the most recently admitted running request is preempted: its blocks are freed and it
+goes back to the front of the waiting queue, to be recomputed later. A request that could not fit
+the whole pool even alone fails at once, so a lone request always progresses.
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ logger = logging.getLogger(__name__)
 
 
 class BatchRunner(Protocol):
-    def forward_batch(self, batch: Batch) -> list[int]: ...
+    def forward_batch(self, batch: Batch) -> list[list[int]]:
+        """The new token ids of each request of the batch (zero or more each)."""
+        ...
 
 
 @dataclass(slots=True)
@@ -70,7 +76,8 @@ class Scheduler:
         self.eos_token_ids = eos_token_ids
         self.clock = clock
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.running: list[Request] = []  # admitted requests (they hold blocks), oldest first
+        self.num_preemptions = 0
         self._newly_failed: list[Request] = []
         self._step = 0
 
@@ -91,15 +98,15 @@ class Scheduler:
     def run_step(self, engine: BatchRunner) -> StepOutput:
         """Schedule one batch, run it, and advance the requests' states."""
         finished, self._newly_failed = self._newly_failed, []
-        batch = self._schedule_batch()
+        batch = self._schedule_prefill_batch() or self._schedule_decode_batch()
         if batch is None:
             if finished:
                 return StepOutput(record=None, finished=finished)
             raise RuntimeError("scheduler stalled: requests wait but none can be scheduled")
         start_s = self.clock()
-        next_token_ids = engine.forward_batch(batch)
+        new_token_ids = engine.forward_batch(batch)
         step_time_ms = (self.clock() - start_s) * 1e3
-        batch.update_requests_from_batch(next_token_ids)
+        finished.extend(self._update_from_output(batch, new_token_ids))
         self._step += 1
         record = StepRecord(
             step=self._step,
@@ -109,46 +116,84 @@ class Scheduler:
             step_time_ms=step_time_ms,
             kv_usage=self.kv_cache_manager.usage,
         )
-        finished.extend(self._process_batch_output(batch))
         logger.info(record.log_line())
         return StepOutput(record=record, finished=finished)
 
     # -- scheduling -------------------------------------------------------------------------
 
-    def _schedule_batch(self) -> Batch | None:
-        return self._schedule_prefill_batch() or self._schedule_decode_batch()
-
     def _schedule_prefill_batch(self) -> Batch | None:
         requests: list[Request] = []
         num_tokens: list[int] = []
-        reserved_blocks = sum(self._blocks_still_owed(r) for r in self.running)
-        while self.waiting and len(self.running) + len(requests) < self.limits.batch_size:
+        budget = self.limits.max_prefill_tokens
+        for request in [r for r in self.running if r.status is RequestStatus.PREFILLING]:
+            if budget == 0:
+                break
+            if request.status is RequestStatus.WAITING:  # preempted for an older request this step
+                continue
+            chunk = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._allocate_or_preempt(request, chunk):
+                requests.append(request)
+                num_tokens.append(chunk)
+                budget -= chunk
+        while self.waiting and budget > 0 and len(self.running) < self.limits.batch_size:
             request = self.waiting[0]
-            if sum(num_tokens) + request.num_prompt_tokens > self.limits.max_prefill_tokens:
-                break
-            worst_case = self.kv_cache_manager.num_blocks_for_tokens(self._max_total_tokens(request))
-            if self.kv_cache_manager.num_free_blocks - reserved_blocks < worst_case:
+            if self.kv_cache_manager.num_blocks_for_tokens(request.num_tokens) > self.kv_cache_manager.num_free_blocks:
                 break  # wait for running requests to finish and free their blocks
-            if self.kv_cache_manager.allocate_slots(request, request.num_prompt_tokens) is None:
-                break
+            chunk = min(request.num_tokens, budget)
+            allocated = self.kv_cache_manager.allocate_slots(request, chunk)
+            assert allocated is not None, "the request's tokens fit the free blocks, so its chunk does"
             self.waiting.popleft()
             request.status = RequestStatus.PREFILLING
-            reserved_blocks += self._blocks_still_owed(request)
+            self.running.append(request)
             requests.append(request)
-            num_tokens.append(request.num_prompt_tokens)
-        return Batch(requests, is_prefill=True, num_scheduled_tokens=num_tokens) if requests else None
+            num_tokens.append(chunk)
+            budget -= chunk
+        return Batch(requests, num_tokens, is_prefill=True) if requests else None
 
     def _schedule_decode_batch(self) -> Batch | None:
-        requests = [r for r in self.running if self.kv_cache_manager.allocate_slots(r, 1) is not None]
-        return Batch(requests, is_prefill=False, num_scheduled_tokens=[1] * len(requests)) if requests else None
+        requests: list[Request] = []
+        num_tokens: list[int] = []
+        budget = self.limits.max_prefill_tokens
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status is RequestStatus.WAITING:  # preempted for an older request this step
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._allocate_or_preempt(request, num_new):
+                requests.append(request)
+                num_tokens.append(num_new)
+                budget -= num_new
+        return Batch(requests, num_tokens, is_prefill=False) if requests else None
 
-    def _max_total_tokens(self, request: Request) -> int:
-        """The most tokens the request can ever hold in the cache."""
-        return min(request.num_prompt_tokens + request.sampling_params.max_new_tokens, self.limits.max_model_len)
+    def _allocate_or_preempt(self, request: Request, num_new_tokens: int) -> bool:
+        """Blocks for the request's next tokens, preempting the newest running requests until they
+        fit; False when the request itself had to be preempted."""
+        while self.kv_cache_manager.allocate_slots(request, num_new_tokens) is None:
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is request:
+                return False
+        return True
 
-    def _blocks_still_owed(self, request: Request) -> int:
-        worst_case = self.kv_cache_manager.num_blocks_for_tokens(self._max_total_tokens(request))
-        return max(0, worst_case - self.kv_cache_manager.num_blocks_held(request.request_id))
+    def _preempt(self, request: Request) -> None:
+        """Free the request's blocks and requeue it at the front; it recomputes its tokens later."""
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        logger.info(
+            "preempted request %s (%d tokens computed): the KV cache is full; it will be recomputed",
+            request.request_id,
+            request.num_computed_tokens,
+        )
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
+    def worst_case_blocks(self, request: Request) -> int:
+        """Blocks the request holds at its longest (prompt + max_new_tokens, within max_model_len)."""
+        max_tokens = min(request.num_prompt_tokens + request.sampling_params.max_new_tokens, self.limits.max_model_len)
+        return self.kv_cache_manager.num_blocks_for_tokens(max_tokens)
 
     def _rejection_reason(self, request: Request) -> str | None:
         prompt_len = request.num_prompt_tokens
@@ -159,30 +204,30 @@ class Scheduler:
                 f"prompt has {prompt_len} tokens; the model's limit is {self.limits.max_model_len} tokens "
                 "including at least one generated token (scheduler_config.max_model_len)"
             )
-        if prompt_len > self.limits.max_prefill_tokens:
+        worst_case = self.worst_case_blocks(request)
+        if worst_case > self.kv_cache_manager.num_usable_blocks:
             return (
-                f"prompt has {prompt_len} tokens, more than scheduler_config.max_prefill_tokens "
-                f"({self.limits.max_prefill_tokens})"
-            )
-        worst_case = self.kv_cache_manager.num_blocks_for_tokens(self._max_total_tokens(request))
-        if worst_case > self.kv_cache_manager.num_blocks:
-            return (
-                f"request needs {worst_case} KV blocks but the pool has {self.kv_cache_manager.num_blocks} "
+                f"request needs {worst_case} KV blocks but the pool has {self.kv_cache_manager.num_usable_blocks} "
                 "(raise scheduler_config.num_blocks or mem_fraction_static)"
             )
         return None
 
     # -- state machine ----------------------------------------------------------------------
 
-    def _process_batch_output(self, batch: Batch) -> list[Request]:
+    def _update_from_output(self, batch: Batch, new_token_ids: list[list[int]]) -> list[Request]:
         now_s = self.clock()
         finished: list[Request] = []
-        for request in batch.requests:
+        for request, num_tokens, token_ids in zip(
+            batch.requests, batch.num_scheduled_tokens, new_token_ids, strict=True
+        ):
+            request.num_computed_tokens += num_tokens
+            if not token_ids:
+                continue  # a prompt chunk short of the prompt's end
             if request.status is RequestStatus.PREFILLING:
                 request.status = RequestStatus.RUNNING
-                request.first_token_time_s = now_s
-                self.running.append(request)
-            reason = self._finish_reason(request)
+                if request.first_token_time_s is None:  # not again after a preemption
+                    request.first_token_time_s = now_s
+            reason = self._append_output_tokens(request, token_ids)
             if reason is not None:
                 request.status = RequestStatus.FINISHED
                 request.finish_reason = reason
@@ -192,11 +237,17 @@ class Scheduler:
                 finished.append(request)
         return finished
 
-    def _finish_reason(self, request: Request) -> FinishReason | None:
-        last_token = request.output_token_ids[-1]
+    def _append_output_tokens(self, request: Request, token_ids: list[int]) -> FinishReason | None:
+        """Append tokens in order until one ends the request: EOS or a stop token (kept, and what
+        follows it dropped), max_new_tokens, or the model's length limit."""
         params = request.sampling_params
-        if last_token in params.stop_token_ids or (not params.ignore_eos and last_token in self.eos_token_ids):
-            return FinishReason.STOP
-        if len(request.output_token_ids) >= params.max_new_tokens or request.num_tokens >= self.limits.max_model_len:
-            return FinishReason.LENGTH
+        for token_id in token_ids:
+            request.output_token_ids.append(token_id)
+            if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
+                return FinishReason.STOP
+            if (
+                len(request.output_token_ids) >= params.max_new_tokens
+                or request.num_tokens >= self.limits.max_model_len
+            ):
+                return FinishReason.LENGTH
         return None

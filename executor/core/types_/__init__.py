@@ -1,7 +1,23 @@
-"""Plain data shared by the scheduler, the engine and the models."""
+"""Plain data shared by the scheduler, the engine, the worker and the models."""
 
 from executor.core.types_.batch import Batch
-from executor.core.types_.forward_metadata import ForwardMetaData
+from executor.core.types_.forward_metadata import CacheGroupTables, ForwardMetaData
+from executor.core.types_.kv_cache_spec import AttentionKind, KVCacheSpec, KVTensorSpec, full_attention_spec
+from executor.core.types_.model_inputs import ModelInputs, StepLayout
 from executor.core.types_.request import FinishReason, Request, RequestStatus, SamplingParams
 
-__all__ = ["Batch", "FinishReason", "ForwardMetaData", "Request", "RequestStatus", "SamplingParams"]
+__all__ = [
+    "AttentionKind",
+    "Batch",
+    "CacheGroupTables",
+    "FinishReason",
+    "ForwardMetaData",
+    "KVCacheSpec",
+    "KVTensorSpec",
+    "ModelInputs",
+    "Request",
+    "RequestStatus",
+    "SamplingParams",
+    "StepLayout",
+    "full_attention_spec",
+]

@@ -1,4 +1,4 @@
-"""Batch: the requests chosen for one step, and the write-back of the sampled tokens."""
+"""Batch: the requests chosen for one step and how many tokens each feeds into it."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ from executor.core.types_.request import Request
 @dataclass(slots=True)
 class Batch:
     requests: list[Request]
-    is_prefill: bool
-    # Tokens each request contributes to this step's packed input, aligned with `requests`.
+    # Tokens each request feeds this step, aligned with `requests`: num_tokens - num_computed_tokens,
+    # capped by the step's budget (a prompt chunk, a recomputed sequence, one decode token, ...).
     num_scheduled_tokens: list[int]
+    is_prefill: bool  # the step's phase, for the log: prefill (prompts or chunks) or decode
 
     @property
     def size(self) -> int:
@@ -21,10 +22,3 @@ class Batch:
     @property
     def total_tokens(self) -> int:
         return sum(self.num_scheduled_tokens)
-
-    def update_requests_from_batch(self, next_token_ids: list[int]) -> None:
-        """Record one sampled token per request and advance its computed-token count."""
-        assert len(next_token_ids) == len(self.requests)
-        for request, num_tokens, token_id in zip(self.requests, self.num_scheduled_tokens, next_token_ids, strict=True):
-            request.num_computed_tokens += num_tokens
-            request.output_token_ids.append(token_id)

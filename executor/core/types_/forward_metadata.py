@@ -1,6 +1,8 @@
-"""ForwardMetaData: everything attention needs to run one packed (TND) forward pass.
+"""ForwardMetaData: what attention reads in one packed (TND) forward pass.
 
-It is built once per step by the engine and passed down explicitly; no layer keeps it.
+The engine builds it once per step (through the ops backend's builder, which adds what that
+backend's attention reads) and passes it down explicitly; no layer keeps it. In a decode-shaped step
+every shape depends only on the number of rows, so a padded graph bucket keeps one shape for life.
 """
 
 from __future__ import annotations
@@ -11,52 +13,24 @@ import torch
 
 
 @dataclass(slots=True)
-class ForwardMetaData:
-    """Per-step attention metadata for a packed batch of B requests and T tokens.
+class CacheGroupTables:
+    """Where one cache group's K/V live for the step's rows."""
 
-    Lengths are kept both as device tensors (for kernels and graphs) and as host lists (for
-    operators that take host integer lists, such as the NPU fused attention, and for loops in
-    the torch reference).
-    """
-
-    is_prefill: bool
-    # Cumulative query ends, [B]: request i owns rows actual_seq_lengths_q[i-1]:actual_seq_lengths_q[i].
-    actual_seq_lengths_q: torch.Tensor
-    actual_seq_lengths_q_list: list[int]
-    # Per-request KV lengths (cached + new tokens), [B]; not cumulative, as the paged NPU call wants.
-    actual_seq_lengths_kv: torch.Tensor
-    actual_seq_lengths_kv_list: list[int]
-    # [B, max_blocks_per_request] int32 physical block ids, padded with 0 past each request's blocks.
+    # [rows, max_blocks_per_request] int32 physical block ids; fixed width, 0 (the null block) past the real ones.
     block_table: torch.Tensor
-    # [T] int64 slot (block_id * block_size + offset) where each new token's K/V is written.
+    # [T] int64 slot (block_id * block_size + offset) each new token's K/V is written to.
     slot_mapping: torch.Tensor
-    # [num_selected] int64 rows of the packed hidden states whose logits are needed.
-    selected_token_indices: torch.Tensor
-    block_size: int
-    # Longest KV length in the batch (host int), for sizing gathers without a device sync.
-    max_kv_len: int
-    # Steps with one query token per request (decode, or a prefill of one-token prompts) only:
-    # [B, max_kv_len] cache slot of each request's KV position (padding positions repeat
-    # the request's first slot, so a gather reads only written slots) and which positions are real.
-    # Built once per step so the torch attention does not rebuild them in every layer.
-    decode_kv_slots: torch.Tensor | None = None
-    decode_kv_mask: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class ForwardMetaData:
+    """The part every ops backend reads; backends subclass it with their own fields."""
+
+    num_rows: int  # requests in the step, padding rows included
+    max_query_len: int  # longest query of the step: 1 in decode, k+1 in a verify step
+    groups: list[CacheGroupTables]  # indexed by the layers' cache group id
 
     @property
-    def batch_size(self) -> int:
-        return len(self.actual_seq_lengths_kv_list)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.actual_seq_lengths_q_list[-1] if self.actual_seq_lengths_q_list else 0
-
-    @property
-    def query_lens(self) -> list[int]:
-        """Per-request query lengths, derived from the cumulative list."""
-        starts = [0, *self.actual_seq_lengths_q_list[:-1]]
-        return [end - start for start, end in zip(starts, self.actual_seq_lengths_q_list, strict=True)]
-
-    @property
-    def kv_len(self) -> torch.Tensor:
-        """cann-recipes name for the per-request KV lengths."""
-        return self.actual_seq_lengths_kv
+    def is_decode_shaped(self) -> bool:
+        """The one definition, used by every backend: each request has one query token."""
+        return self.max_query_len == 1

@@ -21,11 +21,42 @@ class FinishReason(str, enum.Enum):
 
 @dataclass(slots=True)
 class SamplingParams:
-    """How a request's tokens are chosen and when it stops. Greedy argmax for now."""
+    """How one request's tokens are chosen and when it stops; each request carries its own.
+
+    Defaults come from data_config / scheduler_config and a dataset line may override them. Only
+    greedy choice is built; the other values are checked and refused by name (see `unsupported`).
+    """
 
     max_new_tokens: int = 32
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = no top-k cut
+    top_p: float = 1.0  # 1.0 = no nucleus cut
+    seed: int | None = None  # per-request seed for random sampling; None = the run's seed
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 and self.top_k in (0, 1) and self.top_p == 1.0
+
+    def check(self) -> str | None:
+        """Why these parameters cannot be served, or None."""
+        if self.max_new_tokens < 1:
+            return f"max_new_tokens must be >= 1, got {self.max_new_tokens}"
+        if self.temperature < 0.0:
+            return f"temperature must be >= 0, got {self.temperature}"
+        if self.top_k < 0:
+            return f"top_k must be >= 0, got {self.top_k}"
+        if not 0.0 < self.top_p <= 1.0:
+            return f"top_p must be in (0, 1], got {self.top_p}"
+        if self.seed is not None and self.seed < 0:
+            return f"seed must be >= 0, got {self.seed}"
+        if not self.is_greedy:
+            return (
+                f"temperature {self.temperature}, top_k {self.top_k}, top_p {self.top_p}: only greedy decoding "
+                "is built yet (temperature 0, top_k 0 or 1, top_p 1.0)"
+            )
+        return None
 
 
 @dataclass(slots=True)
@@ -64,6 +95,20 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @classmethod
+    def failed(
+        cls,
+        request_id: str,
+        prompt: str | list[dict[str, str]] | None,
+        sampling_params: SamplingParams,
+        reason: str,
+        now_s: float,
+    ) -> Request:
+        """A request that fails before it is scheduled (it could not be tokenized, say)."""
+        request = cls(request_id, prompt, [], sampling_params)
+        request.fail(reason, now_s)
+        return request
 
     def fail(self, reason: str, now_s: float) -> None:
         """Finish this request alone with an error; other requests are unaffected."""

@@ -1,0 +1,69 @@
+"""Packing one step's requests into flat TND inputs: first host lists (StepLayout), then tensors.
+
+Everything is built on the host as Python lists and copied to the device once per tensor, so the
+hot loop makes no device round-trips; the ops backend's builder decides which tensors exist.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from executor.core.types_.model_inputs import ModelInputs, StepLayout
+from ops.attention_metadata import AttentionMetadataBuilder, to_device
+
+
+@dataclass(slots=True)
+class ScheduledSequence:
+    """One request's share of a step: the tokens it feeds and where its K/V lives."""
+
+    token_ids: list[int]  # the tokens fed this step (a prompt or a chunk of it, the last token, ...)
+    num_computed_tokens: int  # tokens already in the KV cache before this step
+    block_ids: list[list[int]]  # per cache group: blocks holding positions 0 .. num_computed + len(token_ids) - 1
+    # Rows at the end of this sequence whose logits the step samples: 1 normally, 0 for a prompt
+    # chunk that does not reach the prompt's end, k + 1 for a verify step of k draft tokens.
+    num_sampled_rows: int = 1
+
+
+def build_step_layout(
+    sequences: list[ScheduledSequence], *, block_size: int, max_blocks_per_request: int
+) -> StepLayout:
+    """Pack `sequences` into token ids, positions, per-group slot mappings and lengths."""
+    assert sequences, "a step needs at least one sequence"
+    num_groups = len(sequences[0].block_ids)
+    layout = StepLayout(
+        input_ids=[],
+        positions=[],
+        query_ends=[],
+        seq_lens=[],
+        block_ids=[[] for _ in range(num_groups)],
+        slot_mappings=[[] for _ in range(num_groups)],
+        logits_indices=[],
+        max_blocks_per_request=max_blocks_per_request,
+    )
+    for seq in sequences:
+        start = seq.num_computed_tokens
+        end = start + len(seq.token_ids)
+        layout.input_ids.extend(seq.token_ids)
+        layout.positions.extend(range(start, end))
+        for group, block_ids in enumerate(seq.block_ids):
+            assert len(block_ids) * block_size >= end, "sequence has too few blocks for its tokens"
+            layout.block_ids[group].append(block_ids)
+            layout.slot_mappings[group].extend(
+                block_ids[pos // block_size] * block_size + pos % block_size for pos in range(start, end)
+            )
+        layout.query_ends.append(len(layout.input_ids))
+        layout.seq_lens.append(end)
+        layout.logits_indices.extend(range(len(layout.input_ids) - seq.num_sampled_rows, len(layout.input_ids)))
+    return layout
+
+
+def build_model_inputs(layout: StepLayout, builder: AttentionMetadataBuilder) -> ModelInputs:
+    device = builder.device
+    return ModelInputs(
+        input_ids=to_device(layout.input_ids, torch.int64, device),
+        positions=to_device(layout.positions, torch.int64, device),
+        forward_metadata=builder.build(layout),
+        logits_indices=to_device(layout.logits_indices, torch.int64, device),
+    )

@@ -1,0 +1,65 @@
+"""The inputs of one forward pass: packed host lists (StepLayout) and the device tensors built from them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from executor.core.types_.forward_metadata import ForwardMetaData
+
+
+@dataclass(slots=True)
+class StepLayout:
+    """One step's packed inputs as host lists, before any backend turns them into tensors.
+
+    Request i owns rows query_ends[i-1]:query_ends[i] (cumulative, as the NPU's TND attention wants
+    them) and has seq_lens[i] tokens of K/V after this step.
+    """
+
+    input_ids: list[int]
+    positions: list[int]
+    query_ends: list[int]
+    seq_lens: list[int]
+    block_ids: list[list[list[int]]]  # [group][request] the request's blocks (ragged)
+    slot_mappings: list[list[int]]  # [group][token]
+    logits_indices: list[int]  # rows whose logits the step samples
+    max_blocks_per_request: int  # the fixed width of every block table
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def max_query_len(self) -> int:
+        starts = [0, *self.query_ends[:-1]]
+        return max(end - start for start, end in zip(starts, self.query_ends, strict=True))
+
+    def pad_to(self, num_rows: int) -> StepLayout:
+        """A decode-shaped step padded with rows that read and write only the null block's slot 0.
+
+        A padded row is one token 0 at position 0, with one token of K/V (the one it writes) and an
+        all-null block table row; its logits are never taken.
+        """
+        assert self.max_query_len == 1, "only decode-shaped steps are padded"
+        extra = num_rows - self.num_rows
+        assert extra >= 0, f"cannot pad {self.num_rows} rows down to {num_rows}"
+        last_end = self.query_ends[-1] if self.query_ends else 0
+        return StepLayout(
+            input_ids=self.input_ids + [0] * extra,
+            positions=self.positions + [0] * extra,
+            query_ends=self.query_ends + list(range(last_end + 1, last_end + extra + 1)),
+            seq_lens=self.seq_lens + [1] * extra,
+            block_ids=[group + [[]] * extra for group in self.block_ids],
+            slot_mappings=[slots + [0] * extra for slots in self.slot_mappings],
+            logits_indices=list(self.logits_indices),
+            max_blocks_per_request=self.max_blocks_per_request,
+        )
+
+
+@dataclass(slots=True)
+class ModelInputs:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    forward_metadata: ForwardMetaData
+    logits_indices: torch.Tensor  # [rows sampled] int64

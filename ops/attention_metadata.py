@@ -1,0 +1,115 @@
+"""Attention metadata per ops backend: what each backend's attention reads, built from a StepLayout.
+
+The engine packs a step into host lists once (StepLayout); the backend's builder turns them into
+exactly the tensors and lists its attention reads, nothing more. Block tables have a fixed width
+(cdiv(max_model_len, block_size)), so a decode step's shapes depend only on its number of rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from executor.core.types_.forward_metadata import CacheGroupTables, ForwardMetaData
+from executor.core.types_.model_inputs import StepLayout
+
+# FIA's compressed causal mask for sparse_mode=3 (bottom-right causal): always 2048x2048, 1 = masked.
+NPU_CAUSAL_MASK_SIZE = 2048
+
+
+def to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
+def block_table_tensor(block_ids: list[list[int]], width: int, device: torch.device) -> torch.Tensor:
+    """[rows, width] int32: each request's blocks, then the null block (0) to the fixed width."""
+    counts = [len(ids) for ids in block_ids]
+    assert max(counts, default=0) <= width, f"a request holds {max(counts)} blocks, more than the table's {width}"
+    table = torch.zeros(len(block_ids), width, dtype=torch.int32)
+    flat = [block for ids in block_ids for block in ids]
+    if flat:
+        counts_tensor = torch.tensor(counts)
+        rows = torch.repeat_interleave(torch.arange(len(counts)), counts_tensor)
+        row_starts = torch.repeat_interleave(counts_tensor.cumsum(0) - counts_tensor, counts_tensor)
+        table[rows, torch.arange(len(flat)) - row_starts] = torch.tensor(flat, dtype=torch.int32)
+    return table.to(device, non_blocking=True)
+
+
+class AttentionMetadataBuilder:
+    """Base: the per-group block tables and slot mappings, which every backend reads."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def build(self, layout: StepLayout) -> ForwardMetaData:
+        raise NotImplementedError
+
+    def cache_group_tables(self, layout: StepLayout) -> list[CacheGroupTables]:
+        return [
+            CacheGroupTables(
+                block_table=block_table_tensor(block_ids, layout.max_blocks_per_request, self.device),
+                slot_mapping=to_device(slots, torch.int64, self.device),
+            )
+            for block_ids, slots in zip(layout.block_ids, layout.slot_mappings, strict=True)
+        ]
+
+
+@dataclass(slots=True)
+class TorchAttentionMetadata(ForwardMetaData):
+    """The torch reference: decode reads the lengths as a tensor (inside one opaque op); other steps
+    loop over requests with host lists."""
+
+    seq_lens: torch.Tensor | None = None  # [rows] int64 KV lengths; decode-shaped steps only
+    query_ends_list: list[int] | None = None  # cumulative query ends; other steps only
+    seq_lens_list: list[int] | None = None  # other steps only
+
+
+class TorchMetadataBuilder(AttentionMetadataBuilder):
+    def build(self, layout: StepLayout) -> TorchAttentionMetadata:
+        metadata = TorchAttentionMetadata(layout.num_rows, layout.max_query_len, self.cache_group_tables(layout))
+        if metadata.is_decode_shaped:
+            metadata.seq_lens = to_device(layout.seq_lens, torch.int64, self.device)
+        else:
+            metadata.query_ends_list = list(layout.query_ends)
+            metadata.seq_lens_list = list(layout.seq_lens)
+        return metadata
+
+
+@dataclass(slots=True)
+class NpuAttentionMetadata(ForwardMetaData):
+    """npu_fused_infer_attention_score in TND with a paged cache: cumulative query ends and
+    per-request KV lengths (host lists in eager mode, int64 device tensors for the torchair graph
+    variant), and the mask and sparse mode the step's longest query calls for."""
+
+    actual_seq_lengths_q: list[int] | torch.Tensor | None = None
+    actual_seq_lengths_kv: list[int] | torch.Tensor | None = None
+    atten_mask: torch.Tensor | None = None
+    sparse_mode: int = 0
+
+
+class NpuMetadataBuilder(AttentionMetadataBuilder):
+    def __init__(self, device: torch.device, lengths_as_tensors: bool) -> None:
+        super().__init__(device)
+        self.lengths_as_tensors = lengths_as_tensors
+        self._causal_mask: torch.Tensor | None = None
+
+    def build(self, layout: StepLayout) -> NpuAttentionMetadata:
+        metadata = NpuAttentionMetadata(layout.num_rows, layout.max_query_len, self.cache_group_tables(layout))
+        if self.lengths_as_tensors:
+            metadata.actual_seq_lengths_q = to_device(layout.query_ends, torch.int64, self.device)
+            metadata.actual_seq_lengths_kv = to_device(layout.seq_lens, torch.int64, self.device)
+        else:
+            metadata.actual_seq_lengths_q = list(layout.query_ends)
+            metadata.actual_seq_lengths_kv = list(layout.seq_lens)
+        if not metadata.is_decode_shaped:  # a verify step (k+1 queries) is as causal as a prefill
+            metadata.atten_mask = self.causal_mask()
+            metadata.sparse_mode = 3  # bottom-right causal: queries aligned to the end of their KV
+        return metadata
+
+    def causal_mask(self) -> torch.Tensor:
+        if self._causal_mask is None:
+            size = NPU_CAUSAL_MASK_SIZE
+            mask = torch.triu(torch.ones(size, size, dtype=torch.bool), diagonal=1)
+            self._causal_mask = mask.to(torch.int8).to(self.device)
+        return self._causal_mask

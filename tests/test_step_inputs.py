@@ -1,0 +1,101 @@
+"""Packing requests into TND inputs: slot mappings and fixed-width block tables per cache group,
+cumulative and per-request lengths, sampled rows, padding to a graph bucket, and the torch
+backend's metadata, whose decode shapes depend only on the number of rows."""
+
+import torch
+
+from executor.core.engine.step_inputs import ScheduledSequence, build_model_inputs, build_step_layout
+from ops.attention_metadata import TorchMetadataBuilder, block_table_tensor
+
+CPU = torch.device("cpu")
+BUILDER = TorchMetadataBuilder(CPU)
+
+
+def test_prefill_packs_prompts_without_padding():
+    layout = build_step_layout(
+        [ScheduledSequence([1, 2, 3], 0, [[5]]), ScheduledSequence([4, 5, 6, 7, 8], 0, [[2, 7]])],
+        block_size=4,
+        max_blocks_per_request=3,
+    )
+    inputs = build_model_inputs(layout, BUILDER)
+    meta = inputs.forward_metadata
+    assert inputs.input_ids.tolist() == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert inputs.positions.tolist() == [0, 1, 2, 0, 1, 2, 3, 4]
+    assert meta.groups[0].slot_mapping.tolist() == [20, 21, 22, 8, 9, 10, 11, 28]
+    assert meta.query_ends_list == [3, 8] and meta.seq_lens_list == [3, 5]
+    assert meta.groups[0].block_table.tolist() == [[5, 0, 0], [2, 7, 0]]
+    assert meta.groups[0].block_table.dtype == torch.int32
+    assert inputs.logits_indices.tolist() == [2, 7]
+    assert meta.max_query_len == 5 and not meta.is_decode_shaped and meta.seq_lens is None
+
+
+def test_decode_places_each_token_after_its_cached_prefix():
+    layout = build_step_layout(
+        [ScheduledSequence([9], 4, [[3, 1]]), ScheduledSequence([8], 2, [[6]])], block_size=4, max_blocks_per_request=4
+    )
+    inputs = build_model_inputs(layout, BUILDER)
+    meta = inputs.forward_metadata
+    assert inputs.positions.tolist() == [4, 2]
+    assert meta.groups[0].slot_mapping.tolist() == [1 * 4 + 0, 6 * 4 + 2]
+    assert meta.seq_lens.tolist() == [5, 3] and meta.is_decode_shaped
+    assert meta.query_ends_list is None  # the decode op reads tensors only
+    assert inputs.logits_indices.tolist() == [0, 1]
+
+
+def test_each_cache_group_has_its_own_table_and_slots():
+    layout = build_step_layout([ScheduledSequence([1, 2], 3, [[4, 5], [9, 2]])], block_size=4, max_blocks_per_request=2)
+    meta = BUILDER.build(layout)
+    assert [g.block_table.tolist() for g in meta.groups] == [[[4, 5]], [[9, 2]]]
+    assert [g.slot_mapping.tolist() for g in meta.groups] == [[19, 20], [39, 8]]
+
+
+def test_sampled_rows_follow_each_sequence():
+    layout = build_step_layout(
+        [
+            ScheduledSequence([1, 2, 3], 0, [[1]], num_sampled_rows=0),  # a chunk short of its prompt's end
+            ScheduledSequence([4, 5, 6], 2, [[2, 3]], num_sampled_rows=3),  # a verify step
+            ScheduledSequence([7], 0, [[4]]),
+        ],
+        block_size=4,
+        max_blocks_per_request=2,
+    )
+    assert layout.logits_indices == [3, 4, 5, 6]
+
+
+def test_decode_metadata_has_the_same_shapes_whatever_the_longest_sequence():
+    def decode_shapes(num_computed: list[int]) -> list[tuple[int, ...]]:
+        sequences = [ScheduledSequence([1], n, [list(range(1, n // 16 + 2))]) for n in num_computed]
+        inputs = build_model_inputs(build_step_layout(sequences, block_size=16, max_blocks_per_request=64), BUILDER)
+        meta = inputs.forward_metadata
+        tensors = [
+            inputs.input_ids,
+            inputs.positions,
+            inputs.logits_indices,
+            meta.seq_lens,
+            meta.groups[0].slot_mapping,
+            meta.groups[0].block_table,
+        ]
+        return [tuple(t.shape) for t in tensors]
+
+    short, long = decode_shapes([3, 5, 1]), decode_shapes([700, 12, 1000])
+    assert short == long
+    assert short[5] == (3, 64)  # the block table is as wide as max_model_len allows, always
+
+
+def test_padding_a_decode_step_adds_rows_that_touch_only_the_null_block():
+    layout = build_step_layout(
+        [ScheduledSequence([9], 4, [[3, 1]]), ScheduledSequence([8], 2, [[6]])], block_size=4, max_blocks_per_request=3
+    )
+    padded = layout.pad_to(4)
+    inputs = build_model_inputs(padded, BUILDER)
+    meta = inputs.forward_metadata
+    assert inputs.input_ids.tolist() == [9, 8, 0, 0] and inputs.positions.tolist() == [4, 2, 0, 0]
+    assert meta.groups[0].slot_mapping.tolist() == [4, 26, 0, 0]  # padded rows write slot 0 of block 0
+    assert meta.groups[0].block_table.tolist() == [[3, 1, 0], [6, 0, 0], [0, 0, 0], [0, 0, 0]]
+    assert meta.seq_lens.tolist() == [5, 3, 1, 1] and padded.query_ends == [1, 2, 3, 4]
+    assert inputs.logits_indices.tolist() == [0, 1]  # padded rows are never sampled
+
+
+def test_block_table_tensor_pads_each_row_with_the_null_block():
+    table = block_table_tensor([[7, 3], [], [5]], width=4, device=CPU)
+    assert table.tolist() == [[7, 3, 0, 0], [0, 0, 0, 0], [5, 0, 0, 0]]
