@@ -25,7 +25,7 @@ from executor.offline.offline_inference import OfflineInference
 from executor.platform import resolve_dtype
 
 
-def run_ours(args: argparse.Namespace, records: list) -> tuple[dict, list[list[int]]]:
+def run_ours(args: argparse.Namespace, records: list, max_model_len: int = 2048) -> tuple[dict, list[list[int]]]:
     config = build_config(
         {
             "model_config": {"model_path": str(args.model_path), "dtype": args.dtype, "device": args.device},
@@ -35,7 +35,8 @@ def run_ours(args: argparse.Namespace, records: list) -> tuple[dict, list[list[i
                 "max_new_tokens": args.max_new_tokens,
                 "ignore_eos": True,
                 "block_size": args.block_size,
-                "max_model_len": 2048,
+                "max_model_len": max_model_len,
+                "num_blocks": args.num_blocks,
             },
         },
         source="bench",
@@ -94,6 +95,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--num-blocks", type=int, default=0, help="KV blocks; 0 = size from memory")
     parser.add_argument("--skip-transformers", action="store_true")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)

@@ -1,6 +1,6 @@
 """Renders docs/configuration.md's key tables from the section classes, so the doc cannot drift.
 
-python -m executor.core.config.reference > docs/configuration_keys.md
+python -m executor.core.config.reference  # prints the tables that docs/configuration.md holds
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The YAML sections of a run, with cann-recipes-infer key names, defaults and rules.
 
 Each field's metadata states its rule (`choices`, `min`, `max`) and whether it only means
-something on an NPU (`npu_only`), so one generic validator (schema.py) checks every key and
+something on an NPU (`npu_only`), so one generic validator (inference_config.py) checks every key and
 docs/configuration.md can be read straight off these classes.
 """
 

@@ -1,11 +1,11 @@
 """Scheduler: the request lifecycle and prefill-first batching, with chunked prefill and preemption.
 
 Waiting -> Prefilling -> Running -> Finished. Every step gives each scheduled request its
-remaining tokens (num_tokens - num_computed_tokens), capped by the step's token budget: a prompt
-longer than the budget is prefilled in chunks over several steps, a preempted request recomputes
-its prompt and outputs, a decode step feeds one token. A step is a prefill step (admitted requests
-still prefilling, then waiting requests, while slots and budget last) or, when nothing needs
-prefilling, a decode step for every running request.
+remaining tokens (num_tokens - num_computed_tokens), in a prefill step capped by the token budget
+(max_prefill_tokens): a prompt longer than the budget is prefilled in chunks over several steps, a
+preempted request recomputes its prompt and outputs, a decode step feeds one token. A step is a
+prefill step (admitted requests still prefilling, then waiting requests, while slots and budget
+last) or, when nothing needs prefilling, a decode step for every running request.
 
 A waiting request is admitted when its tokens fit the free blocks. When a running request cannot
 get a block, the most recently admitted running request is preempted: its blocks are freed and it
@@ -151,19 +151,17 @@ class Scheduler:
         return Batch(requests, num_tokens, is_prefill=True) if requests else None
 
     def _schedule_decode_batch(self) -> Batch | None:
+        """Every running request, each fed its tokens not yet computed (one after a normal step);
+        max_prefill_tokens caps prefill steps only, so no running request sits out a decode step."""
         requests: list[Request] = []
         num_tokens: list[int] = []
-        budget = self.limits.max_prefill_tokens
         for request in list(self.running):
-            if budget == 0:
-                break
             if request.status is RequestStatus.WAITING:  # preempted for an older request this step
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = request.num_tokens - request.num_computed_tokens
             if self._allocate_or_preempt(request, num_new):
                 requests.append(request)
                 num_tokens.append(num_new)
-                budget -= num_new
         return Batch(requests, num_tokens, is_prefill=False) if requests else None
 
     def _allocate_or_preempt(self, request: Request, num_new_tokens: int) -> bool:

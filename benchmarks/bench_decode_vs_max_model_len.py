@@ -1,0 +1,54 @@
+"""Decode step time with a short and a long max_model_len, in one process.
+
+Block tables are cdiv(max_model_len, block_size) wide so that decode shapes never change, and
+the decode attention op must still touch only the real K/V: the two runs below differ only in
+max_model_len (same prompts, same KV block count), so their decode times should be about equal.
+
+    python benchmarks/bench_decode_vs_max_model_len.py --dtype float32 --short 1024 --long 8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+
+import torch
+from bench_vs_transformers import run_ours
+
+from executor.model_loader.default_model import default_model_path
+from executor.offline.dataset import DATASET_DIR, load_prompts, resolve_dataset_path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-path", default=None, help="HF model folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--num-blocks", type=int, default=1024, help="the same KV pool for both runs")
+    parser.add_argument("--short", type=int, default=1024, help="the short max_model_len")
+    parser.add_argument("--long", type=int, default=8192, help="the long max_model_len")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    args.model_path = args.model_path or default_model_path()
+    records = load_prompts(resolve_dataset_path("default", None, DATASET_DIR))[: args.num_prompts]
+    runs = {length: run_ours(args, records, max_model_len=length)[0] for length in (args.short, args.long)}
+    short_ms, long_ms = (runs[length]["decode_ms_per_step_mean"] for length in (args.short, args.long))
+    report = {
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
+        "dtype": args.dtype,
+        "batch_size": args.batch_size,
+        "block_size": args.block_size,
+        "decode_ms_per_step_mean": {str(length): runs[length]["decode_ms_per_step_mean"] for length in runs},
+        "ratio_long_over_short": long_ms / short_ms,
+    }
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""The engine contract end to end on tiny random models against transformers: chunked prefill,
+preemption, cache groups of two attention kinds, an MLA-shaped cache sized by its latent, and
+sampling parameters per request."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+from executor.core.config import ConfigError
+from executor.core.model_worker.model_worker import ModelWorker
+from executor.core.types_ import AttentionKind, FinishReason, KVCacheSpec, KVTensorSpec
+from executor.offline import offline_inference
+from executor.offline.dataset import PromptRecord
+from executor.platform import create_platform
+from models.llama import LlamaForCausalLM
+from module.attention import KVCacheLayer
+from tests.conftest import tiny_tokenizer
+from tests.engine_harness import hf_greedy, load_hf_model, make_inference, run_engine, token_records
+
+WINDOW = 8
+
+
+def make_prompts(lengths: list[int], seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 250, (n,), generator=generator).tolist() for n in lengths]
+
+
+def test_a_prompt_three_times_the_prefill_budget_is_chunked_and_equals_transformers(tiny_llama_dir):
+    prompts = make_prompts([48, 5, 20], seed=4)
+    result = run_engine(tiny_llama_dir, token_records(prompts), batch_size=3, max_prefill_tokens=16)
+    hf = load_hf_model(tiny_llama_dir)
+    assert [r.output_token_ids for r in result.requests] == [hf_greedy(hf, p, 32) for p in prompts]
+    assert result.summary["prefill"]["steps"] >= 5  # 73 prompt tokens in steps of at most 16
+    assert all(step.num_tokens <= 16 for step in result.steps if step.phase == "prefill")
+
+
+def test_a_pool_that_forces_preemptions_gives_the_large_pool_outputs(tiny_llama_dir):
+    prompts = make_prompts([30, 12, 25, 7, 18, 40], seed=5)
+    large = run_engine(tiny_llama_dir, token_records(prompts), batch_size=6)
+    # block_size 16: each request needs 3-5 blocks at its longest; 9 usable blocks hold two or three.
+    small = run_engine(tiny_llama_dir, token_records(prompts), batch_size=6, num_blocks=10)
+    assert small.summary["preemptions"] > 1 and large.summary["preemptions"] == 0
+    assert [r.output_token_ids for r in small.requests] == [r.output_token_ids for r in large.requests]
+    assert all(r.finish_reason is FinishReason.LENGTH for r in small.requests)
+
+
+def test_a_pool_too_small_for_any_request_is_an_error_at_start(tiny_llama_dir):
+    inference = make_inference(tiny_llama_dir, num_blocks=3)  # 2 usable blocks of 16 tokens
+    with pytest.raises(ConfigError, match=r"2 usable blocks of 16 tokens, too small for any request"):
+        inference.generate(token_records(make_prompts([40, 50], seed=6)))
+
+
+def test_sampling_parameters_come_from_each_dataset_line(tiny_llama_dir):
+    prompt = make_prompts([6], seed=7)[0]
+    records = [
+        PromptRecord(id="short", prompt_token_ids=prompt, sampling_overrides={"max_new_tokens": 3}),
+        PromptRecord(id="hot", prompt_token_ids=prompt, sampling_overrides={"temperature": 0.7}),
+        PromptRecord(id="bad", prompt_token_ids=prompt, sampling_overrides={"top_p": 1.5}),
+        PromptRecord(id="default", prompt_token_ids=prompt),
+    ]
+    short, hot, bad, default = run_engine(tiny_llama_dir, records, batch_size=4).requests
+    assert len(short.output_token_ids) == 3 and short.output_token_ids == default.output_token_ids[:3]
+    assert len(default.output_token_ids) == 32
+    assert hot.finish_reason is FinishReason.ERROR and "only greedy" in hot.error and "'hot'" in hot.error
+    assert bad.finish_reason is FinishReason.ERROR and "top_p must be in (0, 1]" in bad.error
+
+
+class SlidingLlama(LlamaForCausalLM):
+    """A test model: Llama layers where `config.layer_types` says so get a sliding window (as
+    transformers' Ministral does), so the model mixes two cache kinds."""
+
+    def __init__(self, hf_config: transformers.PretrainedConfig, **kwargs: int) -> None:
+        hf_config.attention_bias = hf_config.mlp_bias = False  # Ministral's layers have no biases
+        super().__init__(hf_config, **kwargs)
+        for layer, layer_type in zip(self.model.layers, hf_config.layer_types, strict=True):
+            if layer_type == "sliding_attention":
+                layer.self_attn.attn.sliding_window = hf_config.sliding_window
+
+
+@pytest.fixture(scope="module")
+def ministral_dir(tmp_path_factory) -> Path:
+    config = transformers.MinistralConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        head_dim=16,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny_ministral")
+    transformers.MinistralForCausalLM(config).eval().save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+def test_layers_of_two_kinds_get_two_cache_groups_and_equal_transformers(ministral_dir, monkeypatch):
+    monkeypatch.setattr(offline_inference, "resolve_model", lambda name: (SlidingLlama, transformers.MinistralConfig))
+    prompts = make_prompts([3, 20, 11, 35], seed=8)  # prompts and outputs longer than the window
+    inference = make_inference(ministral_dir, batch_size=4, max_new_tokens=24)
+    groups = inference.engine.worker.kv_cache_groups
+    assert [g.spec.kind for g in groups] == [AttentionKind.SLIDING_WINDOW, AttentionKind.FULL]
+    assert [len(g.layer_names) for g in groups] == [2, 2] and groups[0].spec.sliding_window == WINDOW
+    assert inference.engine.kv_cache_manager.num_groups == 2
+    seen_tables: list[int] = []
+    forward = inference.engine.worker.forward
+    monkeypatch.setattr(
+        inference.engine.worker,
+        "forward",
+        lambda inputs: seen_tables.append(len(inputs.forward_metadata.groups)) or forward(inputs),
+    )
+    result = inference.generate(token_records(prompts))
+    hf = transformers.MinistralForCausalLM.from_pretrained(ministral_dir, dtype=torch.float32).eval()
+    assert [r.output_token_ids for r in result.requests] == [hf_greedy(hf, p, 24) for p in prompts]
+    assert set(seen_tables) == {2}
+
+
+class MLAShapedCache(KVCacheLayer):
+    """Stores what an MLA layer stores per token: one compressed latent, no separate V."""
+
+    def __init__(self, kv_lora_rank: int, qk_rope_head_dim: int) -> None:
+        super().__init__()
+        self.latent_dim = kv_lora_rank + qk_rope_head_dim
+        self.cache_dtype = torch.get_default_dtype()  # the worker builds the model under its dtype
+        self.bound: dict[str, torch.Tensor] = {}
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        return KVCacheSpec((KVTensorSpec("kv_latent", (self.latent_dim,), self.cache_dtype),))
+
+    def bind_kv_cache(self, caches: dict[str, torch.Tensor], group_id: int) -> None:
+        self.bound, self.kv_cache_group_id = caches, group_id
+
+
+class ToyMLAModel(nn.Module):
+    def __init__(self, hf_config: object) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([MLAShapedCache(512, 64) for _ in range(3)])
+        self.proj = nn.Linear(4, 4)
+
+
+def test_an_mla_shaped_layer_is_sized_and_allocated_by_its_latent():
+    worker = ModelWorker(create_platform("cpu"), torch.bfloat16, with_ckpt=False, seed=0)
+    worker.init(ToyMLAModel, None, "unused")
+    assert len(worker.kv_cache_groups) == 1
+    assert worker.kv_cache_bytes_per_block(16) == 3 * 16 * (512 + 64) * 2  # not 2 x heads x head_dim
+    worker.init_kv_cache(num_blocks=5, block_size=16)
+    for layer in worker.model.layers:
+        assert {name: (t.shape, t.dtype) for name, t in layer.bound.items()} == {
+            "kv_latent": (torch.Size([5, 16, 576]), torch.bfloat16)
+        }
