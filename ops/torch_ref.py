@@ -112,7 +112,7 @@ def paged_decode_attention(
 
 
 @paged_decode_attention.register_fake
-def _(query, key_cache, value_cache, block_table, seq_lens, scale, sliding_window):  # noqa: ANN001, ANN202
+def _(query, key_cache, value_cache, block_table, seq_lens, scale, sliding_window):
     return torch.empty_like(query)
 
 

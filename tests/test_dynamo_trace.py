@@ -212,99 +212,38 @@ def fia_reference(
     return torch.cat(outputs), query.new_zeros(1)
 
 
-@torch.library.custom_op("fake_torch_npu_test::npu_fused_infer_attention_score", mutates_args=())
-def npu_fused_infer_attention_score(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    atten_mask: torch.Tensor | None = None,
-    block_table: torch.Tensor | None = None,
-    actual_seq_lengths: list[int] | None = None,
-    actual_seq_lengths_kv: list[int] | None = None,
-    num_heads: int = 1,
-    scale: float = 1.0,
-    pre_tokens: int = NO_LIMIT,
-    next_tokens: int = NO_LIMIT,
-    input_layout: str = "BSH",
-    num_key_value_heads: int = 0,
-    sparse_mode: int = 0,
-    block_size: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch_npu's FIA: the sequence lengths are host int lists."""
+# FIA's argument list, as one schema for both variants: torch_npu's takes the sequence lengths as
+# host int lists, torchair's as int64 tensors.
+_FIA_SCHEMA = (
+    "(Tensor query, Tensor key, Tensor value, Tensor? atten_mask=None, Tensor? block_table=None, "
+    "{lengths} actual_seq_lengths=None, {lengths} actual_seq_lengths_kv=None, int num_heads=1, float scale=1.0, "
+    f'int pre_tokens={NO_LIMIT}, int next_tokens={NO_LIMIT}, str input_layout="BSH", int num_key_value_heads=0, '
+    "int sparse_mode=0, int block_size=0) -> (Tensor, Tensor)"
+)
+
+
+def _fia(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, atten_mask, block_table, actual_seq_lengths,
+         actual_seq_lengths_kv, *args):  # fmt: skip
     assert actual_seq_lengths is not None and actual_seq_lengths_kv is not None
+    if isinstance(actual_seq_lengths, torch.Tensor):
+        assert actual_seq_lengths.dtype == actual_seq_lengths_kv.dtype == torch.int64
+        actual_seq_lengths, actual_seq_lengths_kv = actual_seq_lengths.tolist(), actual_seq_lengths_kv.tolist()
     return fia_reference(
-        query, key, value, atten_mask, block_table, list(actual_seq_lengths), list(actual_seq_lengths_kv),
-        num_heads, scale, pre_tokens, next_tokens, input_layout, num_key_value_heads, sparse_mode, block_size,
-    )  # fmt: skip
+        query, key, value, atten_mask, block_table, list(actual_seq_lengths), list(actual_seq_lengths_kv), *args
+    )
 
 
-@npu_fused_infer_attention_score.register_fake
-def _(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    atten_mask: torch.Tensor | None = None,
-    block_table: torch.Tensor | None = None,
-    actual_seq_lengths: list[int] | None = None,
-    actual_seq_lengths_kv: list[int] | None = None,
-    num_heads: int = 1,
-    scale: float = 1.0,
-    pre_tokens: int = NO_LIMIT,
-    next_tokens: int = NO_LIMIT,
-    input_layout: str = "BSH",
-    num_key_value_heads: int = 0,
-    sparse_mode: int = 0,
-    block_size: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _fia_shapes(query: torch.Tensor, *args):
     return torch.empty_like(query), query.new_empty(1)
 
 
-@torch.library.custom_op("fake_torchair_test::npu_fused_infer_attention_score", mutates_args=())
-def torchair_npu_fused_infer_attention_score(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    atten_mask: torch.Tensor | None = None,
-    block_table: torch.Tensor | None = None,
-    actual_seq_lengths: torch.Tensor | None = None,
-    actual_seq_lengths_kv: torch.Tensor | None = None,
-    num_heads: int = 1,
-    scale: float = 1.0,
-    pre_tokens: int = NO_LIMIT,
-    next_tokens: int = NO_LIMIT,
-    input_layout: str = "BSH",
-    num_key_value_heads: int = 0,
-    sparse_mode: int = 0,
-    block_size: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """torchair's FIA: the sequence lengths are int64 device tensors."""
-    assert actual_seq_lengths is not None and actual_seq_lengths_kv is not None
-    assert actual_seq_lengths.dtype == actual_seq_lengths_kv.dtype == torch.int64
-    return fia_reference(
-        query, key, value, atten_mask, block_table, actual_seq_lengths.tolist(), actual_seq_lengths_kv.tolist(),
-        num_heads, scale, pre_tokens, next_tokens, input_layout, num_key_value_heads, sparse_mode, block_size,
-    )  # fmt: skip
-
-
-@torchair_npu_fused_infer_attention_score.register_fake
-def _(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    atten_mask: torch.Tensor | None = None,
-    block_table: torch.Tensor | None = None,
-    actual_seq_lengths: torch.Tensor | None = None,
-    actual_seq_lengths_kv: torch.Tensor | None = None,
-    num_heads: int = 1,
-    scale: float = 1.0,
-    pre_tokens: int = NO_LIMIT,
-    next_tokens: int = NO_LIMIT,
-    input_layout: str = "BSH",
-    num_key_value_heads: int = 0,
-    sparse_mode: int = 0,
-    block_size: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.empty_like(query), query.new_empty(1)
+for _namespace, _lengths in (("fake_torch_npu_test", "int[]?"), ("fake_torchair_test", "Tensor?")):
+    torch.library.custom_op(
+        f"{_namespace}::npu_fused_infer_attention_score",
+        _fia,
+        mutates_args=(),
+        schema=_FIA_SCHEMA.format(lengths=_lengths),
+    ).register_fake(_fia_shapes)
 
 
 def fake_torch_npu() -> ModuleType:
