@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +28,7 @@ logger = logging.getLogger(__name__)
 @dataclass(slots=True)
 class RunResult:
     requests: list[Request]  # in dataset order
-    results: list[dict[str, Any]]  # outputs.jsonl lines, in dataset order
+    results: list[dict[str, Any]]  # outputs.jsonl lines of the finished requests, in dataset order
     steps: list[StepRecord]
     summary: dict[str, Any]
 
@@ -51,8 +52,14 @@ class OfflineInference:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
-    def generate(self, records: list[PromptRecord], writer: ResultWriter | None = None) -> RunResult:
-        """Run every record to completion; a record that fails is reported alone."""
+    def generate(
+        self,
+        records: list[PromptRecord],
+        writer: ResultWriter | None = None,
+        should_stop: Callable[[], bool] = lambda: False,
+    ) -> RunResult:
+        """Run every record to completion, or until should_stop() says so between steps (then the
+        unfinished requests are abandoned); a record that fails is reported alone."""
         steps: list[StepRecord] = []
         results: dict[str, dict[str, Any]] = {}
         requests = [self._make_request(record) for record in records]
@@ -78,7 +85,7 @@ class OfflineInference:
                     finish(request)
                 else:
                     self.scheduler.add_request(request)
-            while self.scheduler.has_work():
+            while self.scheduler.has_work() and not should_stop():
                 output = self.scheduler.run_step(self.engine)
                 if output.record is not None:
                     steps.append(output.record)
@@ -90,7 +97,7 @@ class OfflineInference:
         summary |= {"device": str(self.engine.platform.device), "dtype": self.config.model_config.dtype}
         if writer is not None:
             writer.write_summary(summary)
-        return RunResult(requests, [results[r.request_id] for r in requests], steps, summary)
+        return RunResult(requests, [results[r.request_id] for r in requests if r.request_id in results], steps, summary)
 
     def _make_request(self, record: PromptRecord) -> Request:
         data, sched = self.config.data_config, self.config.scheduler_config
