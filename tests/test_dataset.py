@@ -175,7 +175,7 @@ def test_token_ids_outside_the_vocabulary_fail_alone_naming_the_index() -> None:
     ]
     ok, big, huge = check_token_ids(records, vocab_size=256)
     assert ok == records[0]
-    assert big.error == "'prompt_token_ids'[1] = int 256 is outside the model's vocabulary [0, 256)"
+    assert big.error == "big: 'prompt_token_ids'[1] = int 256 is outside the model's vocabulary [0, 256)"
     assert big.prompt_token_ids is None and "[0]" in huge.error
 
 

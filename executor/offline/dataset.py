@@ -41,6 +41,7 @@ class PromptRecord:
     error: str | None = None
     # sha256 of the line's JSON object without its id: what a resumed run matches its requests on
     content_hash: str = field(default="", compare=False)
+    where: str = field(default="", compare=False)  # "file.jsonl:7", to name the line in messages
 
     def __post_init__(self) -> None:
         num_set = sum(x is not None for x in (self.prompt, self.messages, self.prompt_token_ids))
@@ -92,8 +93,9 @@ def load_prompts(path: Path) -> list[PromptRecord]:
             raise DatasetError(f"{path}:{line_no}: {exc}") from None
         except RecursionError:
             raise DatasetError(f"{path}:{line_no}: JSON nested too deeply") from None
+        record.where = f"{path.name}:{line_no}"
         if record.error:
-            record.error = f"{path.name}:{line_no}: {record.error}"
+            record.error = f"{record.where}: {record.error}"
         if record.id in line_of_id:
             raise DatasetError(
                 f"{path}:{line_no}: duplicate id {record.id!r} (first used on line {line_of_id[record.id]})"
@@ -193,8 +195,8 @@ def check_token_ids(records: list[PromptRecord], vocab_size: int) -> list[Prompt
         bad = next((i for i, token_id in enumerate(token_ids) if token_id >= vocab_size), None)
         if bad is not None:
             error = (
-                f"'prompt_token_ids'[{bad}] = {_describe(token_ids[bad])} is outside the model's "
-                f"vocabulary [0, {vocab_size})"
+                f"{record.where or record.id}: 'prompt_token_ids'[{bad}] = {_describe(token_ids[bad])} is outside "
+                f"the model's vocabulary [0, {vocab_size})"
             )
             record = replace(record, prompt_token_ids=None, error=error)
         checked.append(record)

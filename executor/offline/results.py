@@ -111,7 +111,9 @@ class ResultWriter:
         """Write summary.json for the whole run with this part's status, and return it."""
         if status != "running":
             self._part.update(status=status, finished_at=_now())
-        summary = run_summary(status, self.output_lines, self._step_lines, self._parts, self.pending_requests)
+        served_nothing = not self._lines_this_part and "total_s" not in self._part
+        parts = self._parts[:-1] if served_nothing and status == "complete" else self._parts
+        summary = run_summary(status, self.output_lines, self._step_lines, parts, self.pending_requests)
         atomic_write_text(self.output_dir / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
         return summary
 

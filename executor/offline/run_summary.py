@@ -12,9 +12,6 @@ from typing import Any
 
 from executor.utils.metrics import step_stats
 
-# A part's status: "running" while it runs (and forever, if it was killed), then one of these.
-RUN_STATUSES = ("complete", "interrupted", "stopped on error")
-
 
 def run_summary(
     status: str,
@@ -27,7 +24,7 @@ def run_summary(
     timed = [part for part in parts if part.get("total_s")]
     total_s = sum(part["total_s"] for part in timed)
     part_output_tokens = sum(part.get("output_tokens", 0) for part in timed)
-    latest = parts[-1] if parts else {}
+    latest = next((part for part in reversed(parts) if part.get("device")), {})
     return {
         "status": status,
         "requests": len(output_lines),
