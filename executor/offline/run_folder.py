@@ -25,6 +25,8 @@ OUTPUTS_FILE = "outputs.jsonl"
 STEPS_FILE = "steps.jsonl"
 SUMMARY_FILE = "summary.json"
 CONFIG_FILE = "config.yaml"
+MAX_CHANGES_SHOWN = 5  # changed settings named in a refusal
+_ABSENT = object()
 
 # Keys that change where results go, what is recorded or how fast the run goes, but not what a
 # request generates; a resumed run may change them. Every other key changes outputs.
@@ -138,15 +140,21 @@ def _check_same_settings(output_dir: Path, config: InferenceConfig) -> None:
         ) from None
     current = output_settings(config.to_dict())
     changed = [
-        f"{key} was {earlier_settings.get(key, '<absent>')!r}, now {current.get(key, '<absent>')!r}"
+        f"{key} was {_shown(earlier_settings, key)}, now {_shown(current, key)}"
         for key in sorted(set(earlier_settings) | set(current))
-        if earlier_settings.get(key, "<absent>") != current.get(key, "<absent>")
+        if earlier_settings.get(key, _ABSENT) != current.get(key, _ABSENT)
     ]
     if changed:
+        more = f"; and {len(changed) - MAX_CHANGES_SHOWN} more" if len(changed) > MAX_CHANGES_SHOWN else ""
         raise ConfigError(
             f"output folder {output_dir} holds a run made with other settings that change outputs "
-            f"({'; '.join(changed)}); restore them to continue that run, or choose another model_config.output_path"
+            f"({'; '.join(changed[:MAX_CHANGES_SHOWN])}{more}); restore them to continue that run, "
+            "or choose another model_config.output_path"
         )
+
+
+def _shown(settings: dict[str, Any], key: str) -> str:
+    return repr(settings[key]) if key in settings else "not set"
 
 
 def _match_earlier_lines(output_dir: Path, outputs: JsonlContents, hashes: dict[str, str]) -> set[str]:
