@@ -6,6 +6,7 @@ find such a torn tail so that a resumed run can drop it instead of tripping over
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -34,7 +35,8 @@ def atomic_write_text(path: Path, text: str) -> None:
         os.replace(temporary, path)
         _fsync_dir(path.parent)
     except OSError as exc:
-        temporary.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            temporary.unlink(missing_ok=True)
         raise write_error(path, exc) from None
 
 
@@ -72,10 +74,8 @@ class LineAppender:
             if self.sync:
                 os.fsync(self._fd)
         except OSError as exc:
-            try:
+            with contextlib.suppress(OSError):  # if this fails too, the next run drops the torn line
                 os.ftruncate(self._fd, size_before)
-            except OSError:
-                pass  # the next run's reader drops the torn line instead
             raise write_error(self.path, exc) from None
 
     def close(self) -> None:
