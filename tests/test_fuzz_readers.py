@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import yaml
 from hypothesis import HealthCheck, given, settings
@@ -42,15 +44,20 @@ config_documents = st.dictionaries(
 )
 
 
-def load_config_from(data: bytes) -> InferenceConfig | None:
+def read_as_file(reader: Callable[[Path], Any], error_type: type[Exception], name: str, data: bytes) -> Any:
+    """`reader(path)` on a file holding `data`; None when it raised its own (one-line) error."""
     with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / "run.yaml"
+        path = Path(folder) / name
         path.write_bytes(data)
         try:
-            return load_config(path)
-        except ConfigError as exc:
+            return reader(path)
+        except error_type as exc:
             assert "\n" not in str(exc), "errors are one line"
             return None
+
+
+def load_config_from(data: bytes) -> InferenceConfig | None:
+    return read_as_file(load_config, ConfigError, "run.yaml", data)
 
 
 @FUZZ
@@ -88,14 +95,9 @@ prompt_fields = st.fixed_dictionaries(
 
 
 def load_prompts_from(data: bytes) -> list[PromptRecord] | None:
-    with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / "prompts.jsonl"
-        path.write_bytes(data)
-        try:
-            records = load_prompts(path)
-        except DatasetError as exc:
-            assert "\n" not in str(exc), "errors are one line"
-            return None
+    records = read_as_file(load_prompts, DatasetError, "prompts.jsonl", data)
+    if records is None:
+        return None
     for record in records:  # every record is servable or says why not
         fields = (record.prompt, record.messages, record.prompt_token_ids)
         assert sum(f is not None for f in fields) == (0 if record.error else 1)

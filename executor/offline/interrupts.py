@@ -11,8 +11,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+import threading
 from collections.abc import Iterator
 from types import FrameType
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -37,9 +39,13 @@ class StopSignals:
     def __init__(self) -> None:
         self.signum: int | None = None
         self._deferred = False
+        self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> StopSignals:
-        self._previous = {signum: signal.signal(signum, self._handle) for signum in HANDLED_SIGNALS}
+        # Python runs signal handlers in the main thread only; elsewhere (an embedding app) leave them be.
+        in_main_thread = threading.current_thread() is threading.main_thread()
+        handlers = HANDLED_SIGNALS if in_main_thread else ()
+        self._previous = {signum: signal.signal(signum, self._handle) for signum in handlers}
         return self
 
     def __exit__(self, *exc_info: object) -> None:
