@@ -11,6 +11,7 @@ import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from executor.core.config import ConfigError, InferenceConfig, load_config
 from executor.core.config.inference_config import unused_npu_keys
@@ -54,15 +55,20 @@ def load_records(config: InferenceConfig) -> list[PromptRecord]:
     return records[: data.num_prompts] if data.num_prompts else records
 
 
-def print_report(result: RunResult) -> None:
+def print_results(result: RunResult) -> None:
     for entry in result.results:
         print(f"\n=== [{entry['id']}] prompt: {entry['prompt']}")
         if entry["error"]:
             print(f"--- FAILED: {entry['error']}")
         else:
             print(f"--- output ({entry['finish_reason']}): {entry['output_text']}")
+
+
+def print_summary(summary: dict[str, Any], output_dir: Path) -> None:
+    """The whole run's summary (its parts are in summary.json)."""
     print("\n=== summary")
-    print(json.dumps(result.summary, indent=2))
+    print(json.dumps({key: value for key, value in summary.items() if key != "parts"}, indent=2))
+    print(f"results written to {output_dir}")
 
 
 @dataclass(slots=True)
@@ -143,7 +149,7 @@ def run(args: argparse.Namespace, stop: StopSignals) -> int:
         if inference is not None:
             with stop.deferred():
                 result = inference.generate(servable, writer, should_stop=stop.requested)
-            print_report(result)
+            print_results(result)
         if stop.requested():
             raise RunInterrupted(stop.signum or signal.SIGINT)
         summary = writer.finish("complete")
@@ -165,7 +171,7 @@ def run(args: argparse.Namespace, stop: StopSignals) -> int:
     finally:
         if writer is not None:
             writer.close()
-    print(f"results written to {plan.output_dir}")
+    print_summary(summary, plan.output_dir)
     return finished_run_status(summary)
 
 
