@@ -4,6 +4,7 @@ continues the run, and the outputs equal those of a run never interrupted, none 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import signal
 import subprocess
@@ -103,6 +104,7 @@ def test_killed_run_resumes_to_the_uninterrupted_outputs(point, tiny_llama_dir, 
     assert (out / "outputs.jsonl").read_bytes().endswith(b"\n")
     result = summary(out)
     assert result["status"] == "complete" and result["requests"] == NUM_PROMPTS and result["pending_requests"] == 0
+    assert result["output_tokens"] == sum(len(line["output_token_ids"]) for line in reference.values())
     if point != "while_loading":  # the killed part had begun writing
         assert result["parts"][0]["status"] == "killed"
 
@@ -128,6 +130,30 @@ def test_new_dataset_lines_are_appended_to_a_finished_run(tiny_llama_dir, refere
     assert run_into(write_run(tmp_path, tiny_llama_dir), out) == 0
     assert outputs_by_id(out) == reference
     assert [part["requests"] for part in summary(out)["parts"]] == [4, NUM_PROMPTS - 4]
+
+
+def test_torn_tails_of_both_line_files_are_dropped_on_resume(tiny_llama_dir, reference, tmp_path, caplog):
+    out = tmp_path / "out"
+    assert run_into(write_run(tmp_path, tiny_llama_dir, num_prompts=4), out) == 0
+    for name in ("outputs.jsonl", "steps.jsonl"):
+        with open(out / name, "ab") as file:
+            file.write(b'{"id": "r4", "output_tok')
+    assert run_into(write_run(tmp_path, tiny_llama_dir), out) == 0
+    assert outputs_by_id(out) == reference
+    steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    assert {step["part"] for step in steps} == {1, 2}
+    assert caplog.text.count("dropping a torn last line") == 2
+
+
+def test_lines_of_requests_that_failed_alone_count_as_done(tiny_llama_dir, tmp_path, monkeypatch):
+    run_yaml, out = write_run(tmp_path, tiny_llama_dir, num_prompts=2), tmp_path / "out"
+    with open(tmp_path / "prompts.jsonl", "a") as dataset:
+        dataset.write('{"id": "bad", "prompt_token_ids": [5, 99999]}\n')
+    assert run_into(run_yaml, out) == 3
+    before = (out / "outputs.jsonl").read_bytes()
+    monkeypatch.setattr(cli, "OfflineInference", lambda *a, **k: pytest.fail("the model was loaded again"))
+    assert run_into(run_yaml, out) == 3  # the whole run: one request failed
+    assert (out / "outputs.jsonl").read_bytes() == before
 
 
 def test_a_setting_that_changes_outputs_is_refused_naming_it(tiny_llama_dir, tmp_path, capsys):
