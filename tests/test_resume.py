@@ -145,7 +145,7 @@ def test_torn_tails_of_both_line_files_are_dropped_on_resume(tiny_llama_dir, ref
     assert caplog.text.count("dropping a torn last line") == 2
 
 
-def test_lines_of_requests_that_failed_alone_count_as_done(tiny_llama_dir, tmp_path, monkeypatch):
+def test_lines_of_requests_that_failed_alone_count_as_done_until_deleted(tiny_llama_dir, tmp_path, monkeypatch):
     run_yaml, out = write_run(tmp_path, tiny_llama_dir, num_prompts=2), tmp_path / "out"
     with open(tmp_path / "prompts.jsonl", "a") as dataset:
         dataset.write('{"id": "bad", "prompt_token_ids": [5, 99999]}\n')
@@ -154,6 +154,10 @@ def test_lines_of_requests_that_failed_alone_count_as_done(tiny_llama_dir, tmp_p
     monkeypatch.setattr(cli, "OfflineInference", lambda *a, **k: pytest.fail("the model was loaded again"))
     assert run_into(run_yaml, out) == 3  # the whole run: one request failed
     assert (out / "outputs.jsonl").read_bytes() == before
+    kept = [line for line in before.decode().splitlines() if '"id": "bad"' not in line]
+    (out / "outputs.jsonl").write_text("\n".join(kept) + "\n")  # how a user retries a failed request
+    assert run_into(run_yaml, out) == 3
+    assert sorted(outputs_by_id(out)) == ["bad", "r0", "r1"]
 
 
 def test_a_setting_that_changes_outputs_is_refused_naming_it(tiny_llama_dir, tmp_path, capsys):
