@@ -13,6 +13,7 @@ from executor.core.types_ import Batch, Request, SamplingParams
 from executor.offline.dataset import PromptRecord
 from executor.offline.offline_inference import OfflineInference, RunResult
 from executor.offline.results import ResultWriter
+from executor.offline.run_folder import plan_run
 
 
 def make_inference(model_dir: Path, dtype: str = "float32", **scheduler) -> OfflineInference:
@@ -29,7 +30,7 @@ def make_inference(model_dir: Path, dtype: str = "float32", **scheduler) -> Offl
 
 def run_engine(model_dir: Path, records: list[PromptRecord], output_dir: Path | None = None, **scheduler) -> RunResult:
     inference = make_inference(model_dir, **scheduler)
-    writer = ResultWriter(output_dir) if output_dir is not None else None
+    writer = ResultWriter(plan_run(output_dir, inference.config, records), inference.config) if output_dir else None
     try:
         return inference.generate(records, writer)
     finally:

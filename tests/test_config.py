@@ -129,3 +129,53 @@ def test_npu_needs_block_sizes_in_multiples_of_128():
     with pytest.raises(ConfigError, match="block_size in run.yaml must be a multiple of 128 on NPU"):
         check_device_rules(config, "npu")
     check_device_rules(build_config({"scheduler_config": {"block_size": 256}}), "npu")
+
+
+# --- the YAML file itself ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            "model_config:\n  dtype: float32\nmodel_config:\n  device: cpu\n",
+            "run.yaml:3: duplicate section model_config (first on line 1)",
+        ),
+        (
+            "scheduler_config:\n  batch_size: 2\n  block_size: 16\n  batch_size: 4\n",
+            "run.yaml:4: duplicate key scheduler_config.batch_size (first on line 2)",
+        ),
+        (
+            "model_config:\n  custom_params:\n    a: 1\n    a: 2\n",
+            "run.yaml:4: duplicate key model_config.custom_params.a (first on line 3)",
+        ),
+    ],
+)
+def test_a_key_or_section_written_twice_is_refused_with_both_lines(tmp_path, text, expected):
+    with pytest.raises(ConfigError) as err:
+        load_config(write_yaml(tmp_path, text))
+    assert expected in str(err.value)
+
+
+def test_yaml_merge_keys_are_not_duplicates(tmp_path):
+    text = "x: &base\n  batch_size: 2\nscheduler_config:\n  <<: *base\n  block_size: 16\n"
+    with pytest.raises(ConfigError, match="unknown section 'x'"):  # got past the duplicate check
+        load_config(write_yaml(tmp_path, text))
+
+
+def test_a_yaml_file_that_is_not_utf8_is_named_with_line_and_column(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_bytes(b"model_config:\n  dtype: float32 # \xff\n")
+    with pytest.raises(ConfigError, match=r"run\.yaml:2: not UTF-8 \(byte 0xff at column 20\)"):
+        load_config(path)
+
+
+def test_yaml_syntax_errors_are_one_line_with_the_position(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load_config(write_yaml(tmp_path, "scheduler_config:\n  stop_token_ids: [1, 2\n"))
+    assert "\n" not in str(err.value) and "line 3" in str(err.value)
+
+
+def test_nan_is_not_a_number_a_range_can_check(tmp_path):
+    with pytest.raises(ConfigError, match="mem_fraction_static .* must be a number"):
+        load_config(write_yaml(tmp_path, "scheduler_config:\n  mem_fraction_static: .nan\n"))

@@ -11,6 +11,7 @@ from executor.offline.dataset import (
     DATASET_DIR,
     DatasetError,
     PromptRecord,
+    check_token_ids,
     load_prompts,
     resolve_dataset_path,
     tokenize_record,
@@ -126,9 +127,22 @@ def test_unknown_key_is_an_error(tmp_path: Path) -> None:
     assert "bad.jsonl:1: unknown key(s) ['promt']" in load_error(tmp_path, {"prompt": "a", "promt": "b"})
 
 
+def record_error(tmp_path: Path, line: object) -> str:
+    """The error of a line that loads but fails alone; a good line after it still loads."""
+    path = write_jsonl(tmp_path / "bad.jsonl", line, {"id": "fine", "prompt": "ok"})
+    bad, fine = load_prompts(path)
+    assert fine.error is None and fine.prompt == "ok"
+    assert bad.error is not None and (bad.prompt, bad.messages, bad.prompt_token_ids) == (None, None, None)
+    return bad.error
+
+
 @pytest.mark.parametrize("prompt", ["", "   ", 7, None, ["a"]])
 def test_prompt_must_be_a_non_empty_string(tmp_path: Path, prompt: object) -> None:
-    assert "bad.jsonl:1: 'prompt' must be a non-empty string" in load_error(tmp_path, {"prompt": prompt})
+    assert "bad.jsonl:1: 'prompt' must be a non-empty string" in record_error(tmp_path, {"prompt": prompt})
+
+
+def test_prompt_with_a_lone_surrogate_fails_alone(tmp_path: Path) -> None:
+    assert "lone surrogate" in record_error(tmp_path, '{"prompt": "a \\ud800 b"}')
 
 
 @pytest.mark.parametrize(
@@ -145,12 +159,48 @@ def test_prompt_must_be_a_non_empty_string(tmp_path: Path, prompt: object) -> No
     ],
 )
 def test_messages_must_be_a_non_empty_list_of_role_and_content(tmp_path: Path, messages: object) -> None:
-    assert "bad.jsonl:1: 'messages'" in load_error(tmp_path, {"messages": messages})
+    assert "bad.jsonl:1: 'messages'" in record_error(tmp_path, {"messages": messages})
 
 
-@pytest.mark.parametrize("token_ids", [[], [1, -1], [1, 2.0], [True], "1 2", [1, "2"]])
+@pytest.mark.parametrize("token_ids", [[], [1, -1], [1, 2.0], [True], "1 2", [1, "2"], [1e400]])
 def test_prompt_token_ids_must_be_non_negative_ints(tmp_path: Path, token_ids: object) -> None:
-    assert "bad.jsonl:1: 'prompt_token_ids'" in load_error(tmp_path, {"prompt_token_ids": token_ids})
+    assert "bad.jsonl:1: 'prompt_token_ids'" in record_error(tmp_path, {"prompt_token_ids": token_ids})
+
+
+def test_token_ids_outside_the_vocabulary_fail_alone_naming_the_index() -> None:
+    records = [
+        PromptRecord(id="ok", prompt_token_ids=[0, 255]),
+        PromptRecord(id="big", prompt_token_ids=[3, 256]),
+        PromptRecord(id="huge", prompt_token_ids=[2**70]),
+    ]
+    ok, big, huge = check_token_ids(records, vocab_size=256)
+    assert ok == records[0]
+    assert big.error == "big: 'prompt_token_ids'[1] = int 256 is outside the model's vocabulary [0, 256)"
+    assert big.prompt_token_ids is None and "[0]" in huge.error
+
+
+def test_a_number_with_too_many_digits_is_a_clear_error(tmp_path: Path) -> None:
+    assert "bad.jsonl:1: invalid JSON: a number has too many digits" in load_error(
+        tmp_path, '{"prompt_token_ids": [' + "9" * 5000 + "]}"
+    )
+
+
+def test_a_line_that_is_not_utf8_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b'{"prompt": "ok"}\n{"prompt": "\xff"}\n')
+    with pytest.raises(DatasetError, match="bad.jsonl:2: not UTF-8"):
+        load_prompts(path)
+
+
+def test_content_hash_ignores_the_id_and_key_order_but_not_the_prompt(tmp_path: Path) -> None:
+    path = write_jsonl(
+        tmp_path / "d.jsonl",
+        '{"id": "a", "prompt": "x"}',
+        '{"prompt": "x", "id": "b"}',
+        '{"id": "c", "prompt": "y"}',
+    )
+    a, b, c = load_prompts(path)
+    assert a.content_hash == b.content_hash != c.content_hash
 
 
 @pytest.mark.parametrize("record_id", ["", True, 1.5, None, ["a"]])
@@ -268,3 +318,26 @@ def test_plain_text_works_with_a_tokenizer_that_has_no_chat_template() -> None:
     record = PromptRecord(id="q3", prompt="hello")
     tokenizer = tiny_tokenizer(chat_template=None)
     assert tokenize_record(record, tokenizer, apply_chat_template=False) == [ID["<s>"], ID["hello"]]
+
+
+def test_a_line_overrides_sampling_parameters_with_values_of_their_type(tmp_path: Path) -> None:
+    path = write_jsonl(
+        tmp_path / "p.jsonl",
+        {"prompt": "hi", "max_new_tokens": 4, "temperature": 0, "top_p": 1, "stop_token_ids": [13, 7]},
+    )
+    (record,) = load_prompts(path)
+    assert record.sampling_overrides == {"max_new_tokens": 4, "temperature": 0, "top_p": 1, "stop_token_ids": (13, 7)}
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ({"max_new_tokens": 2.5}, "'max_new_tokens' must be int"),
+        ({"temperature": "hot"}, "'temperature' must be float"),
+        ({"ignore_eos": 1}, "'ignore_eos' must be bool"),
+        ({"top_k": True}, "'top_k' must be int"),
+        ({"stop_token_ids": [1, "x"]}, "'stop_token_ids' must be a list of ints"),
+    ],
+)
+def test_a_sampling_value_of_the_wrong_type_fails_its_line_alone(tmp_path: Path, override: dict, words: str) -> None:
+    assert words in record_error(tmp_path, {"prompt": "hi", **override})

@@ -161,3 +161,12 @@ def test_an_mla_shaped_layer_is_sized_and_allocated_by_its_latent():
         assert {name: (t.shape, t.dtype) for name, t in layer.bound.items()} == {
             "kv_latent": (torch.Size([5, 16, 576]), torch.bfloat16)
         }
+
+
+def test_a_tokenizer_id_outside_the_model_vocabulary_fails_its_request_alone(tiny_llama_dir):
+    inference = make_inference(tiny_llama_dir)
+    inference.engine.vocab_size = 100  # as if the tokenizer had tokens the model lacks
+    records = [PromptRecord(id="big", prompt="w5 w200"), PromptRecord(id="ok", prompt="w5 w50")]
+    big, ok = inference.generate(records).requests
+    assert big.finish_reason is FinishReason.ERROR and "token id 200, outside the model's vocabulary" in big.error
+    assert ok.finish_reason is FinishReason.LENGTH

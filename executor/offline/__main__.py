@@ -6,17 +6,33 @@ import argparse
 import json
 import logging
 import os
+import shlex
+import signal
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from executor.core.config import ConfigError, InferenceConfig, load_config
 from executor.core.config.inference_config import unused_npu_keys
 from executor.model_loader.default_model import default_model_path
-from executor.offline.dataset import DATASET_DIR, DatasetError, PromptRecord, load_prompts, resolve_dataset_path
+from executor.offline.dataset import (
+    DATASET_DIR,
+    DatasetError,
+    PromptRecord,
+    check_token_ids,
+    load_prompts,
+    resolve_dataset_path,
+)
+from executor.offline.durable_io import OutputWriteError
+from executor.offline.exit_status import COULD_NOT_START, STOPPED_ON_ERROR, finished_run_status
+from executor.offline.interrupts import RunInterrupted, StopSignals, exit_status_for
 from executor.offline.offline_inference import OfflineInference, RunResult
-from executor.offline.results import ResultWriter, default_output_dir
+from executor.offline.preflight import check_device, check_kv_pool, check_model_folder, one_line
+from executor.offline.results import ResultWriter, default_output_dir, failed_record_result
+from executor.offline.run_folder import OUTPUTS_FILE, RunPlan, plan_run
 from executor.utils.logging_config import setup_logging
-from executor.utils.model_registry import check_model_name
+from executor.utils.model_registry import check_model_name, resolve_model
 
 logger = logging.getLogger("executor.offline")
 
@@ -39,16 +55,52 @@ def load_records(config: InferenceConfig) -> list[PromptRecord]:
     return records[: data.num_prompts] if data.num_prompts else records
 
 
-def print_report(result: RunResult, output_dir: Path) -> None:
+def print_results(result: RunResult) -> None:
     for entry in result.results:
         print(f"\n=== [{entry['id']}] prompt: {entry['prompt']}")
         if entry["error"]:
             print(f"--- FAILED: {entry['error']}")
         else:
             print(f"--- output ({entry['finish_reason']}): {entry['output_text']}")
+
+
+def print_summary(summary: dict[str, Any], output_dir: Path) -> None:
+    """The whole run's summary (its parts are in summary.json)."""
     print("\n=== summary")
-    print(json.dumps(result.summary, indent=2))
+    print(json.dumps({key: value for key, value in summary.items() if key != "parts"}, indent=2))
     print(f"results written to {output_dir}")
+
+
+@dataclass(slots=True)
+class PreparedRun:
+    config: InferenceConfig
+    model_path: Path
+    device_type: str
+    plan: RunPlan
+
+
+def prepare_run(yaml_path: str, overrides: list[str]) -> PreparedRun:
+    """Everything that can be wrong with the input, found before the model loads (ConfigError, DatasetError)."""
+    config = load_config(yaml_path, overrides)
+    check_model_name(config.model_config.model_name, config.source)
+    records = load_records(config)
+    model_path = resolve_model_path(config)
+    _, config_cls = resolve_model(config.model_config.model_name)
+    hf_config = check_model_folder(model_path, config_cls, config.model_config.with_ckpt)
+    device_type = check_device(config)
+    check_kv_pool(config, getattr(hf_config, "max_position_embeddings", 0))
+    records = check_token_ids(records, hf_config.vocab_size)
+    return PreparedRun(config, model_path, device_type, plan_run(default_output_dir(config), config, records))
+
+
+def resume_command(args: argparse.Namespace, config: InferenceConfig, output_dir: Path) -> str:
+    """The command line that continues this run."""
+    words = ["python", "-m", "executor.offline", "--yaml", args.yaml]
+    for override in args.overrides:
+        words += ["--set", override]
+    if not config.model_config.output_path:
+        words += ["--set", f"model_config.output_path={output_dir}"]
+    return shlex.join(words)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,33 +109,83 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     args = parser.parse_args(argv)
     setup_logging()
-    try:  # everything that can be wrong with the input is found before the model loads
-        config = load_config(args.yaml, args.overrides)
-        check_model_name(config.model_config.model_name, config.source)
-        records = load_records(config)
-        model_path = resolve_model_path(config)
+    with StopSignals() as stop:
+        try:
+            return run(args, stop)
+        except RunInterrupted as exc:  # before the run folder was written to
+            print(
+                f"interrupted ({signal.Signals(exc.signum).name}) before any request ran; nothing written",
+                file=sys.stderr,
+            )
+            return exit_status_for(exc.signum)
+
+
+def run(args: argparse.Namespace, stop: StopSignals) -> int:
+    try:
+        prepared = prepare_run(args.yaml, args.overrides)
     except (ConfigError, DatasetError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
-    try:  # rules that need the platform or the model's config.json, still checked before the weights load
-        inference = OfflineInference(config, str(model_path))
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    for key in unused_npu_keys(config, inference.engine.platform.device_type):
+        return COULD_NOT_START
+    config, plan = prepared.config, prepared.plan
+    for key in unused_npu_keys(config, prepared.device_type):
         logger.info("%s only applies on NPU; unused here", key)
-    output_dir = default_output_dir(config)
-    writer = ResultWriter(output_dir)
-    writer.write_config(config)
+    if plan.resumed:
+        logger.info("continuing the run in %s: %d request(s) left", plan.output_dir, len(plan.pending))
+    servable = [record for record in plan.pending if record.error is None]
+    inference = None
+    if servable:
+        try:
+            inference = OfflineInference(config, str(prepared.model_path))
+        except (OSError, RuntimeError, ValueError) as exc:  # ConfigError and WeightLoadError are ValueErrors
+            print(f"error: the model could not be loaded: {one_line(exc)}", file=sys.stderr)
+            return COULD_NOT_START
+    resume_hint = f"to resume, run: {resume_command(args, config, plan.output_dir)}"
+    writer = None
     try:
-        result = inference.generate(records, writer)
+        writer = ResultWriter(plan, config)
+        for record in plan.pending:
+            if record.error is not None:
+                writer.write_request(failed_record_result(record))
+        if inference is not None:
+            with stop.deferred():
+                result = inference.generate(servable, writer, should_stop=stop.requested)
+            print_results(result)
+        if stop.requested():
+            raise RunInterrupted(stop.signum or signal.SIGINT)
+        summary = writer.finish("complete")
+    except RunInterrupted as exc:
+        _finish_quietly(writer, "interrupted")
+        name = signal.Signals(exc.signum).name
+        print(
+            f"interrupted ({name}); finished requests are in {plan.output_dir / OUTPUTS_FILE}; {resume_hint}",
+            file=sys.stderr,
+        )
+        return exit_status_for(exc.signum)
     except ConfigError as exc:  # a KV pool too small for every request of the run
+        _finish_quietly(writer, "stopped on error")
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return COULD_NOT_START
+    except OutputWriteError as exc:
+        _finish_quietly(writer, "stopped on error")
+        print(f"error: {exc}; finished requests are kept; {resume_hint}", file=sys.stderr)
+        return STOPPED_ON_ERROR
+    except BaseException:
+        _finish_quietly(writer, "stopped on error")
+        raise
     finally:
-        writer.close()
-    print_report(result, output_dir)
-    return 0
+        if writer is not None:
+            writer.close()
+    print_summary(summary, plan.output_dir)
+    return finished_run_status(summary)
+
+
+def _finish_quietly(writer: ResultWriter | None, status: str) -> None:
+    """Mark summary.json on the way out of a failed run; a second error there must not hide the first."""
+    if writer is not None:
+        try:
+            writer.finish(status)
+        except OSError as exc:
+            logger.warning("summary.json not updated: %s", exc)
 
 
 if __name__ == "__main__":

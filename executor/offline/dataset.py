@@ -1,14 +1,18 @@
 """Prompt datasets: find the JSONL file a run names, validate every line, turn records into token ids.
 
-A bad line fails the run before the model loads, with the file and line number, instead of
-surfacing as an odd request halfway through a long batch. dataset/README.md describes the format.
+A line whose shape is wrong (not JSON, unknown keys, no prompt, a bad or duplicate id) fails the
+run before the model loads, with the file and line number. A well-formed line whose prompt value
+is unusable (empty, not integers, token ids outside the vocabulary) becomes a record that carries
+its error: that request fails alone, with the reason in outputs.jsonl, and the others run.
+dataset/README.md describes the format.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +41,8 @@ class DatasetError(ValueError):
 
 @dataclass(slots=True)
 class PromptRecord:
-    """One prompt as the dataset gives it; exactly one of prompt, messages, prompt_token_ids is set."""
+    """One prompt as the dataset gives it: exactly one of prompt, messages, prompt_token_ids is set,
+    or none and `error` says why the line cannot be served (the request then fails alone)."""
 
     id: str
     prompt: str | None = None
@@ -45,10 +50,15 @@ class PromptRecord:
     prompt_token_ids: list[int] | None = None
     # SamplingParams fields this line overrides (types checked here, ranges when the request is made).
     sampling_overrides: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+    # sha256 of the line's JSON object without its id: what a resumed run matches its requests on
+    content_hash: str = field(default="", compare=False)
+    where: str = field(default="", compare=False)  # "file.jsonl:7", to name the line in messages
 
     def __post_init__(self) -> None:
         num_set = sum(x is not None for x in (self.prompt, self.messages, self.prompt_token_ids))
-        assert num_set == 1, f"record {self.id!r}: exactly one prompt field must be set, got {num_set}"
+        expected = 0 if self.error else 1
+        assert num_set == expected, f"record {self.id!r}: {expected} prompt field(s) must be set, got {num_set}"
 
 
 def resolve_dataset_path(dataset: str, dataset_path: str | None, dataset_dir: Path) -> Path:
@@ -75,20 +85,29 @@ def resolve_dataset_path(dataset: str, dataset_path: str | None, dataset_dir: Pa
 
 
 def load_prompts(path: Path) -> list[PromptRecord]:
-    """Read and validate a JSONL prompt file; blank lines are skipped, anything malformed is an error."""
+    """Read and validate a JSONL prompt file; blank lines are skipped, a malformed line is an error."""
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise DatasetError(f"{path}: cannot read dataset: {exc}") from exc
+        raw_lines = path.read_bytes().split(b"\n")
+    except OSError as exc:
+        raise DatasetError(f"{path}: cannot read dataset: {exc.strerror or exc}") from None
     records: list[PromptRecord] = []
     line_of_id: dict[str, int] = {}
-    for line_no, line in enumerate(lines, start=1):
+    for line_no, raw_line in enumerate(raw_lines, start=1):
+        try:
+            line = raw_line.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise DatasetError(f"{path}:{line_no}: not UTF-8 (byte 0x{raw_line[exc.start]:02x})") from None
         if not line.strip():
             continue
         try:
             record = _parse_record(line, default_id=str(len(records)))
         except ValueError as exc:  # json.JSONDecodeError is a ValueError too
             raise DatasetError(f"{path}:{line_no}: {exc}") from None
+        except RecursionError:
+            raise DatasetError(f"{path}:{line_no}: JSON nested too deeply") from None
+        record.where = f"{path.name}:{line_no}"
+        if record.error:
+            record.error = f"{record.where}: {record.error}"
         if record.id in line_of_id:
             raise DatasetError(
                 f"{path}:{line_no}: duplicate id {record.id!r} (first used on line {line_of_id[record.id]})"
@@ -101,11 +120,14 @@ def load_prompts(path: Path) -> list[PromptRecord]:
 
 
 def _parse_record(line: str, default_id: str) -> PromptRecord:
-    """One line to a PromptRecord; raises ValueError saying what is wrong (the caller adds file:line)."""
+    """One line to a PromptRecord. A line of the wrong shape raises ValueError (the caller adds
+    file:line); an unusable prompt value gives a record with `error` set."""
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
         raise ValueError(f"invalid JSON: {exc.msg} at column {exc.colno}") from None
+    except ValueError:  # Python refuses to parse integers of more than sys.get_int_max_str_digits() digits
+        raise ValueError("invalid JSON: a number has too many digits") from None
     if not isinstance(obj, dict):
         raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
     unknown = sorted(set(obj) - _ALLOWED_KEYS)
@@ -116,21 +138,31 @@ def _parse_record(line: str, default_id: str) -> PromptRecord:
         found = f"found {present}" if present else "found none"
         raise ValueError(f"expected exactly one of {list(_PROMPT_FIELDS)}, {found}")
     record_id = _parse_id(obj["id"]) if "id" in obj else default_id
-    overrides = _parse_sampling_overrides(obj)
+    content = {key: value for key, value in obj.items() if key != "id"}
+    content_hash = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
     field_name = present[0]
-    value = obj[field_name]
-    if field_name == "prompt":
-        if not isinstance(value, str) or not value.strip():
-            raise ValueError(f"'prompt' must be a non-empty string, got {_describe(value)}")
-        return PromptRecord(id=record_id, prompt=value, sampling_overrides=overrides)
-    if field_name == "messages":
-        return PromptRecord(id=record_id, messages=_parse_messages(value), sampling_overrides=overrides)
+    try:
+        fields = {field_name: _PARSERS[field_name](obj[field_name])}
+        overrides = _parse_sampling_overrides(obj)
+    except ValueError as exc:
+        return PromptRecord(id=record_id, error=str(exc), content_hash=content_hash)
+    return PromptRecord(id=record_id, **fields, sampling_overrides=overrides, content_hash=content_hash)
+
+
+def _parse_prompt(value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"'prompt' must be a non-empty string, got {_describe(value)}")
+    _check_encodable(value, "'prompt'")
+    return value
+
+
+def _parse_token_ids(value: Any) -> list[int]:
     if not isinstance(value, list) or not value:
         raise ValueError(f"'prompt_token_ids' must be a non-empty list of ints, got {_describe(value)}")
     for index, token_id in enumerate(value):
         if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
-            raise ValueError(f"'prompt_token_ids'[{index}] must be a non-negative int, got {token_id!r}")
-    return PromptRecord(id=record_id, prompt_token_ids=value, sampling_overrides=overrides)
+            raise ValueError(f"'prompt_token_ids'[{index}] must be a non-negative int, got {_describe(token_id)}")
+    return value
 
 
 def _parse_sampling_overrides(obj: dict[str, Any]) -> dict[str, Any]:
@@ -169,7 +201,35 @@ def _parse_messages(value: Any) -> list[dict[str, str]]:
         if not isinstance(message["content"], str):
             content = message["content"]
             raise ValueError(f"'messages'[{index}].content must be a string, got {_describe(content)}")
+        _check_encodable(message["role"] + message["content"], f"'messages'[{index}]")
     return value
+
+
+def _check_encodable(text: str, where: str) -> None:
+    """JSON can spell lone surrogates ("\\ud800") that no tokenizer or UTF-8 file can take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{where} holds a lone surrogate, which is not valid Unicode") from None
+
+
+_PARSERS = {"prompt": _parse_prompt, "messages": _parse_messages, "prompt_token_ids": _parse_token_ids}
+
+
+def check_token_ids(records: list[PromptRecord], vocab_size: int) -> list[PromptRecord]:
+    """Records whose given token ids fall outside [0, vocab_size) turn into records that fail alone."""
+    checked = []
+    for record in records:
+        token_ids = record.prompt_token_ids or []
+        bad = next((i for i, token_id in enumerate(token_ids) if token_id >= vocab_size), None)
+        if bad is not None:
+            error = (
+                f"{record.where or record.id}: 'prompt_token_ids'[{bad}] = {_describe(token_ids[bad])} is outside "
+                f"the model's vocabulary [0, {vocab_size})"
+            )
+            record = replace(record, prompt_token_ids=None, error=error)
+        checked.append(record)
+    return checked
 
 
 def _describe(value: Any) -> str:

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +29,7 @@ logger = logging.getLogger(__name__)
 @dataclass(slots=True)
 class RunResult:
     requests: list[Request]  # in dataset order
-    results: list[dict[str, Any]]  # outputs.jsonl lines, in dataset order
+    results: list[dict[str, Any]]  # outputs.jsonl lines of the finished requests, in dataset order
     steps: list[StepRecord]
     summary: dict[str, Any]
 
@@ -62,8 +63,14 @@ class OfflineInference:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
-    def generate(self, records: list[PromptRecord], writer: ResultWriter | None = None) -> RunResult:
-        """Run every record to completion; a record that fails is reported alone."""
+    def generate(
+        self,
+        records: list[PromptRecord],
+        writer: ResultWriter | None = None,
+        should_stop: Callable[[], bool] = lambda: False,
+    ) -> RunResult:
+        """Run every record to completion, or until should_stop() says so between steps (then the
+        unfinished requests are abandoned); a record that fails is reported alone."""
         steps: list[StepRecord] = []
         results: dict[str, dict[str, Any]] = {}
         requests = [self._make_request(record) for record in records]
@@ -90,7 +97,7 @@ class OfflineInference:
                     finish(request)
                 else:
                     self.scheduler.add_request(request)
-            while self.scheduler.has_work():
+            while self.scheduler.has_work() and not should_stop():
                 output = self.scheduler.run_step(self.engine)
                 if output.record is not None:
                     steps.append(output.record)
@@ -106,7 +113,7 @@ class OfflineInference:
         }
         if writer is not None:
             writer.write_summary(summary)
-        return RunResult(requests, [results[r.request_id] for r in requests], steps, summary)
+        return RunResult(requests, [results[r.request_id] for r in requests if r.request_id in results], steps, summary)
 
     def _check_pool_holds_a_request(self, requests: list[Request]) -> None:
         """A pool too small for every request of the run is a configuration error, not N failures."""
@@ -131,6 +138,11 @@ class OfflineInference:
         if self.config.data_config.input_truncated_len:
             token_ids = token_ids[: self.config.data_config.input_truncated_len]
         reason = params.check()
+        if reason is None and token_ids and max(token_ids) >= self.engine.vocab_size:
+            reason = (
+                f"the tokenizer gave token id {max(token_ids)}, outside the model's vocabulary of "
+                f"{self.engine.vocab_size}: tokenizer and model do not match"
+            )
         if reason is not None:
             return Request.failed(record.id, prompt, params, f"record {record.id!r}: {reason}", time.perf_counter())
         return Request(record.id, prompt, token_ids, params)

@@ -1,20 +1,27 @@
 """Where a run's results go: outputs.jsonl (one line per request, written as it finishes),
-steps.jsonl (one line per step), summary.json and the resolved config."""
+steps.jsonl (one line per step), summary.json and the resolved config.yaml, in one run folder."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from datetime import datetime
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import yaml
 
 from executor.core.config import InferenceConfig
 from executor.core.scheduler import StepRecord
-from executor.core.types_ import Request
+from executor.core.types_ import Request, SamplingParams
+from executor.offline.dataset import PromptRecord
+from executor.offline.durable_io import LineAppender, atomic_write_text, drop_torn_tail
+from executor.offline.run_folder import CONFIG_FILE, OUTPUTS_FILE, STEPS_FILE, SUMMARY_FILE, RunPlan
+from executor.offline.run_summary import run_summary
 from executor.utils.model_registry import model_dir
+
+logger = logging.getLogger(__name__)
 
 
 def default_output_dir(config: InferenceConfig, now: datetime | None = None) -> Path:
@@ -37,30 +44,83 @@ def request_result(request: Request, output_text: str) -> dict[str, Any]:
     }
 
 
+def failed_record_result(record: PromptRecord) -> dict[str, Any]:
+    """The outputs line of a dataset record that cannot be served (its error says why)."""
+    assert record.error is not None
+    request = Request(record.id, None, [], SamplingParams())
+    request.fail(record.error, now_s=0.0)
+    return request_result(request, "")
+
+
 class ResultWriter:
-    """Appends and flushes each line at once, so a crash loses no finished request."""
+    """Writes the run folder that `plan` describes, continuing what earlier parts left there.
 
-    def __init__(self, output_dir: Path) -> None:
-        self.output_dir = output_dir
-        output_dir.mkdir(parents=True, exist_ok=True)
-        self._outputs: IO[str] = (output_dir / "outputs.jsonl").open("w")
-        self._steps: IO[str] = (output_dir / "steps.jsonl").open("w")
+    outputs.jsonl lines are written whole and fsynced as each request finishes; steps.jsonl lines
+    are written whole (a crash may lose the last few, which only time the run); config.yaml and
+    summary.json are replaced atomically. summary.json says "running" until finish() is called, so
+    a folder whose summary still says so after its process is gone was killed.
+    """
 
-    def write_config(self, config: InferenceConfig) -> None:
+    def __init__(self, plan: RunPlan, config: InferenceConfig) -> None:
+        self.output_dir = plan.output_dir
+        self._request_hashes = plan.request_hashes
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        for name, contents in ((OUTPUTS_FILE, plan.outputs), (STEPS_FILE, plan.steps)):
+            if contents.torn_tail:
+                logger.warning(
+                    "dropping a torn last line of %s (%d bytes) left by a crash", name, len(contents.torn_tail)
+                )
+                drop_torn_tail(self.output_dir / name, contents)
         resolved = {"source": config.source, **config.to_dict()}
-        (self.output_dir / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
+        atomic_write_text(self.output_dir / CONFIG_FILE, yaml.safe_dump(resolved, sort_keys=False))
+        self._outputs = LineAppender(self.output_dir / OUTPUTS_FILE, sync=True)
+        self._steps = LineAppender(self.output_dir / STEPS_FILE, sync=False)
+        self.output_lines = list(plan.outputs.lines)
+        self._step_lines = list(plan.steps.lines)
+        earlier_parts = plan.earlier_summary.get("parts", [])
+        self._parts = [
+            part | {"status": "killed"} if part.get("status") == "running" else part for part in earlier_parts
+        ]
+        self._part: dict[str, Any] = {"part": len(self._parts) + 1, "status": "running", "started_at": _now()}
+        self._parts.append(self._part)
+        self._lines_this_part: list[dict[str, Any]] = []
+        self.finish("running")
 
     def write_request(self, result: dict[str, Any]) -> None:
-        self._outputs.write(json.dumps(result, ensure_ascii=False) + "\n")
-        self._outputs.flush()
+        line = result | {"request_hash": self._request_hashes[result["id"]]}
+        self._outputs.append(line)
+        self.output_lines.append(line)
+        self._lines_this_part.append(line)
 
     def write_step(self, record: StepRecord) -> None:
-        self._steps.write(json.dumps(dataclasses.asdict(record)) + "\n")
-        self._steps.flush()
+        line = {"part": self._part["part"], **dataclasses.asdict(record)}
+        self._steps.append(line)
+        self._step_lines.append(line)
 
     def write_summary(self, summary: dict[str, Any]) -> None:
-        (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        """Take this part's timing summary; counts are this part's lines (abandoned requests are not counted)."""
+        failed = sum(line["error"] is not None for line in self._lines_this_part)
+        self._part.update(summary, requests=len(self._lines_this_part), failed_requests=failed)
+
+    @property
+    def pending_requests(self) -> int:
+        done = {line["id"] for line in self.output_lines}
+        return sum(request_id not in done for request_id in self._request_hashes)
+
+    def finish(self, status: str) -> dict[str, Any]:
+        """Write summary.json for the whole run with this part's status, and return it."""
+        if status != "running":
+            self._part.update(status=status, finished_at=_now())
+        served_nothing = not self._lines_this_part and "total_s" not in self._part
+        parts = self._parts[:-1] if served_nothing and status == "complete" else self._parts
+        summary = run_summary(status, self.output_lines, self._step_lines, parts, self.pending_requests)
+        atomic_write_text(self.output_dir / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
+        return summary
 
     def close(self) -> None:
         self._outputs.close()
         self._steps.close()
+
+
+def _now() -> str:
+    return datetime.now().astimezone().isoformat(timespec="seconds")

@@ -20,8 +20,8 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
-def _step_stats(records: Sequence[StepRecord], phase: str) -> dict[str, float | int]:
-    times = [r.step_time_ms for r in records if r.phase == phase]
+def step_stats(times: Sequence[float]) -> dict[str, float | int]:
+    """Count, mean, p50 and p99 of step times (ms) of one phase."""
     return {
         "steps": len(times),
         "mean_ms": statistics.fmean(times) if times else 0.0,
@@ -46,8 +46,8 @@ def summarize(requests: Sequence[Request], records: Sequence[StepRecord], start_
         "prompt_tokens": sum(r.num_prompt_tokens for r in served),
         "output_tokens": output_tokens,
         "total_s": total_s,
-        "prefill": _step_stats(records, "prefill"),
-        "decode": _step_stats(records, "decode"),
+        "prefill": step_stats([r.step_time_ms for r in records if r.phase == "prefill"]),
+        "decode": step_stats([r.step_time_ms for r in records if r.phase == "decode"]),
         "ttft_mean_ms": statistics.fmean(ttfts) * 1e3 if ttfts else 0.0,
         "tpot_mean_ms": statistics.fmean(tpots) * 1e3 if tpots else 0.0,
         "output_tokens_per_s": output_tokens / total_s if total_s > 0 else 0.0,

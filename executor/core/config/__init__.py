@@ -1,6 +1,7 @@
 """InferenceConfig and its sections, loaded and validated from YAML."""
 
-from executor.core.config.inference_config import ConfigError, InferenceConfig, build_config, load_config
+from executor.core.config.errors import ConfigError
+from executor.core.config.inference_config import InferenceConfig, build_config, load_config
 from executor.core.config.sections import DataConfig, ModelConfig, ParallelConfig, SchedulerConfig
 
 __all__ = [

@@ -18,13 +18,11 @@ from typing import Any
 
 import yaml
 
+from executor.core.config.errors import ConfigError
 from executor.core.config.sections import SECTIONS, DataConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from executor.core.config.yaml_loader import load_yaml_mapping
 
 logger = logging.getLogger(__name__)
-
-
-class ConfigError(ValueError):
-    """A configuration mistake, reported before any model is loaded."""
 
 
 @dataclass(slots=True)
@@ -44,12 +42,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Inferen
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path} must hold a mapping of sections, got {type(raw).__name__}")
+    raw = load_yaml_mapping(path)
     for override in overrides or []:
         apply_override(raw, override, source=str(path))
     return build_config(raw, source=str(path))
@@ -64,7 +57,7 @@ def apply_override(raw: dict[str, Any], override: str, source: str) -> None:
     try:
         value = yaml.safe_load(value_text) if value_text.strip() else ""
     except yaml.YAMLError as exc:
-        raise ConfigError(f"--set {override!r}: value is not valid YAML ({exc})") from exc
+        raise ConfigError(f"--set {override!r}: value is not valid YAML ({' '.join(str(exc).split())})") from None
     target = raw.setdefault(section, {})
     if not isinstance(target, dict):
         raise ConfigError(f"--set {override!r}: section {section!r} in {source} is not a mapping")
@@ -110,6 +103,8 @@ def _check_type(value: Any, expected: Any, where: str) -> None:
         if not any(_matches(value, option) for option in typing.get_args(expected)):
             raise ConfigError(f"{where} must be {expected}, got {value!r}")
         return
+    if expected is dict and isinstance(value, dict) and not all(isinstance(k, str) for k in value):
+        raise ConfigError(f"{where} must be a mapping with string keys, got {value!r}")
     if not _matches(value, expected):
         raise ConfigError(f"{where} must be {_type_name(expected)}, got {type(value).__name__} {value!r}")
 
@@ -131,6 +126,8 @@ def _type_name(expected: Any) -> str:
 
 
 def _check_rule(value: Any, metadata: typing.Mapping[str, Any], where: str) -> None:
+    if isinstance(value, float) and value != value:
+        raise ConfigError(f"{where} must be a number, got .nan")
     choices = metadata.get("choices")
     if choices is not None and value not in choices:
         raise ConfigError(f"{where} must be one of {list(choices)}, got {value!r}{_did_you_mean(str(value), choices)}")
@@ -180,5 +177,5 @@ def check_device_rules(config: InferenceConfig, device_type: str) -> None:
 
 
 def _did_you_mean(word: str, candidates: typing.Iterable[str]) -> str:
-    close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.5)
+    close = difflib.get_close_matches(str(word), list(candidates), n=1, cutoff=0.5)
     return f"; did you mean {close[0]!r}?" if close else f"; valid: {', '.join(sorted(candidates))}"

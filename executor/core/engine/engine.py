@@ -40,12 +40,14 @@ class ExecutionEngine:
         self.kv_cache_manager: KVCacheManager | None = None
         self.max_model_len = 0
         self.max_blocks_per_request = 0
+        self.vocab_size = 0
         self.eos_token_ids: set[int] = set()
         logger.info("platform %s, dtype %s", self.platform.device, config.model_config.dtype)
 
     def init(self, model_cls: type[torch.nn.Module], config_cls: Any, model_path: str) -> None:
         hf_config = config_cls.from_pretrained(model_path)
         self.max_model_len = self._resolve_max_model_len(hf_config.max_position_embeddings)  # before the weights
+        self.vocab_size = hf_config.vocab_size
         self.worker.init(model_cls, hf_config, model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.eos_token_ids = self._collect_eos_token_ids(model_path)

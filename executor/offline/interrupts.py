@@ -1,0 +1,77 @@
+"""Ctrl-C and SIGTERM: stop cleanly, so that the run folder says what happened and can be resumed.
+
+While requests are being served, the first signal asks the loop to stop after the step under way
+(requests not finished are abandoned: they have no outputs line, and a resumed run serves them).
+Before that, or on a second signal, the run stops at once. Exit status is 128 + the signal number:
+130 for SIGINT, 143 for SIGTERM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import Iterator
+from types import FrameType
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class RunInterrupted(Exception):
+    """Raised from the signal handler when the run must stop at once."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def exit_status_for(signum: int) -> int:
+    return 128 + signum
+
+
+class StopSignals:
+    """Installs the handlers for its `with` block and restores the previous ones after."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._deferred = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        # Python runs signal handlers in the main thread only; elsewhere (an embedding app) leave them be.
+        in_main_thread = threading.current_thread() is threading.main_thread()
+        handlers = HANDLED_SIGNALS if in_main_thread else ()
+        self._previous = {signum: signal.signal(signum, self._handle) for signum in handlers}
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def requested(self) -> bool:
+        """Whether a signal asked the run to stop."""
+        return self.signum is not None
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """Within this block the first signal only sets `requested()`; the loop polls it between steps."""
+        self._deferred = True
+        try:
+            yield
+        finally:
+            self._deferred = False
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        first = self.signum is None
+        if first:
+            self.signum = signum
+        if first and self._deferred:
+            logger.warning(
+                "%s: finishing the current step, then stopping (again to stop at once)", signal.Signals(signum).name
+            )
+            return
+        raise RunInterrupted(self.signum or signum)

@@ -1,0 +1,139 @@
+"""What a run needs, checked before the model loads: a bad model folder, device or KV pool found
+after minutes of loading (or as a traceback) costs the user far more than a one-line ConfigError now.
+
+The KV check covers an explicit scheduler_config.num_blocks only: a pool sized from free memory
+is known only once the weights are in memory, and the engine checks it then.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from executor.core.config import ConfigError, InferenceConfig
+from executor.model_loader import WeightLoadError
+from executor.model_loader.default_loader import INDEX_FILE, checkpoint_shards
+from executor.platform.platform import detect_device_type
+
+# JSON files of a model folder that the loaders read when present; config.json must be there.
+MODEL_JSON_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", INDEX_FILE)
+MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit
+
+
+def check_model_folder(model_path: Path, config_cls: Any, with_ckpt: bool) -> Any:
+    """Every JSON file parses, the HF config builds, and (with_ckpt) each weight file has a sound header.
+
+    Returns the HF config.
+    """
+    for name in MODEL_JSON_FILES:
+        if name == "config.json" or (model_path / name).exists():
+            _read_json_object(model_path / name)
+    try:
+        hf_config = config_cls.from_pretrained(str(model_path))
+    except Exception as exc:  # transformers raises many types for a config it cannot use
+        raise ConfigError(f"{model_path / 'config.json'}: not a usable model config ({one_line(exc)})") from None
+    vocab_size = getattr(hf_config, "vocab_size", None)
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+        raise ConfigError(f"{model_path / 'config.json'}: vocab_size must be a positive integer, got {vocab_size!r}")
+    if with_ckpt:
+        _check_weight_files(model_path)
+    return hf_config
+
+
+def _read_json_object(path: Path) -> dict[str, Any]:
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ConfigError(f"{path}: not valid JSON ({one_line(exc)})") from None
+    if not isinstance(obj, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _check_weight_files(model_path: Path) -> None:
+    index_path = model_path / INDEX_FILE
+    if index_path.is_file():
+        weight_map = _read_json_object(index_path).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ConfigError(f"{index_path}: 'weight_map' must map tensor names to file names")
+    try:
+        shards = checkpoint_shards(model_path)
+    except WeightLoadError as exc:
+        raise ConfigError(str(exc)) from None
+    for shard, names in shards.items():
+        tensor_names = safetensors_tensor_names(shard)
+        missing = sorted(set(names or ()) - tensor_names)
+        if missing:
+            raise ConfigError(f"{shard}: lacks tensor(s) {', '.join(missing[:5])} that {index_path.name} lists in it")
+
+
+def safetensors_tensor_names(path: Path) -> set[str]:
+    """The tensor names of a safetensors file whose header is sound and whose data is all there.
+
+    Layout: 8 bytes little-endian header length N, N bytes of JSON header, then the tensor data;
+    each tensor's data_offsets are relative to the start of the data.
+    """
+
+    def corrupt(reason: str) -> ConfigError:
+        return ConfigError(f"weight file {path} is corrupt: {reason}; fetch or convert the model again")
+
+    size = path.stat().st_size
+    with open(path, "rb") as file:
+        prefix = file.read(8)
+        if len(prefix) < 8:
+            raise corrupt(f"{size} bytes, shorter than a safetensors header")
+        header_len = int.from_bytes(prefix, "little")
+        if header_len > min(size - 8, MAX_HEADER_BYTES):
+            raise corrupt(f"its header claims {header_len} bytes but the file has {size}")
+        try:
+            header = json.loads(file.read(header_len).decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            raise corrupt("its header is not JSON") from None
+    if not isinstance(header, dict):
+        raise corrupt("its header is not a JSON object")
+    data_size = size - 8 - header_len
+    data_end = 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+            raise corrupt(f"tensor {name!r} has no valid data_offsets")
+        if not 0 <= offsets[0] <= offsets[1]:
+            raise corrupt(f"tensor {name!r} has data_offsets {offsets}")
+        data_end = max(data_end, offsets[1])
+    if data_end > data_size:
+        raise corrupt(f"truncated: its tensors need {data_end} bytes of data, it holds {data_size}")
+    return set(header) - {"__metadata__"}
+
+
+def check_device(config: InferenceConfig) -> str:
+    """The device type the run will use; a device that is not there is a ConfigError."""
+    try:
+        return detect_device_type(config.model_config.device)
+    except (RuntimeError, ValueError) as exc:  # NpuUnavailableError is a RuntimeError
+        raise ConfigError(f"{one_line(exc)} ({config.source})") from None
+
+
+def check_kv_pool(config: InferenceConfig, model_max_len: int) -> None:
+    """An explicit num_blocks must hold the smallest request: a 1-token prompt and max_new_tokens."""
+    sched = config.scheduler_config
+    if not sched.num_blocks:
+        return
+    needed_tokens = min(1 + sched.max_new_tokens, sched.max_model_len or model_max_len)
+    needed_blocks = -(-needed_tokens // sched.block_size)
+    if sched.num_blocks < needed_blocks:
+        raise ConfigError(
+            f"scheduler_config.num_blocks {sched.num_blocks} x block_size {sched.block_size} = "
+            f"{sched.num_blocks * sched.block_size} KV slots cannot hold one request: a 1-token prompt with "
+            f"max_new_tokens {sched.max_new_tokens} needs {needed_tokens} slots, {needed_blocks} blocks "
+            f"({config.source})"
+        )
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception as one line, for messages to the user."""
+    return " ".join(str(exc).split())[:300] or type(exc).__name__

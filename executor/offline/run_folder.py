@@ -1,0 +1,192 @@
+"""A run folder belongs to one run: running into it again continues that run and never overwrites it.
+
+Every outputs.jsonl line carries a request hash: the dataset line's content (without its id) and
+the settings that change outputs. A rerun skips the requests already there with the same id and
+hash, runs the rest, and refuses (before any model loads) when the settings or a prompt changed,
+since the folder would then mix two different runs. Only reading happens here; results.py writes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from executor.core.config import ConfigError, InferenceConfig
+from executor.offline.dataset import PromptRecord
+from executor.offline.durable_io import CorruptLineError, JsonlContents, read_jsonl
+
+OUTPUTS_FILE = "outputs.jsonl"
+STEPS_FILE = "steps.jsonl"
+SUMMARY_FILE = "summary.json"
+CONFIG_FILE = "config.yaml"
+MAX_CHANGES_SHOWN = 5  # changed settings named in a refusal
+_ABSENT = object()
+
+# Keys that change where results go, what is recorded or how fast the run goes, but not what a
+# request generates; a resumed run may change them. Every other key changes outputs.
+OUTPUT_NEUTRAL_KEYS = frozenset(
+    {
+        "model_config.output_path",
+        "model_config.enable_profiler",
+        "model_config.enable_cache_compile",
+        "model_config.enable_static_kernel",
+        "model_config.enable_dynamic_graph",
+        "data_config.dataset",  # which prompts run is matched request by request instead
+        "data_config.dataset_path",
+        "data_config.num_prompts",
+        "scheduler_config.batch_size",
+        "scheduler_config.max_prefill_tokens",
+        "scheduler_config.mem_fraction_static",
+        "scheduler_config.block_size",
+        "scheduler_config.num_blocks",
+    }
+)
+
+
+def output_settings(sections: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """`section.key -> value` for every key that changes outputs."""
+    return {
+        f"{section}.{key}": value
+        for section, values in sections.items()
+        for key, value in values.items()
+        if f"{section}.{key}" not in OUTPUT_NEUTRAL_KEYS
+    }
+
+
+def settings_hash(config: InferenceConfig) -> str:
+    canonical = json.dumps(output_settings(config.to_dict()), sort_keys=True, default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def request_hash(record: PromptRecord, settings: str) -> str:
+    """What must match for an earlier outputs line to stand for this record in this run."""
+    return hashlib.sha256(f"{settings}:{record.content_hash}".encode()).hexdigest()[:16]
+
+
+@dataclass(slots=True)
+class RunPlan:
+    """What a run into `output_dir` does: which requests are done and which remain."""
+
+    output_dir: Path
+    request_hashes: dict[str, str]  # record id -> request hash, for every record of this run
+    pending: list[PromptRecord]  # records with no line in outputs.jsonl yet, in dataset order
+    outputs: JsonlContents  # what outputs.jsonl holds (lines of earlier parts, a torn tail)
+    steps: JsonlContents
+    resumed: bool = False  # the folder holds an earlier part of this run
+    earlier_summary: dict[str, Any] = field(default_factory=dict)
+
+
+def plan_run(output_dir: Path, config: InferenceConfig, records: list[PromptRecord]) -> RunPlan:
+    """Check the folder can be written and, if it holds a run, that this one continues it; read only."""
+    check_output_dir(output_dir)
+    settings = settings_hash(config)
+    hashes = {record.id: request_hash(record, settings) for record in records}
+    if not (output_dir / CONFIG_FILE).is_file():
+        leftovers = [name for name in (OUTPUTS_FILE, SUMMARY_FILE) if (output_dir / name).exists()]
+        if leftovers:
+            raise ConfigError(
+                f"output folder {output_dir} holds {', '.join(leftovers)} but no {CONFIG_FILE}, so it cannot be "
+                "continued; choose another model_config.output_path"
+            )
+        empty = JsonlContents([], 0, b"")
+        return RunPlan(output_dir, hashes, list(records), empty, empty)
+    _check_same_settings(output_dir, config)
+    outputs = _read(output_dir / OUTPUTS_FILE)
+    done = _match_earlier_lines(output_dir, outputs, hashes)
+    return RunPlan(
+        output_dir,
+        hashes,
+        [record for record in records if record.id not in done],
+        outputs,
+        _read(output_dir / STEPS_FILE),
+        resumed=True,
+        earlier_summary=_read_summary(output_dir / SUMMARY_FILE),
+    )
+
+
+def check_output_dir(output_dir: Path) -> None:
+    """The folder exists or can be created, and a file can be written in it; leaves nothing behind."""
+    missing = [p for p in (output_dir, *output_dir.parents) if not p.exists()]
+    try:
+        if output_dir.exists() and not output_dir.is_dir():
+            raise NotADirectoryError(20, "it is a file, not a folder")
+        output_dir.mkdir(parents=True, exist_ok=True)
+        probe = output_dir / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(
+            f"model_config.output_path {str(output_dir)!r} cannot be used: {exc.strerror or exc}"
+        ) from None
+    finally:
+        for created in missing:
+            if created.is_dir():
+                created.rmdir()
+
+
+def _check_same_settings(output_dir: Path, config: InferenceConfig) -> None:
+    try:
+        earlier = yaml.safe_load((output_dir / CONFIG_FILE).read_text(encoding="utf-8"))
+        earlier_settings = output_settings({k: v for k, v in earlier.items() if isinstance(v, dict)})
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError) as exc:
+        raise ConfigError(
+            f"{output_dir / CONFIG_FILE} cannot be read ({type(exc).__name__}); choose another model_config.output_path"
+        ) from None
+    current = output_settings(config.to_dict())
+    changed = [
+        f"{key} was {_shown(earlier_settings, key)}, now {_shown(current, key)}"
+        for key in sorted(set(earlier_settings) | set(current))
+        if earlier_settings.get(key, _ABSENT) != current.get(key, _ABSENT)
+    ]
+    if changed:
+        more = f"; and {len(changed) - MAX_CHANGES_SHOWN} more" if len(changed) > MAX_CHANGES_SHOWN else ""
+        raise ConfigError(
+            f"output folder {output_dir} holds a run made with other settings that change outputs "
+            f"({'; '.join(changed[:MAX_CHANGES_SHOWN])}{more}); restore them to continue that run, "
+            "or choose another model_config.output_path"
+        )
+
+
+def _shown(settings: dict[str, Any], key: str) -> str:
+    return repr(settings[key]) if key in settings else "not set"
+
+
+def _match_earlier_lines(output_dir: Path, outputs: JsonlContents, hashes: dict[str, str]) -> set[str]:
+    """Ids already served; a line whose hash differs from this run's record is a refusal."""
+    done: set[str] = set()
+    for line_no, line in enumerate(outputs.lines, start=1):
+        request_id, earlier_hash = line.get("id"), line.get("request_hash")
+        where = f"{output_dir / OUTPUTS_FILE}:{line_no}"
+        if not isinstance(request_id, str) or not isinstance(earlier_hash, str):
+            raise ConfigError(
+                f"{where} has no id or request_hash (an older or edited file); choose another output_path"
+            )
+        if request_id in hashes and hashes[request_id] != earlier_hash:
+            raise ConfigError(
+                f"{where}: request {request_id!r} was made from a different dataset line (its prompt or its own "
+                "settings changed); restore it to continue that run, or choose another model_config.output_path"
+            )
+        done.add(request_id)
+    return done
+
+
+def _read(path: Path) -> JsonlContents:
+    try:
+        return read_jsonl(path)
+    except (OSError, CorruptLineError) as exc:
+        raise ConfigError(f"cannot continue the run in {path.parent}: {exc}") from None
+
+
+def _read_summary(path: Path) -> dict[str, Any]:
+    """The earlier summary.json; written atomically, so it is whole or absent (or edited: then ignored)."""
+    try:
+        summary = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return summary if isinstance(summary, dict) else {}

@@ -1,0 +1,52 @@
+"""summary.json for a whole run, however many parts (interrupted, killed, resumed) it took.
+
+Counts and token totals come from outputs.jsonl and step times from steps.jsonl, so they cover
+every part, killed ones included. Times that only a part's own summary knows (TTFT, TPOT, wall
+time) are combined from the parts that wrote one, each listed under `parts`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from executor.utils.metrics import step_stats
+
+
+def run_summary(
+    status: str,
+    output_lines: Sequence[dict[str, Any]],
+    step_lines: Sequence[dict[str, Any]],
+    parts: Sequence[dict[str, Any]],
+    pending_requests: int,
+) -> dict[str, Any]:
+    served = [line for line in output_lines if line.get("error") is None]
+    timed = [part for part in parts if part.get("total_s")]
+    total_s = sum(part["total_s"] for part in timed)
+    part_output_tokens = sum(part.get("output_tokens", 0) for part in timed)
+    latest = next((part for part in reversed(parts) if part.get("device")), {})
+    return {
+        "status": status,
+        "requests": len(output_lines),
+        "failed_requests": len(output_lines) - len(served),
+        "pending_requests": pending_requests,
+        "prompt_tokens": sum(line.get("prompt_tokens", 0) for line in served),
+        "output_tokens": sum(len(line.get("output_token_ids", [])) for line in served),
+        "total_s": total_s,
+        "prefill": step_stats([s["step_time_ms"] for s in step_lines if s.get("phase") == "prefill"]),
+        "decode": step_stats([s["step_time_ms"] for s in step_lines if s.get("phase") == "decode"]),
+        "ttft_mean_ms": _weighted_mean(timed, "ttft_mean_ms"),
+        "tpot_mean_ms": _weighted_mean(timed, "tpot_mean_ms"),
+        "output_tokens_per_s": part_output_tokens / total_s if total_s > 0 else 0.0,
+        "preemptions": sum(part.get("preemptions", 0) for part in parts),
+        "device": latest.get("device"),
+        "dtype": latest.get("dtype"),
+        "parts": list(parts),
+    }
+
+
+def _weighted_mean(parts: Sequence[dict[str, Any]], key: str) -> float:
+    """Mean of the parts' means, weighted by the requests each part served."""
+    weights = [part.get("requests", 0) - part.get("failed_requests", 0) for part in parts]
+    total = sum(weights)
+    return sum(part.get(key, 0.0) * w for part, w in zip(parts, weights, strict=True)) / total if total else 0.0
