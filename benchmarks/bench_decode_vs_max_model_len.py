@@ -1,8 +1,10 @@
 """Decode step time with a short and a long max_model_len, in one process.
 
 Block tables are cdiv(max_model_len, block_size) wide so that decode shapes never change, and
-the decode attention op must still touch only the real K/V: the two runs below differ only in
+the decode attention op must still touch only the real K/V: the runs below differ only in
 max_model_len (same prompts, same KV block count), so their decode times should be about equal.
+The runs go in the order short, long, long, short, and each length's figure is the mean of its
+two runs, so that a drift over the process's life (a later run is often slower) cancels out.
 
     python benchmarks/bench_decode_vs_max_model_len.py --dtype float32 --short 1024 --long 8192
 """
@@ -13,6 +15,7 @@ import argparse
 import json
 import logging
 import platform
+import statistics
 
 import torch
 from bench_vs_transformers import run_ours
@@ -37,14 +40,16 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     args.model_path = args.model_path or default_model_path()
     records = load_prompts(resolve_dataset_path("default", None, DATASET_DIR))[: args.num_prompts]
-    runs = {length: run_ours(args, records, max_model_len=length)[0] for length in (args.short, args.long)}
-    short_ms, long_ms = (runs[length]["decode_ms_per_step_mean"] for length in (args.short, args.long))
+    decode_ms: dict[int, list[float]] = {args.short: [], args.long: []}
+    for length in (args.short, args.long, args.long, args.short):
+        decode_ms[length].append(run_ours(args, records, max_model_len=length)[0]["decode_ms_per_step_mean"])
+    short_ms, long_ms = (statistics.fmean(decode_ms[length]) for length in (args.short, args.long))
     report = {
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
         "dtype": args.dtype,
         "batch_size": args.batch_size,
         "block_size": args.block_size,
-        "decode_ms_per_step_mean": {str(length): runs[length]["decode_ms_per_step_mean"] for length in runs},
+        "decode_ms_per_step": {str(length): times for length, times in decode_ms.items()},
         "ratio_long_over_short": long_ms / short_ms,
     }
     print(json.dumps(report, indent=2))
