@@ -119,16 +119,19 @@ def check_device(config: InferenceConfig) -> str:
 
 
 def check_kv_pool(config: InferenceConfig, model_max_len: int) -> None:
-    """An explicit num_blocks must hold the smallest request: a 1-token prompt and max_new_tokens."""
+    """An explicit num_blocks must hold the smallest request (a 1-token prompt and max_new_tokens)
+    beside the null block, block 0, which holds no K/V. A model with several cache groups needs
+    that many times more; the engine checks that once the model is built."""
     sched = config.scheduler_config
     if not sched.num_blocks:
         return
     needed_tokens = min(1 + sched.max_new_tokens, sched.max_model_len or model_max_len)
     needed_blocks = -(-needed_tokens // sched.block_size)
-    if sched.num_blocks < needed_blocks:
+    usable_blocks = sched.num_blocks - 1
+    if usable_blocks < needed_blocks:
         raise ConfigError(
-            f"scheduler_config.num_blocks {sched.num_blocks} x block_size {sched.block_size} = "
-            f"{sched.num_blocks * sched.block_size} KV slots cannot hold one request: a 1-token prompt with "
+            f"scheduler_config.num_blocks {sched.num_blocks} (block 0 reserved) x block_size {sched.block_size} = "
+            f"{usable_blocks * sched.block_size} KV slots cannot hold one request: a 1-token prompt with "
             f"max_new_tokens {sched.max_new_tokens} needs {needed_tokens} slots, {needed_blocks} blocks "
             f"({config.source})"
         )
