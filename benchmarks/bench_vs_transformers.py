@@ -25,7 +25,9 @@ from executor.offline.offline_inference import OfflineInference
 from executor.platform import resolve_dtype
 
 
-def run_ours(args: argparse.Namespace, records: list, max_model_len: int = 2048) -> tuple[dict, list[list[int]]]:
+def run_ours(
+    args: argparse.Namespace, records: list, max_model_len: int = 2048, scheduler_overrides: dict | None = None
+) -> tuple[dict, list[list[int]]]:
     config = build_config(
         {
             "model_config": {"model_path": str(args.model_path), "dtype": args.dtype, "device": args.device},
@@ -37,6 +39,7 @@ def run_ours(args: argparse.Namespace, records: list, max_model_len: int = 2048)
                 "block_size": args.block_size,
                 "max_model_len": max_model_len,
                 "num_blocks": args.num_blocks,
+                **(scheduler_overrides or {}),
             },
         },
         source="bench",
@@ -57,6 +60,8 @@ def run_ours(args: argparse.Namespace, records: list, max_model_len: int = 2048)
         # gpt-fast's yardstick: every decode step reads all weights once
         "decode_weight_read_gb_per_s": weight_bytes / (decode_ms * 1e-3) / 1e9,
         "prefill_ms_per_step_mean": result.summary["prefill"]["mean_ms"],
+        "prefill_steps": result.summary["prefill"]["steps"],
+        "prefix_cache_hit_rate": result.summary.get("prefix_cache_hit_rate"),
     }
     del inference
     return figures, prompts

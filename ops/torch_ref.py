@@ -62,9 +62,11 @@ def write_kv_cache(
     value_cache.view(-1, *value.shape[1:]).index_copy_(0, slot_mapping, value)
 
 
-def _gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, kv_len: int) -> torch.Tensor:
-    """One request's first kv_len cached tokens as [Hkv, kv_len, D]."""
-    return cache[block_ids].flatten(0, 1)[:kv_len].transpose(0, 1)
+def _gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, first: int, kv_len: int) -> torch.Tensor:
+    """One request's cached tokens [first, kv_len) as [Hkv, kv_len - first, D]; `block_ids` is its
+    row from block first // block_size on."""
+    offset = first % cache.shape[1]
+    return cache[block_ids].flatten(0, 1)[offset : offset + kv_len - first].transpose(0, 1)
 
 
 @torch.library.custom_op("infer_recipes::paged_decode_attention", mutates_args=())
@@ -116,13 +118,15 @@ def _(query, key_cache, value_cache, block_table, seq_lens, scale, sliding_windo
     return torch.empty_like(query)
 
 
-def _prefill_mask(q_len: int, kv_len: int, sliding_window: int | None, device: torch.device) -> torch.Tensor | None:
-    """Bottom-right causal (query row j is token kv_len - q_len + j), within the window if any;
-    None where plain top-left causal is the same thing."""
+def _prefill_mask(
+    q_len: int, kv_len: int, first: int, sliding_window: int | None, device: torch.device
+) -> torch.Tensor | None:
+    """Bottom-right causal (query row j is token kv_len - q_len + j) over keys [first, kv_len),
+    within the window if any; None where plain top-left causal is the same thing."""
     if q_len == kv_len and sliding_window is None:
         return None
     query_positions = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
-    key_positions = torch.arange(kv_len, device=device)[None, :]
+    key_positions = torch.arange(first, kv_len, device=device)[None, :]
     mask = key_positions <= query_positions
     if sliding_window is not None:
         mask &= key_positions > query_positions - sliding_window
@@ -146,7 +150,7 @@ def paged_attention(
     tokens before it, as transformers' sliding-window layers do.
 
     A decode-shaped step runs as one batched op; any other as one SDPA per request, which reads
-    only the request's first kv_len slots, all of them written.
+    only the request's slots a query can see (the window's, with a window), all of them written.
     """
     if forward_metadata.is_decode_shaped:
         return paged_decode_attention(
@@ -159,11 +163,14 @@ def paged_attention(
         zip(forward_metadata.query_ends_list, forward_metadata.seq_lens_list, strict=True)
     ):
         q_len = query_end - query_start
-        block_ids = block_table[index, : -(-kv_len // block_size)]
+        # With a window, the first query sees nothing before kv_len - q_len - window + 1: those
+        # blocks may be gone (the null block in the row), so they are not read at all.
+        first = max(0, kv_len - q_len - sliding_window + 1) if sliding_window else 0
+        block_ids = block_table[index, first // block_size : -(-kv_len // block_size)]
         request_query = query[query_start:query_end].transpose(0, 1)  # [H, q_len, D]
-        key = _gather_kv(key_cache, block_ids, kv_len)
-        value = _gather_kv(value_cache, block_ids, kv_len)
-        mask = _prefill_mask(q_len, kv_len, sliding_window, query.device)
+        key = _gather_kv(key_cache, block_ids, first, kv_len)
+        value = _gather_kv(value_cache, block_ids, first, kv_len)
+        mask = _prefill_mask(q_len, kv_len, first, sliding_window, query.device)
         out = F.scaled_dot_product_attention(
             request_query, key, value, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
         )

@@ -43,16 +43,16 @@ def test_a_pool_that_forces_preemptions_gives_the_large_pool_outputs(tiny_llama_
     prompts = make_prompts([30, 12, 25, 7, 18, 40], seed=5)
     large = run_engine(tiny_llama_dir, token_records(prompts), batch_size=6)
     # block_size 16: each request needs 3-5 blocks at its longest; 9 usable blocks hold two or three.
-    small = run_engine(tiny_llama_dir, token_records(prompts), batch_size=6, num_blocks=10)
+    small = run_engine(tiny_llama_dir, token_records(prompts), batch_size=6, num_blocks=10, max_model_len=128)
     assert small.summary["preemptions"] > 1 and large.summary["preemptions"] == 0
     assert [r.output_token_ids for r in small.requests] == [r.output_token_ids for r in large.requests]
     assert all(r.finish_reason is FinishReason.LENGTH for r in small.requests)
 
 
-def test_a_pool_too_small_for_any_request_is_an_error_at_start(tiny_llama_dir):
-    inference = make_inference(tiny_llama_dir, num_blocks=3)  # 2 usable blocks of 16 tokens
-    with pytest.raises(ConfigError, match=r"2 usable blocks of 16 tokens, too small for any request"):
-        inference.generate(token_records(make_prompts([40, 50], seed=6)))
+def test_a_budget_that_cannot_hold_one_max_model_len_request_is_an_error_before_the_run(tiny_llama_dir):
+    with pytest.raises(ConfigError, match=r"num_blocks 3: 2 usable blocks of 16 tokens\) cannot hold one request "):
+        make_inference(tiny_llama_dir, num_blocks=3)  # max_model_len 256 needs 16 blocks
+    make_inference(tiny_llama_dir, num_blocks=3, max_model_len=32)  # 2 blocks: fits
 
 
 def test_sampling_parameters_come_from_each_dataset_line(tiny_llama_dir):

@@ -30,7 +30,10 @@ def test_batched_greedy_equals_transformers_alone(tiny_llama_dir, hf_outputs):
 
 def test_pool_smaller_than_the_batch_needs_gives_the_same_outputs(tiny_llama_dir, hf_outputs):
     # block_size 16: the longest request needs 8 blocks; 12 blocks cannot hold the batch at once.
-    result = run_engine(tiny_llama_dir, token_records(make_prompts(PROMPT_LENGTHS)), batch_size=10, num_blocks=12)
+    # (max_model_len 128, so that the pool holds one request of max_model_len, as the engine requires.)
+    result = run_engine(
+        tiny_llama_dir, token_records(make_prompts(PROMPT_LENGTHS)), batch_size=10, num_blocks=12, max_model_len=128
+    )
     assert [r.output_token_ids for r in result.requests] == hf_outputs
     assert all(r.finish_reason is not FinishReason.ERROR for r in result.requests)
     assert result.summary["prefill"]["steps"] > 1  # requests had to wait for blocks

@@ -126,29 +126,75 @@ def test_an_mla_latent_spec_is_sized_by_its_latent():
     assert FULL.bytes_per_block(16) == 16 * 2 * (2 * 8) * 4
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(
-    num_blocks=st.integers(2, 24),
+    num_blocks=st.integers(2, 20),
     block_size=st.sampled_from([1, 2, 4]),
     two_groups=st.booleans(),
-    actions=st.lists(st.tuples(st.sampled_from(["grow", "free"]), st.integers(0, 5), st.integers(1, 9)), max_size=60),
+    caching=st.booleans(),
+    prompts=st.lists(st.lists(st.integers(1, 2), min_size=1, max_size=9), min_size=1, max_size=5),
+    actions=st.lists(
+        st.tuples(st.sampled_from(["admit", "append", "finish", "preempt"]), st.integers(0, 4)), max_size=60
+    ),
 )
-def test_random_allocate_and_free_never_hand_out_the_null_block_nor_leak(num_blocks, block_size, two_groups, actions):
-    manager = make_manager(num_blocks, block_size, [FULL, SLIDING] if two_groups else [FULL])
-    requests = {i: make_request(str(i), 1) for i in range(6)}
-    for action, index, num_tokens in actions:
-        request = requests[index]
-        if action == "free":
+def test_random_admit_append_finish_and_preempt_keep_the_pool_consistent(
+    num_blocks, block_size, two_groups, caching, prompts, actions
+):
+    """Prompts over two tokens share prefixes often, so hits, shared blocks and evictions are common."""
+    specs = [FULL, KVCacheSpec(FULL.tensors, AttentionKind.SLIDING_WINDOW, sliding_window=3)] if two_groups else [FULL]
+    manager = KVCacheManager(num_blocks, block_size, specs, enable_prefix_caching=caching)
+    pool = manager.block_pool
+    requests = [Request(str(i), None, list(prompt), SamplingParams()) for i, prompt in enumerate(prompts)]
+    running: set[int] = set()
+
+    def compute(request: Request, num_tokens: int) -> bool:
+        if manager.allocate_slots(request, num_tokens) is None:
+            return False
+        request.num_computed_tokens += num_tokens
+        manager.cache_computed_blocks(request)
+        return True
+
+    for action, index in actions:
+        request = requests[index % len(requests)]
+        rid = int(request.request_id)
+        if action == "admit" and rid not in running:
+            hit = manager.find_prefix_hit(request)
+            assert hit.num_tokens < request.num_tokens, "a hit never covers the last token"
+            if manager.can_admit(request, hit):
+                manager.admit(request, hit)
+                assert compute(request, request.num_tokens - request.num_computed_tokens), "admitted, so it fits"
+                running.add(rid)
+        elif action == "append" and rid in running:
+            request.output_token_ids.append(1 + len(request.output_token_ids) % 2)
+            if not compute(request, 1):
+                request.output_token_ids.pop()
+        elif action in ("finish", "preempt") and rid in running:
             manager.free(request)
             request.num_computed_tokens = 0
-        elif manager.allocate_slots(request, num_tokens) is not None:
-            request.num_computed_tokens += num_tokens
-        held = [b for r in requests.values() for row in manager.get_block_ids(r.request_id) for b in row]
-        free = list(manager.block_pool._free_queue)
-        assert NULL_BLOCK_ID not in held and NULL_BLOCK_ID not in free
-        assert len(held) == len(set(held)), "a block is held twice"
-        assert not set(held) & set(free), "a block is both free and in use"
-        assert len(held) + len(free) == num_blocks - 1, "a block leaked"
-        for r in requests.values():  # each request holds exactly the blocks its computed tokens need
-            for row in manager.get_block_ids(r.request_id):
-                assert len(row) == -(-r.num_computed_tokens // block_size)
+            running.discard(rid)
+            if action == "finish":
+                request.output_token_ids.clear()
+
+        holders = [0] * num_blocks
+        for held in running:
+            for row in manager.get_block_ids(str(held)):
+                for block_id in row:
+                    holders[block_id] += block_id != NULL_BLOCK_ID
+        free = pool.free_block_ids()
+        assert NULL_BLOCK_ID not in free and pool.ref_counts[NULL_BLOCK_ID] == 0
+        assert pool.ref_counts == holders, "reference counts equal the block tables holding each block"
+        assert sorted(free) == [b for b in range(1, num_blocks) if holders[b] == 0], "free exactly when unheld"
+        for key, block_id in pool.cached_blocks.items():
+            assert pool.cache_keys[block_id] == key and len(key[1].token_ids) == block_size
+        for held in running:  # every cached block a request holds hashes that request's own tokens
+            request = requests[held]
+            for group, row in enumerate(manager.get_block_ids(request.request_id)):
+                for position, block_id in enumerate(row):
+                    key = pool.cache_keys[block_id] if block_id != NULL_BLOCK_ID else None
+                    if key is not None:
+                        start = position * block_size
+                        assert key == (group, request.block_hashes[position])
+                        assert key[1].token_ids == tuple(request.token_ids_between(start, start + block_size))
+    for held in list(running):
+        manager.free(requests[held])
+    assert pool.num_free_blocks == num_blocks - 1 and all(count == 0 for count in pool.ref_counts), "nothing leaks"

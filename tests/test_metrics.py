@@ -21,9 +21,9 @@ def test_summary_counts_tokens_and_times_and_skips_failed_requests():
     bad = Request("bad", None, [1] * 50, SamplingParams())
     bad.fail("too long", 0.0)
     steps = [
-        StepRecord(1, "prefill", 1, 3, 500.0, 0.1),
-        StepRecord(2, "decode", 1, 1, 400.0, 0.1),
-        StepRecord(3, "decode", 1, 1, 600.0, 0.1),
+        StepRecord(1, "prefill", 1, 3, 500.0, 0.1, 2, 0.0, 0, 0),
+        StepRecord(2, "decode", 1, 1, 400.0, 0.1, 2, 0.0, 0, 0),
+        StepRecord(3, "decode", 1, 1, 600.0, 0.1, 2, 0.0, 0, 0),
     ]
     summary = summarize([ok, bad], steps, start_s=0.0, end_s=2.0)
     assert summary["requests"] == 2 and summary["failed_requests"] == 1

@@ -86,7 +86,9 @@ def naive_attention(
 
 def run_paged(query_lens: list[int], kv_lens: list[int], sliding_window: int | None = None) -> None:
     """Scatter each request's K/V over shuffled blocks (never the null block 0), fill every other
-    slot with NaN, and compare paged attention with naive attention on the contiguous K/V."""
+    slot with NaN, and compare paged attention with naive attention on the contiguous K/V. With a
+    window, blocks wholly before it are replaced by the null block, as the sliding-window manager
+    does, and the null block holds NaN too."""
     block_order = (torch.randperm(NUM_BLOCKS - 1) + 1).tolist()
     key_cache = torch.full((NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM), float("nan"))
     value_cache = torch.full_like(key_cache, float("nan"))
@@ -99,6 +101,9 @@ def run_paged(query_lens: list[int], kv_lens: list[int], sliding_window: int | N
         slots = torch.tensor([blocks[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE for pos in range(kv_len)])
         ops.write_kv_cache(key, value, key_cache, value_cache, slots)
         contiguous_kv.append((key, value))
+        if sliding_window is not None:
+            first_needed_block = max(0, kv_len - q_len - sliding_window + 1) // BLOCK_SIZE
+            blocks[:first_needed_block] = [0] * first_needed_block
     layout = build_step_layout(sequences, block_size=BLOCK_SIZE, max_blocks_per_request=NUM_BLOCKS)
     metadata = TorchMetadataBuilder(torch.device("cpu")).build(layout)
     query = torch.randn(sum(query_lens), NUM_HEADS, HEAD_DIM)
@@ -132,7 +137,9 @@ def test_paged_attention_verify_step_with_several_queries_per_request_is_causal(
     run_paged([3, 3, 3], [7, 3, 12])
 
 
-@pytest.mark.parametrize("query_lens, kv_lens", [([5, 9, 2], [5, 9, 10]), ([1, 1, 1], [2, 9, 14])])
+@pytest.mark.parametrize(
+    "query_lens, kv_lens", [([5, 9, 2], [5, 9, 10]), ([1, 1, 1], [2, 9, 14]), ([3, 2], [17, 22])]
+)
 def test_paged_attention_sliding_window_sees_only_the_window(query_lens, kv_lens):
     run_paged(query_lens, kv_lens, sliding_window=4)
 

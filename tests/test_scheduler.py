@@ -38,10 +38,11 @@ def make_scheduler(
     max_model_len: int = 100,
     num_blocks: int = 64,
     block_size: int = 4,
+    prefix_caching: bool = True,
 ) -> Scheduler:
     return Scheduler(
         SchedulerLimits(batch_size, max_prefill_tokens, max_model_len),
-        KVCacheManager(num_blocks, block_size, [full_attention_spec(1, 8, torch.float32)]),
+        KVCacheManager(num_blocks, block_size, [full_attention_spec(1, 8, torch.float32)], prefix_caching),
         eos_token_ids={EOS},
     )
 
@@ -162,7 +163,8 @@ def test_small_pool_preempts_the_newest_request_and_recomputes_it():
     def make_requests() -> list[Request]:
         return [request(str(i), 8, max_new_tokens=6) for i in range(3)]
 
-    scheduler, engine = make_scheduler(batch_size=8, num_blocks=7, block_size=4), FakeEngine()
+    scheduler = make_scheduler(batch_size=8, num_blocks=7, block_size=4, prefix_caching=False)
+    engine = FakeEngine()
     requests = make_requests()
     finished = run_all(scheduler, engine, requests)
     assert len(finished) == 3 and all(r.finish_reason is FinishReason.LENGTH for r in requests)
@@ -176,6 +178,17 @@ def test_small_pool_preempts_the_newest_request_and_recomputes_it():
     run_all(make_scheduler(batch_size=8), FakeEngine(), unconstrained)
     assert [r.output_token_ids for r in requests] == [r.output_token_ids for r in unconstrained]
     assert scheduler.kv_cache_manager.num_free_blocks == 6
+
+
+def test_a_preempted_request_reuses_its_own_cached_blocks_when_readmitted():
+    scheduler, engine = make_scheduler(batch_size=8, num_blocks=7, block_size=4), FakeEngine()
+    requests = [request(str(i), 8, max_new_tokens=6) for i in range(3)]
+    run_all(scheduler, engine, requests)
+    assert scheduler.num_preemptions >= 2
+    recompute = next(i for i, (prefill, ids, _) in enumerate(engine.batches) if prefill and i > 0 and "2" in ids)
+    # Its 9 tokens: the two full blocks of its prompt were still cached, so only the 9th is fed.
+    assert engine.scheduled[recompute][engine.batches[recompute][1].index("2")] == 1
+    assert requests[2].output_token_ids == [108, 109, 110, 111, 112, 113]
 
 
 def test_preempted_request_goes_back_to_the_front_of_the_waiting_queue():

@@ -161,10 +161,6 @@ def run(args: argparse.Namespace, stop: StopSignals) -> int:
             file=sys.stderr,
         )
         return exit_status_for(exc.signum)
-    except ConfigError as exc:  # a KV pool too small for every request of the run
-        _finish_quietly(writer, "stopped on error")
-        print(f"error: {exc}", file=sys.stderr)
-        return COULD_NOT_START
     except OutputWriteError as exc:
         _finish_quietly(writer, "stopped on error")
         print(f"error: {exc}; finished requests are kept; {resume_hint}", file=sys.stderr)

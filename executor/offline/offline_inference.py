@@ -13,7 +13,7 @@ from typing import Any
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from executor.core.config import ConfigError, InferenceConfig
+from executor.core.config import InferenceConfig
 from executor.core.engine import ExecutionEngine
 from executor.core.scheduler import Scheduler, SchedulerLimits, StepRecord
 from executor.core.types_ import Request, SamplingParams
@@ -40,7 +40,6 @@ class OfflineInference:
         model_cls, config_cls = resolve_model(config.model_config.model_name)
         self.engine = ExecutionEngine(config)
         self.engine.init(model_cls, config_cls, model_path)
-        self.engine.warm_up()
         assert self.engine.kv_cache_manager is not None
         sched = config.scheduler_config
         self.scheduler = Scheduler(
@@ -74,7 +73,6 @@ class OfflineInference:
         steps: list[StepRecord] = []
         results: dict[str, dict[str, Any]] = {}
         requests = [self._make_request(record) for record in records]
-        self._check_pool_holds_a_request(requests)
 
         def finish(request: Request) -> None:
             text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
@@ -106,25 +104,13 @@ class OfflineInference:
                 for request in output.finished:
                     finish(request)
         summary = summarize(requests, steps, start_s, time.perf_counter())
-        summary |= {
-            "preemptions": self.scheduler.num_preemptions,
+        summary |= self.scheduler.cache_stats() | {
             "device": str(self.engine.platform.device),
             "dtype": self.config.model_config.dtype,
         }
         if writer is not None:
             writer.write_summary(summary)
         return RunResult(requests, [results[r.request_id] for r in requests if r.request_id in results], steps, summary)
-
-    def _check_pool_holds_a_request(self, requests: list[Request]) -> None:
-        """A pool too small for every request of the run is a configuration error, not N failures."""
-        kv = self.scheduler.kv_cache_manager
-        needs = [self.scheduler.worst_case_blocks(r) for r in requests if not r.is_finished]
-        if needs and min(needs) > kv.num_usable_blocks:
-            raise ConfigError(
-                f"the KV cache pool has {kv.num_usable_blocks} usable blocks of {kv.block_size} tokens, too small for "
-                f"any request: the smallest needs {min(needs)} (prompt + max_new_tokens over {kv.num_groups} cache "
-                f"group(s)); raise scheduler_config.num_blocks or mem_fraction_static ({self.config.source})"
-            )
 
     def _make_request(self, record: PromptRecord) -> Request:
         """A request with the run's sampling parameters and the line's overrides; a record that

@@ -119,21 +119,20 @@ def check_device(config: InferenceConfig) -> str:
 
 
 def check_kv_pool(config: InferenceConfig, model_max_len: int) -> None:
-    """An explicit num_blocks must hold the smallest request (a 1-token prompt and max_new_tokens)
-    beside the null block, block 0, which holds no K/V. A model with several cache groups needs
-    that many times more; the engine checks that once the model is built."""
+    """An explicit num_blocks must hold one request of max_model_len beside the null block, block 0.
+    A model with several cache groups needs that many times more; the engine checks that, and a
+    budget sized from free memory, once the model is built."""
     sched = config.scheduler_config
     if not sched.num_blocks:
         return
-    needed_tokens = min(1 + sched.max_new_tokens, sched.max_model_len or model_max_len)
-    needed_blocks = -(-needed_tokens // sched.block_size)
+    max_model_len = sched.max_model_len or model_max_len
+    needed_blocks = -(-max_model_len // sched.block_size)
     usable_blocks = sched.num_blocks - 1
     if usable_blocks < needed_blocks:
         raise ConfigError(
             f"scheduler_config.num_blocks {sched.num_blocks} (block 0 reserved) x block_size {sched.block_size} = "
-            f"{usable_blocks * sched.block_size} KV slots cannot hold one request: a 1-token prompt with "
-            f"max_new_tokens {sched.max_new_tokens} needs {needed_tokens} slots, {needed_blocks} blocks "
-            f"({config.source})"
+            f"{usable_blocks * sched.block_size} KV slots cannot hold one request of max_model_len {max_model_len} "
+            f"({needed_blocks} blocks); raise num_blocks or lower scheduler_config.max_model_len ({config.source})"
         )
 
 

@@ -38,10 +38,24 @@ def run_summary(
         "ttft_mean_ms": _weighted_mean(timed, "ttft_mean_ms"),
         "tpot_mean_ms": _weighted_mean(timed, "tpot_mean_ms"),
         "output_tokens_per_s": part_output_tokens / total_s if total_s > 0 else 0.0,
-        "preemptions": sum(part.get("preemptions", 0) for part in parts),
+        **_cache_stats(parts),
         "device": latest.get("device"),
         "dtype": latest.get("dtype"),
         "parts": list(parts),
+    }
+
+
+def _cache_stats(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """KV cache figures over the parts: counts add up, the peak is the largest, the hit rate is
+    over all the tokens looked up."""
+    hit_tokens = sum(part.get("prefix_cache_hit_tokens", 0) for part in parts)
+    queried_tokens = sum(part.get("prefix_cache_queried_tokens", 0) for part in parts)
+    return {
+        "kv_blocks_peak": max((part.get("kv_blocks_peak", 0) for part in parts), default=0),
+        "prefix_cache_hit_rate": hit_tokens / queried_tokens if queried_tokens else 0.0,
+        "prefix_cache_hit_tokens": hit_tokens,
+        "evictions": sum(part.get("evictions", 0) for part in parts),
+        "preemptions": sum(part.get("preemptions", 0) for part in parts),
     }
 
 

@@ -81,6 +81,7 @@ class SchedulerConfig:
     max_model_len: int = rule(0, min=0, help="ours: longest prompt+output; 0 = the model's max_position_embeddings")
     ignore_eos: bool = rule(False, help="ours: run every request to max_new_tokens (benchmarks)")
     stop_token_ids: list[int] = rule(default_factory=list, help="ours: extra token ids that end a request")
+    enable_prefix_caching: bool = rule(True, help="ours: reuse the cached K/V of prompt prefixes shared by requests")
 
 
 SECTIONS: dict[str, type] = {

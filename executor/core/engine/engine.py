@@ -1,7 +1,7 @@
 """ExecutionEngine: turns a scheduled Batch into packed inputs, runs the worker, samples.
 
 Built in two phases, as in cann-recipes: the constructor readies the platform and an empty
-ModelWorker; init() loads weights, the tokenizer and the KV cache.
+ModelWorker; init() loads weights and the tokenizer, warms up and sizes the KV cache.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from executor.core.types_ import Batch, Request, SamplingParams
 from executor.platform import create_platform, resolve_dtype
 
 logger = logging.getLogger(__name__)
+
+WARM_UP_PROMPT_TOKENS = 16
 
 
 class ExecutionEngine:
@@ -51,7 +53,7 @@ class ExecutionEngine:
         self.worker.init(model_cls, hf_config, model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.eos_token_ids = self._collect_eos_token_ids(model_path)
-        self._init_cache_manager()
+        self._init_kv_cache()
 
     def _resolve_max_model_len(self, model_limit: int) -> int:
         requested = self.config.scheduler_config.max_model_len
@@ -73,13 +75,20 @@ class ExecutionEngine:
             eos.update(generation_eos if isinstance(generation_eos, list) else [generation_eos])
         return eos
 
-    def _init_cache_manager(self) -> None:
+    def _init_kv_cache(self) -> None:
+        """Warm up on a small probe cache, then size the real one from the memory left after the
+        weights and the warm-up (device memory on CUDA/NPU, MemAvailable on CPU), or from
+        scheduler_config.num_blocks."""
         sched = self.config.scheduler_config
-        memory = self.platform.memory_info_bytes()
-        free_bytes = memory[0] if memory is not None else host_available_bytes()
-        bytes_per_block = self.worker.kv_cache_bytes_per_block(sched.block_size)
         groups = self.worker.kv_cache_groups
         self.max_blocks_per_request = cdiv(self.max_model_len, sched.block_size)
+        warm_up_tokens = min(WARM_UP_PROMPT_TOKENS, self.max_model_len - 1)
+        self._bind_kv_cache(len(groups) * cdiv(warm_up_tokens + 1, sched.block_size) + 1)
+        self._warm_up(warm_up_tokens)
+        memory = self.platform.memory_info_bytes()
+        free_bytes = memory[0] if memory is not None else host_available_bytes()
+        self._bind_kv_cache(0)  # drop the probe before measuring what the real cache may take
+        bytes_per_block = self.worker.kv_cache_bytes_per_block(sched.block_size)
         num_blocks = plan_num_blocks(
             num_blocks=sched.num_blocks,
             bytes_per_block=bytes_per_block,
@@ -87,30 +96,64 @@ class ExecutionEngine:
             free_memory_bytes=free_bytes,
             mem_fraction_static=sched.mem_fraction_static,
         )
+        blocks_per_request = len(groups) * self.max_blocks_per_request
+        if num_blocks - 1 < blocks_per_request:
+            source = (
+                f"num_blocks {sched.num_blocks}"
+                if sched.num_blocks
+                else (f"{free_bytes / 2**30:.2f} GiB free x mem_fraction_static {sched.mem_fraction_static}")
+            )
+            raise ConfigError(
+                f"the KV cache budget ({source}: {num_blocks - 1} usable blocks of {sched.block_size} tokens) cannot "
+                f"hold one request of max_model_len {self.max_model_len}, which needs {blocks_per_request} blocks "
+                f"over {len(groups)} cache group(s); raise the budget or lower scheduler_config.max_model_len "
+                f"({self.config.source})"
+            )
+        self._bind_kv_cache(num_blocks)
+        self._log_kv_cache(num_blocks, blocks_per_request)
+
+    def _bind_kv_cache(self, num_blocks: int) -> None:
+        """Allocate and bind `num_blocks` blocks (none: release the cache) and a manager over them."""
+        sched = self.config.scheduler_config
         self.worker.init_kv_cache(num_blocks, sched.block_size)
-        self.kv_cache_manager = KVCacheManager(num_blocks, sched.block_size, [group.spec for group in groups])
-        total_mib = num_blocks * bytes_per_block / 2**20
-        logger.info(
-            "KV cache: %d blocks of %d tokens (%.0f MiB, block 0 reserved), %d cache group(s)",
-            num_blocks,
-            sched.block_size,
-            total_mib,
-            len(groups),
+        self.kv_cache_manager = (
+            KVCacheManager(
+                num_blocks,
+                sched.block_size,
+                [group.spec for group in self.worker.kv_cache_groups],
+                sched.enable_prefix_caching,
+            )
+            if num_blocks
+            else None
         )
 
-    def warm_up(self) -> None:
+    def _log_kv_cache(self, num_blocks: int, blocks_per_request: int) -> None:
+        block_size = self.config.scheduler_config.block_size
+        per_group = ", ".join(
+            f"group {i} ({group.spec.kind.value}, {len(group.layer_names)} layers): "
+            f"{group.spec.bytes_per_token * len(group.layer_names)} B/token"
+            for i, group in enumerate(self.worker.kv_cache_groups)
+        )
+        total_mib = num_blocks * self.worker.kv_cache_bytes_per_block(block_size) / 2**20
+        logger.info(
+            "KV cache: %d blocks of %d tokens (block 0 reserved), %.0f MiB; %s; holds %d tokens per group, "
+            "%d request(s) of max_model_len %d at once",
+            num_blocks,
+            block_size,
+            total_mib,
+            per_group,
+            (num_blocks - 1) // len(self.worker.kv_cache_groups) * block_size,
+            (num_blocks - 1) // blocks_per_request,
+            self.max_model_len,
+        )
+
+    def _warm_up(self, num_tokens: int) -> None:
         """One dummy prefill and one decode step, so first-call costs stay out of the step log."""
         assert self.kv_cache_manager is not None
-        capacity = self.kv_cache_manager.num_usable_blocks // self.kv_cache_manager.num_groups
-        num_tokens = max(1, min(16, self.max_model_len - 2, capacity * self.kv_cache_manager.block_size - 1))
         request = Request("warm-up", None, [0] * num_tokens, SamplingParams(max_new_tokens=2))
         for batch in (Batch([request], [num_tokens], is_prefill=True), Batch([request], [1], is_prefill=False)):
-            if self.kv_cache_manager.allocate_slots(request, batch.total_tokens) is None:
-                raise ConfigError(
-                    f"the KV cache ({self.kv_cache_manager.num_usable_blocks} usable blocks) cannot hold a "
-                    f"{request.num_tokens}-token warm-up request; raise scheduler_config.num_blocks "
-                    f"({self.config.source})"
-                )
+            allocated = self.kv_cache_manager.allocate_slots(request, batch.total_tokens)
+            assert allocated is not None, "the probe cache is sized for the warm-up request"
             (new_tokens,) = self.forward_batch(batch)
             request.num_computed_tokens += batch.total_tokens
             request.output_token_ids.extend(new_tokens)

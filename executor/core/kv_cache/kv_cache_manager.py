@@ -2,7 +2,11 @@
 
 It speaks in requests and tokens, holds one SingleTypeKVCacheManager per cache group (all drawing
 on one BlockPool), checks that every group can allocate before any does, and answers None (not an
-exception) when the pool is short so the scheduler can wait or preempt.
+exception) when the pool is short so the scheduler can wait or preempt. With prefix caching on it
+finds a new request's longest prefix cached in every group (never its last token: that token's
+logits must be computed) and caches each full block once its K/V are computed, that is after the
+step that computed it, so a request never reads a block another request of the same step has yet
+to write.
 
 Layout of one request's blocks in one group (block_size 4, 10 tokens computed, 3 new, 2 lookahead):
 
@@ -15,20 +19,35 @@ the draft tokens d0, d1 a verify step writes) follow from the table.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from executor.core.kv_cache.block_pool import BlockPool
 from executor.core.kv_cache.single_type_manager import SingleTypeKVCacheManager, manager_for
 from executor.core.types_.kv_cache_spec import KVCacheSpec
 from executor.core.types_.request import Request
 
 
+@dataclass(slots=True)
+class PrefixHit:
+    """A waiting request's cached prefix: its row in each group and how many tokens it covers."""
+
+    block_ids: list[list[int]]
+    num_tokens: int
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, group_specs: list[KVCacheSpec]) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, group_specs: list[KVCacheSpec], enable_prefix_caching: bool = True
+    ) -> None:
         assert group_specs, "a KV cache needs at least one cache group"
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks)
         self.managers: list[SingleTypeKVCacheManager] = [
-            manager_for(spec, self.block_pool, block_size) for spec in group_specs
+            manager_for(spec, self.block_pool, block_size, group_id) for group_id, spec in enumerate(group_specs)
         ]
+        self.num_queried_tokens = 0  # tokens of admitted requests looked up in the prefix cache
+        self.num_hit_tokens = 0  # of those, tokens whose K/V were found cached
 
     @property
     def num_groups(self) -> int:
@@ -46,24 +65,71 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.block_pool.usage
 
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
+
     def num_blocks_for_tokens(self, num_tokens: int) -> int:
         """Blocks a request holding `num_tokens` tokens needs across all cache groups."""
         return sum(manager.num_blocks_for_tokens(num_tokens) for manager in self.managers)
+
+    def find_prefix_hit(self, request: Request) -> PrefixHit:
+        """The longest prefix of the request cached in every group, short of its last token."""
+        no_hit = PrefixHit([[] for _ in self.managers], 0)
+        if not self.enable_prefix_caching:
+            return no_hit
+        block_hashes = request.full_block_hashes(self.block_size)
+        num_blocks = min(len(block_hashes), (request.num_tokens - 1) // self.block_size)
+        while True:  # each group may only shorten the hit; stop when all agree
+            rows = [manager.find_cached_prefix(block_hashes, num_blocks) for manager in self.managers]
+            shortest = min(len(row) for row in rows)
+            if shortest == num_blocks:
+                return PrefixHit(rows, num_blocks * self.block_size) if num_blocks else no_hit
+            num_blocks = shortest
+
+    def can_admit(self, request: Request, hit: PrefixHit) -> bool:
+        """Whether the free blocks hold the request's tokens beyond its hit (cached blocks that no
+        one holds leave the free queue when taken, so they count too)."""
+        needed = 0
+        for manager, row in zip(self.managers, hit.block_ids, strict=True):
+            needed += manager.num_blocks_for_tokens(request.num_tokens) - len(row)
+            needed += sum(1 for block_id in row if block_id and self.block_pool.ref_counts[block_id] == 0)
+        return needed <= self.block_pool.num_free_blocks
+
+    def admit(self, request: Request, hit: PrefixHit) -> None:
+        """Give the request its cached prefix; its computed tokens start after the hit."""
+        for manager, row in zip(self.managers, hit.block_ids, strict=True):
+            manager.take_cached_blocks(request.request_id, row)
+        request.num_computed_tokens = hit.num_tokens
+        if self.enable_prefix_caching:
+            self.num_queried_tokens += request.num_tokens
+            self.num_hit_tokens += hit.num_tokens
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, num_lookahead_tokens: int = 0
     ) -> list[list[int]] | None:
         """Make room for `num_new_tokens` more tokens of `request`, plus `num_lookahead_tokens`
-        draft tokens a verify step will write.
+        draft tokens a verify step will write; first drop the blocks its window has left behind.
 
         Returns the newly allocated block ids per cache group (possibly empty lists), or None when
         the pool cannot supply them all; in that case nothing is allocated.
         """
+        for manager in self.managers:
+            manager.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
         total_tokens = request.num_computed_tokens + num_new_tokens + num_lookahead_tokens
         needed = [m.get_num_blocks_to_allocate(request.request_id, total_tokens) for m in self.managers]
         if sum(needed) > self.block_pool.num_free_blocks:
             return None
         return [m.allocate_new_blocks(request.request_id, total_tokens) for m in self.managers]
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Cache the request's full blocks whose K/V are computed, for later requests to reuse."""
+        if not self.enable_prefix_caching:
+            return
+        block_hashes = request.full_block_hashes(self.block_size)
+        num_full_blocks = min(request.num_computed_tokens // self.block_size, len(block_hashes))
+        for manager in self.managers:
+            manager.cache_blocks(request.request_id, block_hashes, num_full_blocks)
 
     def get_block_ids(self, request_id: str) -> list[list[int]]:
         """The request's row of each group's block table."""

@@ -7,7 +7,8 @@ preempted request recomputes its prompt and outputs, a decode step feeds one tok
 prefill step (admitted requests still prefilling, then waiting requests, while slots and budget
 last) or, when nothing needs prefilling, a decode step for every running request.
 
-A waiting request is admitted when its tokens fit the free blocks. When a running request cannot
+A waiting request is admitted when its tokens beyond its cached prefix fit the free blocks; its
+computed tokens then start after the prefix. When a running request cannot
 get a block, the most recently admitted running request is preempted: its blocks are freed and it
 goes back to the front of the waiting queue, to be recomputed later. A request that could not fit
 the whole pool even alone fails at once, so a lone request always progresses.
@@ -49,11 +50,16 @@ class StepRecord:
     num_tokens: int
     step_time_ms: float
     kv_usage: float
+    kv_blocks_used: int
+    prefix_hit_rate: float  # of the run so far: cached tokens reused / tokens looked up at admission
+    evictions: int  # of the run so far
+    preemptions: int  # of the run so far
 
     def log_line(self) -> str:
         return (
             f"step {self.step:5d} | {self.phase:7s} | batch {self.batch_size:3d} | tokens {self.num_tokens:5d} "
-            f"| {self.step_time_ms:8.2f} ms | kv {self.kv_usage:5.1%}"
+            f"| {self.step_time_ms:8.2f} ms | kv {self.kv_usage:5.1%} ({self.kv_blocks_used} blocks) "
+            f"| prefix hits {self.prefix_hit_rate:5.1%} | evicted {self.evictions} | preempted {self.preemptions}"
         )
 
 
@@ -78,6 +84,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admitted requests (they hold blocks), oldest first
         self.num_preemptions = 0
+        self.kv_blocks_peak = 0  # most blocks in use after any step
         self._newly_failed: list[Request] = []
         self._step = 0
 
@@ -115,7 +122,12 @@ class Scheduler:
             num_tokens=batch.total_tokens,
             step_time_ms=step_time_ms,
             kv_usage=self.kv_cache_manager.usage,
+            kv_blocks_used=self.kv_cache_manager.block_pool.num_used_blocks,
+            prefix_hit_rate=self.kv_cache_manager.prefix_hit_rate,
+            evictions=self.kv_cache_manager.block_pool.num_evictions,
+            preemptions=self.num_preemptions,
         )
+        self.kv_blocks_peak = max(self.kv_blocks_peak, record.kv_blocks_used)
         logger.info(record.log_line())
         return StepOutput(record=record, finished=finished)
 
@@ -137,9 +149,11 @@ class Scheduler:
                 budget -= chunk
         while self.waiting and budget > 0 and len(self.running) < self.limits.batch_size:
             request = self.waiting[0]
-            if self.kv_cache_manager.num_blocks_for_tokens(request.num_tokens) > self.kv_cache_manager.num_free_blocks:
+            hit = self.kv_cache_manager.find_prefix_hit(request)
+            if not self.kv_cache_manager.can_admit(request, hit):
                 break  # wait for running requests to finish and free their blocks
-            chunk = min(request.num_tokens, budget)
+            self.kv_cache_manager.admit(request, hit)
+            chunk = min(request.num_tokens - request.num_computed_tokens, budget)
             allocated = self.kv_cache_manager.allocate_slots(request, chunk)
             assert allocated is not None, "the request's tokens fit the free blocks, so its chunk does"
             self.waiting.popleft()
@@ -188,6 +202,19 @@ class Scheduler:
         self.waiting.appendleft(request)
         self.num_preemptions += 1
 
+    def cache_stats(self) -> dict[str, float | int]:
+        """The KV cache figures of the run so far, for summary.json."""
+        kv = self.kv_cache_manager
+        return {
+            "kv_blocks_peak": self.kv_blocks_peak,
+            "kv_blocks_usable": kv.num_usable_blocks,
+            "prefix_cache_hit_rate": kv.prefix_hit_rate,
+            "prefix_cache_hit_tokens": kv.num_hit_tokens,
+            "prefix_cache_queried_tokens": kv.num_queried_tokens,
+            "evictions": kv.block_pool.num_evictions,
+            "preemptions": self.num_preemptions,
+        }
+
     def worst_case_blocks(self, request: Request) -> int:
         """Blocks the request holds at its longest (prompt + max_new_tokens, within max_model_len)."""
         max_tokens = min(request.num_prompt_tokens + request.sampling_params.max_new_tokens, self.limits.max_model_len)
@@ -219,6 +246,7 @@ class Scheduler:
             batch.requests, batch.num_scheduled_tokens, new_token_ids, strict=True
         ):
             request.num_computed_tokens += num_tokens
+            self.kv_cache_manager.cache_computed_blocks(request)
             if not token_ids:
                 continue  # a prompt chunk short of the prompt's end
             if request.status is RequestStatus.PREFILLING:

@@ -1,6 +1,7 @@
 """Plain data shared by the scheduler, the engine, the worker and the models."""
 
 from executor.core.types_.batch import Batch
+from executor.core.types_.block_hash import BlockHash
 from executor.core.types_.forward_metadata import CacheGroupTables, ForwardMetaData
 from executor.core.types_.kv_cache_spec import AttentionKind, KVCacheSpec, KVTensorSpec, full_attention_spec
 from executor.core.types_.model_inputs import ModelInputs, StepLayout
@@ -9,6 +10,7 @@ from executor.core.types_.request import FinishReason, Request, RequestStatus, S
 __all__ = [
     "AttentionKind",
     "Batch",
+    "BlockHash",
     "CacheGroupTables",
     "FinishReason",
     "ForwardMetaData",

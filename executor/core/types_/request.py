@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from executor.core.types_.block_hash import BlockHash
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -69,6 +71,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     # Tokens whose K/V is already in the cache.
     num_computed_tokens: int = 0
+    # Hashes of the request's full blocks of tokens, for prefix caching (grown by the KV cache manager).
+    block_hashes: list[BlockHash] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     error: str | None = None
     arrival_time_s: float = 0.0
@@ -82,6 +86,16 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def full_block_hashes(self, block_size: int) -> list[BlockHash]:
+        """The hashes of every full block of the request's tokens, computed once each as it grows."""
+        hashes = self.block_hashes
+        parent = hashes[-1].chain() if hashes else None
+        for start in range(len(hashes) * block_size, self.num_tokens - block_size + 1, block_size):
+            block_hash = BlockHash(parent, tuple(self.token_ids_between(start, start + block_size)))
+            hashes.append(block_hash)
+            parent = block_hash.chain()
+        return hashes
 
     def token_ids_between(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output, without copying the whole sequence each step."""
