@@ -1,5 +1,5 @@
-"""Shared fixtures: tiny random Llama model folders (HF format, with a word-level tokenizer) and
-the real default model."""
+"""Shared fixtures: tiny random Llama and Ministral model folders (HF format, with a word-level
+tokenizer), a Llama subclass with Ministral's sliding-window layers, and the real default model."""
 
 from __future__ import annotations
 
@@ -7,10 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from models.llama import LlamaForCausalLM as OurLlamaForCausalLM
 
 TINY_VOCAB = 256
 CHAT_TEMPLATE = "{% for m in messages %}<s> {{ m['content'] }} {% endfor %}{% if add_generation_prompt %}<s>{% endif %}"
@@ -60,3 +63,43 @@ def smollm2_dir() -> Path:
     from executor.model_loader.default_model import ensure_default_model
 
     return ensure_default_model()
+
+
+WINDOW = 8
+
+
+class SlidingLlama(OurLlamaForCausalLM):
+    """A test model: Llama layers where `config.layer_types` says so get a sliding window (as
+    transformers' Ministral does), so the model mixes two cache kinds."""
+
+    def __init__(self, hf_config: transformers.PretrainedConfig, **kwargs: int) -> None:
+        hf_config.attention_bias = hf_config.mlp_bias = False  # Ministral's layers have no biases
+        super().__init__(hf_config, **kwargs)
+        for layer, layer_type in zip(self.model.layers, hf_config.layer_types, strict=True):
+            if layer_type == "sliding_attention":
+                layer.self_attn.attn.sliding_window = hf_config.sliding_window
+
+
+@pytest.fixture(scope="session")
+def ministral_dir(tmp_path_factory) -> Path:
+    config = transformers.MinistralConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        head_dim=16,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny_ministral")
+    transformers.MinistralForCausalLM(config).eval().save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path

@@ -4,8 +4,6 @@ sampling parameters per request."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 import transformers
@@ -17,12 +15,9 @@ from executor.core.types_ import AttentionKind, FinishReason, KVCacheSpec, KVTen
 from executor.offline import offline_inference
 from executor.offline.dataset import PromptRecord
 from executor.platform import create_platform
-from models.llama import LlamaForCausalLM
 from module.attention import KVCacheLayer
-from tests.conftest import tiny_tokenizer
+from tests.conftest import WINDOW, SlidingLlama
 from tests.engine_harness import hf_greedy, load_hf_model, make_inference, run_engine, token_records
-
-WINDOW = 8
 
 
 def make_prompts(lengths: list[int], seed: int) -> list[list[int]]:
@@ -68,43 +63,6 @@ def test_sampling_parameters_come_from_each_dataset_line(tiny_llama_dir):
     assert len(default.output_token_ids) == 32
     assert hot.finish_reason is FinishReason.ERROR and "only greedy" in hot.error and "'hot'" in hot.error
     assert bad.finish_reason is FinishReason.ERROR and "top_p must be in (0, 1]" in bad.error
-
-
-class SlidingLlama(LlamaForCausalLM):
-    """A test model: Llama layers where `config.layer_types` says so get a sliding window (as
-    transformers' Ministral does), so the model mixes two cache kinds."""
-
-    def __init__(self, hf_config: transformers.PretrainedConfig, **kwargs: int) -> None:
-        hf_config.attention_bias = hf_config.mlp_bias = False  # Ministral's layers have no biases
-        super().__init__(hf_config, **kwargs)
-        for layer, layer_type in zip(self.model.layers, hf_config.layer_types, strict=True):
-            if layer_type == "sliding_attention":
-                layer.self_attn.attn.sliding_window = hf_config.sliding_window
-
-
-@pytest.fixture(scope="module")
-def ministral_dir(tmp_path_factory) -> Path:
-    config = transformers.MinistralConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        head_dim=16,
-        sliding_window=WINDOW,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny_ministral")
-    transformers.MinistralForCausalLM(config).eval().save_pretrained(path)
-    tiny_tokenizer().save_pretrained(path)
-    return path
 
 
 def test_layers_of_two_kinds_get_two_cache_groups_and_equal_transformers(ministral_dir, monkeypatch):

@@ -114,6 +114,37 @@ def test_each_cache_group_gets_its_own_blocks_and_table_row():
     assert not set(full_row) & set(sliding_row)
 
 
+def test_the_sliding_window_group_frees_blocks_the_window_has_left_and_nulls_them_in_the_row():
+    manager = make_manager(num_blocks=20, block_size=4, specs=[FULL, SLIDING])  # window 8
+    request = make_request("r", 20)
+    manager.allocate_slots(request, 20)
+    request.num_computed_tokens = 20
+    free_before = manager.num_free_blocks
+    manager.allocate_slots(request, 1)  # the query at position 20 sees keys 13..20: blocks 3.. only
+    full_row, sliding_row = manager.get_block_ids("r")
+    assert len(full_row) == len(sliding_row) == 6 and NULL_BLOCK_ID not in full_row
+    assert sliding_row[:3] == [NULL_BLOCK_ID] * 3 and NULL_BLOCK_ID not in sliding_row[3:]
+    assert manager.num_free_blocks == free_before - 2 + 3  # one new block per group, three freed
+    manager.free(request)
+    assert manager.num_free_blocks == 19
+
+
+def test_a_sliding_window_hit_needs_only_the_window_cached():
+    manager = make_manager(num_blocks=30, block_size=4, specs=[SLIDING])  # window 8
+    first = make_request("a", 26)
+    manager.admit(first, manager.find_prefix_hit(first))
+    manager.allocate_slots(first, 26)
+    first.num_computed_tokens = 26
+    manager.cache_computed_blocks(first)
+    manager.allocate_slots(first, 1)  # frees blocks 0..3, which stay cached in the free queue
+    manager.block_pool.get_new_blocks(manager.num_free_blocks)  # ... until every free block is evicted
+    second = Request("b", None, list(range(26)) + [99], SamplingParams())
+    hit = manager.find_prefix_hit(second)
+    # 24 tokens = 6 full blocks, and a query at position 24 sees keys 17..24: blocks 4 and 5 suffice.
+    assert hit.num_tokens == 24 and hit.block_ids[0][:4] == [NULL_BLOCK_ID] * 4
+    assert hit.block_ids[0][4:] == manager.get_block_ids("a")[0][4:6]
+
+
 def test_a_group_short_of_blocks_stops_every_group_from_allocating():
     manager = make_manager(num_blocks=6, block_size=4, specs=[FULL, SLIDING])
     assert manager.allocate_slots(make_request("r", 12), 12) is None  # 3 + 3 blocks needed, 5 usable

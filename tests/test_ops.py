@@ -137,9 +137,7 @@ def test_paged_attention_verify_step_with_several_queries_per_request_is_causal(
     run_paged([3, 3, 3], [7, 3, 12])
 
 
-@pytest.mark.parametrize(
-    "query_lens, kv_lens", [([5, 9, 2], [5, 9, 10]), ([1, 1, 1], [2, 9, 14]), ([3, 2], [17, 22])]
-)
+@pytest.mark.parametrize("query_lens, kv_lens", [([5, 9, 2], [5, 9, 10]), ([1, 1, 1], [2, 9, 14]), ([3, 2], [17, 22])])
 def test_paged_attention_sliding_window_sees_only_the_window(query_lens, kv_lens):
     run_paged(query_lens, kv_lens, sliding_window=4)
 
