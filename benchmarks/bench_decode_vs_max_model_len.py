@@ -18,28 +18,20 @@ import platform
 import statistics
 
 import torch
-from bench_vs_transformers import run_ours
+from bench_vs_transformers import add_engine_args, load_records, run_ours
 
 from executor.model_loader.default_model import default_model_path
-from executor.offline.dataset import DATASET_DIR, load_prompts, resolve_dataset_path
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model-path", default=None, help="HF model folder (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--num-prompts", type=int, default=32)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--num-blocks", type=int, default=1024, help="the same KV pool for both runs")
+    add_engine_args(parser, num_prompts=32, batch_size=32, block_size=16, max_new_tokens=32, num_blocks=1024)
     parser.add_argument("--short", type=int, default=1024, help="the short max_model_len")
     parser.add_argument("--long", type=int, default=8192, help="the long max_model_len")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     args.model_path = args.model_path or default_model_path()
-    records = load_prompts(resolve_dataset_path("default", None, DATASET_DIR))[: args.num_prompts]
+    records = load_records("default", args.num_prompts)
     decode_ms: dict[int, list[float]] = {args.short: [], args.long: []}
     for length in (args.short, args.long, args.long, args.short):
         decode_ms[length].append(run_ours(args, records, max_model_len=length)[0]["decode_ms_per_step_mean"])

@@ -19,10 +19,9 @@ import platform
 import statistics
 
 import torch
-from bench_vs_transformers import run_ours
+from bench_vs_transformers import add_engine_args, load_records, run_ours
 
 from executor.model_loader.default_model import default_model_path
-from executor.offline.dataset import DATASET_DIR, load_prompts, resolve_dataset_path
 
 RATIOS = ("output_tokens_per_s", "prefill_ms_per_step_mean", "prefill_ms_total")
 FIGURES = (*RATIOS, "prefix_cache_hit_rate")
@@ -30,19 +29,12 @@ FIGURES = (*RATIOS, "prefix_cache_hit_rate")
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model-path", default=None, help="HF model folder (default: SmolLM2-135M-Instruct)")
+    add_engine_args(parser, num_prompts=40, batch_size=8, block_size=16, max_new_tokens=32, num_blocks=1024)
     parser.add_argument("--dataset", default="shared_prefix")
-    parser.add_argument("--num-prompts", type=int, default=40)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--num-blocks", type=int, default=1024, help="the same KV pool for both settings")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     args.model_path = args.model_path or default_model_path()
-    records = load_prompts(resolve_dataset_path(args.dataset, None, DATASET_DIR))[: args.num_prompts]
+    records = load_records(args.dataset, args.num_prompts)
 
     runs: dict[str, dict[str, list[float]]] = {"off": {}, "on": {}}
     prompts: list[list[int]] = []

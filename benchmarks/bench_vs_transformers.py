@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from executor.core.config import build_config
 from executor.model_loader.default_model import default_model_path
-from executor.offline.dataset import DATASET_DIR, load_prompts, resolve_dataset_path, tokenize_record
+from executor.offline.dataset import DATASET_DIR, PromptRecord, load_prompts, resolve_dataset_path, tokenize_record
 from executor.offline.offline_inference import OfflineInference
 from executor.platform import resolve_dtype
 
@@ -90,23 +90,41 @@ def run_transformers(args: argparse.Namespace, prompts: list[list[int]]) -> dict
     return {"output_tokens": output_tokens, "total_s": elapsed, "output_tokens_per_s": output_tokens / elapsed}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def load_records(dataset: str, num_prompts: int) -> list[PromptRecord]:
+    """The first `num_prompts` records of a shipped dataset (0 = all)."""
+    records = load_prompts(resolve_dataset_path(dataset, None, DATASET_DIR))
+    return records[:num_prompts] if num_prompts else records
+
+
+def add_engine_args(
+    parser: argparse.ArgumentParser,
+    *,
+    num_prompts: int,
+    batch_size: int,
+    block_size: int,
+    max_new_tokens: int,
+    num_blocks: int,
+) -> None:
+    """The flags every benchmark of our engine takes, with the script's defaults."""
     parser.add_argument("--model-path", default=None, help="HF model folder (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--dataset", default="default")
-    parser.add_argument("--num-prompts", type=int, default=0, help="0 = every prompt of the dataset")
+    parser.add_argument("--num-prompts", type=int, default=num_prompts, help="0 = every prompt of the dataset")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--block-size", type=int, default=128)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--num-blocks", type=int, default=0, help="KV blocks; 0 = size from memory")
+    parser.add_argument("--batch-size", type=int, default=batch_size)
+    parser.add_argument("--block-size", type=int, default=block_size)
+    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    parser.add_argument("--num-blocks", type=int, default=num_blocks, help="KV blocks; 0 = size from memory")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_args(parser, num_prompts=0, batch_size=32, block_size=128, max_new_tokens=64, num_blocks=0)
+    parser.add_argument("--dataset", default="default")
     parser.add_argument("--skip-transformers", action="store_true")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     args.model_path = args.model_path or default_model_path()
-    records = load_prompts(resolve_dataset_path(args.dataset, None, DATASET_DIR))
-    records = records[: args.num_prompts] if args.num_prompts else records
+    records = load_records(args.dataset, args.num_prompts)
 
     ours, prompts = run_ours(args, records)
     report = {

@@ -56,3 +56,14 @@ def test_batched_greedy_equals_transformers_alone(inference, hf_model, prompts):
     result = inference.generate(token_records(prompts))
     expected = [hf_greedy(hf_model, ids, MAX_NEW_TOKENS) for ids in prompts]
     assert [r.output_token_ids for r in result.requests] == expected
+
+
+@pytest.mark.slow
+def test_shared_system_prompt_outputs_with_prefix_caching_equal_transformers(smollm2_dir, hf_model):
+    """Six prompts of dataset/shared_prefix.jsonl, two at a time, so four reuse the ~820-token prefix."""
+    records = load_prompts(DATASET_DIR / "shared_prefix.jsonl")[:6]
+    inference = make_inference(smollm2_dir, batch_size=2, max_new_tokens=16, max_model_len=2048)
+    prompts = [tokenize_record(r, inference.tokenizer, True) for r in records]
+    result = inference.generate(token_records(prompts))
+    assert result.summary["prefix_cache_hit_tokens"] >= 4 * 800
+    assert [r.output_token_ids for r in result.requests] == [hf_greedy(hf_model, p, 16) for p in prompts]
