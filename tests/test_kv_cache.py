@@ -145,6 +145,23 @@ def test_a_sliding_window_hit_needs_only_the_window_cached():
     assert hit.block_ids[0][4:] == manager.get_block_ids("a")[0][4:6]
 
 
+def test_two_requests_that_computed_the_same_prefix_in_one_step_then_share_one_copy():
+    manager = make_manager(num_blocks=20, block_size=4)
+    first, second = make_request("a", 10), make_request("b", 10)  # tokens 0..9 both
+    for request in (first, second):
+        manager.admit(request, manager.find_prefix_hit(request))  # nothing cached yet: no hit
+        manager.allocate_slots(request, 10)
+        request.num_computed_tokens = 10
+    assert not set(manager.get_block_ids("a")[0]) & set(manager.get_block_ids("b")[0])
+    free_before = manager.num_free_blocks
+    for request in (first, second):  # after the step that computed them
+        manager.cache_computed_blocks(request)
+    (a_row,), (b_row,) = manager.get_block_ids("a"), manager.get_block_ids("b")
+    assert b_row[:2] == a_row[:2] and b_row[2] != a_row[2]  # the two full blocks are shared
+    assert manager.num_free_blocks == free_before + 2
+    assert [manager.block_pool.ref_counts[b] for b in a_row] == [2, 2, 1]
+
+
 def test_a_group_short_of_blocks_stops_every_group_from_allocating():
     manager = make_manager(num_blocks=6, block_size=4, specs=[FULL, SLIDING])
     assert manager.allocate_slots(make_request("r", 12), 12) is None  # 3 + 3 blocks needed, 5 usable

@@ -80,10 +80,8 @@ class BlockPool:
             self.ref_counts[block_id] += 1
 
     def cache_block(self, block_id: int, key: CacheKey) -> None:
-        """Record that `block_id` holds the computed K/V of `key`. When another block already
-        holds them, this one stays uncached and is reused as a plain block once freed."""
-        if self.cache_keys[block_id] is not None or key in self.cached_blocks:
-            return
+        """Record that `block_id` holds the computed K/V of `key` (which no block holds yet)."""
+        assert key not in self.cached_blocks and self.cache_keys[block_id] is None, f"block {block_id} cached twice"
         self.cache_keys[block_id] = key
         self.cached_blocks[key] = block_id
 

@@ -6,7 +6,7 @@ exception) when the pool is short so the scheduler can wait or preempt. With pre
 finds a new request's longest prefix cached in every group (never its last token: that token's
 logits must be computed) and caches each full block once its K/V are computed, that is after the
 step that computed it, so a request never reads a block another request of the same step has yet
-to write.
+to write. Two requests of one step that computed the same block share one copy from then on.
 
 Layout of one request's blocks in one group (block_size 4, 10 tokens computed, 3 new, 2 lookahead):
 

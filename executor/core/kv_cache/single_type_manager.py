@@ -69,12 +69,24 @@ class SingleTypeKVCacheManager:
         """Free the blocks no later query can attend to (none, for full attention)."""
 
     def cache_blocks(self, request_id: str, block_hashes: list[BlockHash], num_full_blocks: int) -> None:
-        """Cache the request's blocks [0, num_full_blocks), whose K/V are computed, by their hashes."""
+        """Cache the request's blocks [0, num_full_blocks), whose K/V are computed, by their hashes.
+
+        Where another request computed the same block in the same step, the request switches to
+        that cached copy and frees its own: from then on they share it.
+        """
         blocks = self.req_to_blocks[request_id]
         first = self.num_cached_blocks.get(request_id, 0)
         for index in range(first, num_full_blocks):
-            if blocks[index] != NULL_BLOCK_ID:
-                self.block_pool.cache_block(blocks[index], (self.group_id, block_hashes[index]))
+            if blocks[index] == NULL_BLOCK_ID:
+                continue
+            key = (self.group_id, block_hashes[index])
+            cached = self.block_pool.get_cached_block(key)
+            if cached is None:
+                self.block_pool.cache_block(blocks[index], key)
+            elif cached != blocks[index]:
+                self.block_pool.touch([cached])
+                self.block_pool.free_blocks([blocks[index]])
+                blocks[index] = cached
         self.num_cached_blocks[request_id] = max(first, num_full_blocks)
 
     def free(self, request_id: str) -> None:
