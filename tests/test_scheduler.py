@@ -48,7 +48,11 @@ def make_scheduler(
 
 
 def request(request_id: str, prompt_len: int, max_new_tokens: int = 3, **params) -> Request:
-    return Request(request_id, None, list(range(1, prompt_len + 1)), SamplingParams(max_new_tokens, **params))
+    """A request whose prompt shares no token with another id's, so prefix caching shares nothing."""
+    first = 1 + 1000 * sum(map(ord, request_id))
+    return Request(
+        request_id, None, list(range(first, first + prompt_len)), SamplingParams(max_new_tokens, **params)
+    )
 
 
 def run_all(scheduler: Scheduler, engine: FakeEngine, requests: list[Request]) -> list[Request]:
@@ -181,14 +185,19 @@ def test_small_pool_preempts_the_newest_request_and_recomputes_it():
 
 
 def test_a_preempted_request_reuses_its_own_cached_blocks_when_readmitted():
-    scheduler, engine = make_scheduler(batch_size=8, num_blocks=7, block_size=4), FakeEngine()
-    requests = [request(str(i), 8, max_new_tokens=6) for i in range(3)]
-    run_all(scheduler, engine, requests)
-    assert scheduler.num_preemptions >= 2
-    recompute = next(i for i, (prefill, ids, _) in enumerate(engine.batches) if prefill and i > 0 and "2" in ids)
-    # Its 9 tokens: the two full blocks of its prompt were still cached, so only the 9th is fed.
-    assert engine.scheduled[recompute][engine.batches[recompute][1].index("2")] == 1
-    assert requests[2].output_token_ids == [108, 109, 110, 111, 112, 113]
+    # 7 usable blocks of 4: "a" (8 tokens) and "b" (16) take 6. At the first decode "a" takes the
+    # last free block and "b" preempts itself; its 4 blocks stay cached until "a" needs one more
+    # (its tail block goes first), so readmitted it finds 3 blocks (12 tokens) and feeds 5.
+    scheduler, engine = make_scheduler(batch_size=8, num_blocks=8, block_size=4), FakeEngine()
+    first, second = request("a", 8, max_new_tokens=6), request("b", 16, max_new_tokens=6)
+    unconstrained = [request("a", 8, max_new_tokens=6), request("b", 16, max_new_tokens=6)]
+    run_all(scheduler, engine, [first, second])
+    assert scheduler.num_preemptions == 1
+    recompute = next(i for i, (prefill, ids, _) in enumerate(engine.batches) if prefill and i > 0 and "b" in ids)
+    assert engine.scheduled[recompute] == [17 - 12]
+    assert scheduler.kv_cache_manager.num_hit_tokens == 12
+    run_all(make_scheduler(batch_size=8), FakeEngine(), unconstrained)
+    assert [first.output_token_ids, second.output_token_ids] == [r.output_token_ids for r in unconstrained]
 
 
 def test_preempted_request_goes_back_to_the_front_of_the_waiting_queue():
