@@ -50,9 +50,7 @@ def make_scheduler(
 def request(request_id: str, prompt_len: int, max_new_tokens: int = 3, **params) -> Request:
     """A request whose prompt shares no token with another id's, so prefix caching shares nothing."""
     first = 1 + 1000 * sum(map(ord, request_id))
-    return Request(
-        request_id, None, list(range(first, first + prompt_len)), SamplingParams(max_new_tokens, **params)
-    )
+    return Request(request_id, None, list(range(first, first + prompt_len)), SamplingParams(max_new_tokens, **params))
 
 
 def run_all(scheduler: Scheduler, engine: FakeEngine, requests: list[Request]) -> list[Request]:
