@@ -85,9 +85,9 @@ class ExecutionEngine:
         warm_up_tokens = min(WARM_UP_PROMPT_TOKENS, self.max_model_len - 1)
         self._bind_kv_cache(len(groups) * cdiv(warm_up_tokens + 1, sched.block_size) + 1)
         self._warm_up(warm_up_tokens)
+        self._bind_kv_cache(0)  # drop the probe before measuring what the real cache may take
         memory = self.platform.memory_info_bytes()
         free_bytes = memory[0] if memory is not None else host_available_bytes()
-        self._bind_kv_cache(0)  # drop the probe before measuring what the real cache may take
         bytes_per_block = self.worker.kv_cache_bytes_per_block(sched.block_size)
         num_blocks = plan_num_blocks(
             num_blocks=sched.num_blocks,
