@@ -42,6 +42,10 @@ NO_LIMIT = 2147483647
 # the real ops take as keywords stay positional-or-keyword here (custom_op has no keyword-only tensors).
 
 
+def _returns_nothing(*args: object, **kwargs: object) -> None:
+    """The fake of an op that only writes into its arguments."""
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     first, second = x.chunk(2, dim=-1)
     return torch.cat((-second, first), dim=-1)
@@ -93,16 +97,7 @@ def npu_apply_rotary_pos_emb_(
     key.copy_(key * cos + _rotate_half(key) * sin)
 
 
-@npu_apply_rotary_pos_emb_.register_fake
-def _(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    layout: str = "BSND",
-    rotary_mode: str = "half",
-) -> None:
-    return None
+npu_apply_rotary_pos_emb_.register_fake(_returns_nothing)
 
 
 def fake_npu_apply_rotary_pos_emb(
@@ -151,16 +146,7 @@ def npu_scatter_pa_kv_cache(
     value_cache.view(-1, *value.shape[1:]).index_copy_(0, slot_mapping, value)
 
 
-@npu_scatter_pa_kv_cache.register_fake
-def _(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    cache_mode: str = "PA_NZ",
-) -> None:
-    return None
+npu_scatter_pa_kv_cache.register_fake(_returns_nothing)
 
 
 def fia_reference(
