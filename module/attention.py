@@ -12,7 +12,7 @@ from torch import nn
 
 import ops
 from executor.core.types_.forward_metadata import ForwardMetaData
-from executor.core.types_.kv_cache_spec import AttentionKind, KVCacheSpec, KVTensorSpec
+from executor.core.types_.kv_cache_spec import KVCacheSpec, attention_spec
 
 
 class KVCacheLayer(nn.Module):
@@ -44,13 +44,7 @@ class Attention(KVCacheLayer):
         self.value_cache = torch.empty(0)
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        shape = (self.num_kv_heads, self.head_dim)
-        kind = AttentionKind.FULL if self.sliding_window is None else AttentionKind.SLIDING_WINDOW
-        return KVCacheSpec(
-            (KVTensorSpec("key", shape, self.cache_dtype), KVTensorSpec("value", shape, self.cache_dtype)),
-            kind,
-            self.sliding_window,
-        )
+        return attention_spec(self.num_kv_heads, self.head_dim, self.cache_dtype, self.sliding_window)
 
     def bind_kv_cache(self, caches: dict[str, torch.Tensor], group_id: int) -> None:
         key_cache, value_cache = caches["key"], caches["value"]

@@ -67,7 +67,7 @@ class TorchAttentionMetadata(ForwardMetaData):
 
 class TorchMetadataBuilder(AttentionMetadataBuilder):
     def build(self, layout: StepLayout) -> TorchAttentionMetadata:
-        metadata = TorchAttentionMetadata(layout.num_rows, layout.max_query_len, self.cache_group_tables(layout))
+        metadata = TorchAttentionMetadata(layout.max_query_len, self.cache_group_tables(layout))
         if metadata.is_decode_shaped:
             metadata.seq_lens = to_device(layout.seq_lens, torch.int64, self.device)
         else:
@@ -95,7 +95,7 @@ class NpuMetadataBuilder(AttentionMetadataBuilder):
         self._causal_mask: torch.Tensor | None = None
 
     def build(self, layout: StepLayout) -> NpuAttentionMetadata:
-        metadata = NpuAttentionMetadata(layout.num_rows, layout.max_query_len, self.cache_group_tables(layout))
+        metadata = NpuAttentionMetadata(layout.max_query_len, self.cache_group_tables(layout))
         if self.lengths_as_tensors:
             metadata.actual_seq_lengths_q = to_device(layout.query_ends, torch.int64, self.device)
             metadata.actual_seq_lengths_kv = to_device(layout.seq_lens, torch.int64, self.device)

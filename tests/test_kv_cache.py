@@ -6,11 +6,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from executor.core.kv_cache import NULL_BLOCK_ID, BlockPool, KVCacheManager, SlidingWindowManager
-from executor.core.types_ import KVCacheSpec, KVTensorSpec, Request, SamplingParams, full_attention_spec
+from executor.core.types_ import KVCacheSpec, KVTensorSpec, Request, SamplingParams, attention_spec
 from executor.core.types_.kv_cache_spec import AttentionKind
 
-FULL = full_attention_spec(2, 8, torch.float32)
-SLIDING = KVCacheSpec(FULL.tensors, AttentionKind.SLIDING_WINDOW, sliding_window=8)
+FULL = attention_spec(2, 8, torch.float32)
+SLIDING = attention_spec(2, 8, torch.float32, sliding_window=8)
 
 
 def make_request(request_id: str, num_prompt_tokens: int) -> Request:

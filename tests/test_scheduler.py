@@ -7,7 +7,7 @@ import torch
 
 from executor.core.kv_cache import KVCacheManager
 from executor.core.scheduler import Scheduler, SchedulerLimits
-from executor.core.types_ import Batch, FinishReason, Request, RequestStatus, SamplingParams, full_attention_spec
+from executor.core.types_ import Batch, FinishReason, Request, RequestStatus, SamplingParams, attention_spec
 
 EOS = 0
 
@@ -42,7 +42,7 @@ def make_scheduler(
 ) -> Scheduler:
     return Scheduler(
         SchedulerLimits(batch_size, max_prefill_tokens, max_model_len),
-        KVCacheManager(num_blocks, block_size, [full_attention_spec(1, 8, torch.float32)], prefix_caching),
+        KVCacheManager(num_blocks, block_size, [attention_spec(1, 8, torch.float32)], prefix_caching),
         eos_token_ids={EOS},
     )
 
@@ -227,7 +227,7 @@ def test_step_record_reports_phase_batch_tokens_and_the_time_of_the_forward_pass
     now = [0.0]
     scheduler = Scheduler(
         SchedulerLimits(4, 1000, 100),
-        KVCacheManager(64, 4, [full_attention_spec(1, 8, torch.float32)]),
+        KVCacheManager(64, 4, [attention_spec(1, 8, torch.float32)]),
         eos_token_ids={EOS},
         clock=lambda: now[0],
     )

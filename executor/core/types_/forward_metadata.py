@@ -26,7 +26,6 @@ class CacheGroupTables:
 class ForwardMetaData:
     """The part every ops backend reads; backends subclass it with their own fields."""
 
-    num_rows: int  # requests in the step, padding rows included
     max_query_len: int  # longest query of the step: 1 in decode, k+1 in a verify step
     groups: list[CacheGroupTables]  # indexed by the layers' cache group id
 

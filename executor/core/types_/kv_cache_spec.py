@@ -29,7 +29,7 @@ class KVTensorSpec:
 
     @property
     def bytes_per_token(self) -> int:
-        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +52,11 @@ class KVCacheSpec:
         return block_size * self.bytes_per_token
 
 
-def full_attention_spec(num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> KVCacheSpec:
-    """Standard attention: a key and a value of [num_kv_heads, head_dim] per token."""
+def attention_spec(
+    num_kv_heads: int, head_dim: int, dtype: torch.dtype, sliding_window: int | None = None
+) -> KVCacheSpec:
+    """Standard attention: a key and a value of [num_kv_heads, head_dim] per token, kept for the
+    whole sequence or, with `sliding_window`, for the window."""
     shape = (num_kv_heads, head_dim)
-    return KVCacheSpec((KVTensorSpec("key", shape, dtype), KVTensorSpec("value", shape, dtype)))
+    kind = AttentionKind.FULL if sliding_window is None else AttentionKind.SLIDING_WINDOW
+    return KVCacheSpec((KVTensorSpec("key", shape, dtype), KVTensorSpec("value", shape, dtype)), kind, sliding_window)

@@ -26,7 +26,7 @@ class SamplingParams:
     """How one request's tokens are chosen and when it stops; each request carries its own.
 
     Defaults come from data_config / scheduler_config and a dataset line may override them. Only
-    greedy choice is built; the other values are checked and refused by name (see `unsupported`).
+    greedy choice is built; the other values are checked and refused by name (see `check`).
     """
 
     max_new_tokens: int = 32
