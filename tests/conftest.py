@@ -19,6 +19,25 @@ TINY_VOCAB = 256
 CHAT_TEMPLATE = "{% for m in messages %}<s> {{ m['content'] }} {% endfor %}{% if add_generation_prompt %}<s>{% endif %}"
 
 
+def llama_config(**overrides: object) -> LlamaConfig:
+    """A tiny random Llama config for parity tests; overrides change any field."""
+    settings = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        vocab_size=TINY_VOCAB,
+        max_position_embeddings=128,
+        initializer_range=0.1,  # peaked logits, so greedy choices are far from ties
+        bos_token_id=None,
+        eos_token_id=None,  # HF generate must not stop early
+        pad_token_id=None,
+        attn_implementation="eager",
+    )
+    settings.update(overrides)
+    return LlamaConfig(**settings)
+
+
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
     """Words w3..w255 plus <unk>, <s>, </s> (ids 0, 1, 2): enough to encode and decode offline."""
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, TINY_VOCAB)}

@@ -29,6 +29,7 @@ from module.attention import Attention
 from ops import dispatch
 from ops.attention_metadata import AttentionMetadataBuilder, NpuMetadataBuilder, TorchMetadataBuilder
 from ops.npu import NpuGraphOps, NpuOps
+from tests.conftest import llama_config
 
 CPU = torch.device("cpu")
 VOCAB, BLOCK_SIZE, NUM_BLOCKS, MAX_POSITIONS = 128, 4, 64, 64
@@ -278,19 +279,12 @@ class PagedLlama:
     """Our Llama with HF's random weights, NaN-filled caches and scattered blocks, driven step by step."""
 
     def __init__(self, head_dim: int) -> None:
-        config = transformers.LlamaConfig(
-            hidden_size=64,
-            intermediate_size=128,
+        config = llama_config(
             num_hidden_layers=2,
-            num_attention_heads=4,
             num_key_value_heads=2,
             head_dim=head_dim,
             vocab_size=VOCAB,
             max_position_embeddings=MAX_POSITIONS,
-            initializer_range=0.1,
-            bos_token_id=None,
-            eos_token_id=None,
-            pad_token_id=None,
         )
         torch.manual_seed(0)
         hf_model = transformers.LlamaForCausalLM(config).eval()

@@ -18,6 +18,7 @@ from executor.model_loader.errors import WeightLoadError
 from models.llama import LlamaForCausalLM
 from module.attention import Attention
 from ops.attention_metadata import TorchMetadataBuilder
+from tests.conftest import llama_config
 
 VOCAB = 256
 LLAMA3_ROPE = {
@@ -44,24 +45,6 @@ CONFIGS = {
 PREFILL_PROMPT_LENS = [5, 17, 1, 9, 12]
 DECODE_PROMPT_LENS = [3, 11, 6, 1, 15, 8, 4, 20]
 MAX_NEW_TOKENS = 32
-
-
-def llama_config(**overrides: object) -> transformers.LlamaConfig:
-    settings = dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        vocab_size=VOCAB,
-        max_position_embeddings=128,
-        initializer_range=0.1,  # peaked logits, so greedy choices are far from ties
-        bos_token_id=None,
-        eos_token_id=None,  # HF generate must not stop early
-        pad_token_id=None,
-        attn_implementation="eager",
-    )
-    settings.update(overrides)
-    return transformers.LlamaConfig(**settings)
 
 
 class PagedLlama:

@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 import torch
-import transformers
 
 import ops
 from executor.core.engine.step_inputs import ScheduledSequence, build_model_inputs, build_step_layout
@@ -27,6 +26,7 @@ from module.attention import Attention
 from ops import dispatch
 from ops.attention_metadata import NpuAttentionMetadata, NpuMetadataBuilder
 from ops.npu import NpuGraphOps, NpuOps
+from tests.conftest import llama_config
 
 NUM_BLOCKS, BLOCK_SIZE, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 8, 128, 4, 2, 64
 MAX_BLOCKS_PER_REQUEST = 4
@@ -305,15 +305,7 @@ def test_every_mode_imports_torch_npu_once_per_process_through_the_runtime(monke
 
 
 def tiny_llama() -> LlamaForCausalLM:
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=64,
-        max_position_embeddings=512,
-    )
+    config = llama_config(num_hidden_layers=2, num_key_value_heads=2, vocab_size=64, max_position_embeddings=512)
     model = LlamaForCausalLM(config)
     for param in model.parameters():
         torch.nn.init.normal_(param, std=0.02)
