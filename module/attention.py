@@ -27,6 +27,10 @@ class KVCacheLayer(nn.Module):
         """`caches` maps each spec tensor's name to [num_blocks, block_size, *per-token shape]."""
         raise NotImplementedError
 
+    def kv_caches(self) -> dict[str, torch.Tensor]:
+        """The tensors bound last, by spec tensor name (graph compilers pass them as inputs)."""
+        raise NotImplementedError
+
 
 class Attention(KVCacheLayer):
     def __init__(
@@ -56,6 +60,9 @@ class Attention(KVCacheLayer):
         self.key_cache = key_cache
         self.value_cache = value_cache
         self.kv_cache_group_id = group_id
+
+    def kv_caches(self) -> dict[str, torch.Tensor]:
+        return {"key": self.key_cache, "value": self.value_cache}
 
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, forward_metadata: ForwardMetaData

@@ -16,10 +16,12 @@ from executor.offline.results import ResultWriter
 from executor.offline.run_folder import plan_run
 
 
-def make_inference(model_dir: Path, dtype: str = "float32", **scheduler) -> OfflineInference:
+def make_inference(
+    model_dir: Path, dtype: str = "float32", model_config: dict | None = None, **scheduler
+) -> OfflineInference:
     config = build_config(
         {
-            "model_config": {"model_path": str(model_dir), "dtype": dtype, "device": "cpu"},
+            "model_config": {"model_path": str(model_dir), "dtype": dtype, "device": "cpu"} | (model_config or {}),
             "data_config": {"apply_chat_template": False},
             "scheduler_config": {"block_size": 16, "max_new_tokens": 32} | scheduler,
         },

@@ -25,6 +25,13 @@ class Platform:
         elif self.device_type == "npu":
             torch.npu.synchronize(self.device)
 
+    def empty_cache(self) -> None:
+        """Return the caching allocator's free blocks to the device, so free memory reads true."""
+        if self.device_type == "cuda":
+            torch.cuda.empty_cache()
+        elif self.device_type == "npu":
+            torch.npu.empty_cache()
+
     def memory_info_bytes(self) -> tuple[int, int] | None:
         """(free, total) device memory, or None on the CPU."""
         if self.device_type == "cuda":

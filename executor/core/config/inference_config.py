@@ -139,11 +139,13 @@ def _check_rule(value: Any, metadata: typing.Mapping[str, Any], where: str) -> N
 
 def _check_cross_rules(config: InferenceConfig) -> None:
     """Rules that involve more than one key, or features that are not built yet."""
-    model, data = config.model_config, config.data_config
-    if model.exe_mode != "eager":
-        raise ConfigError(
-            f"model_config.exe_mode {model.exe_mode!r} in {config.source}: graph modes are not built yet; use eager"
-        )
+    model, data, sched = config.model_config, config.data_config, config.scheduler_config
+    for bucket in sched.graph_buckets:
+        if not 1 <= bucket <= sched.batch_size:
+            raise ConfigError(
+                f"scheduler_config.graph_buckets in {config.source}: every bucket must be in 1..batch_size "
+                f"({sched.batch_size}), got {bucket}"
+            )
     if model.next_n > 0:
         raise ConfigError(f"model_config.next_n in {config.source}: MTP speculative decoding is not built yet; use 0")
     if data.temperature > 0 or data.top_k > 0 or data.top_p < 1.0:

@@ -26,10 +26,13 @@ class ModelConfig:
     dtype: str = rule("bfloat16", choices=("float32", "bfloat16", "float16"), help="weights, activations and KV cache")
     with_ckpt: bool = rule(True, help="false: seeded random weights (DummyModelLoader)")
     exe_mode: str = rule(
-        "eager", choices=("eager", "ge_graph", "npugraph_ex"), help="graph modes are not built yet: eager only"
+        "eager",
+        choices=("eager", "ge_graph", "npugraph_ex"),
+        help="ge_graph / npugraph_ex run decode steps as a graph per bucket (docs/graph_modes.md)",
     )
     next_n: int = rule(0, min=0, help="MTP draft tokens per step; 0 = no speculative decoding")
-    enable_cache_compile: bool = rule(False, npu_only=True, help="torchair cache_compile of the graph")
+    enable_cache_compile: bool = rule(False, help="keep compiled graphs in compile_cache_dir and load them next run")
+    compile_cache_dir: str = rule("", help="ours: the compile cache; empty = $INFER_RECIPES_HOME/compile_cache")
     enable_static_kernel: bool = rule(False, npu_only=True, help="npugraph_ex static kernel compile")
     enable_dynamic_graph: bool = rule(False, npu_only=True, help="GE graph with dynamic shapes")
     enable_profiler: bool = rule(False, help="write a torch profiler trace of the run next to the outputs")
@@ -82,6 +85,9 @@ class SchedulerConfig:
     ignore_eos: bool = rule(False, help="ours: run every request to max_new_tokens (benchmarks)")
     stop_token_ids: list[int] = rule(default_factory=list, help="ours: extra token ids that end a request")
     enable_prefix_caching: bool = rule(True, help="ours: reuse the cached K/V of prompt prefixes shared by requests")
+    graph_buckets: list[int] = rule(
+        default_factory=list, help="ours: decode batch sizes graph modes compile; empty = 1, 2, 4, 8, 16k, batch_size"
+    )
 
 
 SECTIONS: dict[str, type] = {

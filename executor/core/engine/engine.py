@@ -16,11 +16,16 @@ import ops
 from executor.core.config import ConfigError, InferenceConfig
 from executor.core.config.inference_config import check_device_rules
 from executor.core.engine.kv_cache_sizing import host_available_bytes, plan_num_blocks
-from executor.core.engine.step_inputs import ScheduledSequence, build_model_inputs, build_step_layout
+from executor.core.engine.step_inputs import ScheduledSequence, build_step_layout
 from executor.core.kv_cache import KVCacheManager, cdiv
 from executor.core.model_worker import ModelWorker
+from executor.core.model_worker.graph_runner import GraphRunner
 from executor.core.types_ import Batch, Request, SamplingParams
 from executor.platform import create_platform, resolve_dtype
+from executor.platform.compile_cache import CompileCache
+from executor.platform.graph_compilers import make_graph_compiler
+from executor.utils.graph_buckets import resolve_buckets
+from ops.attention_metadata import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +39,7 @@ class ExecutionEngine:
         check_device_rules(config, self.platform.device_type)
         op_table = ops.set_backend(self.platform.ops_backend, config.model_config.exe_mode)
         self.metadata_builder = op_table.metadata_builder(self.platform.device)
+        self.host_metadata_builder = op_table.metadata_builder(torch.device("cpu"))  # graph steps stage here
         self.dtype = resolve_dtype(config.model_config.dtype)
         self.worker = ModelWorker(
             self.platform, self.dtype, config.model_config.with_ckpt, seed=config.data_config.seed
@@ -54,6 +60,9 @@ class ExecutionEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.eos_token_ids = self._collect_eos_token_ids(model_path)
         self._init_kv_cache()
+        graph_runner = self._make_graph_runner()
+        if graph_runner is not None:
+            self.worker.init_graphs(graph_runner)
 
     def _resolve_max_model_len(self, model_limit: int) -> int:
         requested = self.config.scheduler_config.max_model_len
@@ -85,9 +94,10 @@ class ExecutionEngine:
         warm_up_tokens = min(WARM_UP_PROMPT_TOKENS, self.max_model_len - 1)
         self._bind_kv_cache(len(groups) * cdiv(warm_up_tokens + 1, sched.block_size) + 1)
         self._warm_up(warm_up_tokens)
+        graph_bytes = self._measure_graph_memory()
         self._bind_kv_cache(0)  # drop the probe before measuring what the real cache may take
         memory = self.platform.memory_info_bytes()
-        free_bytes = memory[0] if memory is not None else host_available_bytes()
+        free_bytes = (memory[0] - graph_bytes) if memory is not None else host_available_bytes()
         bytes_per_block = self.worker.kv_cache_bytes_per_block(sched.block_size)
         num_blocks = plan_num_blocks(
             num_blocks=sched.num_blocks,
@@ -147,6 +157,57 @@ class ExecutionEngine:
             self.max_model_len,
         )
 
+    def _make_graph_runner(self, buckets: list[int] | None = None) -> GraphRunner | None:
+        """The graph runner of model_config.exe_mode over `buckets` (default: the configured ones),
+        or None in eager mode."""
+        model_config, sched = self.config.model_config, self.config.scheduler_config
+        buckets = buckets or resolve_buckets(sched.graph_buckets, sched.batch_size)
+        compiler = make_graph_compiler(
+            self.platform,
+            model_config.exe_mode,
+            CompileCache.from_config(model_config.enable_cache_compile, model_config.compile_cache_dir),
+            num_buckets=len(buckets),
+            settings={
+                "dtype": self.dtype,
+                "block_size": sched.block_size,
+                "max_blocks_per_request": self.max_blocks_per_request,
+                "device": self.platform.device_type,
+            },
+            static_kernel=model_config.enable_static_kernel,
+            dynamic_graph=model_config.enable_dynamic_graph,
+        )
+        if compiler is None:
+            return None
+        assert self.worker.model is not None
+        return GraphRunner(
+            self.worker.model,
+            compiler,
+            buckets,
+            self.metadata_builder,
+            self.host_metadata_builder,
+            num_cache_groups=len(self.worker.kv_cache_groups),
+            max_blocks_per_request=self.max_blocks_per_request,
+            pin_host_buffers=self.platform.device_type != "cpu",
+        )
+
+    def _measure_graph_memory(self) -> int:
+        """Device bytes the graphs take, measured at the largest bucket on the probe cache (graph
+        modes on CUDA/NPU; 0 elsewhere), so that the KV cache is sized from what is left."""
+        if self.config.model_config.exe_mode == "eager" or self.platform.memory_info_bytes() is None:
+            return 0
+        sched = self.config.scheduler_config
+        largest = resolve_buckets(sched.graph_buckets, sched.batch_size)[-1]
+        free_before = self.platform.memory_info_bytes()[0]
+        runner = self._make_graph_runner([largest])
+        assert runner is not None
+        with torch.inference_mode():
+            runner.warm_up()
+        graph_bytes = max(0, free_before - self.platform.memory_info_bytes()[0])
+        del runner
+        self.platform.empty_cache()
+        logger.info("graphs and activations at bucket %d take %.0f MiB", largest, graph_bytes / 2**20)
+        return graph_bytes
+
     def _warm_up(self, num_tokens: int) -> None:
         """One dummy prefill and one decode step, so first-call costs stay out of the step log."""
         assert self.kv_cache_manager is not None
@@ -168,11 +229,11 @@ class ExecutionEngine:
             block_size=self.config.scheduler_config.block_size,
             max_blocks_per_request=self.max_blocks_per_request,
         )
-        inputs = build_model_inputs(layout, self.metadata_builder)
-        hidden_states = self.worker.forward(inputs)
+        hidden_states = self.worker.execute(layout, self.metadata_builder)
         if not layout.logits_indices:
             return [[] for _ in sequences]
-        token_ids = self._sample(self.worker.compute_logits(hidden_states, inputs.logits_indices))
+        logits_indices = to_device(layout.logits_indices, torch.int64, self.platform.device)
+        token_ids = self._sample(self.worker.compute_logits(hidden_states, logits_indices))
         new_token_ids: list[list[int]] = []
         row = 0
         for seq in sequences:

@@ -10,11 +10,14 @@ from typing import Any
 
 import torch
 
+from executor.core.engine.step_inputs import build_model_inputs
+from executor.core.model_worker.graph_runner import GraphRunner
 from executor.core.types_.kv_cache_spec import KVCacheSpec
-from executor.core.types_.model_inputs import ModelInputs
+from executor.core.types_.model_inputs import ModelInputs, StepLayout
 from executor.model_loader import get_model_loader
 from executor.platform import Platform
 from module.attention import KVCacheLayer
+from ops.attention_metadata import AttentionMetadataBuilder
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +57,7 @@ class ModelWorker:
         self.model: torch.nn.Module | None = None
         self.kv_cache_layers: dict[str, KVCacheLayer] = {}
         self.kv_cache_groups: list[KVCacheGroup] = []
+        self.graph_runner: GraphRunner | None = None
 
     def init(self, model_cls: type[torch.nn.Module], hf_config: Any, model_path: str) -> None:
         """Build the model from its HF config on the device, load the folder's weights, and group
@@ -86,6 +90,23 @@ class ModelWorker:
                     for tensor in group.spec.tensors
                 }
                 self.kv_cache_layers[name].bind_kv_cache(caches, group_id)
+
+    @torch.inference_mode()
+    def init_graphs(self, runner: GraphRunner) -> float:
+        """Compile or capture every bucket of `runner` (after the KV cache is bound: graphs read the
+        cache tensors they were built on); returns the warm-up seconds."""
+        self.graph_runner = runner
+        return runner.warm_up()
+
+    @torch.inference_mode()
+    def execute(self, layout: StepLayout, builder: AttentionMetadataBuilder) -> torch.Tensor:
+        """One step: through the bucket's graph where one serves it, else eagerly. Hidden states
+        [rows, hidden], where a graph's padding rows follow the layout's."""
+        if self.graph_runner is not None:
+            hidden_states = self.graph_runner.forward(layout)
+            if hidden_states is not None:
+                return hidden_states
+        return self.forward(build_model_inputs(layout, builder))
 
     @torch.inference_mode()
     def forward(self, inputs: ModelInputs) -> torch.Tensor:

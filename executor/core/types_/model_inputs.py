@@ -33,7 +33,15 @@ class StepLayout:
     @property
     def max_query_len(self) -> int:
         starts = [0, *self.query_ends[:-1]]
-        return max(end - start for start, end in zip(starts, self.query_ends, strict=True))
+        return max((end - start for start, end in zip(starts, self.query_ends, strict=False)), default=0)
+
+    @classmethod
+    def padding(cls, num_rows: int, num_groups: int, max_blocks_per_request: int) -> StepLayout:
+        """A decode step of `num_rows` padding rows only: what graph buffers are allocated from."""
+        empty = cls(
+            [], [], [], [], [[] for _ in range(num_groups)], [[] for _ in range(num_groups)], [], max_blocks_per_request
+        )
+        return empty.pad_to(num_rows)
 
     def pad_to(self, num_rows: int) -> StepLayout:
         """A decode-shaped step padded with rows that read and write only the null block's slot 0.
@@ -41,7 +49,7 @@ class StepLayout:
         A padded row is one token 0 at position 0, with one token of K/V (the one it writes) and an
         all-null block table row; its logits are never taken.
         """
-        assert self.max_query_len == 1, "only decode-shaped steps are padded"
+        assert self.max_query_len <= 1, "only decode-shaped steps are padded"
         extra = num_rows - self.num_rows
         assert extra >= 0, f"cannot pad {self.num_rows} rows down to {num_rows}"
         last_end = self.query_ends[-1] if self.query_ends else 0
@@ -63,3 +71,7 @@ class ModelInputs:
     positions: torch.Tensor  # [T] int64
     forward_metadata: ForwardMetaData
     logits_indices: torch.Tensor  # [rows sampled] int64
+
+    def forward_args(self) -> tuple[torch.Tensor, torch.Tensor, ForwardMetaData]:
+        """What the model's forward reads (logits_indices is the sampler's)."""
+        return self.input_ids, self.positions, self.forward_metadata

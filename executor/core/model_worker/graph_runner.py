@@ -1,0 +1,130 @@
+"""Decode steps as graphs: one compiled or captured callable per bucket, fed through persistent buffers.
+
+Where cann-recipes has `compile_model`. Prefill (and any step that is not decode-shaped) stays eager,
+as there. A decode step of n rows is padded to the smallest bucket holding n (padding rows write only
+the null block's slot 0 and are never sampled), its inputs are copied into that bucket's buffers,
+allocated once, and the bucket's callable runs on them. Steps that fit no bucket run eagerly; the log
+says why, once per reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from executor.core.engine.step_inputs import build_model_inputs
+from executor.core.types_.model_inputs import ModelInputs, StepLayout
+from executor.platform.graph_compilers import GraphCallable, GraphCompiler
+from executor.utils.graph_buckets import pick_bucket
+from executor.utils.tensor_tree import map_tensors, same_structure, tensor_leaves
+from ops.attention_metadata import AttentionMetadataBuilder
+
+logger = logging.getLogger(__name__)
+
+
+def copy_step(destination: ModelInputs, source: ModelInputs) -> None:
+    """Copy a step's inputs into a bucket's buffers (asynchronously from pinned memory); anything
+    but tensor values that differs would leave the graph running on stale inputs."""
+    if not same_structure(destination.forward_args(), source.forward_args()):
+        raise ValueError("a step's inputs do not have the shape of the bucket's buffers")
+    for dst, src in zip(tensor_leaves(destination.forward_args()), tensor_leaves(source.forward_args()), strict=True):
+        dst.copy_(src, non_blocking=True)
+
+
+def pinned_like(inputs: ModelInputs) -> ModelInputs:
+    """A host mirror of `inputs` in pinned memory, for asynchronous copies to the device."""
+    return map_tensors(inputs, lambda t: torch.empty(t.shape, dtype=t.dtype, pin_memory=True))
+
+
+@dataclass(slots=True)
+class BucketGraph:
+    """One bucket: its persistent input buffers and the callable that runs the model on them."""
+
+    num_rows: int
+    buffers: ModelInputs  # on the device, read by `run`; logits_indices is never read
+    staging: ModelInputs | None  # pinned host mirror where the device is asynchronous
+    run: GraphCallable
+    warm_up_s: float
+
+
+class GraphRunner:
+    """Owns the buckets' graphs and buffers; `forward` serves a decode step or says it cannot."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        compiler: GraphCompiler,
+        buckets: list[int],
+        device_builder: AttentionMetadataBuilder,
+        host_builder: AttentionMetadataBuilder,
+        *,
+        num_cache_groups: int,
+        max_blocks_per_request: int,
+        pin_host_buffers: bool,
+    ) -> None:
+        self.model = model
+        self.compiler = compiler
+        self.buckets = sorted(buckets)
+        self.device_builder = device_builder
+        self.host_builder = host_builder
+        self.num_cache_groups = num_cache_groups
+        self.max_blocks_per_request = max_blocks_per_request
+        self.pin_host_buffers = pin_host_buffers
+        self.graphs: dict[int, BucketGraph] = {}
+        self.eager_reasons_logged: set[str] = set()
+        self.graph_steps = 0
+        self.eager_steps = 0
+
+    def warm_up(self) -> float:
+        """Compile or capture every bucket, largest first (so a shared memory pool is sized by the
+        largest one); returns the total seconds."""
+        total_start = time.perf_counter()
+        for num_rows in sorted(self.buckets, reverse=True):
+            layout = StepLayout.padding(num_rows, self.num_cache_groups, self.max_blocks_per_request)
+            buffers = build_model_inputs(layout, self.device_builder)
+            start = time.perf_counter()
+            run = self.compiler.compile(self.model, buffers, num_rows)
+            run(buffers)  # the first call compiles where compiling is lazy
+            self.compiler.synchronize()
+            elapsed = time.perf_counter() - start
+            staging = pinned_like(buffers) if self.pin_host_buffers else None
+            self.graphs[num_rows] = BucketGraph(num_rows, buffers, staging, run, elapsed)
+            logger.info("%s: bucket %d ready in %.1f s (%s)", self.compiler.name, num_rows, elapsed, run.origin)
+        total = time.perf_counter() - total_start
+        logger.info("%s: %d buckets %s warmed up in %.1f s", self.compiler.name, len(self.buckets), self.buckets, total)
+        return total
+
+    def forward(self, layout: StepLayout) -> torch.Tensor | None:
+        """Hidden states [bucket rows, hidden] for a decode step (rows past the layout's are padding),
+        or None when the step must run eagerly."""
+        bucket = self._bucket_for(layout)
+        if bucket is None:
+            self.eager_steps += 1
+            return None
+        graph = self.graphs[bucket]
+        fresh = build_model_inputs(layout.pad_to(bucket), self.host_builder)
+        if graph.staging is not None:
+            copy_step(graph.staging, fresh)
+            fresh = graph.staging
+        copy_step(graph.buffers, fresh)
+        self.graph_steps += 1
+        return graph.run(graph.buffers)
+
+    def _bucket_for(self, layout: StepLayout) -> int | None:
+        if layout.max_query_len != 1:
+            return None  # prefill and verify steps run eagerly, as in cann-recipes; nothing to log
+        bucket = pick_bucket(layout.num_rows, self.buckets)
+        if bucket is None:
+            self._log_eager_once(
+                f"a decode step of {layout.num_rows} rows fits no graph bucket (largest {self.buckets[-1]}); "
+                "steps this large run eagerly (scheduler_config.graph_buckets)"
+            )
+        return bucket
+
+    def _log_eager_once(self, reason: str) -> None:
+        if reason not in self.eager_reasons_logged:
+            self.eager_reasons_logged.add(reason)
+            logger.warning(reason)

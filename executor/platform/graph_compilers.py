@@ -1,0 +1,313 @@
+"""What `exe_mode` means on each device: the compiler that turns the decode forward into a graph.
+
+- ge_graph: torch.compile with inductor on CPU and CUDA (one graph per bucket); torchair's GE graph
+  (max-autotune) on NPU.
+- npugraph_ex: an AOTInductor package per bucket, kept in the compile cache, on CPU; a CUDA graph
+  per bucket in one memory pool on CUDA; torch.compile(backend="npugraph_ex"), aclgraph
+  capture/replay, on NPU.
+
+A compiler turns the model, at one bucket's persistent input buffers, into a GraphCallable that
+runs the model on those buffers. Everything device-specific is imported lazily.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from executor.core.types_.model_inputs import ModelInputs
+from executor.platform import npu_runtime
+from executor.platform.compile_cache import CompileCache, graph_key
+from executor.platform.platform import Platform
+from executor.utils.tensor_tree import tensor_leaves, with_tensors
+from module.attention import KVCacheLayer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class GraphCallable:
+    """Runs the model on one bucket's buffers; `origin` says how it was made, for the log."""
+
+    fn: Callable[[ModelInputs], torch.Tensor]
+    origin: str
+
+    def __call__(self, inputs: ModelInputs) -> torch.Tensor:
+        return self.fn(inputs)
+
+
+def _forward(model: Callable[..., torch.Tensor]) -> Callable[[ModelInputs], torch.Tensor]:
+    """The model (or its compiled form) as a function of one step's inputs."""
+    return lambda inputs: model(*inputs.forward_args())
+
+
+class GraphCompiler:
+    """One exe_mode on one device."""
+
+    name = "graph"
+
+    def compile(self, model: torch.nn.Module, buffers: ModelInputs, num_rows: int) -> GraphCallable:
+        raise NotImplementedError
+
+    def synchronize(self) -> None:
+        """Wait for the device, so warm-up times cover the work (a no-op on the CPU)."""
+
+
+class InductorCompiler(GraphCompiler):
+    """torch.compile with inductor and static shapes: one graph per bucket, specialised to it.
+
+    One compiled module serves every bucket (dynamo compiles one graph per input shape), so the
+    recompile limit is raised to the number of buckets. Static shapes rather than one graph
+    dynamic in the batch: see docs/graph_modes.md for the measurement behind the choice.
+    """
+
+    name = "ge_graph (torch.compile, inductor)"
+
+    def __init__(self, platform: Platform, cache: CompileCache, num_buckets: int) -> None:
+        import torch._dynamo.config
+
+        self.platform = platform
+        cache.configure_inductor()
+        limit = num_buckets + 1  # + the graph dynamo may build before specialising
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+        torch._dynamo.config.accumulated_recompile_limit = max(
+            torch._dynamo.config.accumulated_recompile_limit, 8 * limit
+        )
+        self._compiled: torch.nn.Module | None = None
+
+    def compile(self, model: torch.nn.Module, buffers: ModelInputs, num_rows: int) -> GraphCallable:
+        from torch._dynamo.utils import counters
+
+        if self._compiled is None:
+            self._compiled = torch.compile(model, backend="inductor", dynamic=False, fullgraph=True)
+        for layer in (m for m in model.modules() if isinstance(m, KVCacheLayer)):
+            for cache in layer.kv_caches().values():
+                # The block count follows free memory from run to run; code generic in it keeps the
+                # compile cache valid across runs (only the cache write and attention index it).
+                torch._dynamo.mark_dynamic(cache, 0)
+        hits_before = counters["inductor"]["fxgraph_cache_hit"]
+        run = _forward(self._compiled)
+        run(buffers)  # dynamo compiles this bucket's shapes now
+        hit = counters["inductor"]["fxgraph_cache_hit"] > hits_before
+        return GraphCallable(run, "inductor cache hit" if hit else "compiled")
+
+    def synchronize(self) -> None:
+        self.platform.synchronize()
+
+
+class _FlatDecode(torch.nn.Module):
+    """The model as a function of flat tensors (the step's inputs, then every KV cache tensor), as
+    torch.export wants it: the caches become inputs that the program writes in place, rather than
+    constants baked into it."""
+
+    def __init__(self, model: torch.nn.Module, template: ModelInputs, layers: list[KVCacheLayer]) -> None:
+        super().__init__()
+        self.model = model
+        self.template = template.forward_args()
+        self.layers = layers
+        self.num_input_tensors = len(tensor_leaves(self.template))
+
+    def cache_tensors(self) -> list[torch.Tensor]:
+        return [tensor for layer in self.layers for tensor in layer.kv_caches().values()]
+
+    def forward(self, *tensors: torch.Tensor) -> torch.Tensor:
+        input_ids, positions, forward_metadata = with_tensors(self.template, list(tensors[: self.num_input_tensors]))
+        caches = iter(tensors[self.num_input_tensors :])
+        bound = [layer.kv_caches() for layer in self.layers]
+        try:
+            for layer, current in zip(self.layers, bound, strict=True):
+                layer.bind_kv_cache({name: next(caches) for name in current}, layer.kv_cache_group_id)
+            return self.model(input_ids, positions, forward_metadata)
+        finally:
+            for layer, current in zip(self.layers, bound, strict=True):
+                layer.bind_kv_cache(current, layer.kv_cache_group_id)
+
+
+class AotInductorCompiler(GraphCompiler):
+    """CPU npugraph_ex: each bucket compiled ahead of time into an AOTInductor package, then loaded
+    and replayed. Packages hold no weights (they are bound to the live model's tensors at load) and
+    take the KV caches as inputs with a dynamic block count, so one package serves any cache size;
+    with enable_cache_compile they are kept and the next run loads them without compiling."""
+
+    name = "npugraph_ex (AOTInductor, per bucket)"
+
+    def __init__(self, cache: CompileCache, settings: dict[str, object]) -> None:
+        self.cache = cache
+        self.settings = settings
+        self._scratch = tempfile.TemporaryDirectory(prefix="infer-recipes-aoti-") if cache.root is None else None
+
+    def package_path(self, model: torch.nn.Module, num_rows: int) -> Path:
+        folder = self.cache.folder("aoti")
+        if folder is None:
+            assert self._scratch is not None
+            folder = Path(self._scratch.name)
+        key = graph_key(model, **self.settings)
+        (folder / key).mkdir(parents=True, exist_ok=True)
+        return folder / key / f"bucket_{num_rows}.pt2"
+
+    def compile(self, model: torch.nn.Module, buffers: ModelInputs, num_rows: int) -> GraphCallable:
+        import torch._inductor
+        import torch._inductor.config
+
+        layers = [m for m in model.modules() if isinstance(m, KVCacheLayer)]
+        flat = _FlatDecode(model, buffers, layers)
+        path = self.package_path(model, num_rows)
+        origin = "loaded from the compile cache"
+        if not path.exists():
+            origin = "compiled"
+            args = (*tensor_leaves(buffers.forward_args()), *flat.cache_tensors())
+            num_blocks = torch.export.Dim("num_blocks", min=2)
+            dynamic = [None] * flat.num_input_tensors + [{0: num_blocks}] * len(flat.cache_tensors())
+            program = torch.export.export(flat, args, dynamic_shapes=(tuple(dynamic),), strict=False)
+            with torch._inductor.config.patch({"aot_inductor.package_constants_in_so": False}):
+                partial = path.with_suffix(".partial.pt2")
+                torch._inductor.aoti_compile_and_package(program, package_path=str(partial))
+                partial.replace(path)  # a crash mid-write leaves no package that looks whole
+        runner = torch._inductor.aoti_load_package(str(path))
+        constants = {**dict(flat.named_parameters(remove_duplicate=False)), **dict(flat.named_buffers())}
+        runner.load_constants(
+            {name: constants[name] for name in runner.get_constant_fqns()}, check_full_update=True, user_managed=True
+        )
+
+        def run(inputs: ModelInputs) -> torch.Tensor:
+            return runner(*tensor_leaves(inputs.forward_args()), *flat.cache_tensors())
+
+        return GraphCallable(run, origin)
+
+
+class CudaGraphCompiler(GraphCompiler):
+    """CUDA npugraph_ex: the decode forward captured into a CUDA graph per bucket and replayed,
+    all buckets in one memory pool (captured largest first, so smaller ones reuse its memory)."""
+
+    name = "npugraph_ex (CUDA graph capture/replay)"
+
+    def __init__(self, platform: Platform) -> None:
+        self.platform = platform
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def compile(self, model: torch.nn.Module, buffers: ModelInputs, num_rows: int) -> GraphCallable:
+        forward = _forward(model)
+        side = torch.cuda.Stream(self.platform.device)
+        side.wait_stream(torch.cuda.current_stream(self.platform.device))
+        with torch.cuda.stream(side):
+            forward(buffers)  # lazy initialisation (cuBLAS handles, workspaces) stays out of the graph
+        torch.cuda.current_stream(self.platform.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            output = forward(buffers)
+
+        def replay(inputs: ModelInputs) -> torch.Tensor:
+            assert inputs is buffers, "a captured graph reads only the buffers it was captured on"
+            graph.replay()
+            return output
+
+        return GraphCallable(replay, "captured")
+
+    def synchronize(self) -> None:
+        self.platform.synchronize()
+
+
+class TorchairGeCompiler(GraphCompiler):
+    """NPU ge_graph: torchair's GE backend as cann-recipes configures it (frozen parameters, tiling
+    sink, StableRDFS), static shapes unless enable_dynamic_graph; with enable_cache_compile the
+    compiled graph (and GE's .om) is kept by torchair.inference.cache_compile."""
+
+    name = "ge_graph (torchair GE)"
+
+    def __init__(self, platform: Platform, cache: CompileCache, dynamic: bool) -> None:
+        torchair = npu_runtime.torchair()
+        self.platform = platform
+        self.torchair = torchair
+        config = torchair.CompilerConfig()
+        config.mode = "max-autotune"
+        config.experimental_config.frozen_parameter = True
+        config.experimental_config.tiling_schedule_optimize = True
+        config.experimental_config.topology_sorting_strategy = "StableRDFS"
+        self.config = config
+        self.dynamic = dynamic
+        self.cache_dir = cache.folder("torchair")
+        self._compiled: Callable[..., torch.Tensor] | None = None
+
+    def compile(self, model: torch.nn.Module, buffers: ModelInputs, num_rows: int) -> GraphCallable:
+        if self._compiled is None:
+            backend = self.torchair.get_npu_backend(compiler_config=self.config)
+            if self.cache_dir is not None:
+                self._compiled = self.torchair.inference.cache_compile(
+                    model.forward,
+                    config=self.config,
+                    dynamic=self.dynamic,
+                    cache_dir=str(self.cache_dir),
+                    ge_cache=True,
+                )
+            else:
+                self._compiled = torch.compile(model, backend=backend, dynamic=self.dynamic, fullgraph=True)
+        return GraphCallable(_forward(self._compiled), "compiled")
+
+    def synchronize(self) -> None:
+        self.platform.synchronize()
+
+
+class NpuGraphExCompiler(GraphCompiler):
+    """NPU npugraph_ex: torch.compile(backend="npugraph_ex") captures each bucket as an ACL graph,
+    all in one graph pool; enable_static_kernel turns on its static kernel compile."""
+
+    name = "npugraph_ex (aclgraph capture/replay)"
+
+    def __init__(self, platform: Platform, cache: CompileCache, static_kernel: bool) -> None:
+        npu_runtime.torch_npu()
+        self.platform = platform
+        self.options = {
+            "frozen_parameter": True,
+            "static_kernel_compile": static_kernel,
+            "use_graph_pool": torch.npu.graph_pool_handle(),
+            "clone_input": False,  # the buffers are persistent already
+        }
+        self.cache_dir = cache.folder("npugraph_ex")
+        self._compiled: Callable[..., torch.Tensor] | None = None
+
+    def compile(self, model: torch.nn.Module, buffers: ModelInputs, num_rows: int) -> GraphCallable:
+        if self._compiled is None:
+            if self.cache_dir is not None:
+                self._compiled = torch.npu.npugraph_ex.inference.cache_compile(
+                    model.forward, dynamic=False, cache_dir=str(self.cache_dir), options=self.options
+                )
+            else:
+                self._compiled = torch.compile(
+                    model, backend="npugraph_ex", fullgraph=True, dynamic=False, options=self.options
+                )
+        return GraphCallable(_forward(self._compiled), "captured")
+
+    def synchronize(self) -> None:
+        self.platform.synchronize()
+
+
+def make_graph_compiler(
+    platform: Platform,
+    exe_mode: str,
+    cache: CompileCache,
+    *,
+    num_buckets: int,
+    settings: dict[str, object],
+    static_kernel: bool = False,
+    dynamic_graph: bool = False,
+) -> GraphCompiler | None:
+    """The compiler for `exe_mode` on `platform`; None for eager."""
+    if exe_mode == "eager":
+        return None
+    kind = platform.device_type
+    if exe_mode == "ge_graph":
+        if kind == "npu":
+            return TorchairGeCompiler(platform, cache, dynamic=dynamic_graph)
+        return InductorCompiler(platform, cache, num_buckets)
+    if exe_mode == "npugraph_ex":
+        if kind == "npu":
+            return NpuGraphExCompiler(platform, cache, static_kernel=static_kernel)
+        if kind == "cuda":
+            return CudaGraphCompiler(platform)
+        return AotInductorCompiler(cache, {"exe_mode": exe_mode, **settings})
+    raise ValueError(f"exe_mode must be eager, ge_graph or npugraph_ex, got {exe_mode!r}")
