@@ -69,6 +69,15 @@ def _gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, first: int, kv_len:
     return cache[block_ids].flatten(0, 1)[offset : offset + kv_len - first].transpose(0, 1)
 
 
+def _gathered_length(seq_lens: torch.Tensor, table_capacity: int) -> int:
+    """How many positions decode attention gathers: the step's longest sequence, which needs a host
+    read of the lengths; inside a CUDA graph capture (no host reads, and the graph is replayed for
+    every later length) the block table's whole capacity."""
+    if seq_lens.is_cuda and torch.cuda.is_current_stream_capturing():
+        return table_capacity
+    return int(seq_lens.max())
+
+
 @torch.library.custom_op("infer_recipes::paged_decode_attention", mutates_args=())
 def paged_decode_attention(
     query: torch.Tensor,
@@ -89,7 +98,7 @@ def paged_decode_attention(
     """
     batch_size = query.shape[0]
     block_size, num_kv_heads, head_dim = key_cache.shape[1:]
-    max_len = int(seq_lens.max())
+    max_len = _gathered_length(seq_lens, block_table.shape[1] * block_size)
     positions = torch.arange(max_len, device=query.device)
     slots = block_table[:, positions // block_size].long() * block_size + positions % block_size
     mask = positions[None, :] < seq_lens[:, None]

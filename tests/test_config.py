@@ -103,9 +103,15 @@ def test_missing_file_and_bad_yaml_are_errors(tmp_path):
         load_config(write_yaml(tmp_path, "model_config: [unclosed\n"))
 
 
+def test_graph_buckets_must_fit_the_batch():
+    build_config(
+        {"model_config": {"exe_mode": "ge_graph"}, "scheduler_config": {"batch_size": 4, "graph_buckets": [1, 4]}}
+    )
+    with pytest.raises(ConfigError, match=r"graph_buckets in run.yaml: every bucket must be in 1..batch_size \(2\)"):
+        build_config({"scheduler_config": {"batch_size": 2, "graph_buckets": [1, 4]}}, source="run.yaml")
+
+
 def test_features_not_built_yet_are_refused_clearly():
-    with pytest.raises(ConfigError, match="exe_mode 'ge_graph'"):
-        build_config({"model_config": {"exe_mode": "ge_graph"}})
     with pytest.raises(ConfigError, match="next_n"):
         build_config({"model_config": {"next_n": 1}})
     with pytest.raises(ConfigError, match="greedy"):

@@ -107,7 +107,10 @@ class OfflineInference:
         summary |= self.scheduler.cache_stats() | {
             "device": str(self.engine.platform.device),
             "dtype": self.config.model_config.dtype,
+            "exe_mode": self.config.model_config.exe_mode,
         }
+        if self.engine.worker.graph_runner is not None:
+            summary["graph"] = self.engine.worker.graph_runner.stats()
         if writer is not None:
             writer.write_summary(summary)
         return RunResult(requests, [results[r.request_id] for r in requests if r.request_id in results], steps, summary)

@@ -73,6 +73,9 @@ class InductorCompiler(GraphCompiler):
 
         self.platform = platform
         cache.configure_inductor()
+        # Each engine compiles its own graphs (from inductor's cache where enabled), never reusing
+        # another engine's dynamo entries that happen to pass their guards.
+        torch._dynamo.reset()
         limit = num_buckets + 1  # + the graph dynamo may build before specialising
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
         torch._dynamo.config.accumulated_recompile_limit = max(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -75,8 +76,9 @@ class GraphRunner:
         self.pin_host_buffers = pin_host_buffers
         self.graphs: dict[int, BucketGraph] = {}
         self.eager_reasons_logged: set[str] = set()
-        self.graph_steps = 0
-        self.eager_steps = 0
+        self.steps_per_bucket: Counter[int] = Counter()
+        self.eager_steps = 0  # prefills and decode steps that fit no bucket
+        self.warm_up_s = 0.0
 
     def warm_up(self) -> float:
         """Compile or capture every bucket, largest first (so a shared memory pool is sized by the
@@ -93,9 +95,22 @@ class GraphRunner:
             staging = pinned_like(buffers) if self.pin_host_buffers else None
             self.graphs[num_rows] = BucketGraph(num_rows, buffers, staging, run, elapsed)
             logger.info("%s: bucket %d ready in %.1f s (%s)", self.compiler.name, num_rows, elapsed, run.origin)
-        total = time.perf_counter() - total_start
-        logger.info("%s: %d buckets %s warmed up in %.1f s", self.compiler.name, len(self.buckets), self.buckets, total)
-        return total
+        self.warm_up_s = time.perf_counter() - total_start
+        logger.info(
+            "%s: %d buckets %s warmed up in %.1f s", self.compiler.name, len(self.buckets), self.buckets, self.warm_up_s
+        )
+        return self.warm_up_s
+
+    def stats(self) -> dict[str, object]:
+        """For the run summary: how each bucket was made, what ran as a graph and what did not."""
+        return {
+            "compiler": self.compiler.name,
+            "buckets": self.buckets,
+            "warm_up_s": self.warm_up_s,
+            "bucket_origins": {str(bucket): graph.run.origin for bucket, graph in sorted(self.graphs.items())},
+            "graph_steps_per_bucket": {str(bucket): n for bucket, n in sorted(self.steps_per_bucket.items())},
+            "eager_steps": self.eager_steps,
+        }
 
     def forward(self, layout: StepLayout) -> torch.Tensor | None:
         """Hidden states [bucket rows, hidden] for a decode step (rows past the layout's are padding),
@@ -110,7 +125,7 @@ class GraphRunner:
             copy_step(graph.staging, fresh)
             fresh = graph.staging
         copy_step(graph.buffers, fresh)
-        self.graph_steps += 1
+        self.steps_per_bucket[bucket] += 1
         return graph.run(graph.buffers)
 
     def _bucket_for(self, layout: StepLayout) -> int | None:

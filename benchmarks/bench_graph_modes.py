@@ -1,0 +1,153 @@
+"""Decode step time in eager mode and each graph mode, at several batch sizes, and warm-up times.
+
+For each exe_mode an engine is built with one graph bucket per measured batch size. Warm-up time
+is measured in child processes, first with an empty compile cache and then with the cache the
+first one filled; the step timings run in this process, all engines side by side, in the order
+eager, graphs..., graphs reversed, eager (ABBA) so that drift over the process's life cancels.
+A step is timed whole (host input preparation, copies, forward, argmax and its host sync), on
+requests with ~100-token prompts. Prints JSON; docs/graph_modes.md records the figures.
+
+    python benchmarks/bench_graph_modes.py --dtype float32 --batch-sizes 1 8 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+from transformers import LlamaConfig
+
+from executor.core.config import build_config
+from executor.core.engine.engine import ExecutionEngine
+from executor.core.types_ import Batch, Request, SamplingParams
+from executor.model_loader.default_model import default_model_path
+from models.llama import LlamaForCausalLM
+
+PROMPT_TOKENS = 100
+GRAPH_MODES = ("ge_graph", "npugraph_ex")
+
+
+def build_engine(args: argparse.Namespace, exe_mode: str, cache_dir: str) -> ExecutionEngine:
+    config = build_config(
+        {
+            "model_config": {
+                "model_path": str(args.model_path),
+                "dtype": args.dtype,
+                "device": "cpu",
+                "exe_mode": exe_mode,
+                "enable_cache_compile": True,
+                "compile_cache_dir": cache_dir,
+            },
+            "scheduler_config": {
+                "batch_size": max(args.batch_sizes),
+                "graph_buckets": args.batch_sizes,
+                "block_size": 16,
+                "max_model_len": 1024,
+                "num_blocks": max(args.batch_sizes) * 16 + 1,
+            },
+        },
+        source="bench_graph_modes",
+    )
+    engine = ExecutionEngine(config)
+    engine.init(LlamaForCausalLM, LlamaConfig, str(args.model_path))
+    return engine
+
+
+def prefilled(engine: ExecutionEngine, batch_size: int) -> list[Request]:
+    """`batch_size` requests with prompts of about PROMPT_TOKENS tokens, prefilled one by one."""
+    requests = []
+    for index in range(batch_size):
+        prompt = [(7 * index + position) % 1000 + 10 for position in range(PROMPT_TOKENS + index % 7)]
+        request = Request(f"r{index}", None, prompt, SamplingParams(max_new_tokens=1 << 20))
+        assert engine.kv_cache_manager.allocate_slots(request, request.num_tokens) is not None
+        (tokens,) = engine.forward_batch(Batch([request], [request.num_tokens], is_prefill=True))
+        request.num_computed_tokens = request.num_tokens
+        request.output_token_ids.extend(tokens)
+        requests.append(request)
+    return requests
+
+
+def decode_ms(engine: ExecutionEngine, requests: list[Request], steps: int) -> list[float]:
+    """Per-step milliseconds of `steps` decode steps of all `requests` together."""
+    times = []
+    for _ in range(steps):
+        for request in requests:
+            assert engine.kv_cache_manager.allocate_slots(request, 1) is not None
+        batch = Batch(requests, [1] * len(requests), is_prefill=False)
+        start = time.perf_counter()
+        new_tokens = engine.forward_batch(batch)
+        times.append((time.perf_counter() - start) * 1e3)
+        for request, tokens in zip(requests, new_tokens, strict=True):
+            request.num_computed_tokens += 1
+            request.output_token_ids.extend(tokens)
+    return times
+
+
+def warm_up_seconds(args: argparse.Namespace, exe_mode: str, cache_dir: str) -> float:
+    """Graph warm-up time of a fresh process (so only the on-disk cache can help)."""
+    command = [sys.executable, __file__, "--warm-up-only", exe_mode, "--cache-dir", cache_dir, "--dtype", args.dtype]
+    command += ["--model-path", str(args.model_path), "--batch-sizes", *map(str, args.batch_sizes)]
+    output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    return float(output.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-path", default=None, help="HF model folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--modes", nargs="+", default=list(GRAPH_MODES), choices=GRAPH_MODES)
+    parser.add_argument("--steps", type=int, default=10, help="timed decode steps per batch size and pass")
+    parser.add_argument("--cache-dir", default=None, help="compile cache (default: a new temporary folder)")
+    parser.add_argument("--warm-up-only", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    args.model_path = args.model_path or default_model_path()
+    args.batch_sizes = sorted(args.batch_sizes)
+    if args.warm_up_only:
+        engine = build_engine(args, args.warm_up_only, args.cache_dir)
+        print(engine.worker.graph_runner.warm_up_s)
+        return
+
+    cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="bench-graph-cache-")
+    warm_up = {
+        mode: {"cold_s": warm_up_seconds(args, mode, cache_dir), "warm_cache_s": warm_up_seconds(args, mode, cache_dir)}
+        for mode in args.modes
+    }
+    engines = {mode: build_engine(args, mode, cache_dir) for mode in ("eager", *args.modes)}
+    order = [*engines, *reversed(engines)]
+    step_ms: dict[str, dict[int, list[float]]] = {mode: {b: [] for b in args.batch_sizes} for mode in engines}
+    for batch_size in args.batch_sizes:
+        requests = {mode: prefilled(engine, batch_size) for mode, engine in engines.items()}
+        for mode in order:
+            step_ms[mode][batch_size] += decode_ms(engines[mode], requests[mode], args.steps)
+        for mode, engine in engines.items():
+            for request in requests[mode]:
+                engine.kv_cache_manager.free(request)
+    median = {mode: {b: statistics.median(t) for b, t in by_batch.items()} for mode, by_batch in step_ms.items()}
+    report = {
+        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+        f"torch {torch.__version__}",
+        "dtype": args.dtype,
+        "prompt_tokens": f"{PROMPT_TOKENS}-{PROMPT_TOKENS + 6}",
+        "decode_ms_per_step_median": median,
+        "speedup_over_eager": {
+            mode: {b: median["eager"][b] / ms for b, ms in by_batch.items()}
+            for mode, by_batch in median.items()
+            if mode != "eager"
+        },
+        "warm_up_s": warm_up,
+    }
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

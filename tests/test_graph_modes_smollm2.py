@@ -1,0 +1,43 @@
+"""The real default model in each graph mode: greedy output equal to eager's on the shipped prompts.
+
+Slow (each bucket of the real model takes about a minute to compile on two cores), so marked slow
+and run in CI; the graphs go to the default compile cache, and a second run in this test must load
+every bucket from it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from executor.offline.dataset import DATASET_DIR, load_prompts
+from tests.engine_harness import make_inference
+
+pytestmark = pytest.mark.slow
+
+SETTINGS = {"batch_size": 6, "graph_buckets": [1, 2, 4], "max_model_len": 1024, "num_blocks": 64}
+NUM_PROMPTS = 7  # 7 requests at batch 6: decode steps of 6, 5 (no bucket), 4, 3 (bucket 4), ... rows
+
+
+def greedy(smollm2_dir, records, **model_config) -> tuple[list[list[int]], dict]:
+    inference = make_inference(smollm2_dir, model_config=model_config, max_new_tokens=24, **SETTINGS)
+    for index, record in enumerate(records):
+        record.sampling_overrides["max_new_tokens"] = 6 + 3 * index  # finish at different steps
+    result = inference.generate(records)
+    return [r.output_token_ids for r in result.requests], result.summary
+
+
+@pytest.fixture(scope="module")
+def records():
+    return load_prompts(DATASET_DIR / "default.jsonl")[:NUM_PROMPTS]
+
+
+@pytest.mark.parametrize("exe_mode", ["ge_graph", "npugraph_ex"])
+def test_real_model_graph_mode_equals_eager_and_reloads_from_the_cache(exe_mode, smollm2_dir, records):
+    eager, _ = greedy(smollm2_dir, records)
+    graph, summary = greedy(smollm2_dir, records, exe_mode=exe_mode, enable_cache_compile=True)
+    assert graph == eager
+    assert sum(summary["graph"]["graph_steps_per_bucket"].values()) > 0
+    again, summary = greedy(smollm2_dir, records, exe_mode=exe_mode, enable_cache_compile=True)
+    assert again == eager
+    cached = "inductor cache hit" if exe_mode == "ge_graph" else "loaded from the compile cache"
+    assert set(summary["graph"]["bucket_origins"].values()) == {cached}
