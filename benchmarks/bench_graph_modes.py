@@ -51,7 +51,7 @@ def build_engine(args: argparse.Namespace, exe_mode: str, cache_dir: str) -> Exe
                 "graph_buckets": args.batch_sizes,
                 "block_size": 16,
                 "max_model_len": 1024,
-                "num_blocks": max(args.batch_sizes) * 16 + 1,
+                "num_blocks": max(args.batch_sizes) * 12 + 65,  # ~106 + 2 x steps tokens each; one max_model_len
             },
         },
         source="bench_graph_modes",

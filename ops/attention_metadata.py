@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from executor.core.types_.forward_metadata import CacheGroupTables, ForwardMetaData
-from executor.core.types_.model_inputs import StepLayout
+from executor.core.types_.model_inputs import ModelInputs, StepLayout
 
 # FIA's compressed causal mask for sparse_mode=3 (bottom-right causal): always 2048x2048, 1 = masked.
 NPU_CAUSAL_MASK_SIZE = 2048
@@ -113,3 +113,13 @@ class NpuMetadataBuilder(AttentionMetadataBuilder):
             mask = torch.triu(torch.ones(size, size, dtype=torch.bool), diagonal=1)
             self._causal_mask = mask.to(torch.int8).to(self.device)
         return self._causal_mask
+
+
+def build_model_inputs(layout: StepLayout, builder: AttentionMetadataBuilder) -> ModelInputs:
+    device = builder.device
+    return ModelInputs(
+        input_ids=to_device(layout.input_ids, torch.int64, device),
+        positions=to_device(layout.positions, torch.int64, device),
+        forward_metadata=builder.build(layout),
+        logits_indices=to_device(layout.logits_indices, torch.int64, device),
+    )

@@ -8,12 +8,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from executor.core.config import build_config
-from executor.core.engine.step_inputs import build_model_inputs, build_step_layout
+from executor.core.engine.step_inputs import build_step_layout
 from executor.core.types_ import Batch, Request, SamplingParams
 from executor.offline.dataset import PromptRecord
 from executor.offline.offline_inference import OfflineInference, RunResult
 from executor.offline.results import ResultWriter
 from executor.offline.run_folder import plan_run
+from ops.attention_metadata import build_model_inputs
 
 
 def make_inference(

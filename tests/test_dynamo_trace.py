@@ -22,12 +22,17 @@ import torch.nn.functional as F
 import transformers
 
 import ops
-from executor.core.engine.step_inputs import ScheduledSequence, build_model_inputs, build_step_layout
+from executor.core.engine.step_inputs import ScheduledSequence, build_step_layout
 from executor.core.types_.model_inputs import ModelInputs
 from models.llama import LlamaForCausalLM
 from module.attention import Attention
 from ops import dispatch
-from ops.attention_metadata import AttentionMetadataBuilder, NpuMetadataBuilder, TorchMetadataBuilder
+from ops.attention_metadata import (
+    AttentionMetadataBuilder,
+    NpuMetadataBuilder,
+    TorchMetadataBuilder,
+    build_model_inputs,
+)
 from ops.npu import NpuGraphOps, NpuOps
 from tests.conftest import llama_config
 

@@ -13,11 +13,11 @@ import torch
 import transformers
 
 import ops
-from executor.core.engine.step_inputs import ScheduledSequence, build_model_inputs, build_step_layout
+from executor.core.engine.step_inputs import ScheduledSequence, build_step_layout
 from executor.model_loader.errors import WeightLoadError
 from models.llama import LlamaForCausalLM
 from module.attention import Attention
-from ops.attention_metadata import TorchMetadataBuilder
+from ops.attention_metadata import TorchMetadataBuilder, build_model_inputs
 from tests.conftest import llama_config
 
 VOCAB = 256

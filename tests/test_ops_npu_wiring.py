@@ -18,13 +18,13 @@ import pytest
 import torch
 
 import ops
-from executor.core.engine.step_inputs import ScheduledSequence, build_model_inputs, build_step_layout
+from executor.core.engine.step_inputs import ScheduledSequence, build_step_layout
 from executor.core.types_.model_inputs import ModelInputs
 from executor.platform import npu_runtime
 from models.llama import LlamaForCausalLM
 from module.attention import Attention
 from ops import dispatch
-from ops.attention_metadata import NpuAttentionMetadata, NpuMetadataBuilder
+from ops.attention_metadata import NpuAttentionMetadata, NpuMetadataBuilder, build_model_inputs
 from ops.npu import NpuGraphOps, NpuOps
 from tests.conftest import llama_config
 

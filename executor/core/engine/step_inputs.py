@@ -1,17 +1,15 @@
-"""Packing one step's requests into flat TND inputs: first host lists (StepLayout), then tensors.
+"""Packing one step's requests into flat TND inputs as host lists (StepLayout).
 
-Everything is built on the host as Python lists and copied to the device once per tensor, so the
-hot loop makes no device round-trips; the ops backend's builder decides which tensors exist.
+Everything is built on the host as Python lists and copied to the device once per tensor
+(ops.attention_metadata.build_model_inputs), so the hot loop makes no device round-trips; the ops
+backend's builder decides which tensors exist.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from executor.core.types_.model_inputs import ModelInputs, StepLayout
-from ops.attention_metadata import AttentionMetadataBuilder, to_device
+from executor.core.types_.model_inputs import StepLayout
 
 
 @dataclass(slots=True)
@@ -57,13 +55,3 @@ def build_step_layout(
         layout.seq_lens.append(end)
         layout.logits_indices.extend(range(len(layout.input_ids) - seq.num_sampled_rows, len(layout.input_ids)))
     return layout
-
-
-def build_model_inputs(layout: StepLayout, builder: AttentionMetadataBuilder) -> ModelInputs:
-    device = builder.device
-    return ModelInputs(
-        input_ids=to_device(layout.input_ids, torch.int64, device),
-        positions=to_device(layout.positions, torch.int64, device),
-        forward_metadata=builder.build(layout),
-        logits_indices=to_device(layout.logits_indices, torch.int64, device),
-    )

@@ -16,12 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-from executor.core.engine.step_inputs import build_model_inputs
 from executor.core.types_.model_inputs import ModelInputs, StepLayout
 from executor.platform.graph_compilers import GraphCallable, GraphCompiler
 from executor.utils.graph_buckets import pick_bucket
 from executor.utils.tensor_tree import map_tensors, same_structure, tensor_leaves
-from ops.attention_metadata import AttentionMetadataBuilder
+from ops.attention_metadata import AttentionMetadataBuilder, build_model_inputs
 
 logger = logging.getLogger(__name__)
 

@@ -10,14 +10,13 @@ from typing import Any
 
 import torch
 
-from executor.core.engine.step_inputs import build_model_inputs
 from executor.core.model_worker.graph_runner import GraphRunner
 from executor.core.types_.kv_cache_spec import KVCacheSpec
 from executor.core.types_.model_inputs import ModelInputs, StepLayout
 from executor.model_loader import get_model_loader
 from executor.platform import Platform
 from module.attention import KVCacheLayer
-from ops.attention_metadata import AttentionMetadataBuilder
+from ops.attention_metadata import AttentionMetadataBuilder, build_model_inputs
 
 logger = logging.getLogger(__name__)
 
