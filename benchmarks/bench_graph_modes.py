@@ -107,6 +107,7 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=list(GRAPH_MODES), choices=GRAPH_MODES)
     parser.add_argument("--steps", type=int, default=10, help="timed decode steps per batch size and pass")
     parser.add_argument("--cache-dir", default=None, help="compile cache (default: a new temporary folder)")
+    parser.add_argument("--skip-warm-up-timing", action="store_true", help="time decode steps only")
     parser.add_argument("--warm-up-only", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -120,7 +121,7 @@ def main() -> None:
     cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="bench-graph-cache-")
     warm_up = {
         mode: {"cold_s": warm_up_seconds(args, mode, cache_dir), "warm_cache_s": warm_up_seconds(args, mode, cache_dir)}
-        for mode in args.modes
+        for mode in ([] if args.skip_warm_up_timing else args.modes)
     }
     engines = {mode: build_engine(args, mode, cache_dir) for mode in ("eager", *args.modes)}
     order = [*engines, *reversed(engines)]

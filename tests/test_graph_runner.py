@@ -90,7 +90,7 @@ class RecordingCompiler(GraphCompiler):
         self.runs: list[tuple[int, int, list[int], list[int]]] = []
 
     def compile(self, model: torch.nn.Module, buffers: ModelInputs, num_rows: int) -> GraphCallable:
-        def run(inputs: ModelInputs) -> torch.Tensor:
+        def run(inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor]:
             self.runs.append(
                 (
                     num_rows,
@@ -99,7 +99,7 @@ class RecordingCompiler(GraphCompiler):
                     inputs.forward_metadata.groups[0].slot_mapping.tolist(),
                 )
             )
-            return torch.zeros(num_rows, 2)
+            return torch.zeros(num_rows, 2), torch.zeros(num_rows, 5)
 
         return GraphCallable(run, "recorded")
 

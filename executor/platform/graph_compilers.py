@@ -6,8 +6,9 @@
   per bucket in one memory pool on CUDA; torch.compile(backend="npugraph_ex"), aclgraph
   capture/replay, on NPU.
 
-A compiler turns the model, at one bucket's persistent input buffers, into a GraphCallable that
-runs the model on those buffers. Everything device-specific is imported lazily.
+A compiler turns the decode step (the model's forward and its LM head over every row), at one
+bucket's persistent input buffers, into a GraphCallable that runs it on those buffers. Everything
+device-specific is imported lazily.
 """
 
 from __future__ import annotations
@@ -30,20 +31,23 @@ from module.attention import KVCacheLayer
 logger = logging.getLogger(__name__)
 
 
+GraphOutput = tuple[torch.Tensor, torch.Tensor]  # hidden states [rows, hidden], logits [rows, vocab]
+
+
 @dataclass(frozen=True, slots=True)
 class GraphCallable:
-    """Runs the model on one bucket's buffers; `origin` says how it was made, for the log."""
+    """Runs the decode step on one bucket's buffers; `origin` says how it was made, for the log."""
 
-    fn: Callable[[ModelInputs], torch.Tensor]
+    fn: Callable[[ModelInputs], GraphOutput]
     origin: str
 
-    def __call__(self, inputs: ModelInputs) -> torch.Tensor:
+    def __call__(self, inputs: ModelInputs) -> GraphOutput:
         return self.fn(inputs)
 
 
-def _forward(model: Callable[..., torch.Tensor]) -> Callable[[ModelInputs], torch.Tensor]:
-    """The model (or its compiled form) as a function of one step's inputs."""
-    return lambda inputs: model(*inputs.forward_args())
+def _forward(step: Callable[..., GraphOutput]) -> Callable[[ModelInputs], GraphOutput]:
+    """The decode step (or its compiled form) as a function of one step's inputs."""
+    return lambda inputs: step(*inputs.forward_args())
 
 
 class GraphCompiler:
@@ -51,7 +55,8 @@ class GraphCompiler:
 
     name = "graph"
 
-    def compile(self, model: torch.nn.Module, buffers: ModelInputs, num_rows: int) -> GraphCallable:
+    def compile(self, step: torch.nn.Module, buffers: ModelInputs, num_rows: int) -> GraphCallable:
+        """`step` maps a step's forward args to (hidden states, logits of every row)."""
         raise NotImplementedError
 
     def synchronize(self) -> None:
@@ -83,23 +88,25 @@ class InductorCompiler(GraphCompiler):
         )
         self._compiled: torch.nn.Module | None = None
 
-    def compile(self, model: torch.nn.Module, buffers: ModelInputs, num_rows: int) -> GraphCallable:
+    def compile(self, step: torch.nn.Module, buffers: ModelInputs, num_rows: int) -> GraphCallable:
+        import torch._inductor.config
         from torch._dynamo.utils import counters
 
         if self._compiled is None:
-            self._compiled = torch.compile(
-                model, backend="inductor", dynamic=False, fullgraph=True, options=self.inductor_options()
-            )
-        for layer in (m for m in model.modules() if isinstance(m, KVCacheLayer)):
+            self._compiled = torch.compile(step, backend="inductor", dynamic=False, fullgraph=True)
+        for layer in (m for m in step.modules() if isinstance(m, KVCacheLayer)):
             for cache in layer.kv_caches().values():
                 # The block count follows free memory from run to run; code generic in it keeps the
                 # compile cache valid across runs (only the cache write and attention index it).
                 torch._dynamo.mark_dynamic(cache, 0)
-        hits_before = counters["inductor"]["fxgraph_cache_hit"]
+        before = dict(counters["inductor"])
         run = _forward(self._compiled)
-        run(buffers)  # dynamo compiles this bucket's shapes now
-        hit = counters["inductor"]["fxgraph_cache_hit"] > hits_before
-        return GraphCallable(run, "inductor cache hit" if hit else "compiled")
+        # Set around the compiling call rather than passed as torch.compile(options=...): measured
+        # here, freezing and the GEMM autotuning did not take effect through `options`.
+        options = self.inductor_options()
+        with torch._inductor.config.patch(options):
+            run(buffers)  # dynamo compiles this bucket's shapes now
+        return GraphCallable(run, _inductor_origin(before, counters["inductor"], autotuning=bool(options)))
 
     def inductor_options(self) -> dict[str, object]:
         """On the CPU: weights frozen into the graph and GEMMs autotuned between aten's (MKL/oneDNN) and
@@ -113,14 +120,25 @@ class InductorCompiler(GraphCompiler):
         self.platform.synchronize()
 
 
+def _inductor_origin(before: dict[str, int], after: dict[str, int], *, autotuning: bool) -> str:
+    """How inductor made a graph, from its counters. Frozen weights are constants of the graph, so
+    inductor bypasses its FX-graph cache for them; a warm cache then still serves the autotuning
+    choices and the built C++ kernels."""
+    if after.get("fxgraph_cache_hit", 0) > before.get("fxgraph_cache_hit", 0):
+        return "inductor cache hit"
+    if autotuning and after.get("select_algorithm_autotune", 0) == before.get("select_algorithm_autotune", 0):
+        return "compiled, autotuning from the cache"
+    return "compiled"
+
+
 class _FlatDecode(torch.nn.Module):
     """The model as a function of flat tensors (the step's inputs, then every KV cache tensor), as
     torch.export wants it: the caches become inputs that the program writes in place, rather than
     constants baked into it."""
 
-    def __init__(self, model: torch.nn.Module, template: ModelInputs, layers: list[KVCacheLayer]) -> None:
+    def __init__(self, step: torch.nn.Module, template: ModelInputs, layers: list[KVCacheLayer]) -> None:
         super().__init__()
-        self.model = model
+        self.step = step
         self.template = template.forward_args()
         self.layers = layers
         self.num_input_tensors = len(tensor_leaves(self.template))
@@ -135,7 +153,7 @@ class _FlatDecode(torch.nn.Module):
         try:
             for layer, current in zip(self.layers, bound, strict=True):
                 layer.bind_kv_cache({name: next(caches) for name in current}, layer.kv_cache_group_id)
-            return self.model(input_ids, positions, forward_metadata)
+            return self.step(input_ids, positions, forward_metadata)
         finally:
             for layer, current in zip(self.layers, bound, strict=True):
                 layer.bind_kv_cache(current, layer.kv_cache_group_id)
@@ -157,22 +175,22 @@ class AotInductorCompiler(GraphCompiler):
         self.settings = settings
         self._scratch = tempfile.TemporaryDirectory(prefix="infer-recipes-aoti-") if cache.root is None else None
 
-    def package_path(self, model: torch.nn.Module, num_rows: int) -> Path:
+    def package_path(self, step: torch.nn.Module, num_rows: int) -> Path:
         folder = self.cache.folder("aoti")
         if folder is None:
             assert self._scratch is not None
             folder = Path(self._scratch.name)
-        key = graph_key(model, **self.settings)
+        key = graph_key(step.model, **self.settings)
         (folder / key).mkdir(parents=True, exist_ok=True)
         return folder / key / f"bucket_{num_rows}.pt2"
 
-    def compile(self, model: torch.nn.Module, buffers: ModelInputs, num_rows: int) -> GraphCallable:
+    def compile(self, step: torch.nn.Module, buffers: ModelInputs, num_rows: int) -> GraphCallable:
         import torch._inductor
         import torch._inductor.config
 
-        layers = [m for m in model.modules() if isinstance(m, KVCacheLayer)]
-        flat = _FlatDecode(model, buffers, layers)
-        path = self.package_path(model, num_rows)
+        layers = [m for m in step.modules() if isinstance(m, KVCacheLayer)]
+        flat = _FlatDecode(step, buffers, layers)
+        path = self.package_path(step, num_rows)
         origin = "loaded from the compile cache"
         if not path.exists():
             origin = "compiled"
@@ -190,8 +208,9 @@ class AotInductorCompiler(GraphCompiler):
             {name: constants[name] for name in runner.get_constant_fqns()}, check_full_update=True, user_managed=True
         )
 
-        def run(inputs: ModelInputs) -> torch.Tensor:
-            return runner(*tensor_leaves(inputs.forward_args()), *flat.cache_tensors())
+        def run(inputs: ModelInputs) -> GraphOutput:
+            hidden_states, logits = runner(*tensor_leaves(inputs.forward_args()), *flat.cache_tensors())
+            return hidden_states, logits
 
         return GraphCallable(run, origin)
 
@@ -206,8 +225,8 @@ class CudaGraphCompiler(GraphCompiler):
         self.platform = platform
         self.pool = torch.cuda.graph_pool_handle()
 
-    def compile(self, model: torch.nn.Module, buffers: ModelInputs, num_rows: int) -> GraphCallable:
-        forward = _forward(model)
+    def compile(self, step: torch.nn.Module, buffers: ModelInputs, num_rows: int) -> GraphCallable:
+        forward = _forward(step)
         side = torch.cuda.Stream(self.platform.device)
         side.wait_stream(torch.cuda.current_stream(self.platform.device))
         with torch.cuda.stream(side):
@@ -217,7 +236,7 @@ class CudaGraphCompiler(GraphCompiler):
         with torch.cuda.graph(graph, pool=self.pool):
             output = forward(buffers)
 
-        def replay(inputs: ModelInputs) -> torch.Tensor:
+        def replay(inputs: ModelInputs) -> GraphOutput:
             assert inputs is buffers, "a captured graph reads only the buffers it was captured on"
             graph.replay()
             return output
@@ -249,19 +268,19 @@ class TorchairGeCompiler(GraphCompiler):
         self.cache_dir = cache.folder("torchair")
         self._compiled: Callable[..., torch.Tensor] | None = None
 
-    def compile(self, model: torch.nn.Module, buffers: ModelInputs, num_rows: int) -> GraphCallable:
+    def compile(self, step: torch.nn.Module, buffers: ModelInputs, num_rows: int) -> GraphCallable:
         if self._compiled is None:
             backend = self.torchair.get_npu_backend(compiler_config=self.config)
             if self.cache_dir is not None:
                 self._compiled = self.torchair.inference.cache_compile(
-                    model.forward,
+                    step.forward,
                     config=self.config,
                     dynamic=self.dynamic,
                     cache_dir=str(self.cache_dir),
                     ge_cache=True,
                 )
             else:
-                self._compiled = torch.compile(model, backend=backend, dynamic=self.dynamic, fullgraph=True)
+                self._compiled = torch.compile(step, backend=backend, dynamic=self.dynamic, fullgraph=True)
         return GraphCallable(_forward(self._compiled), "compiled")
 
     def synchronize(self) -> None:
@@ -286,15 +305,15 @@ class NpuGraphExCompiler(GraphCompiler):
         self.cache_dir = cache.folder("npugraph_ex")
         self._compiled: Callable[..., torch.Tensor] | None = None
 
-    def compile(self, model: torch.nn.Module, buffers: ModelInputs, num_rows: int) -> GraphCallable:
+    def compile(self, step: torch.nn.Module, buffers: ModelInputs, num_rows: int) -> GraphCallable:
         if self._compiled is None:
             if self.cache_dir is not None:
                 self._compiled = torch.npu.npugraph_ex.inference.cache_compile(
-                    model.forward, dynamic=False, cache_dir=str(self.cache_dir), options=self.options
+                    step.forward, dynamic=False, cache_dir=str(self.cache_dir), options=self.options
                 )
             else:
                 self._compiled = torch.compile(
-                    model, backend="npugraph_ex", fullgraph=True, dynamic=False, options=self.options
+                    step, backend="npugraph_ex", fullgraph=True, dynamic=False, options=self.options
                 )
         return GraphCallable(_forward(self._compiled), "captured")
 

@@ -229,11 +229,16 @@ class ExecutionEngine:
             block_size=self.config.scheduler_config.block_size,
             max_blocks_per_request=self.max_blocks_per_request,
         )
-        hidden_states = self.worker.execute(layout, self.metadata_builder)
+        hidden_states, all_logits = self.worker.execute(layout, self.metadata_builder)
         if not layout.logits_indices:
             return [[] for _ in sequences]
         logits_indices = to_device(layout.logits_indices, torch.int64, self.platform.device)
-        token_ids = self._sample(self.worker.compute_logits(hidden_states, logits_indices))
+        logits = (
+            all_logits[logits_indices]
+            if all_logits is not None
+            else self.worker.compute_logits(hidden_states, logits_indices)
+        )
+        token_ids = self._sample(logits)
         new_token_ids: list[list[int]] = []
         row = 0
         for seq in sequences:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from executor.core.types_.model_inputs import ModelInputs, StepLayout
-from executor.platform.graph_compilers import GraphCallable, GraphCompiler
+from executor.platform.graph_compilers import GraphCallable, GraphCompiler, GraphOutput
 from executor.utils.graph_buckets import pick_bucket
 from executor.utils.tensor_tree import map_tensors, same_structure, tensor_leaves
 from ops.attention_metadata import AttentionMetadataBuilder, build_model_inputs
@@ -37,6 +37,21 @@ def copy_step(destination: ModelInputs, source: ModelInputs) -> None:
 def pinned_like(inputs: ModelInputs) -> ModelInputs:
     """A host mirror of `inputs` in pinned memory, for asynchronous copies to the device."""
     return map_tensors(inputs, lambda t: torch.empty(t.shape, dtype=t.dtype, pin_memory=True))
+
+
+class DecodeStep(torch.nn.Module):
+    """What a bucket's graph holds: the model's forward and, since a decode step samples every row,
+    the LM head over all rows (padding rows' logits are computed and never read), so that the
+    largest single GEMM of a small model's step is compiled with the rest."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_metadata: object) -> GraphOutput:
+        hidden_states = self.model(input_ids, positions, forward_metadata)
+        rows = torch.arange(hidden_states.shape[0], device=hidden_states.device)
+        return hidden_states, self.model.compute_logits(hidden_states, rows)
 
 
 @dataclass(slots=True)
@@ -65,7 +80,7 @@ class GraphRunner:
         max_blocks_per_request: int,
         pin_host_buffers: bool,
     ) -> None:
-        self.model = model
+        self.step = DecodeStep(model)
         self.compiler = compiler
         self.buckets = sorted(buckets)
         self.device_builder = device_builder
@@ -87,7 +102,7 @@ class GraphRunner:
             layout = StepLayout.padding(num_rows, self.num_cache_groups, self.max_blocks_per_request)
             buffers = build_model_inputs(layout, self.device_builder)
             start = time.perf_counter()
-            run = self.compiler.compile(self.model, buffers, num_rows)
+            run = self.compiler.compile(self.step, buffers, num_rows)
             run(buffers)  # the first call compiles where compiling is lazy
             self.compiler.synchronize()
             elapsed = time.perf_counter() - start
@@ -111,9 +126,9 @@ class GraphRunner:
             "eager_steps": self.eager_steps,
         }
 
-    def forward(self, layout: StepLayout) -> torch.Tensor | None:
-        """Hidden states [bucket rows, hidden] for a decode step (rows past the layout's are padding),
-        or None when the step must run eagerly."""
+    def forward(self, layout: StepLayout) -> GraphOutput | None:
+        """Hidden states [bucket rows, hidden] and logits [bucket rows, vocab] of a decode step (rows
+        past the layout's are padding), or None when the step must run eagerly."""
         bucket = self._bucket_for(layout)
         if bucket is None:
             self.eager_steps += 1

@@ -98,14 +98,17 @@ class ModelWorker:
         return runner.warm_up()
 
     @torch.inference_mode()
-    def execute(self, layout: StepLayout, builder: AttentionMetadataBuilder) -> torch.Tensor:
+    def execute(
+        self, layout: StepLayout, builder: AttentionMetadataBuilder
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One step: through the bucket's graph where one serves it, else eagerly. Hidden states
-        [rows, hidden], where a graph's padding rows follow the layout's."""
+        [rows, hidden] (a graph's padding rows follow the layout's) and, from a graph, the logits of
+        every row; None where the caller computes the sampled rows' logits itself."""
         if self.graph_runner is not None:
-            hidden_states = self.graph_runner.forward(layout)
-            if hidden_states is not None:
-                return hidden_states
-        return self.forward(build_model_inputs(layout, builder))
+            output = self.graph_runner.forward(layout)
+            if output is not None:
+                return output
+        return self.forward(build_model_inputs(layout, builder)), None
 
     @torch.inference_mode()
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
