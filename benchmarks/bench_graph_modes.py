@@ -108,6 +108,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed decode steps per batch size and pass")
     parser.add_argument("--cache-dir", default=None, help="compile cache (default: a new temporary folder)")
     parser.add_argument("--skip-warm-up-timing", action="store_true", help="time decode steps only")
+    parser.add_argument("--warm-up-timing-only", action="store_true", help="time warm-up (cold, warm cache) only")
     parser.add_argument("--warm-up-only", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -123,6 +124,9 @@ def main() -> None:
         mode: {"cold_s": warm_up_seconds(args, mode, cache_dir), "warm_cache_s": warm_up_seconds(args, mode, cache_dir)}
         for mode in ([] if args.skip_warm_up_timing else args.modes)
     }
+    if args.warm_up_timing_only:
+        print(json.dumps({"dtype": args.dtype, "buckets": args.batch_sizes, "warm_up_s": warm_up}, indent=2))
+        return
     engines = {mode: build_engine(args, mode, cache_dir) for mode in ("eager", *args.modes)}
     order = [*engines, *reversed(engines)]
     step_ms: dict[str, dict[int, list[float]]] = {mode: {b: [] for b in args.batch_sizes} for mode in engines}

@@ -10,6 +10,7 @@ both throughputs and their ratio; docs/benchmarks.md records the figures.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import platform
@@ -26,10 +27,16 @@ from executor.platform import resolve_dtype
 
 
 def run_ours(
-    args: argparse.Namespace, records: list, max_model_len: int = 2048, scheduler_overrides: dict | None = None
+    args: argparse.Namespace,
+    records: list,
+    max_model_len: int = 2048,
+    scheduler_overrides: dict | None = None,
+    sections: dict | None = None,
 ) -> tuple[dict, list[list[int]]]:
+    """Our engine over `records`; `sections` adds whole config sections (speculative_config, ...)."""
     config = build_config(
         {
+            **(sections or {}),
             "model_config": {"model_path": str(args.model_path), "dtype": args.dtype, "device": args.device},
             "data_config": {"apply_chat_template": True},
             "scheduler_config": {
@@ -51,6 +58,7 @@ def run_ours(
     elapsed = time.perf_counter() - start
     output_tokens = result.summary["output_tokens"]
     decode_ms = result.summary["decode"]["mean_ms"]
+    outputs = [r.output_token_ids for r in result.requests]
     weight_bytes = sum(p.numel() * p.element_size() for p in inference.engine.worker.model.parameters())
     figures = {
         "output_tokens": output_tokens,
@@ -62,9 +70,22 @@ def run_ours(
         "prefill_ms_per_step_mean": result.summary["prefill"]["mean_ms"],
         "prefill_steps": result.summary["prefill"]["steps"],
         "prefix_cache_hit_rate": result.summary.get("prefix_cache_hit_rate"),
+        "decode_output_tokens_per_s": _decode_tokens_per_s(result),
+        "speculative": result.summary.get("speculative"),
+        # equal digests: token-for-token equal outputs (speculation or graph modes against eager)
+        "outputs_sha256": hashlib.sha256(json.dumps(outputs).encode()).hexdigest(),
     }
     del inference
     return figures, prompts
+
+
+def _decode_tokens_per_s(result) -> float:
+    """Tokens emitted by decode steps over the time of those steps (a prefill step emits one token
+    per request that completes its prompt, and is left out on both sides)."""
+    decode_ms = sum(step.step_time_ms for step in result.steps if step.phase == "decode")
+    prefill_tokens = sum(1 for request in result.requests if request.output_token_ids)
+    decode_tokens = result.summary["output_tokens"] - prefill_tokens
+    return decode_tokens / (decode_ms / 1e3) if decode_ms else 0.0
 
 
 @torch.inference_mode()

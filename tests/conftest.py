@@ -50,7 +50,7 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def save_tiny_llama(path: Path) -> Path:
+def save_tiny_llama(path: Path, seed: int = 0) -> Path:
     """A random HF Llama (GQA, untied) saved as safetensors with a tokenizer: a complete model folder."""
     config = LlamaConfig(
         vocab_size=TINY_VOCAB,
@@ -65,7 +65,7 @@ def save_tiny_llama(path: Path) -> Path:
         pad_token_id=2,
         tie_word_embeddings=False,
     )
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     LlamaForCausalLM(config).eval().save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     return path

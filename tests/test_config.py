@@ -112,8 +112,6 @@ def test_graph_buckets_must_fit_the_batch():
 
 
 def test_features_not_built_yet_are_refused_clearly():
-    with pytest.raises(ConfigError, match="next_n"):
-        build_config({"model_config": {"next_n": 1}})
     with pytest.raises(ConfigError, match="greedy"):
         build_config({"data_config": {"temperature": 0.7}})
 

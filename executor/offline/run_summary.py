@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from executor.utils.metrics import step_stats
+from executor.utils.metrics import speculation_stats, step_stats
 
 
 def run_summary(
@@ -39,6 +39,7 @@ def run_summary(
         "tpot_mean_ms": _weighted_mean(timed, "tpot_mean_ms"),
         "output_tokens_per_s": part_output_tokens / total_s if total_s > 0 else 0.0,
         **_cache_stats(parts),
+        **speculation_stats(step_lines),
         "device": latest.get("device"),
         "dtype": latest.get("dtype"),
         "parts": list(parts),

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from executor.core.scheduler import StepRecord
 from executor.core.types_ import FinishReason, Request
@@ -51,4 +53,30 @@ def summarize(requests: Sequence[Request], records: Sequence[StepRecord], start_
         "ttft_mean_ms": statistics.fmean(ttfts) * 1e3 if ttfts else 0.0,
         "tpot_mean_ms": statistics.fmean(tpots) * 1e3 if tpots else 0.0,
         "output_tokens_per_s": output_tokens / total_s if total_s > 0 else 0.0,
+        **speculation_stats([dataclasses.asdict(r) for r in records]),
+    }
+
+
+def speculation_stats(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Speculative decoding over the decode steps, as cann-recipes reports it: drafts proposed and
+    accepted, the accept rate, the mean accept length (tokens a request emits per verify step: its
+    accepted drafts plus one) and the equivalent per-token decode time (mean decode step time over
+    the mean accept length). Empty when no step verified drafts."""
+    verify = [s for s in steps if s.get("num_draft_tokens")]
+    if not verify:
+        return {}
+    drafted = sum(s["num_draft_tokens"] for s in verify)
+    accepted = sum(s["num_accepted_tokens"] for s in verify)
+    verified = sum(s["num_verified_requests"] for s in verify)
+    accept_length = 1 + accepted / verified
+    decode_ms = [s["step_time_ms"] for s in steps if s.get("phase") == "decode"]
+    return {
+        "speculative": {
+            "verify_steps": len(verify),
+            "draft_tokens": drafted,
+            "accepted_tokens": accepted,
+            "accept_rate": accepted / drafted,
+            "mean_accept_length": accept_length,
+            "equivalent_decode_ms_per_token": statistics.fmean(decode_ms) / accept_length,
+        }
     }

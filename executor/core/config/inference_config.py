@@ -19,7 +19,14 @@ from typing import Any
 import yaml
 
 from executor.core.config.errors import ConfigError
-from executor.core.config.sections import SECTIONS, DataConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from executor.core.config.sections import (
+    SECTIONS,
+    DataConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from executor.core.config.yaml_loader import load_yaml_mapping
 
 logger = logging.getLogger(__name__)
@@ -31,10 +38,20 @@ class InferenceConfig:
     data_config: DataConfig = field(default_factory=DataConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     source: str = "<defaults>"  # the YAML file this came from, for error messages and output names
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+
+    @property
+    def speculation(self) -> tuple[str, int]:
+        """(method, draft tokens per step): speculative_config, or cann-recipes' model_config.next_n
+        (which means method mtp); ("", 0) when speculative decoding is off."""
+        spec = self.speculative_config
+        if self.model_config.next_n > 0:
+            return "mtp", self.model_config.next_n
+        return (spec.method, spec.num_speculative_tokens) if spec.method else ("", 0)
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> InferenceConfig:
@@ -139,19 +156,42 @@ def _check_rule(value: Any, metadata: typing.Mapping[str, Any], where: str) -> N
 
 def _check_cross_rules(config: InferenceConfig) -> None:
     """Rules that involve more than one key, or features that are not built yet."""
-    model, data, sched = config.model_config, config.data_config, config.scheduler_config
+    data, sched = config.data_config, config.scheduler_config
     for bucket in sched.graph_buckets:
         if not 1 <= bucket <= sched.batch_size:
             raise ConfigError(
                 f"scheduler_config.graph_buckets in {config.source}: every bucket must be in 1..batch_size "
                 f"({sched.batch_size}), got {bucket}"
             )
-    if model.next_n > 0:
-        raise ConfigError(f"model_config.next_n in {config.source}: MTP speculative decoding is not built yet; use 0")
+    _check_speculation(config)
     if data.temperature > 0 or data.top_k > 0 or data.top_p < 1.0:
         raise ConfigError(
             f"data_config.temperature/top_k/top_p in {config.source}: only greedy decoding is built yet "
             "(temperature 0, top_k 0, top_p 1.0)"
+        )
+
+
+def _check_speculation(config: InferenceConfig) -> None:
+    spec, next_n, where = config.speculative_config, config.model_config.next_n, config.source
+    if next_n > 0 and spec.method not in ("", "mtp"):
+        raise ConfigError(
+            f"model_config.next_n {next_n} means speculative_config.method mtp, but {where} sets method {spec.method!r}"
+        )
+    if next_n > 0 and spec.num_speculative_tokens not in (0, next_n):
+        raise ConfigError(
+            f"model_config.next_n {next_n} and speculative_config.num_speculative_tokens "
+            f"{spec.num_speculative_tokens} in {where} disagree; set one of them"
+        )
+    if spec.method and next_n == 0 and spec.num_speculative_tokens < 1:
+        raise ConfigError(
+            f"speculative_config.num_speculative_tokens in {where} must be >= 1 with method {spec.method!r}"
+        )
+    if spec.method == "draft_model" and not spec.draft_model_path:
+        raise ConfigError(f"speculative_config.draft_model_path in {where} is required with method draft_model")
+    if spec.prompt_lookup_min > spec.prompt_lookup_max:
+        raise ConfigError(
+            f"speculative_config.prompt_lookup_min {spec.prompt_lookup_min} in {where} exceeds "
+            f"prompt_lookup_max {spec.prompt_lookup_max}"
         )
 
 

@@ -30,7 +30,7 @@ class ModelConfig:
         choices=("eager", "ge_graph", "npugraph_ex"),
         help="ge_graph / npugraph_ex run decode steps as a graph per bucket (docs/graph_modes.md)",
     )
-    next_n: int = rule(0, min=0, help="MTP draft tokens per step; 0 = no speculative decoding")
+    next_n: int = rule(0, min=0, help="MTP draft tokens per step (speculative_config method mtp); 0 = off")
     enable_cache_compile: bool = rule(False, help="keep compiled graphs in compile_cache_dir and load them next run")
     compile_cache_dir: str = rule("", help="ours: the compile cache; empty = $INFER_RECIPES_HOME/compile_cache")
     enable_static_kernel: bool = rule(False, npu_only=True, help="npugraph_ex static kernel compile")
@@ -90,9 +90,23 @@ class SchedulerConfig:
     )
 
 
+@dataclass(slots=True)
+class SpeculativeConfig:
+    method: str = rule(
+        "",
+        choices=("", "mtp", "ngram", "draft_model"),
+        help="ours: draft proposer; empty = off (or model_config.next_n)",
+    )
+    num_speculative_tokens: int = rule(0, min=0, help="ours: draft tokens per request per step")
+    draft_model_path: str = rule("", help="ours: method draft_model: a model folder with the target's tokenizer")
+    prompt_lookup_min: int = rule(2, min=1, help="ours: method ngram: shortest n-gram matched")
+    prompt_lookup_max: int = rule(4, min=1, help="ours: method ngram: longest n-gram matched (tried first)")
+
+
 SECTIONS: dict[str, type] = {
     "model_config": ModelConfig,
     "data_config": DataConfig,
     "parallel_config": ParallelConfig,
     "scheduler_config": SchedulerConfig,
+    "speculative_config": SpeculativeConfig,
 }

@@ -20,7 +20,11 @@ from executor.core.engine.step_inputs import ScheduledSequence, build_step_layou
 from executor.core.kv_cache import KVCacheManager, cdiv
 from executor.core.model_worker import ModelWorker
 from executor.core.model_worker.graph_runner import GraphRunner
+from executor.core.spec_decode.factory import make_proposer
+from executor.core.spec_decode.proposer import ProposalContext, Proposer
+from executor.core.spec_decode.verify import accept_greedy
 from executor.core.types_ import Batch, Request, SamplingParams
+from executor.core.types_.model_inputs import StepLayout
 from executor.platform import create_platform, resolve_dtype
 from executor.platform.compile_cache import CompileCache
 from executor.platform.graph_compilers import make_graph_compiler
@@ -50,6 +54,7 @@ class ExecutionEngine:
         self.max_blocks_per_request = 0
         self.vocab_size = 0
         self.eos_token_ids: set[int] = set()
+        self.proposer: Proposer | None = None
         logger.info("platform %s, dtype %s", self.platform.device, config.model_config.dtype)
 
     def init(self, model_cls: type[torch.nn.Module], config_cls: Any, model_path: str) -> None:
@@ -63,6 +68,7 @@ class ExecutionEngine:
         graph_runner = self._make_graph_runner()
         if graph_runner is not None:
             self.worker.init_graphs(graph_runner)
+        self.proposer = make_proposer(self)
 
     def _resolve_max_model_len(self, model_limit: int) -> int:
         requested = self.config.scheduler_config.max_model_len
@@ -222,7 +228,9 @@ class ExecutionEngine:
 
     def forward_batch(self, batch: Batch) -> list[list[int]]:
         """Run one step for `batch`; the new token ids of each request (none for a prompt chunk
-        that does not reach the end of its prompt)."""
+        that does not reach the end of its prompt; with drafts, the accepted ones and one more).
+        With speculative decoding on, each request's drafts for its next step are left in
+        `request.spec_token_ids`."""
         sequences = self._schedule_sequences(batch)
         layout = build_step_layout(
             sequences,
@@ -238,25 +246,55 @@ class ExecutionEngine:
             if all_logits is not None
             else self.worker.compute_logits(hidden_states, logits_indices)
         )
-        token_ids = self._sample(logits)
+        row_token_ids = self._sample(logits)
         new_token_ids: list[list[int]] = []
         row = 0
-        for seq in sequences:
-            new_token_ids.append(token_ids[row : row + seq.num_sampled_rows])
+        for index, seq in enumerate(sequences):
+            rows = row_token_ids[row : row + seq.num_sampled_rows]
             row += seq.num_sampled_rows
+            drafts = batch.drafts_of(index)
+            new_token_ids.append(accept_greedy(drafts, rows) if drafts else rows)
+        if self.proposer is not None:
+            self._propose(batch, sequences, new_token_ids, hidden_states, layout)
         return new_token_ids
+
+    def _propose(
+        self,
+        batch: Batch,
+        sequences: list[ScheduledSequence],
+        new_token_ids: list[list[int]],
+        hidden_states: torch.Tensor,
+        layout: StepLayout,
+    ) -> None:
+        assert self.proposer is not None
+        num_valid = [
+            len(seq.token_ids) - (len(batch.drafts_of(i)) - (len(new) - 1) if batch.drafts_of(i) else 0)
+            for i, (seq, new) in enumerate(zip(sequences, new_token_ids, strict=True))
+        ]
+        context = ProposalContext(
+            requests=batch.requests,
+            sequences=sequences,
+            new_token_ids=new_token_ids,
+            num_valid_tokens=num_valid,
+            hidden_states=hidden_states,
+            row_starts=[0, *layout.query_ends[:-1]],
+        )
+        for request, drafts in zip(batch.requests, self.proposer.propose(context), strict=True):
+            request.spec_token_ids = drafts
 
     def _schedule_sequences(self, batch: Batch) -> list[ScheduledSequence]:
         assert self.kv_cache_manager is not None
         sequences = []
-        for request, num_tokens in zip(batch.requests, batch.num_scheduled_tokens, strict=True):
-            start, end = request.num_computed_tokens, request.num_computed_tokens + num_tokens
+        for index, (request, num_tokens) in enumerate(zip(batch.requests, batch.num_scheduled_tokens, strict=True)):
+            drafts = batch.drafts_of(index)
+            start = request.num_computed_tokens
+            end = start + num_tokens - len(drafts)  # the request's own tokens; the drafts follow them
             sequences.append(
                 ScheduledSequence(
-                    token_ids=request.token_ids_between(start, end),
+                    token_ids=request.token_ids_between(start, end) + drafts,
                     num_computed_tokens=start,
                     block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
-                    num_sampled_rows=1 if end >= request.num_tokens else 0,
+                    num_sampled_rows=1 + len(drafts) if end >= request.num_tokens else 0,
                 )
             )
         return sequences

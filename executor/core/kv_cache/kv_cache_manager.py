@@ -135,6 +135,12 @@ class KVCacheManager:
         """The request's row of each group's block table."""
         return [manager.get_block_ids(request_id) for manager in self.managers]
 
+    def free_tail(self, request: Request, num_tokens: int) -> None:
+        """Give back the blocks the request holds past its first `num_tokens` tokens: a verify step
+        allocated slots for every draft, and those of the rejected ones are no longer needed."""
+        for manager in self.managers:
+            manager.free_tail(request.request_id, num_tokens)
+
     def free(self, request: Request) -> None:
         for manager in self.managers:
             manager.free(request.request_id)

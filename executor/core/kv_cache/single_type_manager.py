@@ -89,6 +89,14 @@ class SingleTypeKVCacheManager:
                 blocks[index] = cached
         self.num_cached_blocks[request_id] = max(first, num_full_blocks)
 
+    def free_tail(self, request_id: str, num_tokens: int) -> None:
+        """Give back the blocks past the first `num_tokens` tokens (slots of rejected draft tokens)."""
+        blocks = self.req_to_blocks.get(request_id, [])
+        keep = self.num_blocks_for_tokens(num_tokens)
+        tail = blocks[keep:]
+        del blocks[keep:]
+        self.block_pool.free_blocks([block_id for block_id in reversed(tail) if block_id != NULL_BLOCK_ID])
+
     def free(self, request_id: str) -> None:
         """Return the request's blocks, last block first, so its tail is evicted first."""
         blocks = self.req_to_blocks.pop(request_id, [])

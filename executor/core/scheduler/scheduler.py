@@ -54,13 +54,22 @@ class StepRecord:
     prefix_hit_rate: float  # of the run so far: cached tokens reused / tokens looked up at admission
     evictions: int  # of the run so far
     preemptions: int  # of the run so far
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified this step
+    num_accepted_tokens: int = 0  # of them, accepted
+    num_verified_requests: int = 0  # requests that verified drafts this step
 
     def log_line(self) -> str:
-        return (
+        line = (
             f"step {self.step:5d} | {self.phase:7s} | batch {self.batch_size:3d} | tokens {self.num_tokens:5d} "
             f"| {self.step_time_ms:8.2f} ms | kv {self.kv_usage:5.1%} ({self.kv_blocks_used} blocks) "
             f"| prefix hits {self.prefix_hit_rate:5.1%} | evicted {self.evictions} | preempted {self.preemptions}"
         )
+        if self.num_draft_tokens:
+            line += (
+                f" | accepted {self.num_accepted_tokens}/{self.num_draft_tokens} drafts, accept length "
+                f"{1 + self.num_accepted_tokens / self.num_verified_requests:.2f}"
+            )
+        return line
 
 
 @dataclass(slots=True)
@@ -126,6 +135,7 @@ class Scheduler:
             prefix_hit_rate=self.kv_cache_manager.prefix_hit_rate,
             evictions=self.kv_cache_manager.block_pool.num_evictions,
             preemptions=self.num_preemptions,
+            **_speculation_counts(batch, new_token_ids),
         )
         self.kv_blocks_peak = max(self.kv_blocks_peak, record.kv_blocks_used)
         logger.info(record.log_line())
@@ -169,14 +179,28 @@ class Scheduler:
         max_prefill_tokens caps prefill steps only, so no running request sits out a decode step."""
         requests: list[Request] = []
         num_tokens: list[int] = []
+        drafts: list[list[int]] = []
         for request in list(self.running):
             if request.status is RequestStatus.WAITING:  # preempted for an older request this step
                 continue
             num_new = request.num_tokens - request.num_computed_tokens
-            if self._allocate_or_preempt(request, num_new):
+            request_drafts = self._drafts_to_verify(request)
+            if self._allocate_or_preempt(request, num_new + len(request_drafts)):
                 requests.append(request)
-                num_tokens.append(num_new)
-        return Batch(requests, num_tokens, is_prefill=False) if requests else None
+                num_tokens.append(num_new + len(request_drafts))
+                drafts.append(request_drafts)
+        if not requests:
+            return None
+        return Batch(requests, num_tokens, is_prefill=False, draft_token_ids=drafts if any(drafts) else [])
+
+    def _drafts_to_verify(self, request: Request) -> list[int]:
+        """The request's proposed drafts, cut so that what a verify step can emit (accepted drafts
+        and one more token) stays within max_new_tokens and every fed position within max_model_len."""
+        room = min(
+            request.sampling_params.max_new_tokens - len(request.output_token_ids) - 1,
+            self.limits.max_model_len - request.num_tokens,
+        )
+        return request.spec_token_ids[: max(room, 0)]
 
     def _allocate_or_preempt(self, request: Request, num_new_tokens: int) -> bool:
         """Blocks for the request's next tokens, preempting the newest running requests until they
@@ -242,18 +266,23 @@ class Scheduler:
     def _update_from_output(self, batch: Batch, new_token_ids: list[list[int]]) -> list[Request]:
         now_s = self.clock()
         finished: list[Request] = []
-        for request, num_tokens, token_ids in zip(
-            batch.requests, batch.num_scheduled_tokens, new_token_ids, strict=True
+        for index, (request, num_tokens, token_ids) in enumerate(
+            zip(batch.requests, batch.num_scheduled_tokens, new_token_ids, strict=True)
         ):
-            request.num_computed_tokens += num_tokens
-            self.kv_cache_manager.cache_computed_blocks(request)
+            drafts = batch.drafts_of(index)
+            num_rejected = len(drafts) - (len(token_ids) - 1) if drafts else 0
+            request.num_computed_tokens += num_tokens - num_rejected  # a rejected draft's K/V is void
             if not token_ids:
+                self.kv_cache_manager.cache_computed_blocks(request)
                 continue  # a prompt chunk short of the prompt's end
             if request.status is RequestStatus.PREFILLING:
                 request.status = RequestStatus.RUNNING
                 if request.first_token_time_s is None:  # not again after a preemption
                     request.first_token_time_s = now_s
             reason = self._append_output_tokens(request, token_ids)
+            self.kv_cache_manager.cache_computed_blocks(request)
+            if drafts:
+                self.kv_cache_manager.free_tail(request, request.num_tokens)  # the rejected drafts' slots
             if reason is not None:
                 request.status = RequestStatus.FINISHED
                 request.finish_reason = reason
@@ -277,3 +306,16 @@ class Scheduler:
             ):
                 return FinishReason.LENGTH
         return None
+
+
+def _speculation_counts(batch: Batch, new_token_ids: list[list[int]]) -> dict[str, int]:
+    """Drafts verified in the step, how many were accepted (each verify emits the accepted drafts
+    and one more token), and by how many requests."""
+    verified = [
+        (drafts, tokens) for drafts, tokens in zip(batch.draft_token_ids, new_token_ids, strict=False) if drafts
+    ]
+    return {
+        "num_draft_tokens": sum(len(drafts) for drafts, _ in verified),
+        "num_accepted_tokens": sum(len(tokens) - 1 for _, tokens in verified),
+        "num_verified_requests": len(verified),
+    }

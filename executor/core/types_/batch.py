@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from executor.core.types_.request import Request
 
@@ -14,6 +14,12 @@ class Batch:
     # capped by the step's budget (a prompt chunk, a recomputed sequence, one decode token, ...).
     num_scheduled_tokens: list[int]
     is_prefill: bool  # the step's phase, for the log: prefill (prompts or chunks) or decode
+    # Draft tokens each request feeds after its own (speculative decoding; empty lists when off):
+    # the step verifies them, so a request with k drafts feeds num_scheduled_tokens = 1 + k.
+    draft_token_ids: list[list[int]] = field(default_factory=list)
+
+    def drafts_of(self, index: int) -> list[int]:
+        return self.draft_token_ids[index] if self.draft_token_ids else []
 
     @property
     def size(self) -> int:

@@ -73,6 +73,8 @@ class Request:
     num_computed_tokens: int = 0
     # Hashes of the request's full blocks of tokens, for prefix caching (grown by the KV cache manager).
     block_hashes: list[BlockHash] = field(default_factory=list)
+    # Draft tokens proposed after the last step, for the next decode step to verify.
+    spec_token_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     error: str | None = None
     arrival_time_s: float = 0.0

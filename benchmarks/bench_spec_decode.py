@@ -1,0 +1,93 @@
+"""Speculative decoding against plain greedy decoding on the same prompts, in one process.
+
+For each batch size, runs the engine with speculation off and with each method, in the order off,
+methods, methods reversed, off (drift cancels), greedy with EOS ignored, and prints JSON: decode
+output tokens per second of each run, its speed-up over speculation off, and the accept figures
+(accept rate, mean accept length, equivalent per-token decode time). Greedy outputs are checked
+equal to speculation off's. docs/benchmarks.md records the figures.
+
+    python benchmarks/bench_spec_decode.py --methods ngram --dataset repeat_input --batch-sizes 1 8
+    python benchmarks/bench_spec_decode.py --methods mtp draft_model --batch-sizes 1 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import statistics
+from pathlib import Path
+
+import torch
+from bench_vs_transformers import add_engine_args, load_records, run_ours
+
+from executor.model_loader.default_model import default_model_path
+
+METHODS = ("ngram", "mtp", "draft_model")
+
+
+def sections_for(method: str, args: argparse.Namespace) -> dict:
+    if method == "off":
+        return {}
+    spec = {"method": method, "num_speculative_tokens": args.num_speculative_tokens}
+    if method == "draft_model":
+        spec["draft_model_path"] = str(args.draft_model_path)
+    if method == "ngram":
+        spec |= {"prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    return {"speculative_config": spec}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_args(parser, num_prompts=16, batch_size=8, block_size=16, max_new_tokens=64, num_blocks=0)
+    parser.add_argument("--dataset", default="default")
+    parser.add_argument("--methods", nargs="+", default=["ngram"], choices=METHODS)
+    parser.add_argument("--num-speculative-tokens", type=int, default=3)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--draft-model-path", type=Path, default=None, help="default: <model>-draft8 beside it")
+    parser.add_argument("--mtp-model-path", type=Path, default=None, help="default: <model>-MTP beside it")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    base_model = Path(args.model_path or default_model_path())
+    args.draft_model_path = args.draft_model_path or base_model.with_name(f"{base_model.name}-draft8")
+    records = load_records(args.dataset, args.num_prompts)
+    report: dict = {
+        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+        f"torch {torch.__version__}",
+        "dtype": args.dtype,
+        "dataset": args.dataset,
+        "prompts": len(records),
+        "max_new_tokens": args.max_new_tokens,
+        "num_speculative_tokens": args.num_speculative_tokens,
+        "by_batch_size": {},
+    }
+    for batch_size in args.batch_sizes:
+        args.batch_size = batch_size
+        runs: dict[str, list[dict]] = {}
+        outputs: dict[str, list] = {}
+        for method in ["off", *args.methods, *reversed(args.methods), "off"]:
+            # MTP needs the model folder that holds the trained MTP head (scripts/train_mtp_head.py)
+            args.model_path = (
+                (args.mtp_model_path or base_model.with_name(f"{base_model.name}-MTP"))
+                if method == "mtp"
+                else base_model
+            )
+            figures, _ = run_ours(args, records, max_model_len=1024, sections=sections_for(method, args))
+            runs.setdefault(method, []).append(figures)
+            outputs.setdefault(method, figures.pop("output_token_ids", None))
+        off = statistics.fmean(f["decode_output_tokens_per_s"] for f in runs["off"])
+        report["by_batch_size"][batch_size] = {
+            method: {
+                "decode_output_tokens_per_s": statistics.fmean(f["decode_output_tokens_per_s"] for f in figures),
+                "speedup_over_off": statistics.fmean(f["decode_output_tokens_per_s"] for f in figures) / off,
+                "speculative": figures[0]["speculative"],
+                "outputs_equal_to_off": figures[0]["outputs_sha256"] == runs["off"][0]["outputs_sha256"],
+            }
+            for method, figures in runs.items()
+        }
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

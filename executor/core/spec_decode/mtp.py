@@ -1,0 +1,123 @@
+"""MTP proposer (cann-recipes' MTPWorker): the target model's own multi-token-prediction modules.
+
+MTP module i takes, at each position p, the previous hidden state at p (the target's for i = 0)
+and the embedding of the token at p + 1, and predicts the token at p + 2. After every step it runs
+over each request's rows whose K/V stands, with the inputs shifted by one token, which keeps its own
+KV cache complete (prefill chunks included), and its last row's prediction is draft 1. Draft j > 1
+feeds draft j - 1 back through the module (the last one, when the model has fewer modules than
+drafts, as vLLM does for DeepSeek's single module), writing its K/V one position further on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from executor.core.config import ConfigError
+from executor.core.engine.step_inputs import ScheduledSequence, build_step_layout
+from executor.core.kv_cache import KVCacheManager
+from executor.core.spec_decode.proposer import ProposalContext
+from ops.attention_metadata import AttentionMetadataBuilder, build_model_inputs
+
+
+@dataclass(slots=True)
+class _Drafting:
+    """One request being drafted for: its index in the step and the position of its last MTP row."""
+
+    index: int
+    position: int
+
+
+class MTPProposer:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_cache_manager: KVCacheManager,
+        builder: AttentionMetadataBuilder,
+        *,
+        num_speculative_tokens: int,
+        max_blocks_per_request: int,
+        source: str,
+    ) -> None:
+        if getattr(model, "num_mtp_layers", 0) < 1:
+            raise ConfigError(
+                f"speculative method mtp in {source}: {type(model).__name__} has no MTP modules "
+                "(config.json num_nextn_predict_layers is 0 or absent)"
+            )
+        self.model = model
+        self.kv_cache_manager = kv_cache_manager
+        self.builder = builder
+        self.num_speculative_tokens = num_speculative_tokens
+        self.max_blocks_per_request = max_blocks_per_request
+
+    @torch.inference_mode()
+    def propose(self, context: ProposalContext) -> list[list[int]]:
+        drafts: list[list[int]] = [[] for _ in context.requests]
+        sequences, hidden_rows, drafting = [], [], []
+        for index, (request, sequence) in enumerate(zip(context.requests, context.sequences, strict=True)):
+            num_valid = context.num_valid_tokens[index]
+            start = sequence.num_computed_tokens
+            new_tokens = context.new_token_ids[index]
+            # the token after the last valid one: this step's last emitted token, or the next prompt token
+            end = start + num_valid
+            following = new_tokens[-1] if new_tokens else request.token_ids_between(end, end + 1)[0]
+            block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
+            sampled = 1 if new_tokens else 0
+            sequences.append(
+                ScheduledSequence([*sequence.token_ids[1:num_valid], following], start, block_ids, sampled)
+            )
+            row = context.row_starts[index]
+            hidden_rows.extend(range(row, row + num_valid))
+            if new_tokens:
+                drafting.append(_Drafting(index, end - 1))
+        if not drafting:
+            return drafts
+        hidden = context.hidden_states[torch.tensor(hidden_rows, device=context.hidden_states.device)]
+        for depth in range(self.num_speculative_tokens):
+            hidden, tokens = self._run(min(depth, self.model.num_mtp_layers - 1), sequences, hidden)
+            for item, token in zip(drafting, tokens, strict=True):
+                drafts[item.index].append(token)
+            if depth + 1 < self.num_speculative_tokens:
+                kept, sequences = self._next_rows(context, drafting, tokens)
+                if not kept:
+                    break
+                hidden = hidden[torch.tensor(kept, device=hidden.device)]
+                drafting = [drafting[i] for i in kept]
+        return drafts
+
+    def _run(
+        self, layer: int, sequences: list[ScheduledSequence], previous_hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, list[int]]:
+        """One pass of MTP module `layer`; its hidden states and each sampled row's greedy token."""
+        layout = build_step_layout(
+            sequences,
+            block_size=self.kv_cache_manager.block_size,
+            max_blocks_per_request=self.max_blocks_per_request,
+        )
+        inputs = build_model_inputs(layout, self.builder)
+        hidden = self.model.mtp_forward(
+            layer, inputs.input_ids, inputs.positions, previous_hidden, inputs.forward_metadata
+        )
+        logits = self.model.mtp_compute_logits(layer, hidden, inputs.logits_indices)
+        # rows of the next pass are the sampled rows, one per drafting request, in order
+        return hidden[inputs.logits_indices], logits.argmax(dim=-1).tolist()
+
+    def _next_rows(
+        self, context: ProposalContext, drafting: list[_Drafting], tokens: list[int]
+    ) -> tuple[list[int], list[ScheduledSequence]]:
+        """Which drafting requests go on (their index in `drafting`) and their next MTP row: the
+        last draft, one position on, for those whose K/V slot there can be allocated (the scheduler
+        gives such lookahead slots back after the next verify)."""
+        kept, sequences = [], []
+        for position, (item, token) in enumerate(zip(drafting, tokens, strict=True)):
+            request = context.requests[item.index]
+            row_position = item.position + 1
+            # the request's computed count has not advanced past this step yet
+            if self.kv_cache_manager.allocate_slots(request, row_position + 1 - request.num_computed_tokens) is None:
+                continue
+            item.position = row_position
+            kept.append(position)
+            block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
+            sequences.append(ScheduledSequence([token], row_position, block_ids, num_sampled_rows=1))
+        return kept, sequences

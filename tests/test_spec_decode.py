@@ -1,0 +1,152 @@
+"""Speculative decoding: verification, rejection sampling, the n-gram and draft-model proposers, and
+greedy output identical to greedy decoding without speculation."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from executor.core.config import ConfigError, build_config
+from executor.core.spec_decode.ngram import NgramProposer
+from executor.core.spec_decode.verify import accept_greedy, rejection_sample
+from executor.offline.dataset import PromptRecord
+from executor.offline.offline_inference import OfflineInference, RunResult
+from tests.conftest import save_tiny_llama
+from tests.engine_harness import token_records
+
+
+def test_greedy_verification_keeps_the_matching_prefix_then_the_targets_token():
+    assert accept_greedy([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]  # all pass: the bonus token
+    assert accept_greedy([5, 6, 7], [5, 9, 7, 8]) == [5, 9]  # the first mismatch ends the step
+    assert accept_greedy([5], [4, 1]) == [4]
+    assert accept_greedy([], [3]) == [3]
+
+
+@pytest.mark.parametrize("deterministic_draft", [True, False])
+def test_rejection_sampling_leaves_the_target_distribution_unchanged(deterministic_draft):
+    """Over many verify steps, the first emitted token follows the target's row-0 distribution,
+    whatever the drafts; total variation against it stays within sampling noise."""
+    generator = torch.Generator().manual_seed(0)
+    target = torch.tensor([[0.5, 0.2, 0.2, 0.1], [0.1, 0.6, 0.2, 0.1], [0.25, 0.25, 0.25, 0.25]])
+    draft_dist = torch.tensor([[0.1, 0.1, 0.7, 0.1], [0.4, 0.3, 0.2, 0.1]])
+    counts = torch.zeros(4)
+    num_samples = 20_000
+    for _ in range(num_samples):
+        if deterministic_draft:
+            drafts, draft_probs = [2, 1], None  # an n-gram's guess: one-hot draft distribution
+        else:
+            drafts = [int(torch.multinomial(row, 1, generator=generator)) for row in draft_dist]
+            draft_probs = draft_dist
+        emitted = rejection_sample(target, drafts, draft_probs, generator)
+        counts[emitted[0]] += 1
+    total_variation = 0.5 * (counts / num_samples - target[0]).abs().sum()
+    assert total_variation < 0.015, f"TV {total_variation:.4f}"
+
+
+def test_rejection_sampling_accepts_a_draft_the_target_is_sure_of_and_adds_a_bonus():
+    target = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
+    assert rejection_sample(target, [1], None) == [1, 2]
+    assert rejection_sample(target, [0], None) == [1]  # p(draft) = 0: rejected, resampled from p - q
+
+
+def test_ngram_proposes_what_followed_the_latest_longest_match():
+    ngram = NgramProposer(num_speculative_tokens=3, min_n=1, max_n=3)
+    assert ngram.propose_for([1, 2, 3, 4, 9, 1, 2, 3, 5, 6, 1, 2, 3]) == [5, 6, 1]  # latest "1 2 3"
+    assert ngram.propose_for([7, 8, 9]) == []  # nothing recurs
+    assert ngram.propose_for([4, 5, 6, 4]) == [5, 6, 4]  # a 1-gram when no longer one matches
+    assert NgramProposer(2, 2, 3).propose_for([4, 5, 6, 4]) == []  # min_n 2: the 1-gram does not count
+
+
+def test_speculative_config_rules():
+    assert build_config({"model_config": {"next_n": 2}}).speculation == ("mtp", 2)
+    assert build_config({"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}).speculation == (
+        "ngram",
+        3,
+    )
+    with pytest.raises(ConfigError, match="num_speculative_tokens in t.yaml must be >= 1"):
+        build_config({"speculative_config": {"method": "ngram"}}, source="t.yaml")
+    with pytest.raises(ConfigError, match="draft_model_path in t.yaml is required"):
+        build_config({"speculative_config": {"method": "draft_model", "num_speculative_tokens": 2}}, source="t.yaml")
+    with pytest.raises(ConfigError, match="next_n 1 means speculative_config.method mtp"):
+        build_config({"model_config": {"next_n": 1}, "speculative_config": {"method": "ngram"}}, source="t.yaml")
+
+
+def repetitive_records(count: int = 6, seed: int = 0) -> list[PromptRecord]:
+    """Prompts that repeat a phrase (n-grams recur), each request stopping at its own step."""
+    rng = random.Random(seed)
+    phrase = [rng.randrange(3, 250) for _ in range(9)]
+    records = token_records([phrase * 3 + [rng.randrange(3, 250) for _ in range(i)] for i in range(count)])
+    for index, record in enumerate(records):
+        record.sampling_overrides["max_new_tokens"] = 8 + 3 * index
+    return records
+
+
+def run(model_dir: Path, records: list[PromptRecord], **speculative) -> RunResult:
+    config = build_config(
+        {
+            "model_config": {"model_path": str(model_dir), "dtype": "float32", "device": "cpu"},
+            "data_config": {"apply_chat_template": False},
+            "scheduler_config": {"block_size": 4, "batch_size": 4, "num_blocks": 160, "max_model_len": 96},
+            "speculative_config": speculative,
+        },
+        source="test.yaml",
+    )
+    return OfflineInference(config, str(model_dir)).generate(records)
+
+
+def outputs(result: RunResult) -> list[list[int]]:
+    return [request.output_token_ids for request in result.requests]
+
+
+@pytest.fixture(scope="module")
+def greedy(tiny_llama_dir) -> list[list[int]]:
+    return outputs(run(tiny_llama_dir, repetitive_records()))
+
+
+def test_ngram_speculation_gives_greedy_output(tiny_llama_dir, greedy):
+    result = run(tiny_llama_dir, repetitive_records(), method="ngram", num_speculative_tokens=3, prompt_lookup_min=1)
+    assert outputs(result) == greedy
+    stats = result.summary["speculative"]
+    assert stats["draft_tokens"] > 0 and 0 <= stats["accept_rate"] <= 1
+    assert stats["mean_accept_length"] == 1 + stats["accepted_tokens"] / sum(
+        s.num_verified_requests for s in result.steps
+    )
+
+
+@pytest.fixture(scope="module")
+def other_tiny_llama_dir(tmp_path_factory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("other_tiny_llama"), seed=1)
+
+
+@pytest.mark.parametrize("draft", ["same", "other"])
+def test_draft_model_speculation_gives_greedy_output(draft, tiny_llama_dir, other_tiny_llama_dir, greedy):
+    """The target as its own draft accepts every draft; another random model few: both are exact."""
+    draft_dir = tiny_llama_dir if draft == "same" else other_tiny_llama_dir
+    result = run(
+        tiny_llama_dir,
+        repetitive_records(),
+        method="draft_model",
+        num_speculative_tokens=3,
+        draft_model_path=str(draft_dir),
+    )
+    assert outputs(result) == greedy
+    stats = result.summary["speculative"]
+    if draft == "same":
+        assert stats["accept_rate"] == 1.0 and stats["mean_accept_length"] > 3
+    else:
+        assert stats["accept_rate"] < 0.5
+
+
+def test_a_stop_token_inside_an_accepted_draft_ends_the_request_there(tiny_llama_dir, greedy):
+    records = repetitive_records()
+    stop_token = greedy[3][4]  # a token the target emits inside a step whose drafts all pass
+    records[3].sampling_overrides["stop_token_ids"] = [stop_token]
+    expected = outputs(run(tiny_llama_dir, records))
+    assert expected[3] == greedy[3][: greedy[3].index(stop_token) + 1]
+    result = run(
+        tiny_llama_dir, records, method="draft_model", num_speculative_tokens=3, draft_model_path=str(tiny_llama_dir)
+    )
+    assert outputs(result) == expected
