@@ -20,6 +20,7 @@ from executor.core.engine.step_inputs import ScheduledSequence, build_step_layou
 from executor.core.kv_cache import KVCacheManager, cdiv
 from executor.core.model_worker import ModelWorker
 from executor.core.model_worker.graph_runner import GraphRunner
+from executor.core.sampler import Sampler, SamplingMetadata
 from executor.core.types_ import Batch, Request, SamplingParams
 from executor.platform import create_platform, resolve_dtype
 from executor.platform.compile_cache import CompileCache
@@ -44,6 +45,7 @@ class ExecutionEngine:
         self.worker = ModelWorker(
             self.platform, self.dtype, config.model_config.with_ckpt, seed=config.data_config.seed
         )
+        self.sampler = Sampler(config.data_config.seed, self.platform.device)
         self.tokenizer: Any = None
         self.kv_cache_manager: KVCacheManager | None = None
         self.max_model_len = 0
@@ -233,7 +235,10 @@ class ExecutionEngine:
         if not layout.logits_indices:
             return [[] for _ in sequences]
         logits_indices = to_device(layout.logits_indices, torch.int64, self.platform.device)
-        token_ids = self._sample(self.worker.compute_logits(hidden_states, logits_indices))
+        requests_per_row = [
+            request for request, seq in zip(batch.requests, sequences, strict=True) for _ in range(seq.num_sampled_rows)
+        ]
+        token_ids = self._sample(self.worker.compute_logits(hidden_states, logits_indices), requests_per_row)
         new_token_ids: list[list[int]] = []
         row = 0
         for seq in sequences:
@@ -256,6 +261,17 @@ class ExecutionEngine:
             )
         return sequences
 
-    def _sample(self, logits: torch.Tensor) -> list[int]:
-        """Greedy argmax (every request is greedy until the sampler lands); the one host sync of the step."""
-        return logits.argmax(dim=-1).tolist()
+    def _sample(self, logits: torch.Tensor, requests_per_row: list[Request]) -> list[int]:
+        """One token per row of logits, each with its request's sampling parameters; the step's one
+        host read of the sampled ids (a second brings logprobs back when a request asks for them,
+        appended to its output_logprobs)."""
+        metadata = SamplingMetadata.build(requests_per_row, logits.device)
+        output = self.sampler.sample(logits, metadata)
+        token_ids = output.token_ids.tolist()
+        if output.logprobs is not None:
+            for request, token_logprobs in zip(
+                requests_per_row, output.logprobs.per_row(token_ids, metadata.num_logprobs), strict=True
+            ):
+                if token_logprobs is not None:
+                    request.output_logprobs.append(token_logprobs)
+        return token_ids
