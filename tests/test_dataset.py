@@ -321,12 +321,11 @@ def test_plain_text_works_with_a_tokenizer_that_has_no_chat_template() -> None:
 
 
 def test_a_line_overrides_sampling_parameters_with_values_of_their_type(tmp_path: Path) -> None:
-    path = write_jsonl(
-        tmp_path / "p.jsonl",
-        {"prompt": "hi", "max_new_tokens": 4, "temperature": 0, "top_p": 1, "stop_token_ids": [13, 7]},
-    )
+    overrides = {"max_new_tokens": 4, "temperature": 0, "top_p": 1, "min_p": 0.1, "repetition_penalty": 1.2}
+    overrides |= {"frequency_penalty": -0.5, "presence_penalty": 1, "logprobs": 3, "seed": 9}
+    path = write_jsonl(tmp_path / "p.jsonl", {"prompt": "hi", "stop_token_ids": [13, 7], **overrides})
     (record,) = load_prompts(path)
-    assert record.sampling_overrides == {"max_new_tokens": 4, "temperature": 0, "top_p": 1, "stop_token_ids": (13, 7)}
+    assert record.sampling_overrides == overrides | {"stop_token_ids": (13, 7)}
 
 
 @pytest.mark.parametrize(
@@ -336,6 +335,9 @@ def test_a_line_overrides_sampling_parameters_with_values_of_their_type(tmp_path
         ({"temperature": "hot"}, "'temperature' must be float"),
         ({"ignore_eos": 1}, "'ignore_eos' must be bool"),
         ({"top_k": True}, "'top_k' must be int"),
+        ({"min_p": "0.1"}, "'min_p' must be float"),
+        ({"logprobs": 1.5}, "'logprobs' must be int"),
+        ({"logprobs": None}, "'logprobs' must be int"),
         ({"stop_token_ids": [1, "x"]}, "'stop_token_ids' must be a list of ints"),
     ],
 )

@@ -29,6 +29,11 @@ SAMPLING_FIELDS: dict[str, type] = {
     "top_k": int,
     "top_p": float,
     "seed": int,
+    "min_p": float,
+    "repetition_penalty": float,
+    "frequency_penalty": float,
+    "presence_penalty": float,
+    "logprobs": int,
     "ignore_eos": bool,
     "stop_token_ids": list,
 }

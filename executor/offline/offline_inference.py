@@ -15,6 +15,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from executor.core.config import InferenceConfig
 from executor.core.engine import ExecutionEngine
+from executor.core.sampler import request_seed
 from executor.core.scheduler import Scheduler, SchedulerLimits, StepRecord
 from executor.core.types_ import Request, SamplingParams
 from executor.offline.dataset import DatasetError, PromptRecord, tokenize_record
@@ -55,7 +56,11 @@ class OfflineInference:
             temperature=data.temperature,
             top_k=data.top_k,
             top_p=data.top_p,
-            seed=data.seed,
+            min_p=data.min_p,
+            repetition_penalty=data.repetition_penalty,
+            frequency_penalty=data.frequency_penalty,
+            presence_penalty=data.presence_penalty,
+            logprobs=data.logprobs,
         )
 
     @property
@@ -117,9 +122,11 @@ class OfflineInference:
 
     def _make_request(self, record: PromptRecord) -> Request:
         """A request with the run's sampling parameters and the line's overrides; a record that
-        cannot be tokenized or served fails alone."""
+        cannot be tokenized or served fails alone. Without a seed of its own a request gets one
+        derived from data_config.seed and its id, so that its samples do not depend on the batch."""
         prompt = record.prompt if record.prompt is not None else record.messages
-        params = dataclasses.replace(self.default_sampling_params, **record.sampling_overrides)
+        own_seed = {"seed": request_seed(self.config.data_config.seed, record.id)}
+        params = dataclasses.replace(self.default_sampling_params, **(own_seed | record.sampling_overrides))
         try:
             token_ids = tokenize_record(record, self.tokenizer, self.config.data_config.apply_chat_template)
         except DatasetError as exc:

@@ -41,7 +41,24 @@ def request_result(request: Request, output_text: str) -> dict[str, Any]:
         "prompt_tokens": request.num_prompt_tokens,
         "finish_reason": request.finish_reason.value if request.finish_reason else None,
         "error": request.error,
+        "logprobs": _logprobs_result(request),
     }
+
+
+def _logprobs_result(request: Request) -> list[dict[str, Any]] | None:
+    """Per output token: its logprob and the top ones as [token id, logprob] pairs (docs/sampling.md);
+    None when the request asked for none. A step that samples several rows of a request may
+    sample past a stop token, whose tokens are dropped: their logprobs are cut here alike."""
+    if request.sampling_params.logprobs is None:
+        return None
+    return [
+        {
+            "token_id": entry.token_id,
+            "logprob": entry.logprob,
+            "top": [list(pair) for pair in zip(entry.top_token_ids, entry.top_logprobs, strict=True)],
+        }
+        for entry in request.output_logprobs[: len(request.output_token_ids)]
+    ]
 
 
 def failed_record_result(record: PromptRecord) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import logging
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -143,20 +144,26 @@ def _type_name(expected: Any) -> str:
 
 
 def _check_rule(value: Any, metadata: typing.Mapping[str, Any], where: str) -> None:
+    if value is None:  # an optional key left off: ranges apply to values only
+        return
     if isinstance(value, float) and value != value:
         raise ConfigError(f"{where} must be a number, got .nan")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{where} must be a finite number, got {value!r}")
     choices = metadata.get("choices")
     if choices is not None and value not in choices:
         raise ConfigError(f"{where} must be one of {list(choices)}, got {value!r}{_did_you_mean(str(value), choices)}")
     if "min" in metadata and value < metadata["min"]:
         raise ConfigError(f"{where} must be >= {metadata['min']}, got {value!r}")
+    if "above" in metadata and value <= metadata["above"]:
+        raise ConfigError(f"{where} must be > {metadata['above']}, got {value!r}")
     if "max" in metadata and value > metadata["max"]:
         raise ConfigError(f"{where} must be <= {metadata['max']}, got {value!r}")
 
 
 def _check_cross_rules(config: InferenceConfig) -> None:
     """Rules that involve more than one key, or features that are not built yet."""
-    data, sched = config.data_config, config.scheduler_config
+    sched = config.scheduler_config
     for bucket in sched.graph_buckets:
         if not 1 <= bucket <= sched.batch_size:
             raise ConfigError(
@@ -164,11 +171,6 @@ def _check_cross_rules(config: InferenceConfig) -> None:
                 f"({sched.batch_size}), got {bucket}"
             )
     _check_speculation(config)
-    if data.temperature > 0 or data.top_k > 0 or data.top_p < 1.0:
-        raise ConfigError(
-            f"data_config.temperature/top_k/top_p in {config.source}: only greedy decoding is built yet "
-            "(temperature 0, top_k 0, top_p 1.0)"
-        )
 
 
 def _check_speculation(config: InferenceConfig) -> None:

@@ -16,6 +16,8 @@ def _rule_text(metadata: dict) -> str:
         parts.append("one of " + ", ".join(f"`{c}`" for c in metadata["choices"]))
     if "min" in metadata:
         parts.append(f">= {metadata['min']}")
+    if "above" in metadata:
+        parts.append(f"> {metadata['above']}")
     if "max" in metadata:
         parts.append(f"<= {metadata['max']}")
     if metadata.get("npu_only"):

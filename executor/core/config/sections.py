@@ -1,6 +1,6 @@
 """The YAML sections of a run, with cann-recipes-infer key names, defaults and rules.
 
-Each field's metadata states its rule (`choices`, `min`, `max`) and whether it only means
+Each field's metadata states its rule (`choices`, `min`, `above` (exclusive), `max`) and whether it only means
 something on an NPU (`npu_only`), so one generic validator (inference_config.py) checks every key and
 docs/configuration.md can be read straight off these classes.
 """
@@ -47,10 +47,19 @@ class DataConfig:
     dataset: str = rule("default", help="a file in dataset/ (name with or without .jsonl)")
     dataset_path: str = rule("", help="any JSONL prompt file; wins over dataset")
     input_truncated_len: int = rule(0, min=0, help="keep the first N prompt tokens; 0 = no truncation")
-    temperature: float = rule(0.0, min=0.0, help="0 = greedy (the only mode so far)")
-    top_p: float = rule(1.0, min=0.0, max=1.0, help="1.0 only, until sampling is built")
-    top_k: int = rule(0, min=0, help="0 only, until sampling is built")
-    seed: int = rule(0, min=0, help="seed for random weights and sampling")
+    temperature: float = rule(0.0, min=0.0, help="0 (below 1e-5) = greedy; else random sampling (docs/sampling.md)")
+    top_p: float = rule(1.0, above=0.0, max=1.0, help="keep the most likely tokens up to this probability; 1.0 = all")
+    top_k: int = rule(0, min=0, help="keep the k most likely tokens; 0 = all")
+    seed: int = rule(
+        0, min=0, max=2**63 - 1, help="random weights; sampling: each request's own seed derives from it and its id"
+    )
+    min_p: float = rule(0.0, min=0.0, max=1.0, help="ours: cut tokens below min_p x the top probability; 0 = off")
+    repetition_penalty: float = rule(1.0, above=0.0, help="ours: on prompt and output tokens (HF / vLLM); 1.0 = off")
+    frequency_penalty: float = rule(0.0, min=-2.0, max=2.0, help="ours: minus this x count in the output; 0 = off")
+    presence_penalty: float = rule(0.0, min=-2.0, max=2.0, help="ours: minus this if in the output; 0 = off")
+    logprobs: int | None = rule(
+        None, min=0, max=20, help="ours: per output token, its logprob and the top N; null = off"
+    )
     apply_chat_template: bool = rule(True, help="ours: send text prompts through the chat template")
     num_prompts: int = rule(0, min=0, help="ours: use the first N prompts; 0 = all")
 

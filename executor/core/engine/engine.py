@@ -20,9 +20,11 @@ from executor.core.engine.step_inputs import ScheduledSequence, build_step_layou
 from executor.core.kv_cache import KVCacheManager, cdiv
 from executor.core.model_worker import ModelWorker
 from executor.core.model_worker.graph_runner import GraphRunner
+from executor.core.sampler import Sampler, SamplingMetadata
+from executor.core.sampler.noise import token_seed
 from executor.core.spec_decode.factory import make_proposer
 from executor.core.spec_decode.proposer import ProposalContext, Proposer
-from executor.core.spec_decode.verify import accept_greedy
+from executor.core.spec_decode.verify import accept_greedy, rejection_sample
 from executor.core.types_ import Batch, Request, SamplingParams
 from executor.core.types_.model_inputs import StepLayout
 from executor.platform import create_platform, resolve_dtype
@@ -48,6 +50,7 @@ class ExecutionEngine:
         self.worker = ModelWorker(
             self.platform, self.dtype, config.model_config.with_ckpt, seed=config.data_config.seed
         )
+        self.sampler = Sampler(config.data_config.seed, self.platform.device)
         self.tokenizer: Any = None
         self.kv_cache_manager: KVCacheManager | None = None
         self.max_model_len = 0
@@ -246,17 +249,39 @@ class ExecutionEngine:
             if all_logits is not None
             else self.worker.compute_logits(hidden_states, logits_indices)
         )
-        row_token_ids = self._sample(logits)
+        requests_per_row = [
+            request for request, seq in zip(batch.requests, sequences, strict=True) for _ in range(seq.num_sampled_rows)
+        ]
+        row_token_ids = self._sample(logits, requests_per_row)
         new_token_ids: list[list[int]] = []
         row = 0
         for index, seq in enumerate(sequences):
             rows = row_token_ids[row : row + seq.num_sampled_rows]
-            row += seq.num_sampled_rows
             drafts = batch.drafts_of(index)
-            new_token_ids.append(accept_greedy(drafts, rows) if drafts else rows)
+            if drafts:
+                rows = self._verify(batch.requests[index], drafts, rows, logits[row : row + seq.num_sampled_rows])
+            new_token_ids.append(rows)
+            row += seq.num_sampled_rows
         if self.proposer is not None:
             self._propose(batch, sequences, new_token_ids, hidden_states, layout)
         return new_token_ids
+
+    def _verify(self, request: Request, drafts: list[int], row_token_ids: list[int], logits: torch.Tensor) -> list[int]:
+        """What a request emits from its verify rows: the greedy prefix match, or rejection sampling
+        for a random request (its generator seeded by its seed and output index, as its sampled
+        tokens are); logprobs of the rows past what it emits are dropped."""
+        if request.sampling_params.is_greedy:
+            emitted = accept_greedy(drafts, row_token_ids)
+        else:
+            probs = self.sampler.probabilities(logits, SamplingMetadata.build([request] * len(logits), logits.device))
+            seed = request.sampling_params.seed
+            generator = None
+            if seed is not None:
+                generator = torch.Generator(logits.device).manual_seed(token_seed(seed, len(request.output_token_ids)))
+            emitted = rejection_sample(probs, drafts, None, generator)
+        if request.sampling_params.logprobs is not None:
+            del request.output_logprobs[len(request.output_logprobs) - (len(row_token_ids) - len(emitted)) :]
+        return emitted
 
     def _propose(
         self,
@@ -299,6 +324,17 @@ class ExecutionEngine:
             )
         return sequences
 
-    def _sample(self, logits: torch.Tensor) -> list[int]:
-        """Greedy argmax (every request is greedy until the sampler lands); the one host sync of the step."""
-        return logits.argmax(dim=-1).tolist()
+    def _sample(self, logits: torch.Tensor, requests_per_row: list[Request]) -> list[int]:
+        """One token per row of logits, each with its request's sampling parameters; the step's one
+        host read of the sampled ids (a second brings logprobs back when a request asks for them,
+        appended to its output_logprobs)."""
+        metadata = SamplingMetadata.build(requests_per_row, logits.device)
+        output = self.sampler.sample(logits, metadata)
+        token_ids = output.token_ids.tolist()
+        if output.logprobs is not None:
+            for request, token_logprobs in zip(
+                requests_per_row, output.logprobs.per_row(token_ids, metadata.num_logprobs), strict=True
+            ):
+                if token_logprobs is not None:
+                    request.output_logprobs.append(token_logprobs)
+        return token_ids

@@ -5,7 +5,7 @@ from executor.core.types_.block_hash import BlockHash
 from executor.core.types_.forward_metadata import CacheGroupTables, ForwardMetaData
 from executor.core.types_.kv_cache_spec import AttentionKind, KVCacheSpec, KVTensorSpec, attention_spec
 from executor.core.types_.model_inputs import ModelInputs, StepLayout
-from executor.core.types_.request import FinishReason, Request, RequestStatus, SamplingParams
+from executor.core.types_.request import FinishReason, Request, RequestStatus, SamplingParams, TokenLogprobs
 
 __all__ = [
     "AttentionKind",
@@ -21,5 +21,6 @@ __all__ = [
     "RequestStatus",
     "SamplingParams",
     "StepLayout",
+    "TokenLogprobs",
     "attention_spec",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 from executor.core.types_.block_hash import BlockHash
@@ -21,44 +22,75 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # the request failed alone; see Request.error
 
 
+GREEDY_TEMPERATURE = 1e-5  # temperatures below this choose greedily (as vLLM), so no row divides by ~0
+MAX_LOGPROBS = 20  # the most top logprobs a request may ask for (vLLM's default cap)
+PENALTY_RANGE = 2.0  # frequency and presence penalties lie in [-2, 2] (OpenAI, vLLM)
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How one request's tokens are chosen and when it stops; each request carries its own.
 
-    Defaults come from data_config / scheduler_config and a dataset line may override them. Only
-    greedy choice is built; the other values are checked and refused by name (see `check`).
+    Defaults come from data_config / scheduler_config and a dataset line may override them;
+    docs/sampling.md says what each knob does and in which order the sampler applies them.
     """
 
     max_new_tokens: int = 32
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # below GREEDY_TEMPERATURE = greedy
     top_k: int = 0  # 0 = no top-k cut
     top_p: float = 1.0  # 1.0 = no nucleus cut
-    seed: int | None = None  # per-request seed for random sampling; None = the run's seed
+    seed: int | None = None  # per-request seed for random sampling; None = the sampler's run generator
+    min_p: float = 0.0  # 0 = no min-p cut
+    repetition_penalty: float = 1.0  # 1.0 = off; over prompt + output tokens
+    frequency_penalty: float = 0.0  # 0 = off; times each token's count in the output
+    presence_penalty: float = 0.0  # 0 = off; once for each token present in the output
+    logprobs: int | None = None  # None = off; 0 = the sampled token's; n = also the top n
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 and self.top_k in (0, 1) and self.top_p == 1.0
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
     def check(self) -> str | None:
-        """Why these parameters cannot be served, or None."""
+        """Why these parameters cannot be served, or None; the message starts with the key at fault."""
         if self.max_new_tokens < 1:
             return f"max_new_tokens must be >= 1, got {self.max_new_tokens}"
-        if self.temperature < 0.0:
-            return f"temperature must be >= 0, got {self.temperature}"
+        # `not x >= lo` rather than `x < lo`: NaN (which json.loads accepts) fails every comparison
+        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
+            return f"temperature must be a finite number >= 0, got {self.temperature}"
         if self.top_k < 0:
             return f"top_k must be >= 0, got {self.top_k}"
         if not 0.0 < self.top_p <= 1.0:
             return f"top_p must be in (0, 1], got {self.top_p}"
-        if self.seed is not None and self.seed < 0:
-            return f"seed must be >= 0, got {self.seed}"
-        if not self.is_greedy:
-            return (
-                f"temperature {self.temperature}, top_k {self.top_k}, top_p {self.top_p}: only greedy decoding "
-                "is built yet (temperature 0, top_k 0 or 1, top_p 1.0)"
-            )
+        if not 0.0 <= self.min_p <= 1.0:
+            return f"min_p must be in [0, 1], got {self.min_p}"
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0):
+            return f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}"
+        for key in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, key)
+            if not -PENALTY_RANGE <= value <= PENALTY_RANGE:
+                return f"{key} must be in [-{PENALTY_RANGE:g}, {PENALTY_RANGE:g}], got {value}"
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            return f"seed must be in [0, 2**63), got {self.seed}"
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            return f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"
         return None
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """The logprobs of one output token (SamplingParams.logprobs): the sampled token's, and the
+    top n tokens' of the same distribution, most likely first."""
+
+    token_id: int
+    logprob: float
+    top_token_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -80,6 +112,8 @@ class Request:
     arrival_time_s: float = 0.0
     first_token_time_s: float | None = None
     finish_time_s: float | None = None
+    # One entry per sampled output token when sampling_params.logprobs is set (the engine appends).
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:
