@@ -35,7 +35,20 @@ apply_rotary = _dispatched(torch_ref.apply_rotary)
 silu_and_mul = _dispatched(torch_ref.silu_and_mul)
 write_kv_cache = _dispatched(torch_ref.write_kv_cache)
 paged_attention = _dispatched(torch_ref.paged_attention)
+write_latent_cache = _dispatched(torch_ref.write_latent_cache)
+mla_attention = _dispatched(torch_ref.mla_attention)
+moe_experts = _dispatched(torch_ref.moe_experts)
 
 OPS = ("rms_norm", "add_rms_norm", "apply_rotary", "silu_and_mul", "write_kv_cache", "paged_attention")
+# Ops with a torch reference only so far (MLA and MoE, for DeepSeek-V3): the NPU table lacks them,
+# so a model that calls them checks missing_ops() at construction instead of failing mid-run.
+OPS_WITHOUT_NPU = ("write_latent_cache", "mla_attention", "moe_experts")
 
-__all__ = [*OPS, "current_table", "make_op_table", "set_backend"]
+
+def missing_ops(names: tuple[str, ...]) -> list[str]:
+    """Which of `names` the current op table does not implement."""
+    table = current_table().ops
+    return [name for name in names if not callable(getattr(table, name, None))]
+
+
+__all__ = [*OPS, *OPS_WITHOUT_NPU, "current_table", "make_op_table", "missing_ops", "set_backend"]

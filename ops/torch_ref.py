@@ -186,3 +186,167 @@ def paged_attention(
         outputs.append(out.transpose(0, 1))
         query_start = query_end
     return torch.cat(outputs)
+
+
+def write_latent_cache(latent: torch.Tensor, latent_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store latent [T, D] into latent_cache [num_blocks, block_size, D] in place, token i at slot_mapping[i]."""
+    latent_cache.view(-1, latent.shape[-1]).index_copy_(0, slot_mapping, latent)
+
+
+def _split_kv_b(kv_b_weight: torch.Tensor, num_heads: int, qk_nope_head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_b_proj's weight [H * (nope + v), L] as W_UK [H, nope, L] and W_UV [H, v, L] (views)."""
+    per_head = kv_b_weight.view(num_heads, -1, kv_b_weight.shape[-1])
+    return per_head.split([qk_nope_head_dim, per_head.shape[1] - qk_nope_head_dim], dim=1)
+
+
+def mla_attention_naive(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    latent_cache: torch.Tensor,
+    kv_b_weight: torch.Tensor,
+    block_table: torch.Tensor,
+    query_ends: list[int],
+    seq_lens: list[int],
+    scale: float,
+) -> torch.Tensor:
+    """MLA with K/V decompressed per request: each request's latents [S, L] go through kv_b_proj into
+    per-head k_nope and v, the shared rope key is appended to every head's key, then causal SDPA
+    (bottom-right, as paged_attention). Reads only the request's real tokens through its blocks.
+
+    q_nope [T, H, nope], q_pe [T, H, R] (rotated), latent_cache [num_blocks, block_size, L + R]
+    -> [T, H, v]. Cheaper than the absorbed form when many queries share the keys (prefill).
+    """
+    num_heads, qk_nope_head_dim = q_nope.shape[1:]
+    kv_lora_rank = latent_cache.shape[-1] - q_pe.shape[-1]
+    block_size = latent_cache.shape[1]
+    query = torch.cat((q_nope, q_pe), dim=-1)
+    outputs = []
+    query_start = 0
+    for index, (query_end, kv_len) in enumerate(zip(query_ends, seq_lens, strict=True)):
+        block_ids = block_table[index, : -(-kv_len // block_size)]
+        latent, k_pe = latent_cache[block_ids].flatten(0, 1)[:kv_len].split([kv_lora_rank, q_pe.shape[-1]], dim=-1)
+        k_nope, value = (
+            F.linear(latent, kv_b_weight)
+            .view(kv_len, num_heads, -1)
+            .split([qk_nope_head_dim, kv_b_weight.shape[0] // num_heads - qk_nope_head_dim], dim=-1)
+        )
+        key = torch.cat((k_nope, k_pe[:, None].expand(-1, num_heads, -1)), dim=-1)
+        q_len = query_end - query_start
+        mask = _prefill_mask(q_len, kv_len, 0, None, query.device)
+        out = F.scaled_dot_product_attention(
+            query[query_start:query_end].transpose(0, 1),
+            key.transpose(0, 1),
+            value.transpose(0, 1),
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+        )
+        outputs.append(out.transpose(0, 1))
+        query_start = query_end
+    return torch.cat(outputs)
+
+
+def mla_decode_absorbed(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    latent_cache: torch.Tensor,
+    kv_b_weight: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """MLA decode in latent space: W_UK folded into the query (q_nope W_UK -> [B, H, L]) and W_UV into
+    the output, so attention runs as one-KV-head attention over the cached latents themselves (keys:
+    the whole latent [L + R], values: its first L) and K/V are never decompressed. One query token
+    per request; same inputs and output as mla_attention_naive.
+
+    Runs paged_decode_attention with the latent cache as both K and V (one head of L + R) and keeps
+    the first L of its output: one code path for the paged gather and its masking, at the price of
+    gathering the latents twice and R / (L + R) extra work in the value product.
+    """
+    kv_lora_rank = latent_cache.shape[-1] - q_pe.shape[-1]
+    w_uk, w_uv = _split_kv_b(kv_b_weight, q_nope.shape[1], q_nope.shape[2])
+    q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [H, B, nope] @ [H, nope, L]
+    cache = latent_cache.unsqueeze(2)  # [num_blocks, block_size, 1, L + R]
+    out = paged_decode_attention(torch.cat((q_latent, q_pe), dim=-1), cache, cache, block_table, seq_lens, scale, 0)
+    return torch.bmm(out[..., :kv_lora_rank].transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
+
+def mla_attention(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    latent_cache: torch.Tensor,
+    kv_b_weight: torch.Tensor,
+    block_table: torch.Tensor,
+    forward_metadata: TorchAttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Causal multi-head latent attention over the paged latent cache -> [T, H, v].
+
+    A decode-shaped step takes the absorbed form (per token, H x (L + R) work per cached token and
+    no decompression); any other step decompresses K/V per request (mla_attention_naive), where
+    the decompression is shared by the request's many queries.
+    """
+    if forward_metadata.is_decode_shaped:
+        return mla_decode_absorbed(
+            q_nope, q_pe, latent_cache, kv_b_weight, block_table, forward_metadata.seq_lens, scale
+        )
+    return mla_attention_naive(
+        q_nope,
+        q_pe,
+        latent_cache,
+        kv_b_weight,
+        block_table,
+        forward_metadata.query_ends_list,
+        forward_metadata.seq_lens_list,
+        scale,
+    )
+
+
+def moe_experts(
+    hidden_states: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+) -> torch.Tensor:
+    """Routed experts: each token [T, H] through its top-k SwiGLU experts, summed with its weights.
+
+    gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]; topk_ids/topk_weights [T, K].
+    """
+    return grouped_experts(hidden_states, topk_weights, topk_ids, gate_up_proj, down_proj)
+
+
+@torch.library.custom_op("infer_recipes::grouped_experts", mutates_args=())
+def grouped_experts(
+    hidden_states: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+) -> torch.Tensor:
+    """moe_experts' body: tokens grouped by expert with one sort, then each expert that any token
+    chose runs one matmul pair over its tokens only. That reads the per-expert counts on the host,
+    so it is an opaque op (as paged_decode_attention is): a compiled decode keeps one graph.
+    """
+    top_k = topk_ids.shape[1]
+    flat_ids = topk_ids.flatten()
+    order = flat_ids.argsort(stable=True)
+    counts = torch.bincount(flat_ids, minlength=gate_up_proj.shape[0]).tolist()
+    flat_weights = topk_weights.flatten()
+    output = torch.zeros_like(hidden_states)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        picks = order[start : start + count]
+        start += count
+        tokens = picks // top_k
+        expert_out = F.linear(silu_and_mul(F.linear(hidden_states[tokens], gate_up_proj[expert])), down_proj[expert])
+        output.index_add_(0, tokens, (expert_out * flat_weights[picks, None]).to(output.dtype))
+    return output
+
+
+@grouped_experts.register_fake
+def _(hidden_states, topk_weights, topk_ids, gate_up_proj, down_proj):
+    return torch.empty_like(hidden_states)

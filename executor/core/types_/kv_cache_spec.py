@@ -60,3 +60,10 @@ def attention_spec(
     shape = (num_kv_heads, head_dim)
     kind = AttentionKind.FULL if sliding_window is None else AttentionKind.SLIDING_WINDOW
     return KVCacheSpec((KVTensorSpec("key", shape, dtype), KVTensorSpec("value", shape, dtype)), kind, sliding_window)
+
+
+def mla_spec(kv_lora_rank: int, qk_rope_head_dim: int, dtype: torch.dtype) -> KVCacheSpec:
+    """Multi-head latent attention: one compressed latent per token, shared by every head (the
+    kv_lora_rank part K and V are decompressed from, then the rotated rope key), kept for the
+    whole sequence."""
+    return KVCacheSpec((KVTensorSpec("latent", (kv_lora_rank + qk_rope_head_dim,), dtype),))

@@ -1,0 +1,301 @@
+"""DeepSeek-V3 (every checkpoint that loads as transformers' DeepseekV3ForCausalLM) on the packed TND
+path, with its multi-token-prediction (MTP) modules.
+
+MLA attention over a paged cache of latents (module/mla.py); a dense MLP in the first
+first_k_dense_replace layers and MoE after them (shared experts plus routed experts with V3's
+grouped routing, module/moe.py); num_nextn_predict_layers MTP modules, which the main forward never
+runs and the speculative-decoding worker drives through mtp_forward / mtp_compute_logits. Parity
+with transformers: tests/test_deepseek_v3_parity.py.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from transformers import DeepseekV3Config
+
+import ops
+from executor.core.types_.forward_metadata import ForwardMetaData
+from executor.model_loader.errors import WeightLoadError
+from module.embedding import ParallelLMHead, VocabParallelEmbedding
+from module.linear import ColumnParallelLinear
+from module.mla import MLAAttention
+from module.mlp import GatedMLP
+from module.moe import FusedExperts, TopkRouter
+from module.norm import RMSNorm
+from module.rotary import RotaryEmbedding
+from module.weights import ShardId, default_weight_loader
+
+# One routed expert's projection in a checkpoint: model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight
+EXPERT_TENSOR = re.compile(
+    r"^(?P<module>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<projection>gate_proj|up_proj|down_proj)\.weight$"
+)
+# MTP modules' copies of the embedding and LM head, which they share with the model.
+SHARED_MTP_TENSOR = re.compile(r"^model\.layers\.\d+\.(embed_tokens|shared_head\.head)\.weight$")
+# Which part of a parameter a checkpoint tensor filled: a merged layer's shard, or (expert, projection).
+ShardKey = ShardId | tuple[int, str]
+
+
+def check_routing(config: DeepseekV3Config) -> None:
+    """V2-era configs route differently (softmax scores, greedy top-k); only V3's routing is built."""
+    scoring_func = getattr(config, "scoring_func", "sigmoid")
+    topk_method = getattr(config, "topk_method", "noaux_tc")
+    if (scoring_func, topk_method) != ("sigmoid", "noaux_tc"):
+        raise ValueError(
+            f"config scoring_func {scoring_func!r} / topk_method {topk_method!r}: only DeepSeek-V3's "
+            "'sigmoid' / 'noaux_tc' routing is implemented"
+        )
+
+
+class DeepseekV3MoE(nn.Module):
+    def __init__(self, config: DeepseekV3Config, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        self.gate = TopkRouter(
+            config.hidden_size,
+            config.n_routed_experts,
+            config.num_experts_per_tok,
+            config.n_group or 1,
+            config.topk_group or 1,
+            config.norm_topk_prob,
+            config.routed_scaling_factor,
+        )
+        self.experts = FusedExperts(
+            config.n_routed_experts, config.hidden_size, config.moe_intermediate_size, tp_rank, tp_size
+        )
+        self.shared_experts = (
+            GatedMLP(
+                config.hidden_size,
+                config.moe_intermediate_size * config.n_shared_experts,
+                config.hidden_act,
+                tp_rank=tp_rank,
+                tp_size=tp_size,
+            )
+            if config.n_shared_experts
+            else None
+        )
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        output = self.experts(hidden_states, *self.gate(hidden_states))
+        if self.shared_experts is not None:
+            output = output + self.shared_experts(hidden_states)
+        return output
+
+
+class DeepseekV3DecoderLayer(nn.Module):
+    def __init__(self, config: DeepseekV3Config, layer_index: int, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        self.self_attn = MLAAttention(config, tp_rank, tp_size)
+        if layer_index >= config.first_k_dense_replace:
+            self.mlp = DeepseekV3MoE(config, tp_rank, tp_size)
+        else:
+            self.mlp = GatedMLP(
+                config.hidden_size, config.intermediate_size, config.hidden_act, tp_rank=tp_rank, tp_size=tp_size
+            )
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        forward_metadata: ForwardMetaData,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm block; the residual add is fused into the next norm, so (output, residual) flow on."""
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(hidden_states, rotary, forward_metadata)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class SharedHead(nn.Module):
+    """An MTP module's last norm; its head is the model's LM head (shared, as in DeepSeek-V3)."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.norm = RMSNorm(hidden_size, eps)
+
+
+class DeepseekV3MTPLayer(DeepseekV3DecoderLayer):
+    """One MTP module (DeepSeek-V3 report, section 2.2): the embedding of the next token and the
+    previous depth's hidden state, each normed, concatenated [embeds, hidden] and projected back to
+    the hidden size, then one decoder layer (as layer index N + i would be built). A subclass of
+    the decoder layer so that checkpoint names model.layers.{N+i}.* map onto it unchanged."""
+
+    def __init__(self, config: DeepseekV3Config, layer_index: int, tp_rank: int, tp_size: int) -> None:
+        super().__init__(config, layer_index, tp_rank, tp_size)
+        self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.eh_proj = ColumnParallelLinear(2 * config.hidden_size, config.hidden_size, bias=False)  # replicated
+        self.shared_head = SharedHead(config.hidden_size, config.rms_norm_eps)
+
+    def predict(
+        self,
+        inputs_embeds: torch.Tensor,
+        previous_hidden_states: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        forward_metadata: ForwardMetaData,
+    ) -> torch.Tensor:
+        """-> hidden states after the block's residual add, before shared_head.norm."""
+        hidden_states = self.eh_proj(torch.cat((self.enorm(inputs_embeds), self.hnorm(previous_hidden_states)), dim=-1))
+        hidden_states, residual = self(hidden_states, None, rotary, forward_metadata)
+        return hidden_states + residual
+
+
+class DeepseekV3Model(nn.Module):
+    def __init__(self, config: DeepseekV3Config, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        self.num_hidden_layers = config.num_hidden_layers
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_rank, tp_size)
+        # The MTP modules follow the decoder layers in one list, indexed as in the checkpoints.
+        self.layers = nn.ModuleList(
+            [DeepseekV3DecoderLayer(config, index, tp_rank, tp_size) for index in range(config.num_hidden_layers)]
+            + [
+                DeepseekV3MTPLayer(config, config.num_hidden_layers + index, tp_rank, tp_size)
+                for index in range(config.num_nextn_predict_layers or 0)
+            ]
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # One cos/sin table of the rope dims for all layers, looked up once per step.
+        self.rotary_emb = RotaryEmbedding(config, config.qk_rope_head_dim)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_metadata: ForwardMetaData
+    ) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        rotary = self.rotary_emb(positions, hidden_states.dtype)
+        residual = None
+        for layer in self.layers[: self.num_hidden_layers]:
+            hidden_states, residual = layer(hidden_states, residual, rotary, forward_metadata)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    # checkpoint module name -> (our fused module, shard id passed to its weight_loader)
+    packed_modules_mapping: dict[str, tuple[str, int | str]] = {
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, hf_config: DeepseekV3Config, *, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        missing = ops.missing_ops(ops.OPS_WITHOUT_NPU)
+        if missing:
+            raise NotImplementedError(
+                f"DeepSeek-V3 needs ops {', '.join(missing)}, which the {ops.current_table().backend} backend does "
+                "not have yet (MLA and MoE kernels there are left for later); run it on cpu or cuda"
+            )
+        check_routing(hf_config)
+        self.config = hf_config
+        self.model = DeepseekV3Model(hf_config, tp_rank, tp_size)
+        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, tp_rank, tp_size)
+        if hf_config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.num_mtp_layers = len(self.model.layers) - hf_config.num_hidden_layers
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_metadata: ForwardMetaData
+    ) -> torch.Tensor:
+        """Packed input_ids/positions [T] -> final hidden states [T, hidden] (after the last norm)."""
+        return self.model(input_ids, positions, forward_metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor, row_indices: torch.Tensor) -> torch.Tensor:
+        """Logits [rows, vocab] of the rows a step samples; the LM head gathers its vocab shards."""
+        return self.lm_head(hidden_states, row_indices)
+
+    def mtp_layer(self, layer: int) -> DeepseekV3MTPLayer:
+        if not 0 <= layer < self.num_mtp_layers:
+            raise IndexError(f"MTP layer {layer} does not exist: the model has {self.num_mtp_layers}")
+        return self.model.layers[self.config.num_hidden_layers + layer]
+
+    def mtp_forward(
+        self,
+        layer: int,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        previous_hidden_states: torch.Tensor,
+        forward_metadata: ForwardMetaData,
+    ) -> torch.Tensor:
+        """MTP module `layer` on packed input_ids/positions [T] (each row's next token, at the row's
+        position) and the previous depth's hidden states [T, hidden] (for layer 0, forward()'s
+        output, after the final norm) -> hidden states [T, hidden] before shared_head.norm. Its
+        attention reads and writes its own latent cache through the step's block tables."""
+        inputs_embeds = self.model.embed_tokens(input_ids)
+        rotary = self.model.rotary_emb(positions, inputs_embeds.dtype)
+        return self.mtp_layer(layer).predict(inputs_embeds, previous_hidden_states, rotary, forward_metadata)
+
+    def mtp_compute_logits(self, layer: int, hidden_states: torch.Tensor, row_indices: torch.Tensor) -> torch.Tensor:
+        """shared_head.norm then the shared LM head -> logits [rows, vocab]."""
+        return self.lm_head(self.mtp_layer(layer).shared_head.norm(hidden_states), row_indices)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named tensors (one per routed expert and projection, as DeepSeek checkpoints store
+        them); returns the parameters that received every shard they need."""
+        params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
+        received: dict[str, set[ShardKey]] = {}
+        for checkpoint_name, tensor in weights:
+            if self._is_skipped(checkpoint_name):
+                continue
+            try:
+                name, shard = self._load_tensor(checkpoint_name, tensor, params, modules)
+            except WeightLoadError as error:
+                raise WeightLoadError(f"checkpoint tensor {checkpoint_name!r}: {error}") from None
+            received.setdefault(name, set()).add(shard)
+        return {name for name, shards in received.items() if len(shards) == self._shards_needed(name)}
+
+    def _is_skipped(self, checkpoint_name: str) -> bool:
+        return (
+            "rotary_emb.inv_freq" in checkpoint_name
+            or (checkpoint_name == "lm_head.weight" and self.config.tie_word_embeddings)
+            or SHARED_MTP_TENSOR.match(checkpoint_name) is not None
+        )
+
+    def _load_tensor(
+        self,
+        checkpoint_name: str,
+        tensor: torch.Tensor,
+        params: dict[str, nn.Parameter],
+        modules: dict[str, nn.Module],
+    ) -> tuple[str, ShardKey]:
+        """Copy one checkpoint tensor into its parameter; -> (parameter name, which shard it was)."""
+        if checkpoint_name.endswith("_scale_inv"):
+            raise WeightLoadError(
+                "an FP8 block scale: quantized DeepSeek checkpoints are not supported, use a bf16 one"
+            )
+        expert = EXPERT_TENSOR.match(checkpoint_name)
+        if expert is not None:
+            experts = modules.get(expert["module"])
+            if not isinstance(experts, FusedExperts):
+                raise WeightLoadError(f"{type(self).__name__} has no routed experts at {expert['module']!r}")
+            param_name = experts.load_expert_weight(tensor, int(expert["expert"]), expert["projection"])
+            return f"{expert['module']}.{param_name}", (int(expert["expert"]), expert["projection"])
+        name, shard_id = checkpoint_name, None
+        for checkpoint_module, (fused_module, fused_shard) in self.packed_modules_mapping.items():
+            if f".{checkpoint_module}." in checkpoint_name:
+                name = checkpoint_name.replace(f".{checkpoint_module}.", f".{fused_module}.")
+                shard_id = fused_shard
+                break
+        param = params.get(name)
+        if param is None:
+            raise WeightLoadError(f"unexpected: {type(self).__name__} has no parameter {name!r}")
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        loader(param, tensor, shard_id)
+        return name, shard_id
+
+    def _shards_needed(self, name: str) -> int:
+        """Stacked experts need one tensor per expert and projection; merged layers one per part."""
+        if name.endswith("experts.gate_up_proj"):
+            return 2 * self.config.n_routed_experts
+        if name.endswith("experts.down_proj"):
+            return self.config.n_routed_experts
+        return Counter(module for module, _ in self.packed_modules_mapping.values()).get(name.split(".")[-2], 1)

@@ -1,0 +1,111 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) over a paged cache of compressed latents.
+
+Each token's K and V for every head come from one latent: kv_lora_rank values (normed) that
+kv_b_proj decompresses into per-head k_nope and v, plus one rope key of qk_rope_head_dim shared by
+all heads. The cache keeps only that latent (kv_lora_rank + qk_rope_head_dim per token, not per
+head); ops.mla_attention attends over it, decompressing per request in prefill and folding
+kv_b_proj into the query and output in decode (see ops/torch_ref.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PretrainedConfig
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
+
+import ops
+from executor.core.types_.forward_metadata import ForwardMetaData
+from executor.core.types_.kv_cache_spec import KVCacheSpec, mla_spec
+from module.attention import KVCacheLayer
+from module.linear import ColumnParallelLinear, RowParallelLinear, divide
+from module.norm import RMSNorm
+
+# transformers builds q_a_layernorm and kv_a_layernorm with RMSNorm's default eps, not rms_norm_eps.
+LATENT_NORM_EPS = 1e-6
+
+
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """Rope dims stored as pairs (x0, x1), (x2, x3), ... -> (x0, x2, ..., x1, x3, ...), so that the
+    rotate-half rotary of ops.apply_rotary rotates each pair by its frequency. Applied to query and
+    key alike, it gives exactly transformers' interleaved rotary output (rope_interleave)."""
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+
+
+class MLAAttention(KVCacheLayer):
+    """Projections named as in DeepSeek checkpoints; heads split over tensor-parallel ranks (q_b_proj
+    or q_proj, kv_b_proj, o_proj), the down-projections to the latents replicated."""
+
+    def __init__(self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        hidden_size, total_heads = config.hidden_size, config.num_attention_heads
+        self.num_heads = divide(total_heads, tp_size)
+        self.qk_nope_head_dim = config.qk_nope_head_dim
+        self.qk_rope_head_dim = config.qk_rope_head_dim
+        self.v_head_dim = config.v_head_dim
+        self.kv_lora_rank = config.kv_lora_rank
+        self.q_lora_rank = config.q_lora_rank
+        self.rope_interleave = config.rope_interleave
+        qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+        parallel = dict(tp_rank=tp_rank, tp_size=tp_size)
+        if self.q_lora_rank is None:
+            self.q_proj = ColumnParallelLinear(hidden_size, total_heads * qk_head_dim, bias=False, **parallel)
+        else:
+            self.q_a_proj = ColumnParallelLinear(hidden_size, self.q_lora_rank, bias=config.attention_bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, total_heads * qk_head_dim, bias=False, **parallel)
+        self.kv_a_proj_with_mqa = ColumnParallelLinear(
+            hidden_size, self.kv_lora_rank + self.qk_rope_head_dim, bias=config.attention_bias
+        )
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_b_proj = ColumnParallelLinear(
+            self.kv_lora_rank, total_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False, **parallel
+        )
+        self.o_proj = RowParallelLinear(
+            total_heads * self.v_head_dim, hidden_size, bias=config.attention_bias, **parallel
+        )
+        # yarn's mscale enters the softmax scale too, as in transformers (a no-op for other rope types).
+        self.scale = yarn_apply_mscale(config.rope_parameters, qk_head_dim**-0.5)
+        self.cache_dtype = torch.get_default_dtype()  # the worker builds the model under its dtype
+        self.latent_cache = torch.empty(0)
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        return mla_spec(self.kv_lora_rank, self.qk_rope_head_dim, self.cache_dtype)
+
+    def bind_kv_cache(self, caches: dict[str, torch.Tensor], group_id: int) -> None:
+        latent_cache = caches["latent"]
+        width = self.kv_lora_rank + self.qk_rope_head_dim
+        assert latent_cache.dim() == 3 and latent_cache.shape[2] == width, (
+            f"MLA cache must be [num_blocks, block_size, {width}], got {tuple(latent_cache.shape)}"
+        )
+        self.latent_cache = latent_cache
+        self.kv_cache_group_id = group_id
+
+    def kv_caches(self) -> dict[str, torch.Tensor]:
+        return {"latent": self.latent_cache}
+
+    def forward(
+        self, hidden_states: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], forward_metadata: ForwardMetaData
+    ) -> torch.Tensor:
+        """hidden [T, hidden], rotary (cos, sin) [T, qk_rope_head_dim] -> [T, hidden]."""
+        if self.kv_cache_group_id < 0:
+            raise RuntimeError("MLAAttention has no KV cache: the worker must call bind_kv_cache before forward")
+        if self.q_lora_rank is None:
+            query = self.q_proj(hidden_states)
+        else:
+            query = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+        q_nope, q_pe = query.view(-1, self.num_heads, query.shape[-1] // self.num_heads).split(
+            [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1
+        )
+        latent, k_pe = self.kv_a_proj_with_mqa(hidden_states).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        k_pe = k_pe.unsqueeze(1)  # [T, 1, R]: one rope key for every head
+        if self.rope_interleave:
+            q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
+        q_pe, k_pe = ops.apply_rotary(q_pe, k_pe, *rotary)
+        tables = forward_metadata.groups[self.kv_cache_group_id]
+        ops.write_latent_cache(
+            torch.cat((self.kv_a_layernorm(latent), k_pe.squeeze(1)), dim=-1), self.latent_cache, tables.slot_mapping
+        )
+        output = ops.mla_attention(
+            q_nope, q_pe, self.latent_cache, self.kv_b_proj.weight, tables.block_table, forward_metadata, self.scale
+        )
+        return self.o_proj(output.flatten(1))

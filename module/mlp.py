@@ -1,0 +1,35 @@
+"""The gated (SwiGLU) MLP: down(silu(gate(x)) * up(x)), with gate and up merged into one matmul."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from module.activation import SiluAndMul
+from module.linear import MergedColumnParallelLinear, RowParallelLinear
+
+
+class GatedMLP(nn.Module):
+    """Checkpoints name the halves gate_proj and up_proj; models map them onto gate_up_proj's
+    shards 0 and 1 (packed_modules_mapping)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        hidden_act: str = "silu",
+        bias: bool = False,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        super().__init__()
+        if hidden_act != "silu":
+            raise ValueError(f"GatedMLP supports hidden_act 'silu' only, got {hidden_act!r}")
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size, intermediate_size], bias=bias, tp_rank=tp_rank, tp_size=tp_size
+        )
+        self.act_fn = SiluAndMul()
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, tp_rank=tp_rank, tp_size=tp_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))

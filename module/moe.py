@@ -1,0 +1,132 @@
+"""Mixture of experts: DeepSeek-V3's router and routed experts stored stacked for one op call.
+
+The router (sigmoid scores; a per-expert bias that steers the choice but not the weights; top-k
+within the best groups) follows transformers' DeepseekV3TopkRouter op for op, so that ties between
+equal scores break the same way. The experts hold every expert's weights in two stacked tensors, as
+transformers does, and run through ops.moe_experts; tensor parallelism splits each expert's
+intermediate dim and all-reduces the partial sums.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import ops
+from executor.model_loader.errors import WeightLoadError
+from module.linear import divide
+from module.weights import load_shard
+
+
+def grouped_topk(
+    router_logits: torch.Tensor,
+    e_score_correction_bias: torch.Tensor,
+    top_k: int,
+    num_groups: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] (fp32) -> (weights [T, top_k] fp32, expert ids [T, top_k]).
+
+    Experts are split into `num_groups` groups scored by the sum of their two best biased scores;
+    the `topk_group` best groups are kept and `top_k` experts chosen within them by biased score.
+    Weights are the unbiased sigmoid scores of the chosen experts, renormalised when
+    norm_topk_prob, times routed_scaling_factor.
+    """
+    scores = router_logits.sigmoid()
+    scores_for_choice = scores + e_score_correction_bias
+    num_experts = scores.shape[-1]
+    experts_per_group = num_experts // num_groups
+    group_scores = scores_for_choice.view(-1, num_groups, experts_per_group).topk(2, dim=-1)[0].sum(dim=-1)
+    group_ids = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_ids, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(-1, num_groups, experts_per_group).reshape(-1, num_experts)
+    scores_for_choice = scores_for_choice.masked_fill(~score_mask.bool(), float("-inf"))
+    topk_ids = torch.topk(scores_for_choice, k=top_k, dim=-1, sorted=False)[1]
+    topk_weights = scores.gather(1, topk_ids)
+    if norm_topk_prob:
+        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return topk_weights * routed_scaling_factor, topk_ids
+
+
+class TopkRouter(nn.Module):
+    """The gate: fp32 logits (as transformers keeps the router in fp32 whatever the model's dtype),
+    then grouped_topk. Every rank holds it whole."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        num_groups: int,
+        topk_group: int,
+        norm_topk_prob: bool,
+        routed_scaling_factor: float,
+    ) -> None:
+        super().__init__()
+        if num_experts % num_groups or not 1 <= topk_group <= num_groups or top_k > num_experts:
+            raise ValueError(
+                f"router: {num_experts} experts in n_group {num_groups} groups, topk_group {topk_group}, "
+                f"top_k {top_k} do not fit"
+            )
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32), requires_grad=False)
+        self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32), requires_grad=False)
+        self.top_k = top_k
+        self.num_groups = num_groups
+        self.topk_group = topk_group
+        self.norm_topk_prob = norm_topk_prob
+        self.routed_scaling_factor = routed_scaling_factor
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        router_logits = F.linear(hidden_states.float(), self.weight)
+        return grouped_topk(
+            router_logits,
+            self.e_score_correction_bias,
+            self.top_k,
+            self.num_groups,
+            self.topk_group,
+            self.norm_topk_prob,
+            self.routed_scaling_factor,
+        )
+
+
+class FusedExperts(nn.Module):
+    """E SwiGLU experts: gate_up_proj [E, 2I, H] (gate rows, then up rows) and down_proj [E, H, I],
+    with I this rank's share of moe_intermediate_size. Checkpoints store one tensor per expert and
+    projection; load_expert_weight puts each in its place."""
+
+    PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.intermediate_per_rank = divide(intermediate_size, tp_size)
+        size = self.intermediate_per_rank
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * size, hidden_size), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, size), requires_grad=False)
+
+    def load_expert_weight(self, loaded_weight: torch.Tensor, expert_id: int, projection: str) -> str:
+        """Copy this rank's slice of one expert's gate_proj/up_proj [I, H] or down_proj [H, I];
+        returns the name of the parameter it went into."""
+        if not 0 <= expert_id < self.num_experts:
+            raise WeightLoadError(f"expert {expert_id} out of range: the layer has {self.num_experts} experts")
+        if projection == "down_proj":
+            load_shard(self.down_proj.data[expert_id], loaded_weight, 1, self.tp_rank, self.tp_size)
+            return "down_proj"
+        size = self.intermediate_per_rank
+        offset = self.PROJECTIONS.index(projection) * size
+        load_shard(
+            self.gate_up_proj.data[expert_id].narrow(0, offset, size), loaded_weight, 0, self.tp_rank, self.tp_size
+        )
+        return "gate_up_proj"
+
+    def forward(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        output = ops.moe_experts(hidden_states, topk_weights, topk_ids, self.gate_up_proj, self.down_proj)
+        if self.tp_size > 1:
+            dist.all_reduce(output)
+        return output
