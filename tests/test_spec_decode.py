@@ -150,3 +150,22 @@ def test_a_stop_token_inside_an_accepted_draft_ends_the_request_there(tiny_llama
         tiny_llama_dir, records, method="draft_model", num_speculative_tokens=3, draft_model_path=str(tiny_llama_dir)
     )
     assert outputs(result) == expected
+
+
+def test_random_requests_under_speculation_are_reproducible_and_use_rejection_sampling(tiny_llama_dir):
+    """A seeded random request verifies drafts by rejection sampling: two runs give the same
+    outputs, and the target's own greedy drafts are accepted at a rate below 1 (a greedy request
+    accepts every one of them), since each passes only with its probability under the target."""
+    records = repetitive_records()
+    for record in records:
+        record.sampling_overrides |= {"temperature": 0.8, "seed": 7}
+    first = run(
+        tiny_llama_dir, records, method="draft_model", num_speculative_tokens=3, draft_model_path=str(tiny_llama_dir)
+    )
+    second = run(
+        tiny_llama_dir, records, method="draft_model", num_speculative_tokens=3, draft_model_path=str(tiny_llama_dir)
+    )
+    assert outputs(first) == outputs(second)
+    assert all(len(out) == 8 + 3 * index for index, out in enumerate(outputs(first)))  # EOS never drawn here
+    stats = first.summary["speculative"]
+    assert stats["draft_tokens"] > 0 and stats["accept_rate"] < 1

@@ -1,0 +1,45 @@
+"""MTP speculative decoding on a DeepSeek-V3-style model with one MTP module (random weights):
+greedy output identical to greedy decoding without speculation, with one and with two drafts per
+step (the second reuses the single module), through prefill chunks and a batch that shrinks."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import tiny_tokenizer
+from tests.deepseek_v3_harness import deepseek_config, random_prompts, save_checkpoint
+from tests.engine_harness import make_inference, token_records
+
+
+@pytest.fixture(scope="module")
+def deepseek_dir(tmp_path_factory):
+    config = deepseek_config(
+        num_nextn_predict_layers=1, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=2
+    )
+    path = tmp_path_factory.mktemp("tiny_deepseek_v3_mtp")
+    save_checkpoint(path, config)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+def greedy(path, next_n: int) -> tuple[list[list[int]], dict]:
+    records = token_records(random_prompts([1, 5, 17, 33, 8, 40, 3], seed=5))
+    for index, record in enumerate(records):
+        record.sampling_overrides["max_new_tokens"] = 6 + 4 * index
+    inference = make_inference(
+        path,
+        model_config={"model_name": "deepseek_v3", "next_n": next_n},
+        batch_size=4,
+        max_prefill_tokens=24,  # prompts of 33 and 40 tokens are prefilled in chunks
+        max_new_tokens=40,
+    )
+    result = inference.generate(records)
+    return [r.output_token_ids for r in result.requests], result.summary
+
+
+@pytest.mark.parametrize("next_n", [1, 2])
+def test_mtp_speculation_on_deepseek_gives_greedy_output(deepseek_dir, next_n):
+    expected, _ = greedy(deepseek_dir, 0)
+    outputs, summary = greedy(deepseek_dir, next_n)
+    assert outputs == expected
+    assert summary["speculative"]["draft_tokens"] > 0
