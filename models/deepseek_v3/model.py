@@ -21,6 +21,7 @@ from transformers import DeepseekV3Config
 import ops
 from executor.core.types_.forward_metadata import ForwardMetaData
 from executor.model_loader.errors import WeightLoadError
+from module.decoder_layer import PreNormDecoderLayer
 from module.embedding import ParallelLMHead, VocabParallelEmbedding
 from module.linear import ColumnParallelLinear
 from module.mla import MLAAttention
@@ -85,7 +86,7 @@ class DeepseekV3MoE(nn.Module):
         return output
 
 
-class DeepseekV3DecoderLayer(nn.Module):
+class DeepseekV3DecoderLayer(PreNormDecoderLayer):
     def __init__(self, config: DeepseekV3Config, layer_index: int, tp_rank: int, tp_size: int) -> None:
         super().__init__()
         self.self_attn = MLAAttention(config, tp_rank, tp_size)
@@ -97,23 +98,6 @@ class DeepseekV3DecoderLayer(nn.Module):
             )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        residual: torch.Tensor | None,
-        rotary: tuple[torch.Tensor, torch.Tensor],
-        forward_metadata: ForwardMetaData,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pre-norm block; the residual add is fused into the next norm, so (output, residual) flow on."""
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(hidden_states, rotary, forward_metadata)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
 
 
 class SharedHead(nn.Module):

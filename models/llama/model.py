@@ -18,6 +18,7 @@ from executor.core.types_.forward_metadata import ForwardMetaData
 from executor.model_loader.errors import WeightLoadError
 from module.activation import SiluAndMul
 from module.attention import Attention
+from module.decoder_layer import PreNormDecoderLayer
 from module.embedding import ParallelLMHead, VocabParallelEmbedding
 from module.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from module.norm import RMSNorm
@@ -84,30 +85,13 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(PreNormDecoderLayer):
     def __init__(self, config: LlamaConfig, tp_rank: int, tp_size: int) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, tp_rank, tp_size)
         self.mlp = LlamaMLP(config, tp_rank, tp_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        residual: torch.Tensor | None,
-        rotary: tuple[torch.Tensor, torch.Tensor],
-        forward_metadata: ForwardMetaData,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pre-norm block; the residual add is fused into the next norm, so (output, residual) flow on."""
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(hidden_states, rotary, forward_metadata)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
 
 
 class LlamaModel(nn.Module):

@@ -1,0 +1,35 @@
+"""The pre-norm transformer block every model here is built from, with the residual add fused into
+the next RMSNorm (ops.add_rms_norm), so (output, residual) pairs flow from layer to layer."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from executor.core.types_.forward_metadata import ForwardMetaData
+from module.norm import RMSNorm
+
+
+class PreNormDecoderLayer(nn.Module):
+    """Subclasses build `self_attn` (hidden, rotary, metadata -> hidden), `mlp`, and the two norms."""
+
+    self_attn: nn.Module
+    mlp: nn.Module
+    input_layernorm: RMSNorm
+    post_attention_layernorm: RMSNorm
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        forward_metadata: ForwardMetaData,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(hidden_states, rotary, forward_metadata)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
