@@ -1,8 +1,7 @@
 """The real default model in each graph mode: greedy output equal to eager's on the shipped prompts.
 
-Slow (each bucket of the real model takes about a minute to compile on two cores), so marked slow
-and run in CI; the graphs go to the default compile cache, and a second run in this test must load
-every bucket from it.
+Slow (each bucket of the real model takes one to two minutes to compile on two cores), so marked
+slow and run in CI; the graphs go to the default compile cache.
 """
 
 from __future__ import annotations
@@ -15,8 +14,8 @@ from tests.test_graph_modes import CACHED_ORIGIN
 
 pytestmark = pytest.mark.slow
 
-SETTINGS = {"batch_size": 6, "graph_buckets": [1, 2, 4], "max_model_len": 1024, "num_blocks": 64}
-NUM_PROMPTS = 7  # 7 requests at batch 6: decode steps of 6, 5 (no bucket), 4, 3 (bucket 4), ... rows
+SETTINGS = {"batch_size": 6, "graph_buckets": [2, 4], "max_model_len": 1024, "num_blocks": 160}
+NUM_PROMPTS = 7  # 7 requests at batch 6: decode steps of 6, 5 (no bucket), 4, 3 (bucket 4), 2, 1 (bucket 2) rows
 
 
 def greedy(smollm2_dir, records, **model_config) -> tuple[list[list[int]], dict]:
@@ -33,11 +32,14 @@ def records():
 
 
 @pytest.mark.parametrize("exe_mode", ["ge_graph", "npugraph_ex"])
-def test_real_model_graph_mode_equals_eager_and_reloads_from_the_cache(exe_mode, smollm2_dir, records):
+def test_real_model_graph_mode_equals_eager(exe_mode, smollm2_dir, records):
+    """npugraph_ex then runs again and must load every bucket from the cache; ge_graph's warm start
+    recompiles (frozen weights bypass inductor's FX-graph cache), which the tiny-model tests cover."""
     eager, _ = greedy(smollm2_dir, records)
     graph, summary = greedy(smollm2_dir, records, exe_mode=exe_mode, enable_cache_compile=True)
     assert graph == eager
     assert sum(summary["graph"]["graph_steps_per_bucket"].values()) > 0
-    again, summary = greedy(smollm2_dir, records, exe_mode=exe_mode, enable_cache_compile=True)
-    assert again == eager
-    assert set(summary["graph"]["bucket_origins"].values()) == {CACHED_ORIGIN[exe_mode]}
+    if exe_mode == "npugraph_ex":
+        again, summary = greedy(smollm2_dir, records, exe_mode=exe_mode, enable_cache_compile=True)
+        assert again == eager
+        assert set(summary["graph"]["bucket_origins"].values()) == {CACHED_ORIGIN[exe_mode]}
