@@ -127,7 +127,7 @@ def test_npu_only_keys_are_reported_unused_elsewhere():
 
 
 def test_shipped_configs_are_valid():
-    for path in (Path(__file__).resolve().parents[1] / "models").glob("*/configs/*.yaml"):
+    for path in (Path(__file__).resolve().parents[1] / "models").glob("*/config/*.yaml"):
         load_config(path)
 
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 from executor.offline import __main__ as cli
 
-DEFAULT_YAML = Path(__file__).resolve().parents[1] / "models" / "llama" / "configs" / "smollm2_135m.yaml"
+DEFAULT_YAML = Path(__file__).resolve().parents[1] / "models" / "llama" / "config" / "smollm2_135m.yaml"
 
 
 def test_default_yaml_generates_text_for_the_shipped_prompts(smollm2_dir, tmp_path, capsys):

@@ -4,7 +4,7 @@ set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(cd "$here/../.." && pwd)
 source "$root/scripts/setup.sh"
-yaml="$here/configs/smollm2_135m.yaml"
+yaml="$here/config/smollm2_135m.yaml"
 if [[ $# -gt 0 && $1 != --* ]]; then yaml=$1; shift; fi
 cd "$root"
 exec "$PYTHON" -m executor.offline --yaml "$yaml" "$@"
