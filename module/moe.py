@@ -1,13 +1,17 @@
-"""Mixture of experts: DeepSeek-V3's router and routed experts stored stacked for one op call.
+"""Mixture of experts: a sparse block of a pluggable router, routed experts stored stacked for one op
+call, and optional shared experts, shared by every MoE family.
 
-The router (sigmoid scores; a per-expert bias that steers the choice but not the weights; top-k
-within the best groups) follows transformers' DeepseekV3TopkRouter op for op, so that ties between
-equal scores break the same way. The experts hold every expert's weights in two stacked tensors, as
-transformers does, and run through ops.moe_experts; tensor parallelism splits each expert's
-intermediate dim and all-reduces the partial sums.
+Routers map hidden states to (top-k weights, expert ids) and follow their transformers counterpart op
+for op, so that ties between equal scores break the same way: TopkRouter is DeepSeek-V3's (sigmoid
+scores; a per-expert bias that steers the choice but not the weights; top-k within the best groups),
+SoftmaxTopkRouter Qwen-MoE's (softmax, top-k, optional renormalisation). The experts hold every
+expert's weights in two stacked tensors, as transformers does, and run through ops.moe_experts;
+tensor parallelism splits each expert's intermediate dim and all-reduces the partial sums.
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 import torch.distributed as dist
@@ -52,9 +56,22 @@ def grouped_topk(
     return topk_weights * routed_scaling_factor, topk_ids
 
 
-class TopkRouter(nn.Module):
-    """The gate: fp32 logits (as transformers keeps the router in fp32 whatever the model's dtype),
-    then grouped_topk. Every rank holds it whole."""
+# One routed expert's projection in a checkpoint: model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight
+EXPERT_TENSOR = re.compile(
+    r"^(?P<module>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<projection>gate_proj|up_proj|down_proj)\.weight$"
+)
+
+
+class Router(nn.Module):
+    """A gate: hidden states [T, H] -> (weights [T, top_k], expert ids [T, top_k]). Every rank holds it whole."""
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+
+class TopkRouter(Router):
+    """DeepSeek-V3's gate: fp32 logits (as transformers keeps the router in fp32 whatever the model's dtype),
+    then grouped_topk."""
 
     def __init__(
         self,
@@ -93,6 +110,28 @@ class TopkRouter(nn.Module):
         )
 
 
+class SoftmaxTopkRouter(Router):
+    """Qwen-MoE's gate, op for op as transformers' Qwen3MoeTopKRouter: logits in the model's dtype,
+    softmax in fp32 over all experts, top-k, renormalised to sum 1 when norm_topk_prob, weights cast
+    back to the logits' dtype."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, norm_topk_prob: bool) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"router: top_k {top_k} must be in [1, {num_experts} experts]")
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        router_logits = F.linear(hidden_states, self.weight)
+        probabilities = F.softmax(router_logits, dim=-1, dtype=torch.float)
+        topk_weights, topk_ids = torch.topk(probabilities, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+        return topk_weights.to(router_logits.dtype), topk_ids
+
+
 class FusedExperts(nn.Module):
     """E SwiGLU experts: gate_up_proj [E, 2I, H] (gate rows, then up rows) and down_proj [E, H, I],
     with I this rank's share of moe_intermediate_size. Checkpoints store one tensor per expert and
@@ -102,6 +141,12 @@ class FusedExperts(nn.Module):
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp_rank: int, tp_size: int) -> None:
         super().__init__()
+        missing = ops.missing_ops(("moe_experts",))
+        if missing:
+            raise NotImplementedError(
+                f"routed experts need ops.moe_experts, which the {ops.current_table().backend} backend does not "
+                "have yet; run MoE models on cpu or cuda"
+            )
         self.num_experts = num_experts
         self.tp_rank = tp_rank
         self.tp_size = tp_size
@@ -125,8 +170,48 @@ class FusedExperts(nn.Module):
         )
         return "gate_up_proj"
 
+    def checkpoint_tensors_needed(self, param_name: str) -> int:
+        """How many checkpoint tensors fill `param_name`: gate and up of every expert, or each down."""
+        return self.num_experts * (2 if param_name == "gate_up_proj" else 1)
+
     def forward(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         output = ops.moe_experts(hidden_states, topk_weights, topk_ids, self.gate_up_proj, self.down_proj)
         if self.tp_size > 1:
             dist.all_reduce(output)
+        return output
+
+
+def load_expert_tensor(
+    model: nn.Module, checkpoint_name: str, tensor: torch.Tensor
+) -> tuple[str, tuple[int, str]] | None:
+    """Copy one routed expert's projection (EXPERT_TENSOR) into its layer's FusedExperts in `model`;
+    -> (parameter name, (expert, projection)), or None when `checkpoint_name` is no expert's tensor."""
+    match = EXPERT_TENSOR.match(checkpoint_name)
+    if match is None:
+        return None
+    try:
+        experts = model.get_submodule(match["module"])
+    except AttributeError:
+        experts = None
+    if not isinstance(experts, FusedExperts):
+        raise WeightLoadError(f"{type(model).__name__} has no routed experts at {match['module']!r}")
+    expert_id, projection = int(match["expert"]), match["projection"]
+    param_name = experts.load_expert_weight(tensor, expert_id, projection)
+    return f"{match['module']}.{param_name}", (expert_id, projection)
+
+
+class SparseMoeBlock(nn.Module):
+    """The MoE feed-forward block: each token through the experts its router chose, weighted, plus the
+    shared experts (every token through them) where the model has them."""
+
+    def __init__(self, gate: Router, experts: FusedExperts, shared_experts: nn.Module | None = None) -> None:
+        super().__init__()
+        self.gate = gate
+        self.experts = experts
+        self.shared_experts = shared_experts
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        output = self.experts(hidden_states, *self.gate(hidden_states))
+        if self.shared_experts is not None:
+            output = output + self.shared_experts(hidden_states)
         return output

@@ -12,6 +12,8 @@ the decoder layer's own names, plus copies of the embedding and LM head that are
 from __future__ import annotations
 
 import re
+from functools import cache
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,15 +36,17 @@ class SharedHead(nn.Module):
 
 
 class MTPLayerMixin:
-    """Mixed in before a model's decoder layer class (`class XMTPLayer(MTPLayerMixin, XDecoderLayer)`),
-    so the checkpoint's decoder-layer names map onto it unchanged; `__init__` calls add_mtp_modules."""
+    """Mixed in before a model's decoder layer class (`class XMTPLayer(MTPLayerMixin, XDecoderLayer)`, or
+    mtp_layer_class(XDecoderLayer)), so the checkpoint's decoder-layer names map onto it unchanged. The
+    decoder layer takes the HF config first; its hidden_size and rms_norm_eps size the MTP's own parts."""
 
-    def add_mtp_modules(self, hidden_size: int, eps: float) -> None:
-        self.enorm = RMSNorm(hidden_size, eps)
-        self.hnorm = RMSNorm(hidden_size, eps)
+    def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, *args, **kwargs)
+        self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # tp_size 1: replicated, since every rank needs all of the mixed hidden state.
-        self.eh_proj = ColumnParallelLinear(2 * hidden_size, hidden_size, bias=False)
-        self.shared_head = SharedHead(hidden_size, eps)
+        self.eh_proj = ColumnParallelLinear(2 * config.hidden_size, config.hidden_size, bias=False)
+        self.shared_head = SharedHead(config.hidden_size, config.rms_norm_eps)
 
     def predict(
         self,
@@ -56,6 +60,13 @@ class MTPLayerMixin:
         mixed = torch.cat((self.enorm(inputs_embeds), self.hnorm(previous_hidden_states)), dim=-1)
         hidden_states, residual = self(self.eh_proj(mixed), None, rotary, forward_metadata)
         return hidden_states + residual
+
+
+@cache
+def mtp_layer_class(decoder_layer_cls: type[nn.Module]) -> type[nn.Module]:
+    """The MTP layer of a model whose decoder layer class is `decoder_layer_cls` (one class per decoder class,
+    so that a family that subclasses the decoder layer gets its MTP layer without writing one)."""
+    return type(f"{decoder_layer_cls.__name__}MTP", (MTPLayerMixin, decoder_layer_cls), {"__module__": __name__})
 
 
 def num_mtp_layers_of(config: object) -> int:

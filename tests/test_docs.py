@@ -9,3 +9,11 @@ def test_configuration_doc_lists_every_key_as_the_code_defines_it():
     doc = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
     tables = doc.split("<!-- keys:begin -->\n", 1)[1].split("<!-- keys:end -->", 1)[0]
     assert tables.strip() == render_key_tables().strip()
+
+
+def test_adding_a_model_shows_qwen3_as_its_code_is():
+    root = Path(__file__).resolve().parents[1]
+    doc = (root / "docs" / "adding_a_model.md").read_text()
+    example = doc.split("```python\n", 1)[1].split("```", 1)[0]
+    assert "class Qwen3ForCausalLM(Qwen2ForCausalLM)" in example
+    assert example in (root / "models" / "qwen3" / "model.py").read_text()

@@ -6,21 +6,23 @@ prompt's logits and greedy tokens must equal HF's for that prompt alone.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 import transformers
 
 import ops
-from executor.core.engine.step_inputs import ScheduledSequence, build_step_layout
+from executor.core.engine.step_inputs import ScheduledSequence
 from executor.model_loader.errors import WeightLoadError
 from models.llama import LlamaForCausalLM
-from module.attention import Attention
-from ops.attention_metadata import TorchMetadataBuilder, build_model_inputs
 from tests.conftest import llama_config
+from tests.paged_harness import (
+    VOCAB,
+    PagedModel,
+    hf_last_logits,
+    random_prompts,
+    single_thread,  # noqa: F401 (an autouse fixture)
+)
 
-VOCAB = 256
 LLAMA3_ROPE = {
     "rope_type": "llama3",
     "factor": 8.0,
@@ -47,88 +49,22 @@ DECODE_PROMPT_LENS = [3, 11, 6, 1, 15, 8, 4, 20]
 MAX_NEW_TOKENS = 32
 
 
-class PagedLlama:
-    """Our model with a NaN-filled KV cache and a shuffled free list of blocks, driven like the engine."""
-
-    def __init__(self, config: transformers.LlamaConfig, hf_model: torch.nn.Module, block_size: int) -> None:
-        self.model = LlamaForCausalLM(config)
-        filled = self.model.load_weights(hf_model.state_dict().items())
-        assert filled == {name for name, _ in self.model.named_parameters()}
-        self.block_size = block_size
-        num_blocks = 512 // block_size * 4
-        head_dim = config.hidden_size // config.num_attention_heads
-        for attention in (m for m in self.model.modules() if isinstance(m, Attention)):
-            cache_shape = (num_blocks, block_size, config.num_key_value_heads, head_dim)
-            caches = {"key": torch.full(cache_shape, float("nan")), "value": torch.full(cache_shape, float("nan"))}
-            attention.bind_kv_cache(caches, group_id=0)
-        self.max_blocks_per_request = -(-config.max_position_embeddings // block_size)
-        self.free_blocks = random.Random(0).sample(range(1, num_blocks), num_blocks - 1)  # block 0 is the null block
-
-    def allocate(self, num_tokens: int) -> list[int]:
-        num_blocks = -(-num_tokens // self.block_size)
-        blocks, self.free_blocks = self.free_blocks[:num_blocks], self.free_blocks[num_blocks:]
-        return blocks
-
-    def blocks_for(self, blocks: list[int], num_tokens: int) -> list[int]:
-        """The prefix of a request's blocks that covers num_tokens, as the KV cache manager hands them out."""
-        return blocks[: -(-num_tokens // self.block_size)]
-
-    @torch.no_grad()
-    def step(self, sequences: list[ScheduledSequence]) -> torch.Tensor:
-        """Logits of each sequence's last token."""
-        layout = build_step_layout(
-            sequences, block_size=self.block_size, max_blocks_per_request=self.max_blocks_per_request
-        )
-        inputs = build_model_inputs(layout, TorchMetadataBuilder(torch.device("cpu")))
-        hidden_states = self.model(inputs.input_ids, inputs.positions, inputs.forward_metadata)
-        return self.model.compute_logits(hidden_states, inputs.logits_indices)
-
-    def greedy(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        """One packed prefill, then one batched decode step per token for all prompts together."""
-        blocks = [self.allocate(len(prompt) + max_new_tokens) for prompt in prompts]
-        sequences = [
-            ScheduledSequence(p, 0, [self.blocks_for(b, len(p))]) for p, b in zip(prompts, blocks, strict=True)
-        ]
-        outputs: list[list[int]] = [[] for _ in prompts]
-        for step in range(max_new_tokens):
-            next_tokens = self.step(sequences).argmax(-1).tolist()
-            for output, token in zip(outputs, next_tokens, strict=True):
-                output.append(token)
-            num_tokens = [len(prompt) + step + 1 for prompt in prompts]  # after appending the new token
-            sequences = [
-                ScheduledSequence([token], total - 1, [self.blocks_for(request_blocks, total)])
-                for token, total, request_blocks in zip(next_tokens, num_tokens, blocks, strict=True)
-            ]
-        return outputs
-
-
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """Matmuls this small run faster on one thread; extra threads only contend on a busy machine."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
+def paged_llama(config: transformers.LlamaConfig, hf_model: torch.nn.Module, block_size: int) -> PagedModel:
+    """Our model with HF's weights, over NaN-filled caches and scattered blocks."""
+    model = LlamaForCausalLM(config)
+    filled = model.load_weights(hf_model.state_dict().items())
+    assert filled == {name for name, _ in model.named_parameters()}
+    return PagedModel(model, block_size, max_model_len=config.max_position_embeddings)
 
 
 @pytest.fixture(params=list(CONFIGS), scope="module")
-def models(request) -> tuple[torch.nn.Module, PagedLlama]:
+def models(request) -> tuple[torch.nn.Module, PagedModel]:
     ops.set_backend("torch")
     overrides, block_size = CONFIGS[request.param]
     config = llama_config(**overrides)
     torch.manual_seed(0)
     hf_model = transformers.LlamaForCausalLM(config).eval()
-    return hf_model, PagedLlama(config, hf_model, block_size)
-
-
-def random_prompts(lengths: list[int], seed: int) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (length,), generator=generator).tolist() for length in lengths]
-
-
-@torch.no_grad()
-def hf_last_logits(hf_model: torch.nn.Module, prompt: list[int]) -> torch.Tensor:
-    return hf_model(torch.tensor([prompt])).logits[0, -1]
+    return hf_model, paged_llama(config, hf_model, block_size)
 
 
 def test_packed_prefill_logits_match_hf_per_prompt(models):

@@ -10,7 +10,6 @@ with transformers: tests/test_deepseek_v3_parity.py.
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from collections.abc import Iterable
 
@@ -25,16 +24,12 @@ from module.decoder_layer import PreNormDecoderLayer
 from module.embedding import ParallelLMHead, VocabParallelEmbedding
 from module.mla import MLAAttention
 from module.mlp import GatedMLP
-from module.moe import FusedExperts, TopkRouter
+from module.moe import FusedExperts, SparseMoeBlock, TopkRouter, load_expert_tensor
 from module.mtp import SHARED_MTP_TENSOR, MTPLayerMixin
 from module.norm import RMSNorm
 from module.rotary import RotaryEmbedding
 from module.weights import ShardId, default_weight_loader
 
-# One routed expert's projection in a checkpoint: model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight
-EXPERT_TENSOR = re.compile(
-    r"^(?P<module>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<projection>gate_proj|up_proj|down_proj)\.weight$"
-)
 # Which part of a parameter a checkpoint tensor filled: a merged layer's shard, or (expert, projection).
 ShardKey = ShardId | tuple[int, str]
 
@@ -50,22 +45,21 @@ def check_routing(config: DeepseekV3Config) -> None:
         )
 
 
-class DeepseekV3MoE(nn.Module):
+class DeepseekV3MoE(SparseMoeBlock):
+    """V3's grouped sigmoid router over the routed experts, plus n_shared_experts as one wide MLP."""
+
     def __init__(self, config: DeepseekV3Config, tp_rank: int, tp_size: int) -> None:
-        super().__init__()
-        self.gate = TopkRouter(
-            config.hidden_size,
-            config.n_routed_experts,
-            config.num_experts_per_tok,
-            config.n_group or 1,
-            config.topk_group or 1,
-            config.norm_topk_prob,
-            config.routed_scaling_factor,
-        )
-        self.experts = FusedExperts(
-            config.n_routed_experts, config.hidden_size, config.moe_intermediate_size, tp_rank, tp_size
-        )
-        self.shared_experts = (
+        super().__init__(
+            TopkRouter(
+                config.hidden_size,
+                config.n_routed_experts,
+                config.num_experts_per_tok,
+                config.n_group or 1,
+                config.topk_group or 1,
+                config.norm_topk_prob,
+                config.routed_scaling_factor,
+            ),
+            FusedExperts(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size, tp_rank, tp_size),
             GatedMLP(
                 config.hidden_size,
                 config.moe_intermediate_size * config.n_shared_experts,
@@ -74,14 +68,8 @@ class DeepseekV3MoE(nn.Module):
                 tp_size=tp_size,
             )
             if config.n_shared_experts
-            else None
+            else None,
         )
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        output = self.experts(hidden_states, *self.gate(hidden_states))
-        if self.shared_experts is not None:
-            output = output + self.shared_experts(hidden_states)
-        return output
 
 
 class DeepseekV3DecoderLayer(PreNormDecoderLayer):
@@ -101,10 +89,6 @@ class DeepseekV3DecoderLayer(PreNormDecoderLayer):
 class DeepseekV3MTPLayer(MTPLayerMixin, DeepseekV3DecoderLayer):
     """One MTP module (DeepSeek-V3 report, section 2.2; module/mtp.py) on one more decoder layer, built
     as layer index N + i would be, so that checkpoint names model.layers.{N+i}.* map onto it unchanged."""
-
-    def __init__(self, config: DeepseekV3Config, layer_index: int, tp_rank: int, tp_size: int) -> None:
-        super().__init__(config, layer_index, tp_rank, tp_size)
-        self.add_mtp_modules(config.hidden_size, config.rms_norm_eps)
 
 
 class DeepseekV3Model(nn.Module):
@@ -198,13 +182,12 @@ class DeepseekV3ForCausalLM(nn.Module):
         """Load HF-named tensors (one per routed expert and projection, as DeepSeek checkpoints store
         them); returns the parameters that received every shard they need."""
         params = dict(self.named_parameters())
-        modules = dict(self.named_modules())
         received: dict[str, set[ShardKey]] = {}
         for checkpoint_name, tensor in weights:
             if self._is_skipped(checkpoint_name):
                 continue
             try:
-                name, shard = self._load_tensor(checkpoint_name, tensor, params, modules)
+                name, shard = self._load_tensor(checkpoint_name, tensor, params)
             except WeightLoadError as error:
                 raise WeightLoadError(f"checkpoint tensor {checkpoint_name!r}: {error}") from None
             received.setdefault(name, set()).add(shard)
@@ -222,20 +205,15 @@ class DeepseekV3ForCausalLM(nn.Module):
         checkpoint_name: str,
         tensor: torch.Tensor,
         params: dict[str, nn.Parameter],
-        modules: dict[str, nn.Module],
     ) -> tuple[str, ShardKey]:
         """Copy one checkpoint tensor into its parameter; -> (parameter name, which shard it was)."""
         if checkpoint_name.endswith("_scale_inv"):
             raise WeightLoadError(
                 "an FP8 block scale: quantized DeepSeek checkpoints are not supported, use a bf16 one"
             )
-        expert = EXPERT_TENSOR.match(checkpoint_name)
+        expert = load_expert_tensor(self, checkpoint_name, tensor)
         if expert is not None:
-            experts = modules.get(expert["module"])
-            if not isinstance(experts, FusedExperts):
-                raise WeightLoadError(f"{type(self).__name__} has no routed experts at {expert['module']!r}")
-            param_name = experts.load_expert_weight(tensor, int(expert["expert"]), expert["projection"])
-            return f"{expert['module']}.{param_name}", (int(expert["expert"]), expert["projection"])
+            return expert
         name, shard_id = checkpoint_name, None
         for checkpoint_module, (fused_module, fused_shard) in self.packed_modules_mapping.items():
             if f".{checkpoint_module}." in checkpoint_name:
@@ -251,8 +229,8 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     def _shards_needed(self, name: str) -> int:
         """Stacked experts need one tensor per expert and projection; merged layers one per part."""
-        if name.endswith("experts.gate_up_proj"):
-            return 2 * self.config.n_routed_experts
-        if name.endswith("experts.down_proj"):
-            return self.config.n_routed_experts
+        module_name, _, param_name = name.rpartition(".")
+        experts = self.get_submodule(module_name)
+        if isinstance(experts, FusedExperts):
+            return experts.checkpoint_tensors_needed(param_name)
         return Counter(module for module, _ in self.packed_modules_mapping.values()).get(name.split(".")[-2], 1)

@@ -7,40 +7,44 @@ for free; parity with transformers is checked in tests/test_llama_parity.py.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 
 import torch
 from torch import nn
-from transformers import LlamaConfig
+from transformers import PretrainedConfig
 
 import ops
 from executor.core.types_.forward_metadata import ForwardMetaData
 from executor.model_loader.errors import WeightLoadError
-from module.activation import SiluAndMul
 from module.attention import Attention
 from module.decoder_layer import PreNormDecoderLayer
 from module.embedding import ParallelLMHead, VocabParallelEmbedding
-from module.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from module.mtp import MTPLayerMixin, mtp_parameter_name, num_mtp_layers_of
+from module.linear import QKVParallelLinear, RowParallelLinear
+from module.mlp import GatedMLP
+from module.mtp import mtp_layer_class, mtp_parameter_name, num_mtp_layers_of
 from module.norm import RMSNorm
 from module.rotary import RotaryEmbedding
-from module.weights import ShardId, default_weight_loader
+from module.weights import default_weight_loader
 
 
-def head_dim_of(config: LlamaConfig) -> int:
+def head_dim_of(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: LlamaConfig, tp_rank: int, tp_size: int) -> None:
+    """GQA attention with rope. Subclasses change what differs through the hooks: the projections'
+    biases, a layer's sliding window, and q/k/v before rope (project_qkv)."""
+
+    def __init__(self, config: PretrainedConfig, layer_index: int, tp_rank: int, tp_size: int) -> None:
         super().__init__()
+        qkv_bias, output_bias = self.projection_biases(config)
         self.head_dim = head_dim_of(config)
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size,
             self.head_dim,
             config.num_attention_heads,
             config.num_key_value_heads,
-            bias=config.attention_bias,
+            bias=qkv_bias,
             tp_rank=tp_rank,
             tp_size=tp_size,
         )
@@ -49,58 +53,77 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             config.num_attention_heads * self.head_dim,
             config.hidden_size,
-            bias=config.attention_bias,
+            bias=output_bias,
             tp_rank=tp_rank,
             tp_size=tp_size,
         )
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5)
+        self.attn = Attention(
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            scale=self.head_dim**-0.5,
+            sliding_window=self.layer_sliding_window(config, layer_index),
+        )
+
+    @staticmethod
+    def projection_biases(config: PretrainedConfig) -> tuple[bool, bool]:
+        """(q/k/v bias, o_proj bias): Llama's attention_bias sets both."""
+        return config.attention_bias, config.attention_bias
+
+    @staticmethod
+    def layer_sliding_window(config: PretrainedConfig, layer_index: int) -> int | None:
+        """The layer's attention window; Llama attends over the whole sequence in every layer."""
+        return None
+
+    def project_qkv(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden [T, hidden] -> query [T, H, D], key and value [T, Hkv, D], before rope."""
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        query, key, value = self.qkv_proj(hidden_states).split([q_size, kv_size, kv_size], dim=-1)
+        return (
+            query.view(-1, self.num_heads, self.head_dim),
+            key.view(-1, self.num_kv_heads, self.head_dim),
+            value.view(-1, self.num_kv_heads, self.head_dim),
+        )
 
     def forward(
         self, hidden_states: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], forward_metadata: ForwardMetaData
     ) -> torch.Tensor:
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        query, key, value = self.qkv_proj(hidden_states).split([q_size, kv_size, kv_size], dim=-1)
-        query, key = ops.apply_rotary(
-            query.view(-1, self.num_heads, self.head_dim), key.view(-1, self.num_kv_heads, self.head_dim), *rotary
-        )
-        value = value.view(-1, self.num_kv_heads, self.head_dim)
+        query, key, value = self.project_qkv(hidden_states)
+        query, key = ops.apply_rotary(query, key, *rotary)
         output = self.attn(query, key, value, forward_metadata)
         return self.o_proj(output.flatten(1))
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, config: LlamaConfig, tp_rank: int, tp_size: int) -> None:
-        super().__init__()
-        if config.hidden_act != "silu":
-            raise ValueError(f"LlamaMLP supports hidden_act 'silu' only, got {config.hidden_act!r}")
-        intermediate = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [intermediate, intermediate], bias=config.mlp_bias, tp_rank=tp_rank, tp_size=tp_size
-        )
-        self.act_fn = SiluAndMul()
-        self.down_proj = RowParallelLinear(
-            intermediate, config.hidden_size, bias=config.mlp_bias, tp_rank=tp_rank, tp_size=tp_size
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
-
-
 class LlamaDecoderLayer(PreNormDecoderLayer):
-    def __init__(self, config: LlamaConfig, tp_rank: int, tp_size: int) -> None:
+    attention_cls: type[LlamaAttention] = LlamaAttention
+
+    def __init__(self, config: PretrainedConfig, layer_index: int, tp_rank: int, tp_size: int) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, tp_rank, tp_size)
-        self.mlp = LlamaMLP(config, tp_rank, tp_size)
+        self.self_attn = self.attention_cls(config, layer_index, tp_rank, tp_size)
+        self.mlp = self.build_mlp(config, layer_index, tp_rank, tp_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    def build_mlp(self, config: PretrainedConfig, layer_index: int, tp_rank: int, tp_size: int) -> nn.Module:
+        """The layer's feed-forward block: Llama's is a SwiGLU MLP with optional biases in every layer."""
+        return GatedMLP(
+            config.hidden_size,
+            config.intermediate_size,
+            config.hidden_act,
+            bias=config.mlp_bias,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+        )
+
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: LlamaConfig, tp_rank: int, tp_size: int) -> None:
+    def __init__(
+        self, config: PretrainedConfig, tp_rank: int, tp_size: int, decoder_layer_cls: type[LlamaDecoderLayer]
+    ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_rank, tp_size)
         self.layers = nn.ModuleList(
-            [LlamaDecoderLayer(config, tp_rank, tp_size) for _ in range(config.num_hidden_layers)]
+            [decoder_layer_cls(config, index, tp_rank, tp_size) for index in range(config.num_hidden_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # One cos/sin table for all layers, looked up once per step.
@@ -118,15 +141,11 @@ class LlamaModel(nn.Module):
         return hidden_states
 
 
-class LlamaMTPLayer(MTPLayerMixin, LlamaDecoderLayer):
-    """DeepSeek-V3's MTP module (module/mtp.py) on one more Llama decoder layer."""
-
-    def __init__(self, config: LlamaConfig, tp_rank: int, tp_size: int) -> None:
-        super().__init__(config, tp_rank, tp_size)
-        self.add_mtp_modules(config.hidden_size, config.rms_norm_eps)
-
-
 class LlamaForCausalLM(nn.Module):
+    """The causal LM over LlamaModel. Families that differ only in their layers set decoder_layer_cls;
+    loading goes one checkpoint tensor at a time through _load_tensor, which they may extend."""
+
+    decoder_layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
     # checkpoint module name -> (our fused module, shard id passed to its weight_loader)
     packed_modules_mapping: dict[str, tuple[str, int | str]] = {
         "q_proj": ("qkv_proj", "q"),
@@ -136,17 +155,20 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, hf_config: LlamaConfig, *, tp_rank: int = 0, tp_size: int = 1) -> None:
+    def __init__(self, hf_config: PretrainedConfig, *, tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
         self.config = hf_config
-        self.model = LlamaModel(hf_config, tp_rank, tp_size)
+        self.model = LlamaModel(hf_config, tp_rank, tp_size, self.decoder_layer_cls)
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, tp_rank, tp_size)
         if hf_config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         # config.num_nextn_predict_layers of them; none (an empty list, no parameters) without the key.
         self.num_mtp_layers = num_mtp_layers_of(hf_config)
         self.mtp_layers = nn.ModuleList(
-            [LlamaMTPLayer(hf_config, tp_rank, tp_size) for _ in range(self.num_mtp_layers)]
+            [
+                mtp_layer_class(self.decoder_layer_cls)(hf_config, hf_config.num_hidden_layers - 1, tp_rank, tp_size)
+                for _ in range(self.num_mtp_layers)
+            ]
         )
 
     def forward(
@@ -181,34 +203,39 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors; returns the parameters that received every shard they need."""
         params = dict(self.named_parameters())
-        shards_per_module = Counter(module for module, _ in self.packed_modules_mapping.values())
-        received: dict[str, set[ShardId]] = {}
+        received: dict[str, set[Hashable]] = {}
         for checkpoint_name, tensor in weights:
             if "rotary_emb.inv_freq" in checkpoint_name:
                 continue
             if checkpoint_name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            name, shard_id = mtp_parameter_name(checkpoint_name, self.config.num_hidden_layers), None
+            name = mtp_parameter_name(checkpoint_name, self.config.num_hidden_layers)
             if name is None:  # an MTP layer's copy of the embedding or LM head, which are shared here
                 continue
-            for checkpoint_module, (fused_module, fused_shard) in self.packed_modules_mapping.items():
-                if f".{checkpoint_module}." in name:
-                    name = name.replace(f".{checkpoint_module}.", f".{fused_module}.")
-                    shard_id = fused_shard
-                    break
-            param = params.get(name)
-            if param is None:
-                raise WeightLoadError(
-                    f"unexpected checkpoint tensor {checkpoint_name!r}: {type(self).__name__} has no parameter {name!r}"
-                )
             try:
-                getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard_id)
+                name, shard = self._load_tensor(name, tensor, params)
             except WeightLoadError as error:
                 raise WeightLoadError(f"checkpoint tensor {checkpoint_name!r}: {error}") from None
-            received.setdefault(name, set()).add(shard_id)
-        # name = "<prefix>.<module>.<weight|bias>"; only fused modules need more than one shard.
-        return {
-            name
-            for name, shard_ids in received.items()
-            if len(shard_ids) == shards_per_module.get(name.split(".")[-2], 1)
-        }
+            received.setdefault(name, set()).add(shard)
+        return {name for name, shards in received.items() if len(shards) == self._shards_needed(name)}
+
+    def _load_tensor(
+        self, checkpoint_name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter]
+    ) -> tuple[str, Hashable]:
+        """Copy one checkpoint tensor into its parameter; -> (parameter name, which shard it was)."""
+        name, shard_id = checkpoint_name, None
+        for checkpoint_module, (fused_module, fused_shard) in self.packed_modules_mapping.items():
+            if f".{checkpoint_module}." in checkpoint_name:
+                name = checkpoint_name.replace(f".{checkpoint_module}.", f".{fused_module}.")
+                shard_id = fused_shard
+                break
+        param = params.get(name)
+        if param is None:
+            raise WeightLoadError(f"unexpected: {type(self).__name__} has no parameter {name!r}")
+        getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard_id)
+        return name, shard_id
+
+    def _shards_needed(self, name: str) -> int:
+        """How many checkpoint tensors fill parameter `name`: one per part for a fused module."""
+        # name = "<prefix>.<module>.<weight|bias>"
+        return Counter(module for module, _ in self.packed_modules_mapping.values()).get(name.split(".")[-2], 1)

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from models import DEFAULT_MODEL_NAME
+
 
 def rule(default: Any = None, *, default_factory: Any = None, **metadata: Any) -> Any:
     """A dataclass field carrying its validation rule in metadata."""
@@ -20,7 +22,7 @@ def rule(default: Any = None, *, default_factory: Any = None, **metadata: Any) -
 
 @dataclass(slots=True)
 class ModelConfig:
-    model_name: str = rule("llama", help="folder under models/ holding the model code")
+    model_name: str = rule(DEFAULT_MODEL_NAME, help="folder under models/ holding the model code")
     model_path: str = rule("", help="HF model folder; empty = the default SmolLM2-135M-Instruct in $INFER_RECIPES_HOME")
     output_path: str = rule("", help="where results go; empty = models/<model_name>/res/<timestamp>_<yaml-stem>/")
     dtype: str = rule("bfloat16", choices=("float32", "bfloat16", "float16"), help="weights, activations and KV cache")
