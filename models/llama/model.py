@@ -100,11 +100,15 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_rank, tp_size)
         self.layers = nn.ModuleList(
-            [LlamaDecoderLayer(config, tp_rank, tp_size) for _ in range(config.num_hidden_layers)]
+            [self.make_layer(config, index, tp_rank, tp_size) for index in range(config.num_hidden_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # One cos/sin table for all layers, looked up once per step.
         self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
+
+    def make_layer(self, config: LlamaConfig, layer_index: int, tp_rank: int, tp_size: int) -> PreNormDecoderLayer:
+        """Decoder layer `layer_index`; a model family with other layers on Llama's skeleton overrides this."""
+        return LlamaDecoderLayer(config, tp_rank, tp_size)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_metadata: ForwardMetaData
@@ -127,6 +131,7 @@ class LlamaMTPLayer(MTPLayerMixin, LlamaDecoderLayer):
 
 
 class LlamaForCausalLM(nn.Module):
+    base_model_cls: type[LlamaModel] = LlamaModel  # the decoder stack; subclasses swap in theirs
     # checkpoint module name -> (our fused module, shard id passed to its weight_loader)
     packed_modules_mapping: dict[str, tuple[str, int | str]] = {
         "q_proj": ("qkv_proj", "q"),
@@ -139,7 +144,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, hf_config: LlamaConfig, *, tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
         self.config = hf_config
-        self.model = LlamaModel(hf_config, tp_rank, tp_size)
+        self.model = self.base_model_cls(hf_config, tp_rank, tp_size)
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, tp_rank, tp_size)
         if hf_config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
