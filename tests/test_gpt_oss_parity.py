@@ -23,6 +23,7 @@ from executor.core.types_ import AttentionKind
 from executor.model_loader.default_loader import safetensors_weights
 from executor.model_loader.errors import WeightLoadError
 from models.gpt_oss import GptOssForCausalLM
+from module.rotary import RotaryEmbedding
 from tests.conftest import tiny_tokenizer
 from tests.deepseek_v3_harness import (
     VOCAB,
@@ -39,15 +40,14 @@ WINDOW = 8
 
 
 def yarn(truncate: bool) -> dict:
-    """YaRN that matters at these lengths: original context 16, so the correction range is inside
-    the head dim; gpt-oss's released configs say truncate: false."""
+    """gpt-oss's released rope parameters (whose configs say truncate: false), or with truncate."""
     return {
         "rope_type": "yarn",
-        "factor": 8.0,
+        "factor": 32.0,
         "beta_fast": 32.0,
         "beta_slow": 1.0,
         "truncate": truncate,
-        "original_max_position_embeddings": 16,
+        "original_max_position_embeddings": 4096,
         "rope_theta": 150000.0,
     }
 
@@ -99,10 +99,17 @@ def load_ours(path: Path, config: transformers.GptOssConfig) -> GptOssForCausalL
     return model.eval()
 
 
+def test_yarn_truncate_changes_the_rope_frequencies_at_this_head_dim():
+    """So that the two yarn configs below test two different tables."""
+    untruncated = RotaryEmbedding(gpt_oss_config(), 16).cos_sin_cache
+    truncated = RotaryEmbedding(gpt_oss_config(rope_parameters=yarn(truncate=True)), 16).cos_sin_cache
+    assert (untruncated - truncated).abs().max() > 0.1
+
+
 # name -> (GptOssConfig overrides, KV block size)
 CONFIGS = {
     "untied_yarn": ({}, 4),
-    "tied_yarn_truncated_clamped_mha": (
+    "tied_yarn_truncated_mha": (
         {"tie_word_embeddings": True, "rope_parameters": yarn(truncate=True), "num_key_value_heads": 4},
         8,
     ),
