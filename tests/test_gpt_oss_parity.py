@@ -10,10 +10,12 @@ engine with one cache group per attention kind.
 
 from __future__ import annotations
 
+import types
 from pathlib import Path
 
 import pytest
 import torch
+import torch._dynamo.testing
 import transformers
 from safetensors.torch import save_file
 
@@ -24,6 +26,8 @@ from executor.model_loader.default_loader import safetensors_weights
 from executor.model_loader.errors import WeightLoadError
 from models.gpt_oss import GptOssForCausalLM
 from module.rotary import RotaryEmbedding
+from ops.dispatch import OpTable
+from ops.npu import NpuOps
 from tests.conftest import tiny_tokenizer
 from tests.deepseek_v3_harness import (
     VOCAB,
@@ -253,3 +257,31 @@ def test_an_mxfp4_checkpoint_is_refused_by_name(tmp_path):
     save_file({name: torch.zeros(4, 32, 2, 16, dtype=torch.uint8)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(WeightLoadError, match=rf"{name}.*MXFP4.*bf16 checkpoint"):
         GptOssForCausalLM(config).load_weights(safetensors_weights(tmp_path))
+
+
+def test_model_refuses_a_backend_without_its_ops_at_construction(monkeypatch):
+    monkeypatch.setattr(ops.dispatch, "_current", OpTable("npu", "eager", NpuOps(types.ModuleType("torch_npu"))))
+    with pytest.raises(NotImplementedError, match="paged_attention_with_sinks.*npu backend does not have"):
+        GptOssForCausalLM(gpt_oss_config())
+
+
+def test_decode_forward_traces_as_one_graph_and_matches_eager(tmp_path):
+    """What the graph modes need (fullgraph, static shapes): the experts' host read of their counts
+    and the paged gathers with sinks stay inside opaque ops."""
+    config = gpt_oss_config(num_hidden_layers=2)  # one sliding layer, one full
+    save_checkpoint(tmp_path, config)
+    ours = PagedModel(load_ours(tmp_path, config), block_size=4)
+    prompts = random_prompts([3, 12, 5], seed=8)
+    blocks = [ours.allocate(len(p) + 2) for p in prompts]
+    tokens = ours.step([ScheduledSequence(p, 0, [b]) for p, b in zip(prompts, blocks, strict=True)]).argmax(-1)
+    decode = [ScheduledSequence([t], len(p), [b]) for t, p, b in zip(tokens.tolist(), prompts, blocks, strict=True)]
+    inputs = ours.inputs(decode, pad_to=4)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("eager")
+    torch._dynamo.reset()
+    compiled = torch.compile(ours.model, backend=counter, fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        traced = compiled(*inputs.forward_args())
+        eager = ours.model(*inputs.forward_args())  # writes the same K/V to the same slots again
+    torch._dynamo.reset()
+    assert counter.frame_count == 1
+    torch.testing.assert_close(traced, eager)
