@@ -265,6 +265,19 @@ def test_model_refuses_a_backend_without_its_ops_at_construction(monkeypatch):
         GptOssForCausalLM(gpt_oss_config())
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"num_nextn_predict_layers": 1}, "no MTP modules"),
+        ({"layer_types": ["sliding_attention", "chunked_attention"], "num_hidden_layers": 2}, "chunked_attention"),
+        ({"sliding_window": None}, "sliding_window None"),
+    ],
+)
+def test_a_config_that_is_not_gpt_oss_as_built_here_is_refused(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        GptOssForCausalLM(gpt_oss_config(**overrides))
+
+
 def test_decode_forward_traces_as_one_graph_and_matches_eager(tmp_path):
     """What the graph modes need (fullgraph, static shapes): the experts' host read of their counts
     and the paged gathers with sinks stay inside opaque ops."""

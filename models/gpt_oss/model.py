@@ -25,6 +25,7 @@ from models.llama.model import LlamaAttention, LlamaForCausalLM, LlamaModel
 from module.attention import SinkAttention
 from module.decoder_layer import PreNormDecoderLayer
 from module.moe import FusedExperts
+from module.mtp import num_mtp_layers_of
 from module.norm import RMSNorm
 from module.weights import ShardId, load_shard
 
@@ -176,7 +177,11 @@ class GptOssModel(LlamaModel):
         return GptOssDecoderLayer(config, layer_index, tp_rank, tp_size)
 
 
-def check_layer_types(config: GptOssConfig) -> None:
+def check_config(config: GptOssConfig) -> None:
+    """Layer types we build, and no MTP modules: Llama's MTP layer, which the base class would add
+    for num_nextn_predict_layers, has a dense MLP and no sinks, so it is not a gpt-oss layer."""
+    if num_mtp_layers_of(config):
+        raise ValueError("config num_nextn_predict_layers: gpt-oss has no MTP modules; remove the key")
     layer_types = list(config.layer_types)
     if len(layer_types) != config.num_hidden_layers or not set(layer_types) <= set(LAYER_TYPES):
         raise ValueError(
@@ -197,7 +202,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
                 f"gpt-oss needs ops {', '.join(missing)}, which the {ops.current_table().backend} backend does not "
                 "have yet (attention sinks and its MoE experts are left for later there); run it on cpu or cuda"
             )
-        check_layer_types(hf_config)
+        check_config(hf_config)
         super().__init__(hf_config, tp_rank=tp_rank, tp_size=tp_size)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
