@@ -13,6 +13,7 @@ from torch import nn
 import ops
 from executor.core.types_.forward_metadata import ForwardMetaData
 from executor.core.types_.kv_cache_spec import KVCacheSpec, attention_spec
+from module.weights import ShardId, load_shard
 
 
 class KVCacheLayer(nn.Module):
@@ -72,12 +73,46 @@ class Attention(KVCacheLayer):
             raise RuntimeError("Attention has no KV cache: the worker must call bind_kv_cache before forward")
         tables = forward_metadata.groups[self.kv_cache_group_id]
         ops.write_kv_cache(key, value, self.key_cache, self.value_cache, tables.slot_mapping)
+        return self.attend(query, tables.block_table, forward_metadata)
+
+    def attend(self, query: torch.Tensor, block_table: torch.Tensor, forward_metadata: ForwardMetaData) -> torch.Tensor:
+        """query [T, H, D] over the cache, this step's K/V already written -> [T, H, D]."""
         return ops.paged_attention(
+            query, self.key_cache, self.value_cache, block_table, forward_metadata, self.scale, self.sliding_window
+        )
+
+
+class SinkAttention(Attention):
+    """Attention with a learned sink logit per query head in every softmax denominator (gpt-oss),
+    so a head may put its weight on no token. The sinks are split over ranks with the heads."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window)
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.sinks = nn.Parameter(torch.empty(num_heads), requires_grad=False)
+        self.sinks.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
+        load_shard(param.data, loaded_weight, 0, self.tp_rank, self.tp_size)
+
+    def attend(self, query: torch.Tensor, block_table: torch.Tensor, forward_metadata: ForwardMetaData) -> torch.Tensor:
+        return ops.paged_attention_with_sinks(
             query,
             self.key_cache,
             self.value_cache,
-            tables.block_table,
+            block_table,
             forward_metadata,
             self.scale,
+            self.sinks,
             self.sliding_window,
         )

@@ -175,10 +175,17 @@ class FusedExperts(nn.Module):
         return self.num_experts * (2 if param_name == "gate_up_proj" else 1)
 
     def forward(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        output = ops.moe_experts(hidden_states, topk_weights, topk_ids, self.gate_up_proj, self.down_proj)
+        output = self.run_experts(hidden_states, topk_weights, topk_ids)
         if self.tp_size > 1:
             dist.all_reduce(output)
         return output
+
+    def run_experts(
+        self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """This rank's partial sum of each token's weighted experts; subclasses with other experts
+        (biases, another activation) override only this."""
+        return ops.moe_experts(hidden_states, topk_weights, topk_ids, self.gate_up_proj, self.down_proj)
 
 
 def load_expert_tensor(

@@ -38,11 +38,20 @@ paged_attention = _dispatched(torch_ref.paged_attention)
 write_latent_cache = _dispatched(torch_ref.write_latent_cache)
 mla_attention = _dispatched(torch_ref.mla_attention)
 moe_experts = _dispatched(torch_ref.moe_experts)
+paged_attention_with_sinks = _dispatched(torch_ref.paged_attention_with_sinks)
+moe_experts_clamped_swiglu = _dispatched(torch_ref.moe_experts_clamped_swiglu)
 
 OPS = ("rms_norm", "add_rms_norm", "apply_rotary", "silu_and_mul", "write_kv_cache", "paged_attention")
-# Ops with a torch reference only so far (MLA and MoE, for DeepSeek-V3): the NPU table lacks them,
-# so a model that calls them checks missing_ops() at construction instead of failing mid-run.
-OPS_WITHOUT_NPU = ("write_latent_cache", "mla_attention", "moe_experts")
+# Ops with a torch reference only so far (MLA and MoE for DeepSeek-V3; attention sinks and biased
+# clamped-SwiGLU experts for gpt-oss): the NPU table lacks them, so a model that calls them checks
+# missing_ops() at construction instead of failing mid-run.
+OPS_WITHOUT_NPU = (
+    "write_latent_cache",
+    "mla_attention",
+    "moe_experts",
+    "paged_attention_with_sinks",
+    "moe_experts_clamped_swiglu",
+)
 
 
 def missing_ops(names: tuple[str, ...]) -> list[str]:

@@ -6,6 +6,8 @@ that fp32 parity tests hold to 1e-4; attention computes in the input dtype.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -87,6 +89,7 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per request [B, H, D] over its paged K/V -> [B, H, D], in one batched SDPA.
 
@@ -95,6 +98,7 @@ def paged_decode_attention(
     the longest sequence of the step, never the table's whole width. Positions past a request's
     length (and before its window, when `sliding_window` > 0) gather its last written slot instead
     and are masked off: unwritten slots may hold anything (NaN included) and are never read.
+    With `sinks` [H], each head's softmax denominator has one more term (see _append_sink).
     """
     batch_size = query.shape[0]
     block_size, num_kv_heads, head_dim = key_cache.shape[1:]
@@ -111,11 +115,14 @@ def paged_decode_attention(
         rows = cache.view(-1, num_kv_heads, head_dim).index_select(0, slots)
         return rows.view(batch_size, max_len, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, S, D]
 
+    key, value, attn_mask = gather(key_cache), gather(value_cache), mask[:, None, None, :]
+    if sinks is not None:
+        key, value, attn_mask = _append_sink(key, value, attn_mask, sinks)
     out = F.scaled_dot_product_attention(
         query.unsqueeze(2),  # [B, H, 1, D]
-        gather(key_cache),
-        gather(value_cache),
-        attn_mask=mask[:, None, None, :],
+        key,
+        value,
+        attn_mask=attn_mask,
         scale=scale,
         enable_gqa=True,
     )
@@ -123,8 +130,27 @@ def paged_decode_attention(
 
 
 @paged_decode_attention.register_fake
-def _(query, key_cache, value_cache, block_table, seq_lens, scale, sliding_window):
+def _(query, key_cache, value_cache, block_table, seq_lens, scale, sliding_window, sinks=None):
     return torch.empty_like(query)
+
+
+def _append_sink(
+    key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention sinks (gpt-oss) as one extra key that SDPA can take: a zero key, whose score q.k is
+    0, plus an additive mask entry equal to the head's sink logit, and a zero value. So exp(sink)
+    joins every query's softmax denominator and adds nothing to the output.
+
+    key/value [..., Hkv, S, D], mask bool [..., 1, q, S] (True: attend), sinks [H]
+    -> key/value [..., Hkv, S + 1, D] and a float mask [..., H, q, S + 1].
+    """
+    zeros = key.new_zeros(*key.shape[:-2], 1, key.shape[-1])
+    key, value = torch.cat((key, zeros), dim=-2), torch.cat((value, zeros), dim=-2)
+    *lead, _, q_len, kv_len = mask.shape
+    num_heads = sinks.shape[0]
+    bias = torch.zeros(mask.shape, dtype=key.dtype, device=key.device).masked_fill(~mask, float("-inf"))
+    sink_column = sinks.to(key.dtype).view(num_heads, 1, 1).expand(*lead, num_heads, q_len, 1)
+    return key, value, torch.cat((bias.expand(*lead, num_heads, q_len, kv_len), sink_column), dim=-1)
 
 
 def _prefill_mask(
@@ -161,9 +187,39 @@ def paged_attention(
     A decode-shaped step runs as one batched op; any other as one SDPA per request, which reads
     only the request's slots a query can see (the window's, with a window), all of them written.
     """
+    return _paged_attention(query, key_cache, value_cache, block_table, forward_metadata, scale, sliding_window, None)
+
+
+def paged_attention_with_sinks(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    forward_metadata: TorchAttentionMetadata,
+    scale: float,
+    sinks: torch.Tensor,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """paged_attention with attention sinks (gpt-oss): a learned logit per query head, sinks [H],
+    added to every softmax denominator, softmax([scores, sink]) with the sink's column dropped,
+    so a head can attend to nothing. A separate op because the NPU's FIA takes sinks only in its
+    v2 form (learnable_sink), which ops/npu.py does not call yet."""
+    return _paged_attention(query, key_cache, value_cache, block_table, forward_metadata, scale, sliding_window, sinks)
+
+
+def _paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    forward_metadata: TorchAttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
     if forward_metadata.is_decode_shaped:
         return paged_decode_attention(
-            query, key_cache, value_cache, block_table, forward_metadata.seq_lens, scale, sliding_window or 0
+            query, key_cache, value_cache, block_table, forward_metadata.seq_lens, scale, sliding_window or 0, sinks
         )
     block_size = key_cache.shape[1]
     outputs = []
@@ -180,6 +236,10 @@ def paged_attention(
         key = _gather_kv(key_cache, block_ids, first, kv_len)
         value = _gather_kv(value_cache, block_ids, first, kv_len)
         mask = _prefill_mask(q_len, kv_len, first, sliding_window, query.device)
+        if sinks is not None:
+            if mask is None:  # top-left causal, q_len == kv_len
+                mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril()
+            key, value, mask = _append_sink(key, value, mask[None], sinks)
         out = F.scaled_dot_product_attention(
             request_query, key, value, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
         )
@@ -317,22 +377,47 @@ def moe_experts(
     return grouped_experts(hidden_states, topk_weights, topk_ids, gate_up_proj, down_proj)
 
 
-@torch.library.custom_op("infer_recipes::grouped_experts", mutates_args=())
-def grouped_experts(
+def moe_experts_clamped_swiglu(
     hidden_states: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     gate_up_proj: torch.Tensor,
+    gate_up_bias: torch.Tensor,
     down_proj: torch.Tensor,
+    down_bias: torch.Tensor,
+    alpha: float,
+    limit: float,
 ) -> torch.Tensor:
-    """moe_experts' body: tokens grouped by expert with one sort, then each expert that any token
-    chose runs one matmul pair over its tokens only. That reads the per-expert counts on the host,
-    so it is an opaque op (as paged_decode_attention is): a compiled decode keeps one graph.
-    """
+    """moe_experts with gpt-oss's experts: biased projections (gate_up_bias [E, 2I], down_bias
+    [E, H]) and clamped_swiglu(alpha, limit) in place of silu(gate) * up; same layouts otherwise."""
+    return grouped_experts_clamped_swiglu(
+        hidden_states, topk_weights, topk_ids, gate_up_proj, gate_up_bias, down_proj, down_bias, alpha, limit
+    )
+
+
+def clamped_swiglu(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """[T, 2I] -> [T, I], gate first: (up + 1) * gate * sigmoid(alpha * gate), with the gate clamped
+    from above at `limit` and up to [-limit, limit] (gpt-oss's experts, as transformers computes them)."""
+    gate, up = x.chunk(2, dim=-1)
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def _run_grouped(
+    hidden_states: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    expert_forward: Callable[[int, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Tokens grouped by expert with one sort, then expert_forward(expert, its tokens [n, H]) once per
+    expert that any token chose, its output weighted and summed into each token's row. The counts
+    are read on the host, so callers are opaque custom ops (as paged_decode_attention is): a
+    compiled decode keeps one graph."""
     top_k = topk_ids.shape[1]
     flat_ids = topk_ids.flatten()
     order = flat_ids.argsort(stable=True)
-    counts = torch.bincount(flat_ids, minlength=gate_up_proj.shape[0]).tolist()
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
     flat_weights = topk_weights.flatten()
     output = torch.zeros_like(hidden_states)
     start = 0
@@ -342,11 +427,55 @@ def grouped_experts(
         picks = order[start : start + count]
         start += count
         tokens = picks // top_k
-        expert_out = F.linear(silu_and_mul(F.linear(hidden_states[tokens], gate_up_proj[expert])), down_proj[expert])
+        expert_out = expert_forward(expert, hidden_states[tokens])
         output.index_add_(0, tokens, (expert_out * flat_weights[picks, None]).to(output.dtype))
     return output
 
 
+@torch.library.custom_op("infer_recipes::grouped_experts", mutates_args=())
+def grouped_experts(
+    hidden_states: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+) -> torch.Tensor:
+    """moe_experts' body: one matmul pair per expert over its tokens only (_run_grouped)."""
+    return _run_grouped(
+        hidden_states,
+        topk_weights,
+        topk_ids,
+        gate_up_proj.shape[0],
+        lambda expert, x: F.linear(silu_and_mul(F.linear(x, gate_up_proj[expert])), down_proj[expert]),
+    )
+
+
 @grouped_experts.register_fake
 def _(hidden_states, topk_weights, topk_ids, gate_up_proj, down_proj):
+    return torch.empty_like(hidden_states)
+
+
+@torch.library.custom_op("infer_recipes::grouped_experts_clamped_swiglu", mutates_args=())
+def grouped_experts_clamped_swiglu(
+    hidden_states: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    gate_up_bias: torch.Tensor,
+    down_proj: torch.Tensor,
+    down_bias: torch.Tensor,
+    alpha: float,
+    limit: float,
+) -> torch.Tensor:
+    """moe_experts_clamped_swiglu's body, grouped as grouped_experts is."""
+
+    def expert_forward(expert: int, x: torch.Tensor) -> torch.Tensor:
+        gated = clamped_swiglu(F.linear(x, gate_up_proj[expert], gate_up_bias[expert]), alpha, limit)
+        return F.linear(gated, down_proj[expert], down_bias[expert])
+
+    return _run_grouped(hidden_states, topk_weights, topk_ids, gate_up_proj.shape[0], expert_forward)
+
+
+@grouped_experts_clamped_swiglu.register_fake
+def _(hidden_states, topk_weights, topk_ids, gate_up_proj, gate_up_bias, down_proj, down_bias, alpha, limit):
     return torch.empty_like(hidden_states)

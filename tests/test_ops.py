@@ -68,10 +68,15 @@ def test_write_kv_cache_puts_each_token_at_its_slot():
 
 
 def naive_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sliding_window: int | None = None
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query [q, H, D], contiguous key/value [kv, Hkv, D]; query row j is token kv - q + j, and sees
-    the `sliding_window` tokens ending at itself when a window is given."""
+    the `sliding_window` tokens ending at itself when a window is given. Sinks [H] divide head h's
+    weights by sum_k exp(score_k) + exp(sinks[h]) instead of the plain softmax denominator."""
     q_len, kv_len = query.shape[0], key.shape[0]
     groups = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
@@ -81,10 +86,16 @@ def naive_attention(
     if sliding_window is not None:
         allowed &= key_positions > query_positions - sliding_window
     scores = scores.masked_fill(~allowed, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), value)
+    if sinks is None:
+        return torch.einsum("hqk,khd->qhd", scores.softmax(-1), value)
+    exp_scores = scores.exp()
+    weights = exp_scores / (exp_scores.sum(-1, keepdim=True) + sinks.exp()[:, None, None])
+    return torch.einsum("hqk,khd->qhd", weights, value)
 
 
-def run_paged(query_lens: list[int], kv_lens: list[int], sliding_window: int | None = None) -> None:
+def run_paged(
+    query_lens: list[int], kv_lens: list[int], sliding_window: int | None = None, sinks: torch.Tensor | None = None
+) -> None:
     """Scatter each request's K/V over shuffled blocks (never the null block 0), fill every other
     slot with NaN, and compare paged attention with naive attention on the contiguous K/V. With a
     window, blocks wholly before it are replaced by the null block, as the sliding-window manager
@@ -109,12 +120,16 @@ def run_paged(query_lens: list[int], kv_lens: list[int], sliding_window: int | N
     query = torch.randn(sum(query_lens), NUM_HEADS, HEAD_DIM)
     block_table = metadata.groups[0].block_table
 
-    output = ops.paged_attention(query, key_cache, value_cache, block_table, metadata, HEAD_DIM**-0.5, sliding_window)
+    args = (query, key_cache, value_cache, block_table, metadata, HEAD_DIM**-0.5)
+    if sinks is None:
+        output = ops.paged_attention(*args, sliding_window)
+    else:
+        output = ops.paged_attention_with_sinks(*args, sinks, sliding_window)
 
     assert output.shape == query.shape
     expected = torch.cat(
         [
-            naive_attention(q, k, v, sliding_window)
+            naive_attention(q, k, v, sliding_window, sinks)
             for q, (k, v) in zip(query.split(query_lens), contiguous_kv, strict=True)
         ]
     )
@@ -140,6 +155,65 @@ def test_paged_attention_verify_step_with_several_queries_per_request_is_causal(
 @pytest.mark.parametrize("query_lens, kv_lens", [([5, 9, 2], [5, 9, 10]), ([1, 1, 1], [2, 9, 14]), ([3, 2], [17, 22])])
 def test_paged_attention_sliding_window_sees_only_the_window(query_lens, kv_lens):
     run_paged(query_lens, kv_lens, sliding_window=4)
+
+
+# Prefill, cached prefix, decode, verify; with and without a window. Sinks of both signs and one
+# large enough to take most of the weight.
+SINK_CASES = [([5, 1, 9], [5, 1, 9]), ([3, 6], [10, 7]), ([1, 1, 1], [1, 6, 13]), ([3, 3], [7, 12])]
+
+
+@pytest.mark.parametrize("sliding_window", [None, 4])
+@pytest.mark.parametrize("query_lens, kv_lens", SINK_CASES)
+def test_paged_attention_with_sinks_adds_each_heads_sink_to_the_softmax_denominator(
+    query_lens, kv_lens, sliding_window
+):
+    run_paged(query_lens, kv_lens, sliding_window, sinks=torch.tensor([-1.0, 0.0, 0.5, 3.0]))
+
+
+def test_a_sink_shrinks_a_heads_output_by_its_share_of_the_denominator():
+    """One key per query: without a sink the output is its value; a sink of logit s (score 0 here)
+    leaves 1 / (1 + e^s) of it."""
+    value = torch.randn(1, NUM_KV_HEADS, HEAD_DIM)
+    sinks = torch.tensor([0.0, 1.0, -2.0, 4.0])
+    query, key = torch.zeros(1, NUM_HEADS, HEAD_DIM), torch.randn(1, NUM_KV_HEADS, HEAD_DIM)
+    out = naive_attention(query, key, value, None, sinks)
+    expected = value.repeat_interleave(NUM_HEADS // NUM_KV_HEADS, dim=1) / (1 + sinks.exp())[None, :, None]
+    torch.testing.assert_close(out, expected)
+
+
+def naive_clamped_swiglu_experts(
+    hidden_states: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    gate_up: torch.Tensor,
+    gate_up_bias: torch.Tensor,
+    down: torch.Tensor,
+    down_bias: torch.Tensor,
+    alpha: float,
+    limit: float,
+) -> torch.Tensor:
+    """Token by token, choice by choice, as gpt-oss's model card writes the expert."""
+    output = torch.zeros_like(hidden_states)
+    for token, (weights, experts) in enumerate(zip(topk_weights, topk_ids, strict=True)):
+        for weight, expert in zip(weights, experts.tolist(), strict=True):
+            gate, up = (gate_up[expert] @ hidden_states[token] + gate_up_bias[expert]).chunk(2)
+            gate, up = torch.clamp(gate, max=limit), torch.clamp(up, -limit, limit)
+            glu = gate * torch.sigmoid(alpha * gate)
+            output[token] += weight * (down[expert] @ ((up + 1) * glu) + down_bias[expert])
+    return output
+
+
+def test_moe_experts_clamped_swiglu_matches_the_per_token_formula_and_clamps():
+    num_experts, hidden, intermediate, top_k = 5, 8, 6, 2
+    hidden_states = 3 * torch.randn(7, hidden)  # large enough that some gates and ups pass the limit
+    topk_ids = torch.tensor([[0, 1], [1, 0], [2, 4], [0, 2], [1, 2], [4, 1], [2, 0]])  # expert 3: no token
+    topk_weights = torch.rand(7, top_k)
+    gate_up, down = torch.randn(num_experts, 2 * intermediate, hidden), torch.randn(num_experts, hidden, intermediate)
+    gate_up_bias, down_bias = torch.randn(num_experts, 2 * intermediate), torch.randn(num_experts, hidden)
+    args = (hidden_states, topk_weights, topk_ids, gate_up, gate_up_bias, down, down_bias, 1.702, 7.0)
+    pre_activation = torch.einsum("th,eih->tei", hidden_states, gate_up) + gate_up_bias
+    assert (pre_activation[..., :intermediate] > 7.0).any() and (pre_activation[..., intermediate:].abs() > 7.0).any()
+    torch.testing.assert_close(ops.moe_experts_clamped_swiglu(*args), naive_clamped_swiglu_experts(*args))
 
 
 def test_decode_attention_reads_only_up_to_the_longest_sequence_not_the_table_width():

@@ -33,7 +33,8 @@ def head_dim_of(config: PretrainedConfig) -> int:
 
 class LlamaAttention(nn.Module):
     """GQA attention with rope. Subclasses change what differs through the hooks: the projections'
-    biases, a layer's sliding window, and q/k/v before rope (project_qkv)."""
+    biases, a layer's sliding window, the attention op's layer (build_attention), and q/k/v before rope
+    (project_qkv)."""
 
     def __init__(self, config: PretrainedConfig, layer_index: int, tp_rank: int, tp_size: int) -> None:
         super().__init__()
@@ -57,12 +58,14 @@ class LlamaAttention(nn.Module):
             tp_rank=tp_rank,
             tp_size=tp_size,
         )
-        self.attn = Attention(
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_dim,
-            scale=self.head_dim**-0.5,
-            sliding_window=self.layer_sliding_window(config, layer_index),
+        self.attn = self.build_attention(config, self.layer_sliding_window(config, layer_index), tp_rank, tp_size)
+
+    def build_attention(
+        self, config: PretrainedConfig, sliding_window: int | None, tp_rank: int, tp_size: int
+    ) -> Attention:
+        """The paged attention over this rank's heads (after the projections are built)."""
+        return Attention(
+            self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5, sliding_window=sliding_window
         )
 
     @staticmethod

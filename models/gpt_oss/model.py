@@ -1,0 +1,218 @@
+"""gpt-oss (every checkpoint that loads as transformers' GptOssForCausalLM, bf16 or fp32) on Llama's
+skeleton: the same embedding, pre-norm blocks, biased q/k/v/o projections and YaRN rope table
+(module/rotary.py computes it with transformers' own function, `truncate` included), with
+
+- attention sinks (a learned logit per head in every softmax denominator, module.attention.SinkAttention),
+- a sliding window on the layers `config.layer_types` marks "sliding_attention" (a cache group of their own),
+- an MoE block in every layer: a biased linear router (top-k logits, softmax over the chosen) and
+  experts with biases and a clamped SwiGLU, stacked as module/moe.py stacks them.
+
+Parity with transformers: tests/test_gpt_oss_parity.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GptOssConfig
+
+import ops
+from executor.model_loader.errors import WeightLoadError
+from models.llama.model import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+from module.attention import SinkAttention
+from module.moe import FusedExperts
+from module.mtp import num_mtp_layers_of
+from module.weights import ShardId, load_shard
+
+LAYER_TYPES = ("sliding_attention", "full_attention")
+NEEDED_OPS = ("paged_attention_with_sinks", "moe_experts_clamped_swiglu")
+
+
+class GptOssAttention(LlamaAttention):
+    """Llama's attention (q/k/v/o biased as config.attention_bias says) with sinks, and with the
+    config's sliding window on the layers config.layer_types marks sliding."""
+
+    @staticmethod
+    def layer_sliding_window(config: GptOssConfig, layer_index: int) -> int | None:
+        return config.sliding_window if config.layer_types[layer_index] == "sliding_attention" else None
+
+    def build_attention(
+        self, config: GptOssConfig, sliding_window: int | None, tp_rank: int, tp_size: int
+    ) -> SinkAttention:
+        return SinkAttention(
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            scale=self.head_dim**-0.5,
+            sliding_window=sliding_window,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+        )
+
+
+class GptOssRouter(nn.Module):
+    """logits = x W^T + b; the top_k logits of each token, softmaxed among themselves, are its
+    weights. Op for op as transformers' GptOssTopKRouter (in the model's dtype, torch.topk), so
+    that ties between equal logits break the same way. Every rank holds it whole."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"router: num_experts_per_tok {top_k} must be in [1, num_local_experts {num_experts}]")
+        self.top_k = top_k
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(num_experts), requires_grad=False)
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden_states [T, H] -> (weights [T, top_k], expert ids [T, top_k])."""
+        top_logits, topk_ids = torch.topk(F.linear(hidden_states, self.weight, self.bias), self.top_k, dim=-1)
+        return F.softmax(top_logits, dim=1, dtype=top_logits.dtype), topk_ids
+
+
+class GptOssExperts(FusedExperts):
+    """FusedExperts' stacked layout ([E, 2I, H] gate rows then up rows, [E, H, I]) plus biases, run
+    with clamped_swiglu(alpha, limit). Checkpoints store each projection stacked and transposed,
+    gate_up_proj [E, H, 2I] with gate and up interleaved (even and odd columns) and down_proj
+    [E, I, H]; the loaders de-interleave and transpose them into place, one expert at a time
+    through FusedExperts.load_expert_weight."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        alpha: float,
+        limit: float,
+        tp_rank: int,
+        tp_size: int,
+    ) -> None:
+        super().__init__(num_experts, hidden_size, intermediate_size, tp_rank, tp_size)
+        self.alpha = alpha
+        self.limit = limit
+        size = self.intermediate_per_rank
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * size), requires_grad=False)
+        # Replicated, but added on rank 0 only (zeros elsewhere), so the all-reduce adds it once.
+        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        self.gate_up_proj.weight_loader = self.load_gate_up_proj
+        self.down_proj.weight_loader = self.load_down_proj
+        self.gate_up_proj_bias.weight_loader = self.load_gate_up_proj_bias
+        self.down_proj_bias.weight_loader = self.load_down_proj_bias
+
+    def _check_experts(self, loaded_weight: torch.Tensor, ndim: int) -> None:
+        if loaded_weight.ndim != ndim or loaded_weight.shape[0] != self.num_experts:
+            raise WeightLoadError(
+                f"expected {self.num_experts} stacked experts ({ndim} dims), got shape {tuple(loaded_weight.shape)}"
+            )
+
+    def load_gate_up_proj(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
+        self._check_experts(loaded_weight, 3)
+        for expert, weight in enumerate(loaded_weight):  # weight [H, 2I]
+            self.load_expert_weight(weight[:, ::2].T, expert, "gate_proj")
+            self.load_expert_weight(weight[:, 1::2].T, expert, "up_proj")
+
+    def load_down_proj(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
+        self._check_experts(loaded_weight, 3)
+        for expert, weight in enumerate(loaded_weight):  # weight [I, H]
+            self.load_expert_weight(weight.T, expert, "down_proj")
+
+    def load_gate_up_proj_bias(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None
+    ) -> None:
+        self._check_experts(loaded_weight, 2)
+        gate, up = param.data.chunk(2, dim=1)
+        load_shard(gate, loaded_weight[:, ::2], 1, self.tp_rank, self.tp_size)
+        load_shard(up, loaded_weight[:, 1::2], 1, self.tp_rank, self.tp_size)
+
+    def load_down_proj_bias(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
+        load_shard(param.data, loaded_weight, None, 0, 1)
+        if self.tp_rank != 0:
+            param.data.zero_()
+
+    def run_experts(
+        self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        return ops.moe_experts_clamped_swiglu(
+            hidden_states,
+            topk_weights,
+            topk_ids,
+            self.gate_up_proj,
+            self.gate_up_proj_bias,
+            self.down_proj,
+            self.down_proj_bias,
+            self.alpha,
+            self.limit,
+        )
+
+
+class GptOssMoE(nn.Module):
+    def __init__(self, config: GptOssConfig, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        self.router = GptOssRouter(config.hidden_size, config.num_local_experts, config.num_experts_per_tok)
+        self.experts = GptOssExperts(
+            config.num_local_experts,
+            config.hidden_size,
+            config.intermediate_size,
+            config.swiglu_alpha,
+            config.swiglu_limit,
+            tp_rank,
+            tp_size,
+        )
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.experts(hidden_states, *self.router(hidden_states))
+
+
+class GptOssDecoderLayer(LlamaDecoderLayer):
+    attention_cls = GptOssAttention
+
+    def build_mlp(self, config: GptOssConfig, layer_index: int, tp_rank: int, tp_size: int) -> nn.Module:
+        """An MoE block in every layer."""
+        return GptOssMoE(config, tp_rank, tp_size)
+
+
+def check_config(config: GptOssConfig) -> None:
+    """Layer types we build, and no MTP modules: no gpt-oss checkpoint has them, and the MTP layer the
+    base class would build from a gpt-oss layer is untested."""
+    if num_mtp_layers_of(config):
+        raise ValueError("config num_nextn_predict_layers: gpt-oss has no MTP modules; remove the key")
+    layer_types = list(config.layer_types)
+    if len(layer_types) != config.num_hidden_layers or not set(layer_types) <= set(LAYER_TYPES):
+        raise ValueError(
+            f"config layer_types must name one of {list(LAYER_TYPES)} for each of the {config.num_hidden_layers} "
+            f"layers, got {layer_types}"
+        )
+    if "sliding_attention" in layer_types and not config.sliding_window:
+        raise ValueError(f"config has sliding_attention layers but sliding_window {config.sliding_window!r}")
+
+
+class GptOssForCausalLM(LlamaForCausalLM):
+    decoder_layer_cls = GptOssDecoderLayer
+
+    def __init__(self, hf_config: GptOssConfig, *, tp_rank: int = 0, tp_size: int = 1) -> None:
+        missing = ops.missing_ops(NEEDED_OPS)
+        if missing:
+            raise NotImplementedError(
+                f"gpt-oss needs ops {', '.join(missing)}, which the {ops.current_table().backend} backend does not "
+                "have yet (attention sinks and its MoE experts are left for later there); run it on cpu or cuda"
+            )
+        check_config(hf_config)
+        super().__init__(hf_config, tp_rank=tp_rank, tp_size=tp_size)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named tensors (gpt-oss's stacked experts; sinks under self_attn, ours under
+        self_attn.attn); returns the parameters that received every shard they need."""
+        return super().load_weights(self._renamed(weights))
+
+    @staticmethod
+    def _renamed(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            if name.endswith(("_blocks", "_scales")):
+                raise WeightLoadError(
+                    f"checkpoint tensor {name!r} is MXFP4-quantized (*_blocks/*_scales), the format gpt-oss is "
+                    "released in, which is not supported: use a bf16 checkpoint (transformers dequantizes one "
+                    "with Mxfp4Config(dequantize=True), then save_pretrained)"
+                )
+            yield name.replace(".self_attn.sinks", ".self_attn.attn.sinks"), tensor
