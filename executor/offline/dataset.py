@@ -294,8 +294,8 @@ def tokenize_record(record: PromptRecord, tokenizer: PreTrainedTokenizerBase, ap
     text through the chat template (as one user message) only when apply_chat_template is True.
 
     Plain text uses `tokenizer.encode(text)` with its default add_special_tokens=True, so the
-    tokenizer adds what the model saw in pre-training and nothing more: Llama 2/3 prepend BOS,
-    SmolLM2 (GPT-2 style BPE) adds nothing. The chat template path tokenizes with
+    tokenizer adds what the model saw in pre-training and nothing more: some tokenizers prepend BOS,
+    GPT-2 style BPE ones add nothing. The chat template path tokenizes with
     add_special_tokens=False (transformers does this itself), because templates that need BOS
     write `{{ bos_token }}` themselves; BOS therefore appears once either way.
     """
