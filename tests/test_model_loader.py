@@ -22,7 +22,12 @@ from executor.model_loader import (
     WeightLoadError,
     get_model_loader,
 )
-from executor.model_loader.default_model import REQUIRED_FILES, default_model_path, ensure_default_model
+from executor.model_loader.default_model import (
+    REQUIRED_FILES,
+    default_model_path,
+    ensure_default_model,
+    expand_home_vars,
+)
 from executor.model_loader.gguf_import import convert_gguf, partial_prefix
 from executor.model_loader.hf_config import load_hf_config
 from models import DEFAULT_CHECKPOINT
@@ -333,6 +338,17 @@ def no_pip(*args, **kwargs):
 def test_default_model_path_follows_infer_recipes_home(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("INFER_RECIPES_HOME", str(tmp_path))
     assert default_model_path() == tmp_path / "models" / "SmolLM2-135M-Instruct"
+
+
+def test_infer_recipes_home_in_configured_paths_has_its_default_when_unset(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv("INFER_RECIPES_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    home = tmp_path / ".cache" / "infer-recipes"
+    assert expand_home_vars("$INFER_RECIPES_HOME/models/x") == f"{home}/models/x"
+    assert expand_home_vars("${INFER_RECIPES_HOME}/y") == f"{home}/y"
+    monkeypatch.setenv("INFER_RECIPES_HOME", "/data/ir")
+    monkeypatch.setenv("OTHER", "o")
+    assert expand_home_vars("$INFER_RECIPES_HOME/$OTHER/$INFER_RECIPES_HOMEX") == "/data/ir/o/$INFER_RECIPES_HOMEX"
 
 
 def test_complete_default_model_is_returned_without_pip(tmp_path: Path, monkeypatch) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import fcntl
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -35,6 +36,13 @@ REQUIRED_FILES = (
 def infer_recipes_home() -> Path:
     """`$INFER_RECIPES_HOME`, else ~/.cache/infer-recipes: where models and downloads are kept."""
     return Path(os.environ.get("INFER_RECIPES_HOME") or "~/.cache/infer-recipes").expanduser()
+
+
+def expand_home_vars(path: str) -> str:
+    """os.path.expandvars, with $INFER_RECIPES_HOME standing for infer_recipes_home() where it is not set,
+    so that shipped configs can name folders the scripts write there."""
+    with_home = re.sub(r"\$(INFER_RECIPES_HOME\b|\{INFER_RECIPES_HOME\})", lambda _: str(infer_recipes_home()), path)
+    return os.path.expandvars(with_home)
 
 
 def default_model_path(home: Path | None = None) -> Path:

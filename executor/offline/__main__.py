@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import shlex
 import signal
 import sys
@@ -15,7 +14,7 @@ from typing import Any
 
 from executor.core.config import ConfigError, InferenceConfig, load_config
 from executor.core.config.inference_config import not_applicable_keys
-from executor.model_loader.default_model import default_model_path
+from executor.model_loader.default_model import default_model_path, expand_home_vars
 from executor.offline.dataset import (
     DATASET_DIR,
     DatasetError,
@@ -39,9 +38,10 @@ logger = logging.getLogger("executor.offline")
 
 
 def resolve_model_path(config: InferenceConfig) -> Path:
-    """model_config.model_path (with ~ and $VARS expanded), or the default model; must hold config.json."""
+    """model_config.model_path (with ~ and $VARS expanded, $INFER_RECIPES_HOME to its default when unset), or the
+    default model; must hold config.json."""
     configured = config.model_config.model_path
-    path = Path(os.path.expandvars(configured)).expanduser() if configured else default_model_path()
+    path = Path(expand_home_vars(configured)).expanduser() if configured else default_model_path()
     if not (path / "config.json").is_file():
         hint = "" if configured else "; run `bash infer.sh` (or scripts/setup.sh) once to fetch the default model"
         raise ConfigError(

@@ -23,10 +23,10 @@ from executor.core.types_.forward_metadata import ForwardMetaData
 from executor.model_loader.errors import WeightLoadError
 from module.decoder_layer import PreNormDecoderLayer
 from module.embedding import ParallelLMHead, VocabParallelEmbedding
-from module.linear import ColumnParallelLinear
 from module.mla import MLAAttention
 from module.mlp import GatedMLP
 from module.moe import FusedExperts, TopkRouter
+from module.mtp import SHARED_MTP_TENSOR, MTPLayerMixin
 from module.norm import RMSNorm
 from module.rotary import RotaryEmbedding
 from module.weights import ShardId, default_weight_loader
@@ -35,8 +35,6 @@ from module.weights import ShardId, default_weight_loader
 EXPERT_TENSOR = re.compile(
     r"^(?P<module>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<projection>gate_proj|up_proj|down_proj)\.weight$"
 )
-# MTP modules' copies of the embedding and LM head, which they share with the model.
-SHARED_MTP_TENSOR = re.compile(r"^model\.layers\.\d+\.(embed_tokens|shared_head\.head)\.weight$")
 # Which part of a parameter a checkpoint tensor filled: a merged layer's shard, or (expert, projection).
 ShardKey = ShardId | tuple[int, str]
 
@@ -100,38 +98,13 @@ class DeepseekV3DecoderLayer(PreNormDecoderLayer):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class SharedHead(nn.Module):
-    """An MTP module's last norm; its head is the model's LM head (shared, as in DeepSeek-V3)."""
-
-    def __init__(self, hidden_size: int, eps: float) -> None:
-        super().__init__()
-        self.norm = RMSNorm(hidden_size, eps)
-
-
-class DeepseekV3MTPLayer(DeepseekV3DecoderLayer):
-    """One MTP module (DeepSeek-V3 report, section 2.2): the embedding of the next token and the
-    previous depth's hidden state, each normed, concatenated [embeds, hidden] and projected back to
-    the hidden size, then one decoder layer (as layer index N + i would be built). A subclass of
-    the decoder layer so that checkpoint names model.layers.{N+i}.* map onto it unchanged."""
+class DeepseekV3MTPLayer(MTPLayerMixin, DeepseekV3DecoderLayer):
+    """One MTP module (DeepSeek-V3 report, section 2.2; module/mtp.py) on one more decoder layer, built
+    as layer index N + i would be, so that checkpoint names model.layers.{N+i}.* map onto it unchanged."""
 
     def __init__(self, config: DeepseekV3Config, layer_index: int, tp_rank: int, tp_size: int) -> None:
         super().__init__(config, layer_index, tp_rank, tp_size)
-        self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.eh_proj = ColumnParallelLinear(2 * config.hidden_size, config.hidden_size, bias=False)  # replicated
-        self.shared_head = SharedHead(config.hidden_size, config.rms_norm_eps)
-
-    def predict(
-        self,
-        inputs_embeds: torch.Tensor,
-        previous_hidden_states: torch.Tensor,
-        rotary: tuple[torch.Tensor, torch.Tensor],
-        forward_metadata: ForwardMetaData,
-    ) -> torch.Tensor:
-        """-> hidden states after the block's residual add, before shared_head.norm."""
-        hidden_states = self.eh_proj(torch.cat((self.enorm(inputs_embeds), self.hnorm(previous_hidden_states)), dim=-1))
-        hidden_states, residual = self(hidden_states, None, rotary, forward_metadata)
-        return hidden_states + residual
+        self.add_mtp_modules(config.hidden_size, config.rms_norm_eps)
 
 
 class DeepseekV3Model(nn.Module):

@@ -21,6 +21,7 @@ from module.attention import Attention
 from module.decoder_layer import PreNormDecoderLayer
 from module.embedding import ParallelLMHead, VocabParallelEmbedding
 from module.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from module.mtp import MTPLayerMixin, mtp_parameter_name, num_mtp_layers_of
 from module.norm import RMSNorm
 from module.rotary import RotaryEmbedding
 from module.weights import ShardId, default_weight_loader
@@ -117,6 +118,14 @@ class LlamaModel(nn.Module):
         return hidden_states
 
 
+class LlamaMTPLayer(MTPLayerMixin, LlamaDecoderLayer):
+    """DeepSeek-V3's MTP module (module/mtp.py) on one more Llama decoder layer."""
+
+    def __init__(self, config: LlamaConfig, tp_rank: int, tp_size: int) -> None:
+        super().__init__(config, tp_rank, tp_size)
+        self.add_mtp_modules(config.hidden_size, config.rms_norm_eps)
+
+
 class LlamaForCausalLM(nn.Module):
     # checkpoint module name -> (our fused module, shard id passed to its weight_loader)
     packed_modules_mapping: dict[str, tuple[str, int | str]] = {
@@ -134,6 +143,11 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, tp_rank, tp_size)
         if hf_config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # config.num_nextn_predict_layers of them; none (an empty list, no parameters) without the key.
+        self.num_mtp_layers = num_mtp_layers_of(hf_config)
+        self.mtp_layers = nn.ModuleList(
+            [LlamaMTPLayer(hf_config, tp_rank, tp_size) for _ in range(self.num_mtp_layers)]
+        )
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_metadata: ForwardMetaData
@@ -145,6 +159,25 @@ class LlamaForCausalLM(nn.Module):
         """Logits [rows, vocab] of the rows a step samples; the LM head gathers its vocab shards."""
         return self.lm_head(hidden_states, row_indices)
 
+    def mtp_forward(
+        self,
+        layer: int,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        previous_hidden_states: torch.Tensor,
+        forward_metadata: ForwardMetaData,
+    ) -> torch.Tensor:
+        """MTP layer `layer` on packed rows -> [T, hidden] before its shared_head.norm. Row r holds
+        input_ids[r] and the hidden state of the token before it: for layer 0 the target's forward()
+        output (after its final norm), for a later draft the previous mtp_forward output."""
+        input_embeds = self.model.embed_tokens(input_ids)
+        rotary = self.model.rotary_emb(positions, input_embeds.dtype)
+        return self.mtp_layers[layer].predict(input_embeds, previous_hidden_states, rotary, forward_metadata)
+
+    def mtp_compute_logits(self, layer: int, hidden_states: torch.Tensor, row_indices: torch.Tensor) -> torch.Tensor:
+        """shared_head.norm of MTP layer `layer`, then the main LM head, on the rows a step drafts from."""
+        return self.lm_head(self.mtp_layers[layer].shared_head.norm(hidden_states), row_indices)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors; returns the parameters that received every shard they need."""
         params = dict(self.named_parameters())
@@ -155,10 +188,12 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if checkpoint_name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            name, shard_id = checkpoint_name, None
+            name, shard_id = mtp_parameter_name(checkpoint_name, self.config.num_hidden_layers), None
+            if name is None:  # an MTP layer's copy of the embedding or LM head, which are shared here
+                continue
             for checkpoint_module, (fused_module, fused_shard) in self.packed_modules_mapping.items():
-                if f".{checkpoint_module}." in checkpoint_name:
-                    name = checkpoint_name.replace(f".{checkpoint_module}.", f".{fused_module}.")
+                if f".{checkpoint_module}." in name:
+                    name = name.replace(f".{checkpoint_module}.", f".{fused_module}.")
                     shard_id = fused_shard
                     break
             param = params.get(name)

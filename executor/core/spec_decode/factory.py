@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from executor.core.config import ConfigError, InferenceConfig
@@ -10,6 +11,7 @@ from executor.core.spec_decode.draft_model import DraftModelProposer
 from executor.core.spec_decode.mtp import MTPProposer
 from executor.core.spec_decode.ngram import NgramProposer
 from executor.core.spec_decode.proposer import ProposalContext, Proposer
+from executor.model_loader.default_model import expand_home_vars
 
 if TYPE_CHECKING:
     from executor.core.engine.engine import ExecutionEngine
@@ -57,17 +59,16 @@ def _draft_engine(target: ExecutionEngine, config: InferenceConfig) -> Execution
     from executor.core.engine.engine import ExecutionEngine
     from executor.utils.model_registry import resolve_model
 
+    draft_path = str(Path(expand_home_vars(config.speculative_config.draft_model_path)).expanduser())
     draft_config = dataclasses.replace(
         config,
-        model_config=dataclasses.replace(
-            config.model_config, model_path=config.speculative_config.draft_model_path, next_n=0, custom_params={}
-        ),
+        model_config=dataclasses.replace(config.model_config, model_path=draft_path, next_n=0, custom_params={}),
         scheduler_config=dataclasses.replace(config.scheduler_config, enable_prefix_caching=False),
         speculative_config=dataclasses.replace(config.speculative_config, method="", num_speculative_tokens=0),
     )
     engine = ExecutionEngine(draft_config)
     model_cls, config_cls = resolve_model(config.model_config.model_name)
-    engine.init(model_cls, config_cls, config.speculative_config.draft_model_path)
+    engine.init(model_cls, config_cls, draft_path)
     if engine.vocab_size != target.vocab_size:
         raise ConfigError(
             f"speculative_config.draft_model_path in {config.source}: the draft model's vocabulary "
