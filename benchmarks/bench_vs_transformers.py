@@ -38,7 +38,7 @@ def run_ours(
         {
             **(sections or {}),
             "model_config": {"model_path": str(args.model_path), "dtype": args.dtype, "device": args.device},
-            "data_config": {"apply_chat_template": True},
+            "data_config": {"apply_chat_template": True, "input_truncated_len": 0},
             "scheduler_config": {
                 "batch_size": args.batch_size,
                 "max_new_tokens": args.max_new_tokens,

@@ -23,7 +23,7 @@ def make_inference(
     config = build_config(
         {
             "model_config": {"model_path": str(model_dir), "dtype": dtype, "device": "cpu"} | (model_config or {}),
-            "data_config": {"apply_chat_template": False},
+            "data_config": {"apply_chat_template": False, "input_truncated_len": 0},
             "scheduler_config": {"block_size": 16, "max_new_tokens": 32} | scheduler,
         },
         source="test.yaml",

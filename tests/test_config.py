@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from executor.core.config import ConfigError, build_config, load_config
-from executor.core.config.inference_config import check_device_rules, unused_npu_keys
+from executor.core.config.inference_config import check_device_rules, not_applicable_keys
 
 
 def write_yaml(tmp_path: Path, text: str) -> Path:
@@ -58,7 +58,6 @@ def test_wrong_type_is_named(tmp_path, section, key, value, expected):
         ("scheduler_config", "batch_size", "0"),
         ("scheduler_config", "mem_fraction_static", "1.5"),
         ("data_config", "top_p", "2.0"),
-        ("parallel_config", "world_size", "2"),
     ],
 )
 def test_out_of_range_value_is_named(tmp_path, section, key, value):
@@ -120,10 +119,91 @@ def test_sampling_keys_take_their_ranges_and_logprobs_may_be_null():
         build_config({"data_config": {"temperature": float("inf")}}, source="run.yaml")
 
 
-def test_npu_only_keys_are_reported_unused_elsewhere():
+def test_npu_only_keys_are_reported_not_applicable_elsewhere():
     config = build_config({"model_config": {"enable_static_kernel": True}})
-    assert unused_npu_keys(config, "cpu") == ["model_config.enable_static_kernel"]
-    assert unused_npu_keys(config, "npu") == []
+    assert not_applicable_keys(config, "cpu") == [("model_config.enable_static_kernel", "only applies on NPU")]
+    assert not_applicable_keys(config, "npu") == []
+
+
+def test_not_applicable_keys_set_in_the_file_are_reported_with_their_reason_whatever_the_value():
+    config = build_config(
+        {"model_config": {"enable_weight_nz": True, "custom_params": {"enable_prefetch": False}}, "data_config": {}}
+    )
+    notes = dict(not_applicable_keys(config, "npu"))
+    assert set(notes) == {"model_config.enable_weight_nz", "model_config.custom_params.enable_prefetch"}
+    assert "NZ" in notes["model_config.enable_weight_nz"]
+    assert not_applicable_keys(build_config({}), "cpu") == []
+
+
+def test_a_refused_value_names_the_key_the_reason_and_what_runs():
+    with pytest.raises(ConfigError) as err:
+        build_config({"parallel_config": {"world_size": 2}}, source="run.yaml")
+    message = str(err.value)
+    assert "parallel_config.world_size in run.yaml is refused at 2" in message and "runs with 1" in message
+    build_config({"parallel_config": {"world_size": 1, "cp_size": 1}, "model_config": {"force_eplb": False}})
+
+
+def test_every_problem_of_a_file_is_reported_at_once_one_line_each(tmp_path):
+    text = (
+        "model_config:\n  platform_version: A3\n  force_eplb: true\n  custom_params:\n    enable_afd: true\n"
+        "parallel_config:\n  world_size: 16\n  cp_sise: 1\nscheduler_config:\n  batch_size: 0\n"
+    )
+    path = write_yaml(tmp_path, text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    lines = str(err.value).splitlines()
+    assert lines[0] == f"5 problems in {path}:"
+    for key in ("force_eplb", "custom_params.enable_afd", "world_size", "cp_sise", "batch_size"):
+        assert sum(key in line for line in lines[1:]) == 1, key
+    assert len(err.value.problems) == 5
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "hint"),
+    [
+        ("parallel_config", "cp_size_", "'cp_size'"),
+        ("scheduler_config", "max_new_token", "'max_new_tokens'"),
+        ("parallel_config", "cp_sizes", "'cp_size'"),
+    ],
+)
+def test_did_you_mean_offers_a_close_name_of_the_same_section(section, key, hint):
+    with pytest.raises(ConfigError, match=f"did you mean {hint}"):
+        build_config({section: {key: 1}})
+
+
+@pytest.mark.parametrize(
+    ("section", "key"),
+    [("scheduler_config", "cp_size"), ("parallel_config", "context_size"), ("data_config", "batch_size")],
+)
+def test_did_you_mean_stays_silent_when_no_name_of_the_section_is_close(section, key):
+    with pytest.raises(ConfigError) as err:
+        build_config({section: {key: 1}})
+    assert "did you mean" not in str(err.value) and f"{section}.{key}" in str(err.value)
+
+
+def test_cann_recipes_defaults_where_a_key_means_the_same():
+    config = build_config({})
+    assert config.data_config.input_truncated_len == 256
+    assert config.scheduler_config.mem_fraction_static == 0.85
+    assert config.model_config.enable_dynamic_graph is True
+    assert config.scheduler_config.max_prefill_tokens == 0
+
+
+def test_max_prefill_tokens_0_is_derived_from_truncation_and_batch_size():
+    config = build_config({"data_config": {"input_truncated_len": 100}, "scheduler_config": {"batch_size": 3}})
+    assert config.prefill_token_budget == 300
+    untruncated = build_config({"data_config": {"input_truncated_len": 0}, "scheduler_config": {"batch_size": 2}})
+    assert untruncated.prefill_token_budget == 2 * 8192
+    assert build_config({"scheduler_config": {"max_prefill_tokens": 64}}).prefill_token_budget == 64
+
+
+def test_custom_params_keys_are_checked_against_their_table():
+    config = build_config({"model_config": {"custom_params": {"num_hidden_layers": 2, "enable_multi_streams": 1}}})
+    assert config.model_config.custom_params == {"num_hidden_layers": 2, "enable_multi_streams": 1}
+    with pytest.raises(ConfigError, match=r"model_config.custom_params.num_hidden_layers .* must be >= 1"):
+        build_config({"model_config": {"custom_params": {"num_hidden_layers": 0}}})
+    with pytest.raises(ConfigError, match=r"unknown key model_config.custom_params.enable_prefech .*'enable_prefetch'"):
+        build_config({"model_config": {"custom_params": {"enable_prefech": True}}})
 
 
 def test_shipped_configs_are_valid():

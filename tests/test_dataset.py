@@ -13,6 +13,7 @@ from executor.offline.dataset import (
     PromptRecord,
     check_token_ids,
     load_prompts,
+    repeat_to_count,
     resolve_dataset_path,
     tokenize_record,
 )
@@ -343,3 +344,36 @@ def test_a_line_overrides_sampling_parameters_with_values_of_their_type(tmp_path
 )
 def test_a_sampling_value_of_the_wrong_type_fails_its_line_alone(tmp_path: Path, override: dict, words: str) -> None:
     assert words in record_error(tmp_path, {"prompt": "hi", **override})
+
+
+# --- cann-recipes' prompt file and batch_size meaning ----------------------------------------------
+
+
+@pytest.mark.parametrize(("text", "prompts"), [("one prompt", ["one prompt"]), (["a", "b c"], ["a", "b c"])])
+def test_cann_recipes_text_file_gives_one_record_per_text(tmp_path, text, prompts):
+    path = tmp_path / "default_prompt.json"
+    path.write_text(json.dumps({"text": text}, indent=4))
+    records = load_prompts(path)
+    assert [(r.id, r.prompt) for r in records] == [(str(i), p) for i, p in enumerate(prompts)]
+
+
+@pytest.mark.parametrize("obj", [{"prompt": "x"}, {"text": "x", "extra": 1}, ["x"], {"text": []}])
+def test_a_json_dataset_that_is_not_cann_recipes_text_format_is_an_error(tmp_path, obj):
+    path = tmp_path / "prompts.json"
+    path.write_text(json.dumps(obj))
+    with pytest.raises(DatasetError, match="prompts.json"):
+        load_prompts(path)
+
+
+def test_dataset_name_finds_a_json_file_when_no_jsonl_has_the_name(tmp_path):
+    (tmp_path / "default_prompt.json").write_text('{"text": "x"}')
+    assert resolve_dataset_path("default_prompt", None, tmp_path) == tmp_path / "default_prompt.json"
+    with pytest.raises(DatasetError, match="available: default_prompt"):
+        resolve_dataset_path("nope", None, tmp_path)
+
+
+def test_repeat_to_count_cycles_the_records_with_unique_ids_or_cuts_them():
+    records = [PromptRecord(id="a", prompt="x"), PromptRecord(id="b", prompt="y")]
+    assert [r.id for r in repeat_to_count(records, 5)] == ["a", "b", "a#1", "b#1", "a#2"]
+    assert [r.prompt for r in repeat_to_count(records, 3)] == ["x", "y", "x"]
+    assert [r.id for r in repeat_to_count(records, 1)] == ["a"]

@@ -105,15 +105,15 @@ def test_ge_graph_on_npu_uses_torchair_ge_with_cann_recipes_settings(recorder, m
     assert config.experimental_config.topology_sorting_strategy == "StableRDFS"
 
 
-def test_ge_graph_cache_compile_goes_to_the_torchair_folder_with_ge_cache(recorder, model_and_buffers, tmp_path):
+def test_ge_graph_cache_compile_goes_to_the_torchair_folder_with_ge_cache_and_static_shapes(
+    recorder, model_and_buffers, tmp_path
+):
     model, buffers = model_and_buffers
-    compiler = make_graph_compiler(
-        NPU_ON_CPU, "ge_graph", CompileCache(tmp_path), num_buckets=1, settings={}, dynamic_graph=True
-    )
+    compiler = make_graph_compiler(NPU_ON_CPU, "ge_graph", CompileCache(tmp_path), num_buckets=1, settings={})
     with torch.inference_mode():
         compiler.compile(model, buffers, 2)(buffers)
     (_, kwargs) = next(call for call in recorder.calls if call[0] == "cache_compile")
-    assert Path(kwargs["cache_dir"]) == tmp_path / "torchair" and kwargs["ge_cache"] and kwargs["dynamic"]
+    assert Path(kwargs["cache_dir"]) == tmp_path / "torchair" and kwargs["ge_cache"] and kwargs["dynamic"] is False
 
 
 def test_npugraph_ex_on_npu_compiles_with_its_backend_options_and_one_pool(recorder, model_and_buffers, monkeypatch):

@@ -5,7 +5,7 @@ import pytest
 from executor.core.engine.kv_cache_sizing import plan_num_blocks
 from executor.core.scheduler import StepRecord
 from executor.core.types_ import FinishReason, Request, SamplingParams
-from executor.utils.metrics import percentile, summarize
+from executor.utils.metrics import cann_closing_lines, cann_decode_average_ms, percentile, summarize
 
 
 def test_percentile_interpolates():
@@ -63,3 +63,16 @@ def test_no_room_for_the_null_block_and_one_more_is_an_error():
             free_memory_bytes=1900,
             mem_fraction_static=0.9,
         )
+
+
+def test_cann_decode_average_leaves_out_the_first_step_and_slow_outliers():
+    assert cann_decode_average_ms([50.0, 10.0, 12.0, 11.0, 400.0]) == pytest.approx(11.0)
+    assert cann_decode_average_ms([7.0]) == 7.0 and cann_decode_average_ms([]) == 0.0
+
+
+def test_cann_closing_lines_are_in_cann_recipes_words():
+    assert cann_closing_lines("m", [9.0, 4.0, 6.0], {}, 0) == ["m decode average inference time cost is 5.00 ms"]
+    spec = {"speculative": {"mean_accept_length": 2.0, "accept_rate": 0.5}}
+    lines = cann_closing_lines("m", [9.0, 4.0, 6.0], spec, 2)
+    assert lines[1] == "m model average equivalent latency of MTP2 is 2.50 ms"
+    assert lines[2:] == ["The speculation accept length: 2.0000", "The speculation accept rate: 0.5000"]

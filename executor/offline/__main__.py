@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from executor.core.config import ConfigError, InferenceConfig, load_config
-from executor.core.config.inference_config import unused_npu_keys
+from executor.core.config.inference_config import not_applicable_keys
 from executor.model_loader.default_model import default_model_path, expand_home_vars
 from executor.offline.dataset import (
     DATASET_DIR,
@@ -21,6 +21,7 @@ from executor.offline.dataset import (
     PromptRecord,
     check_token_ids,
     load_prompts,
+    repeat_to_count,
     resolve_dataset_path,
 )
 from executor.offline.durable_io import OutputWriteError
@@ -50,9 +51,14 @@ def resolve_model_path(config: InferenceConfig) -> Path:
 
 
 def load_records(config: InferenceConfig) -> list[PromptRecord]:
+    """The dataset's records: the first num_prompts of them, then, with cann-recipes' meaning of
+    batch_size, repeated or cut to exactly batch_size requests."""
     data = config.data_config
     records = load_prompts(resolve_dataset_path(data.dataset, data.dataset_path or None, DATASET_DIR))
-    return records[: data.num_prompts] if data.num_prompts else records
+    records = records[: data.num_prompts] if data.num_prompts else records
+    if config.scheduler_config.batch_size_meaning == "num_requests":
+        records = repeat_to_count(records, config.scheduler_config.batch_size)
+    return records
 
 
 def print_results(result: RunResult) -> None:
@@ -127,8 +133,8 @@ def run(args: argparse.Namespace, stop: StopSignals) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return COULD_NOT_START
     config, plan = prepared.config, prepared.plan
-    for key in unused_npu_keys(config, prepared.device_type):
-        logger.info("%s only applies on NPU; unused here", key)
+    for key, why in not_applicable_keys(config, prepared.device_type):
+        logger.info("%s is not applicable here, set but unused: %s", key, why)
     if plan.resumed:
         logger.info("continuing the run in %s: %d request(s) left", plan.output_dir, len(plan.pending))
     servable = [record for record in plan.pending if record.error is None]

@@ -1,5 +1,8 @@
 """Prompt datasets: find the JSONL file a run names, validate every line, turn records into token ids.
 
+cann-recipes' own prompt file format, one JSON object {"text": "..."} or {"text": ["...", ...]}
+(its dataset/default_prompt.json), is read too: a file ending in .json is taken to be one.
+
 A line whose shape is wrong (not JSON, unknown keys, no prompt, a bad or duplicate id) fails the
 run before the model loads, with the file and line number. A well-formed line whose prompt value
 is unusable (empty, not integers, token ids outside the vocabulary) becomes a record that carries
@@ -79,22 +82,28 @@ def resolve_dataset_path(dataset: str, dataset_path: str | None, dataset_dir: Pa
             f"dataset must be the name of a file in {dataset_dir}, got {dataset!r}; "
             "use dataset_path for a file elsewhere"
         )
-    file_name = name if name.endswith(".jsonl") else f"{name}.jsonl"
-    path = dataset_dir / file_name
-    if not path.is_file():
-        available = sorted(p.stem for p in dataset_dir.glob("*.jsonl")) if dataset_dir.is_dir() else []
-        raise DatasetError(
-            f"unknown dataset {dataset!r}: no {file_name} in {dataset_dir}; available: {', '.join(available) or 'none'}"
-        )
-    return path
+    file_names = [name] if name.endswith((".jsonl", ".json")) else [f"{name}.jsonl", f"{name}.json"]
+    for file_name in file_names:
+        if (dataset_dir / file_name).is_file():
+            return dataset_dir / file_name
+    found = sorted(p.name for p in dataset_dir.glob("*.json*")) if dataset_dir.is_dir() else []
+    available = [p.rsplit(".", 1)[0] for p in found if p.endswith((".jsonl", ".json"))]
+    raise DatasetError(
+        f"unknown dataset {dataset!r}: no {' or '.join(file_names)} in {dataset_dir}; "
+        f"available: {', '.join(available) or 'none'}"
+    )
 
 
 def load_prompts(path: Path) -> list[PromptRecord]:
-    """Read and validate a JSONL prompt file; blank lines are skipped, a malformed line is an error."""
+    """Read and validate a JSONL prompt file (blank lines are skipped, a malformed line is an
+    error), or a .json file in cann-recipes' {"text": ...} format."""
     try:
-        raw_lines = path.read_bytes().split(b"\n")
+        data = path.read_bytes()
     except OSError as exc:
         raise DatasetError(f"{path}: cannot read dataset: {exc.strerror or exc}") from None
+    if path.suffix == ".json":
+        return _load_text_prompts(data, path)
+    raw_lines = data.split(b"\n")
     records: list[PromptRecord] = []
     line_of_id: dict[str, int] = {}
     for line_no, raw_line in enumerate(raw_lines, start=1):
@@ -122,6 +131,44 @@ def load_prompts(path: Path) -> list[PromptRecord]:
     if not records:
         raise DatasetError(f"{path}: dataset has no records")
     return records
+
+
+def _load_text_prompts(data: bytes, path: Path) -> list[PromptRecord]:
+    """cann-recipes' prompt file: {"text": "a prompt"} or {"text": ["a prompt", ...]}; ids 0, 1, ..."""
+    try:
+        obj = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise DatasetError(f"{path}: not UTF-8 (byte 0x{data[exc.start]:02x} at offset {exc.start})") from None
+    except ValueError as exc:
+        raise DatasetError(f"{path}: invalid JSON: {' '.join(str(exc).split())}") from None
+    except RecursionError:
+        raise DatasetError(f"{path}: JSON nested too deeply") from None
+    if not isinstance(obj, dict) or set(obj) != {"text"}:
+        got = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+        raise DatasetError(f'{path}: a .json dataset must be one object {{"text": ...}}, got {got}')
+    texts = obj["text"] if isinstance(obj["text"], list) else [obj["text"]]
+    if not texts:
+        raise DatasetError(f"{path}: dataset has no records")
+    records = []
+    for index, text in enumerate(texts):
+        content_hash = hashlib.sha256(json.dumps({"prompt": text}, sort_keys=True).encode()).hexdigest()
+        try:
+            record = PromptRecord(id=str(index), prompt=_parse_prompt(text), content_hash=content_hash)
+        except ValueError as exc:
+            record = PromptRecord(id=str(index), error=f"{path.name} text[{index}]: {exc}", content_hash=content_hash)
+        record.where = f"{path.name} text[{index}]"
+        records.append(record)
+    return records
+
+
+def repeat_to_count(records: list[PromptRecord], count: int) -> list[PromptRecord]:
+    """cann-recipes' batch_size meaning: exactly `count` requests, the records repeated in order
+    (or cut). A repeat gets the id `<id>#<n>`, so that ids stay unique."""
+    repeated = []
+    for index in range(count):
+        record, copy = records[index % len(records)], index // len(records)
+        repeated.append(replace(record, id=f"{record.id}#{copy}") if copy else record)
+    return repeated
 
 
 def _parse_record(line: str, default_id: str) -> PromptRecord:
@@ -247,8 +294,8 @@ def tokenize_record(record: PromptRecord, tokenizer: PreTrainedTokenizerBase, ap
     text through the chat template (as one user message) only when apply_chat_template is True.
 
     Plain text uses `tokenizer.encode(text)` with its default add_special_tokens=True, so the
-    tokenizer adds what the model saw in pre-training and nothing more: SentencePiece-style
-    tokenizers prepend BOS, GPT-2 style BPE ones add nothing. The chat template path tokenizes with
+    tokenizer adds what the model saw in pre-training and nothing more: some tokenizers prepend BOS,
+    GPT-2 style BPE ones add nothing. The chat template path tokenizes with
     add_special_tokens=False (transformers does this itself), because templates that need BOS
     write `{{ bos_token }}` themselves; BOS therefore appears once either way.
     """

@@ -21,8 +21,8 @@ from executor.core.types_ import Request, SamplingParams
 from executor.offline.dataset import DatasetError, PromptRecord, tokenize_record
 from executor.offline.results import ResultWriter, request_result
 from executor.platform.profiler import profile_run
-from executor.utils.metrics import summarize
-from executor.utils.model_registry import resolve_model
+from executor.utils.metrics import cann_closing_lines, summarize
+from executor.utils.model_registry import model_folder, resolve_model
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class OfflineInference:
         assert self.engine.kv_cache_manager is not None
         sched = config.scheduler_config
         self.scheduler = Scheduler(
-            SchedulerLimits(sched.batch_size, sched.max_prefill_tokens, self.engine.max_model_len),
+            SchedulerLimits(sched.batch_size, config.prefill_token_budget, self.engine.max_model_len),
             self.engine.kv_cache_manager,
             self.engine.eos_token_ids,
         )
@@ -109,6 +109,10 @@ class OfflineInference:
                 for request in output.finished:
                     finish(request)
         summary = summarize(requests, steps, start_s, time.perf_counter())
+        decode_times_ms = [step.step_time_ms for step in steps if step.phase == "decode"]
+        model_name = self.config.model_config.model_name or model_folder("")
+        for line in cann_closing_lines(model_name, decode_times_ms, summary, self.config.speculation[1]):
+            logger.info(line)
         summary |= self.scheduler.cache_stats() | {
             "device": str(self.engine.platform.device),
             "dtype": self.config.model_config.dtype,

@@ -249,12 +249,13 @@ class CudaGraphCompiler(GraphCompiler):
 
 class TorchairGeCompiler(GraphCompiler):
     """NPU ge_graph: torchair's GE backend as cann-recipes configures it (frozen parameters, tiling
-    sink, StableRDFS), static shapes unless enable_dynamic_graph; with enable_cache_compile the
-    compiled graph (and GE's .om) is kept by torchair.inference.cache_compile."""
+    sink, StableRDFS), static shapes (cann-recipes ignores enable_dynamic_graph under ge_graph too);
+    with enable_cache_compile the compiled graph (and GE's .om) is kept by
+    torchair.inference.cache_compile."""
 
     name = "ge_graph (torchair GE)"
 
-    def __init__(self, platform: Platform, cache: CompileCache, dynamic: bool) -> None:
+    def __init__(self, platform: Platform, cache: CompileCache) -> None:
         torchair = npu_runtime.torchair()
         self.platform = platform
         self.torchair = torchair
@@ -264,7 +265,6 @@ class TorchairGeCompiler(GraphCompiler):
         config.experimental_config.tiling_schedule_optimize = True
         config.experimental_config.topology_sorting_strategy = "StableRDFS"
         self.config = config
-        self.dynamic = dynamic
         self.cache_dir = cache.folder("torchair")
         self._compiled: Callable[..., torch.Tensor] | None = None
 
@@ -275,12 +275,12 @@ class TorchairGeCompiler(GraphCompiler):
                 self._compiled = self.torchair.inference.cache_compile(
                     step.forward,
                     config=self.config,
-                    dynamic=self.dynamic,
+                    dynamic=False,
                     cache_dir=str(self.cache_dir),
                     ge_cache=True,
                 )
             else:
-                self._compiled = torch.compile(step, backend=backend, dynamic=self.dynamic, fullgraph=True)
+                self._compiled = torch.compile(step, backend=backend, dynamic=False, fullgraph=True)
         return GraphCallable(_forward(self._compiled), "compiled")
 
     def synchronize(self) -> None:
@@ -329,7 +329,6 @@ def make_graph_compiler(
     num_buckets: int,
     settings: dict[str, object],
     static_kernel: bool = False,
-    dynamic_graph: bool = False,
 ) -> GraphCompiler | None:
     """The compiler for `exe_mode` on `platform`; None for eager."""
     if exe_mode == "eager":
@@ -337,7 +336,7 @@ def make_graph_compiler(
     kind = platform.device_type
     if exe_mode == "ge_graph":
         if kind == "npu":
-            return TorchairGeCompiler(platform, cache, dynamic=dynamic_graph)
+            return TorchairGeCompiler(platform, cache)
         return InductorCompiler(platform, cache, num_buckets)
     if exe_mode == "npugraph_ex":
         if kind == "npu":

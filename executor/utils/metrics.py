@@ -80,3 +80,32 @@ def speculation_stats(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             "equivalent_decode_ms_per_token": statistics.fmean(decode_ms) / accept_length,
         }
     }
+
+
+def cann_decode_average_ms(decode_times_ms: Sequence[float]) -> float:
+    """cann-recipes' closing decode average: the first decode step (still warming up) left out,
+    then the steps slower than Q3 + 1.5 x IQR, and the mean of the rest; one step is its own."""
+    if len(decode_times_ms) <= 1:
+        return decode_times_ms[0] if decode_times_ms else 0.0
+    times = decode_times_ms[1:]
+    q1, q3 = percentile(times, 25), percentile(times, 75)
+    kept = [t for t in times if t <= q3 + 1.5 * (q3 - q1)]
+    return statistics.fmean(kept)
+
+
+def cann_closing_lines(
+    model_name: str, decode_times_ms: Sequence[float], summary: Mapping[str, Any], num_drafts: int
+) -> list[str]:
+    """The closing lines cann-recipes prints after a run, in its words, from this run's figures
+    (num_drafts: draft tokens per step when speculating)."""
+    average_ms = cann_decode_average_ms(decode_times_ms)
+    spec = summary.get("speculative")
+    if not spec:
+        return [f"{model_name} decode average inference time cost is {average_ms:.2f} ms"]
+    return [
+        f"{model_name} main and mtp model average inference time cost is {average_ms:.2f} ms",
+        f"{model_name} model average equivalent latency of MTP{num_drafts} "
+        f"is {average_ms / spec['mean_accept_length']:.2f} ms",
+        f"The speculation accept length: {spec['mean_accept_length']:.4f}",
+        f"The speculation accept rate: {spec['accept_rate']:.4f}",
+    ]

@@ -1,8 +1,8 @@
 """InferenceConfig: a run's YAML, loaded, overridden from the command line and validated.
 
-Validation happens here, before anything heavy: an unknown key, a wrong type or an
-out-of-range value raises ConfigError naming the section, the key, the file and the closest
-valid key.
+Validation happens here, before anything heavy: an unknown key, a wrong type, an out-of-range
+or refused value is a problem naming the section, the key and the file (and, for an unknown key,
+a close name of the same section); every problem of the file is raised in one ConfigError.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import logging
 import math
 import types
 import typing
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,9 @@ import yaml
 
 from executor.core.config.errors import ConfigError
 from executor.core.config.sections import (
+    NESTED,
+    NOT_APPLICABLE,
+    REFUSED,
     SECTIONS,
     DataConfig,
     ModelConfig,
@@ -32,6 +36,9 @@ from executor.core.config.yaml_loader import load_yaml_mapping
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_PREFILL_TOKENS = 8192  # per request slot, for max_prefill_tokens 0 without input_truncated_len
+HINT_CUTOFF = 0.8  # difflib ratio a name must reach to be offered as "did you mean"
+
 
 @dataclass(slots=True)
 class InferenceConfig:
@@ -41,6 +48,17 @@ class InferenceConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     source: str = "<defaults>"  # the YAML file this came from, for error messages and output names
+    explicit_keys: frozenset[str] = frozenset()  # `section.key` of every key the file set
+
+    @property
+    def prefill_token_budget(self) -> int:
+        """scheduler_config.max_prefill_tokens, or when 0 cann-recipes' derived budget: every
+        request's truncated prompt at once (input_truncated_len x batch_size); 8192 per request
+        slot without truncation."""
+        sched = self.scheduler_config
+        if sched.max_prefill_tokens:
+            return sched.max_prefill_tokens
+        return (self.data_config.input_truncated_len or DEFAULT_PREFILL_TOKENS) * sched.batch_size
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
@@ -83,29 +101,75 @@ def apply_override(raw: dict[str, Any], override: str, source: str) -> None:
 
 
 def build_config(raw: dict[str, Any], source: str = "<dict>") -> InferenceConfig:
+    """Validate every key of every section and build the config; all problems found are raised
+    together as one ConfigError (an invalid value is replaced by its default so that the checks
+    after it still run)."""
+    problems: list[str] = []
     for section in raw:
         if section not in SECTIONS:
-            raise ConfigError(f"unknown section {section!r} in {source}{_did_you_mean(section, SECTIONS)}")
+            hint = _did_you_mean(section, SECTIONS, "; sections: " + ", ".join(SECTIONS))
+            problems.append(f"unknown section {section!r} in {source}{hint}")
     built = {
-        name: _build_section(name, section_cls, raw.get(name) or {}, source) for name, section_cls in SECTIONS.items()
+        name: _build_section(name, section_cls, raw.get(name) or {}, source, problems)
+        for name, section_cls in SECTIONS.items()
     }
-    config = InferenceConfig(**built, source=source)
-    _check_cross_rules(config)
+    explicit = frozenset(_explicit_keys(raw))
+    config = InferenceConfig(**built, source=source, explicit_keys=explicit)
+    _check_cross_rules(config, problems)
+    if problems:
+        raise ConfigError.from_problems(problems, source)
     return config
 
 
-def _build_section(name: str, section_cls: type, values: Any, source: str) -> Any:
+def _explicit_keys(raw: dict[str, Any]) -> Iterator[str]:
+    """`section.key` (and `section.key.inner` for the NESTED mappings) of every key a file sets."""
+    for name, values in raw.items():
+        if name in SECTIONS and isinstance(values, dict):
+            for key, value in values.items():
+                yield f"{name}.{key}"
+                if f"{name}.{key}" in NESTED and isinstance(value, dict):
+                    yield from (f"{name}.{key}.{inner}" for inner in value)
+
+
+def _build_section(name: str, section_cls: type, values: Any, source: str, problems: list[str]) -> Any:
     if not isinstance(values, dict):
-        raise ConfigError(f"section {name} in {source} must be a mapping, got {type(values).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(section_cls)}
-    hints = typing.get_type_hints(section_cls)
+        problems.append(f"section {name} in {source} must be a mapping, got {type(values).__name__}")
+        return section_cls()
+    return section_cls(**_valid_values(name, section_cls, values, source, problems))
+
+
+def _valid_values(prefix: str, keys_cls: type, values: dict, source: str, problems: list[str]) -> dict[str, Any]:
+    """The entries of `values` that pass their field's type, rule and outcome; a problem for each other."""
+    fields = {f.name: f for f in dataclasses.fields(keys_cls)}
+    hints = typing.get_type_hints(keys_cls)
+    valid: dict[str, Any] = {}
     for key, value in values.items():
+        where = f"{prefix}.{key} in {source}"
         if key not in fields:
-            raise ConfigError(f"unknown key {name}.{key} in {source}{_did_you_mean(key, fields)}")
-        where = f"{name}.{key} in {source}"
-        _check_type(value, hints[key], where)
-        _check_rule(value, fields[key].metadata, where)
-    return section_cls(**values)
+            hint = _did_you_mean(str(key), fields, f"; docs/configuration.md lists the keys of {prefix}")
+            problems.append(f"unknown key {prefix}.{key} in {source}{hint}")
+            continue
+        try:
+            _check_type(value, hints[key], where)
+            _check_rule(value, fields[key].metadata, where)
+            _check_outcome(value, fields[key].metadata, where)
+            nested = NESTED.get(f"{prefix}.{key}")
+            if nested is not None:
+                count = len(problems)
+                _valid_values(f"{prefix}.{key}", nested, value, source, problems)
+                if len(problems) > count:
+                    continue
+        except ConfigError as exc:
+            problems.append(str(exc))
+            continue
+        valid[key] = value
+    return valid
+
+
+def _check_outcome(value: Any, metadata: typing.Mapping[str, Any], where: str) -> None:
+    if metadata["outcome"] == REFUSED and value not in metadata["runs_with"]:
+        runs_with = ", ".join(repr(v) for v in metadata["runs_with"])
+        raise ConfigError(f"{where} is refused at {value!r}: {metadata['reason']}; it runs with {runs_with}")
 
 
 def _check_type(value: Any, expected: Any, where: str) -> None:
@@ -161,16 +225,19 @@ def _check_rule(value: Any, metadata: typing.Mapping[str, Any], where: str) -> N
         raise ConfigError(f"{where} must be <= {metadata['max']}, got {value!r}")
 
 
-def _check_cross_rules(config: InferenceConfig) -> None:
-    """Rules that involve more than one key, or features that are not built yet."""
+def _check_cross_rules(config: InferenceConfig, problems: list[str]) -> None:
+    """Rules that involve more than one key."""
     sched = config.scheduler_config
     for bucket in sched.graph_buckets:
         if not 1 <= bucket <= sched.batch_size:
-            raise ConfigError(
+            problems.append(
                 f"scheduler_config.graph_buckets in {config.source}: every bucket must be in 1..batch_size "
                 f"({sched.batch_size}), got {bucket}"
             )
-    _check_speculation(config)
+    try:
+        _check_speculation(config)
+    except ConfigError as exc:
+        problems.append(str(exc))
 
 
 def _check_speculation(config: InferenceConfig) -> None:
@@ -197,17 +264,27 @@ def _check_speculation(config: InferenceConfig) -> None:
         )
 
 
-def unused_npu_keys(config: InferenceConfig, device_type: str) -> list[str]:
-    """Keys set away from their defaults that only mean something on an NPU."""
-    if device_type == "npu":
-        return []
-    unused = []
-    for name in SECTIONS:
-        section = getattr(config, name)
-        for f in dataclasses.fields(section):
-            if f.metadata.get("npu_only") and getattr(section, f.name) != f.default:
-                unused.append(f"{name}.{f.name}")
-    return unused
+def not_applicable_keys(config: InferenceConfig, device_type: str) -> list[tuple[str, str]]:
+    """(key, why) for every key the file sets that does nothing here: logged once at start-up."""
+    notes = []
+    for key in sorted(config.explicit_keys):
+        metadata = key_metadata(key)
+        if metadata is None:
+            continue
+        if metadata["outcome"] == NOT_APPLICABLE:
+            notes.append((key, metadata["reason"]))
+        elif metadata.get("npu_only") and device_type != "npu":
+            notes.append((key, "only applies on NPU"))
+    return notes
+
+
+def key_metadata(dotted: str) -> typing.Mapping[str, Any] | None:
+    """The field metadata of `section.key` or `section.key.inner` (NESTED); None for another name."""
+    prefix, _, key = dotted.rpartition(".")
+    keys_cls = SECTIONS.get(prefix) or NESTED.get(prefix)
+    if keys_cls is None:
+        return None
+    return next((f.metadata for f in dataclasses.fields(keys_cls) if f.name == key), None)
 
 
 def check_device_rules(config: InferenceConfig, device_type: str) -> None:
@@ -220,6 +297,7 @@ def check_device_rules(config: InferenceConfig, device_type: str) -> None:
         )
 
 
-def _did_you_mean(word: str, candidates: typing.Iterable[str]) -> str:
-    close = difflib.get_close_matches(str(word), list(candidates), n=1, cutoff=0.5)
-    return f"; did you mean {close[0]!r}?" if close else f"; valid: {', '.join(sorted(candidates))}"
+def _did_you_mean(word: str, candidates: typing.Iterable[str], otherwise: str = "") -> str:
+    """A hint from the names given (one section's) only when one is close; else `otherwise`."""
+    close = difflib.get_close_matches(str(word), list(candidates), n=1, cutoff=HINT_CUTOFF)
+    return f"; did you mean {close[0]!r}?" if close else otherwise

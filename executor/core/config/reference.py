@@ -1,16 +1,21 @@
 """Renders docs/configuration.md's key tables from the section classes, so the doc cannot drift.
 
 python -m executor.core.config.reference  # prints the tables that docs/configuration.md holds
+
+Each row's outcome column starts with the outcome (`used`, `not applicable`, `refused unless
+<values>`), then the reason: tests read it back to check what the loader does with each key.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from typing import Any
 
-from executor.core.config.sections import SECTIONS
+from executor.core.config.sections import NESTED, NOT_APPLICABLE, REFUSED, SECTIONS
 
 
-def _rule_text(metadata: dict) -> str:
+def _rule_text(metadata: Mapping[str, Any]) -> str:
     parts = []
     if "choices" in metadata:
         parts.append("one of " + ", ".join(f"`{c}`" for c in metadata["choices"]))
@@ -21,20 +26,35 @@ def _rule_text(metadata: dict) -> str:
     if "max" in metadata:
         parts.append(f"<= {metadata['max']}")
     if metadata.get("npu_only"):
-        parts.append("NPU only (logged as unused elsewhere)")
+        parts.append("NPU only (logged as not applicable elsewhere)")
     return "; ".join(parts)
+
+
+def outcome_text(metadata: Mapping[str, Any]) -> str:
+    outcome = metadata["outcome"]
+    if outcome == REFUSED:
+        values = ", ".join(f"`{value!r}`" for value in metadata["runs_with"])
+        return f"refused unless {values}: {metadata['reason']}"
+    if outcome == NOT_APPLICABLE:
+        return f"not applicable: {metadata['reason']}"
+    return outcome
+
+
+def _table(title: str, keys_cls: type) -> list[str]:
+    lines = [f"### `{title}`", "", "| key | default | rule | outcome | meaning |", "|---|---|---|---|---|"]
+    for f in dataclasses.fields(keys_cls):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        cells = (f"`{f.name}`", f"`{default!r}`", _rule_text(f.metadata), outcome_text(f.metadata))
+        lines.append(f"| {' | '.join(cells)} | {f.metadata.get('help', '')} |")
+    return [*lines, ""]
 
 
 def render_key_tables() -> str:
     lines: list[str] = []
     for name, section_cls in SECTIONS.items():
-        lines += [f"### `{name}`", "", "| key | default | rule | meaning |", "|---|---|---|---|"]
-        for f in dataclasses.fields(section_cls):
-            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            lines.append(
-                f"| `{f.name}` | `{default!r}` | {_rule_text(dict(f.metadata))} | {f.metadata.get('help', '')} |"
-            )
-        lines.append("")
+        lines += _table(name, section_cls)
+    for name, keys_cls in NESTED.items():
+        lines += _table(name, keys_cls)
     return "\n".join(lines)
 
 

@@ -1,8 +1,17 @@
 """The YAML sections of a run, with cann-recipes-infer key names, defaults and rules.
 
-Each field's metadata states its rule (`choices`, `min`, `above` (exclusive), `max`) and whether it only means
-something on an NPU (`npu_only`), so one generic validator (inference_config.py) checks every key and
-docs/configuration.md can be read straight off these classes.
+Each field's metadata states its rule (`choices`, `min`, `above` (exclusive), `max`), whether it
+only means something on an NPU (`npu_only`), and what becomes of a cann-recipes key here
+(`outcome`, see below), so that one generic validator (inference_config.py) checks every key and
+docs/configuration.md is rendered straight off these classes (reference.py).
+
+Outcomes, one per key:
+- `used` (the default): the key does what it says.
+- `not applicable`: accepted with cann-recipes' type and default, and logged once at start-up
+  when a file sets it, with `reason`: it changes NPU formats, kernels, streams or deployment,
+  never the tokens a run produces.
+- `refused`: accepted only at the values in `runs_with`; any other value is refused with
+  `reason`, since running it here would not give the results the user asked for.
 """
 
 from __future__ import annotations
@@ -10,45 +19,148 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from models import DEFAULT_MODEL_NAME
+USED = "used"
+NOT_APPLICABLE = "not applicable"
+REFUSED = "refused"
+OUTCOMES = (USED, NOT_APPLICABLE, REFUSED)
+
+_ONE_PROCESS = "one process for now: tensor, expert and data parallelism are not built yet (issue 11)"
 
 
 def rule(default: Any = None, *, default_factory: Any = None, **metadata: Any) -> Any:
-    """A dataclass field carrying its validation rule in metadata."""
+    """A dataclass field carrying its validation rule and outcome in metadata."""
+    metadata.setdefault("outcome", USED)
+    assert metadata["outcome"] in OUTCOMES, metadata
+    assert metadata["outcome"] == USED or metadata.get("reason"), "a key that is not used says why"
     if default_factory is not None:
         return field(default_factory=default_factory, metadata=metadata)
     return field(default=default, metadata=metadata)
 
 
+def not_applicable(default: Any, reason: str, **metadata: Any) -> Any:
+    """A key accepted and logged once as doing nothing here, with the reason."""
+    return rule(default, outcome=NOT_APPLICABLE, reason=reason, **metadata)
+
+
+def refused(default: Any, runs_with: tuple[Any, ...], reason: str, **metadata: Any) -> Any:
+    """A key accepted at the values in runs_with and refused, with the reason, at any other."""
+    return rule(default, outcome=REFUSED, runs_with=runs_with, reason=reason, **metadata)
+
+
+def one_process(help_text: str) -> Any:
+    """A parallel size: 1 runs; more needs several processes."""
+    return refused(1, (1,), _ONE_PROCESS, min=1, help=help_text)
+
+
 @dataclass(slots=True)
 class ModelConfig:
-    model_name: str = rule(DEFAULT_MODEL_NAME, help="folder under models/ holding the model code")
-    model_path: str = rule("", help="HF model folder; empty = the default SmolLM2-135M-Instruct in $INFER_RECIPES_HOME")
-    output_path: str = rule("", help="where results go; empty = models/<model_name>/res/<timestamp>_<yaml-stem>/")
+    model_name: str = rule(
+        "",
+        help="a folder under models/, or a cann-recipes model name a folder answers to (its model_names); "
+        "empty = the default model that models/__init__.py names",
+    )
+    model_path: str = rule("", help="HF model folder; empty = the default model's checkpoint in $INFER_RECIPES_HOME")
+    output_path: str = rule("", help="where results go; empty = models/<folder>/res/<timestamp>_<yaml-stem>/")
     dtype: str = rule("bfloat16", choices=("float32", "bfloat16", "float16"), help="weights, activations and KV cache")
     with_ckpt: bool = rule(True, help="false: seeded random weights (DummyModelLoader)")
+    next_n: int = rule(0, min=0, help="MTP draft tokens per step (speculative_config method mtp); 0 = off")
+    platform_version: str = not_applicable(
+        "",
+        "picks per-chip NPU tunings (task queue, kernels); no per-chip code here",
+        choices=("", "A2", "A3", "950"),
+        help="Ascend chip generation; empty = detect",
+    )
     exe_mode: str = rule(
         "eager",
         choices=("eager", "ge_graph", "npugraph_ex"),
         help="ge_graph / npugraph_ex run decode steps as a graph per bucket (docs/graph_modes.md)",
     )
-    next_n: int = rule(0, min=0, help="MTP draft tokens per step (speculative_config method mtp); 0 = off")
     enable_cache_compile: bool = rule(False, help="keep compiled graphs in compile_cache_dir and load them next run")
     compile_cache_dir: str = rule("", help="ours: the compile cache; empty = $INFER_RECIPES_HOME/compile_cache")
     enable_static_kernel: bool = rule(False, npu_only=True, help="npugraph_ex static kernel compile")
-    enable_dynamic_graph: bool = rule(False, npu_only=True, help="GE graph with dynamic shapes")
+    enable_dynamic_graph: bool = not_applicable(
+        True,
+        "graph modes here capture one static graph per decode bucket (cann-recipes ignores it under ge_graph too)",
+        help="dynamic shapes in cann-recipes' npugraph_ex compile",
+    )
+    force_eplb: bool = refused(
+        False,
+        (False,),
+        "it replaces the router's expert choice by a round-robin one: a load-balance benchmark whose tokens "
+        "are not the model's",
+        help="MoE: route tokens to experts round-robin",
+    )
     enable_profiler: bool = rule(False, help="write a torch profiler trace of the run next to the outputs")
+    enable_weight_nz: bool = not_applicable(
+        True, "an NPU weight layout (FRACTAL_NZ); weights stay ND here", help="store weights in NZ format"
+    )
+    enable_hadamard: bool = not_applicable(
+        False,
+        "Hadamard rotation of quantized weights; no quantized kernels here, weights run unrotated",
+        help="apply offline Hadamard transform weights",
+    )
+    hadamard_weight_path: str = not_applicable(
+        "", "goes with enable_hadamard", help="folder of the offline Hadamard transform weights"
+    )
+    packed_sequence: bool = not_applicable(
+        False,
+        "cann-recipes' executor does not read it; here every batch is packed (TND) anyway",
+        help="pack a batch's sequences into one",
+    )
     custom_params: dict = rule(
-        default_factory=dict, help="model-specific switches, kept with the run; no model reads any yet"
+        default_factory=dict, help="model switches; each known key and its outcome is in the custom_params table"
     )
     device: str = rule("auto", choices=("auto", "cpu", "cuda", "npu"), help="ours: force a platform")
 
 
 @dataclass(slots=True)
+class CustomParams:
+    """model_config.custom_params: the switches cann-recipes' files set. The value stays a plain
+    mapping (models read it); this class only gives each key its type, rule and outcome."""
+
+    num_hidden_layers: int | None = rule(
+        None, min=1, help="replaces the model config's layer count (the first N layers; tests, smoke runs)"
+    )
+    enable_afd: bool = refused(
+        False, (False,), "attention-FFN disaggregation runs attention and FFN on separate ranks; " + _ONE_PROCESS
+    )
+    enable_sp: bool = refused(False, (False,), "sequence parallel; " + _ONE_PROCESS)
+    ngram_embed_tp_size: int = refused(1, (1,), _ONE_PROCESS, min=1, help="n-gram embedding TP size")
+    enable_online_mxfp8_quantization: bool = refused(
+        False, (False,), "MXFP8 quantization is not built: the run would not give the quantized model's results"
+    )
+    online_mxfp8_quant_layers: list[str] = not_applicable(
+        None, "goes with enable_online_mxfp8_quantization", default_factory=list, help="layer kinds to quantize"
+    )
+    online_mxfp8_ignored_layers: list[str] = not_applicable(
+        None, "goes with enable_online_mxfp8_quantization", default_factory=list, help="layers left unquantized"
+    )
+    enable_multi_streams: bool | int = not_applicable(
+        False, "NPU multi-stream overlap; one stream here", help="overlap work on several NPU streams"
+    )
+    enable_moe_stream_overlap: bool = not_applicable(False, "NPU multi-stream overlap of MoE work; one stream here")
+    enable_prefetch: bool = not_applicable(False, "NPU weight prefetch into L2")
+    enable_superkernel: bool = not_applicable(False, "npugraph_ex super kernel fusion (NPU only)")
+    enable_limit_core: bool = not_applicable(False, "limits the NPU cube/vector cores an op may use")
+    enable_limit_core_num: bool = not_applicable(False, "goes with enable_limit_core")
+    enable_mla_prolog: bool = not_applicable(False, "the fused NPU MLA prolog kernel; the torch reference runs")
+    enable_pypto: bool = not_applicable(False, "PyPTO NPU kernels; the torch reference runs")
+    enable_gdn_solve_triangular: bool = not_applicable(False, "an NPU kernel for gated delta-net attention")
+    enable_mm_all_reduce_base: bool = not_applicable(False, "fused matmul + all-reduce; one process")
+    enable_o_proj_alltoall: bool = not_applicable(False, "all-to-all around o_proj; one process")
+    enable_offload: bool = not_applicable(False, "keeps KV in host-swapped memory; the KV cache stays on the device")
+    micro_batch_mode: int = not_applicable(0, "micro-batch overlap of communication and compute; one process")
+    moe_chunk_max_len: int = not_applicable(0, "splits MoE work into chunks to bound NPU memory; results are equal")
+
+
+@dataclass(slots=True)
 class DataConfig:
-    dataset: str = rule("default", help="a file in dataset/ (name with or without .jsonl)")
-    dataset_path: str = rule("", help="any JSONL prompt file; wins over dataset")
-    input_truncated_len: int = rule(0, min=0, help="keep the first N prompt tokens; 0 = no truncation")
+    dataset: str = rule(
+        "default",
+        help='a file in dataset/ (name with or without .jsonl or .json); JSONL or cann-recipes\' {"text": ...}',
+    )
+    dataset_path: str = rule("", help="any prompt file (as for dataset); wins over dataset")
+    input_truncated_len: int = rule(256, min=0, help="keep the first N prompt tokens; 0 = no truncation")
     temperature: float = rule(0.0, min=0.0, help="0 (below 1e-5) = greedy; else random sampling (docs/sampling.md)")
     top_p: float = rule(1.0, above=0.0, max=1.0, help="keep the most likely tokens up to this probability; 1.0 = all")
     top_k: int = rule(0, min=0, help="keep the k most likely tokens; 0 = all")
@@ -68,29 +180,46 @@ class DataConfig:
 
 @dataclass(slots=True)
 class ParallelConfig:
-    world_size: int = rule(1, min=1, max=1, help="processes; one for now")
-    attn_tp_size: int = rule(1, min=1, max=1, help="attention tensor parallel size")
-    moe_tp_size: int = rule(1, min=1, max=1, help="MoE tensor parallel size (EP = world_size / this)")
-    embed_tp_size: int = rule(1, min=1, max=1, help="embedding tensor parallel size")
-    lmhead_tp_size: int = rule(1, min=1, max=1, help="LM head tensor parallel size")
-    dense_tp_size: int = rule(1, min=1, max=1, help="dense FFN tensor parallel size")
+    world_size: int = one_process("processes")
+    attn_tp_size: int = one_process("attention tensor parallel size")
+    moe_tp_size: int = one_process("MoE tensor parallel size (EP = world_size / this)")
+    moe_ep_size: int = not_applicable(
+        0, "derived as world_size / moe_tp_size (cann-recipes ignores the written value too)", min=0
+    )
+    embed_tp_size: int = one_process("embedding tensor parallel size")
+    lmhead_tp_size: int = one_process("LM head tensor parallel size")
+    dense_tp_size: int = one_process("dense FFN tensor parallel size")
+    o_proj_tp_size: int = one_process("attention output projection tensor parallel size")
+    shared_tp_size: int = one_process("shared-expert tensor parallel size")
+    cp_size: int = one_process("context parallel size (prefill split across ranks)")
+    pp_size: int = one_process("pipeline parallel size (cann-recipes' executor does not read it)")
 
     @property
     def attn_dp_size(self) -> int:
         return self.world_size // self.attn_tp_size
 
-    @property
-    def moe_ep_size(self) -> int:
-        return self.world_size // self.moe_tp_size
-
 
 @dataclass(slots=True)
 class SchedulerConfig:
-    batch_size: int = rule(1, min=1, help="most requests running at once")
+    batch_size: int = rule(1, min=1, help="most requests running at once (see batch_size_meaning)")
+    batch_size_meaning: str = rule(
+        "max_running",
+        choices=("max_running", "num_requests"),
+        help="ours: max_running = every dataset prompt is a request, batch_size of them run at once; "
+        "num_requests = cann-recipes': exactly batch_size requests, the prompts repeated or cut to fit",
+    )
     max_new_tokens: int = rule(32, min=1, help="tokens generated per request at most")
-    max_prefill_tokens: int = rule(8192, min=1, help="token budget of one prefill step")
-    mem_fraction_static: float = rule(0.9, min=0.01, max=1.0, help="share of free device memory for the KV cache")
+    max_prefill_tokens: int = rule(
+        0,
+        min=0,
+        help="token budget of one prefill step; 0 = input_truncated_len x batch_size (or 8192 without truncation)",
+    )
+    mem_fraction_static: float = rule(0.85, min=0.01, max=1.0, help="share of free device memory for the KV cache")
     block_size: int = rule(128, min=1, help="tokens per KV block (NPU fused attention wants a multiple of 128)")
+    num_reserved_decode_tokens: int = not_applicable(
+        64, "admission control of online prefill-decode disaggregation; runs here are offline", min=0
+    )
+    cp_mini_batch: int = not_applicable(-1, "caps a context-parallel prefill step; cp_size is 1 here")
     num_blocks: int = rule(0, min=0, help="ours: KV blocks to allocate; 0 = size from the memory budget")
     max_model_len: int = rule(0, min=0, help="ours: longest prompt+output; 0 = the model's max_position_embeddings")
     ignore_eos: bool = rule(False, help="ours: run every request to max_new_tokens (benchmarks)")
@@ -121,3 +250,5 @@ SECTIONS: dict[str, type] = {
     "scheduler_config": SchedulerConfig,
     "speculative_config": SpeculativeConfig,
 }
+# Mappings inside a section whose keys have a table of their own: "section.key" -> class.
+NESTED: dict[str, type] = {"model_config.custom_params": CustomParams}

@@ -27,6 +27,7 @@ from executor.core.spec_decode.proposer import ProposalContext, Proposer
 from executor.core.spec_decode.verify import accept_greedy, rejection_sample
 from executor.core.types_ import Batch, Request, SamplingParams
 from executor.core.types_.model_inputs import StepLayout
+from executor.model_loader.hf_config import load_hf_config
 from executor.platform import create_platform, resolve_dtype
 from executor.platform.compile_cache import CompileCache
 from executor.platform.graph_compilers import make_graph_compiler
@@ -61,7 +62,7 @@ class ExecutionEngine:
         logger.info("platform %s, dtype %s", self.platform.device, config.model_config.dtype)
 
     def init(self, model_cls: type[torch.nn.Module], config_cls: Any, model_path: str) -> None:
-        hf_config = config_cls.from_pretrained(model_path)
+        hf_config = load_hf_config(config_cls, model_path, self.config.model_config.custom_params)
         self.max_model_len = self._resolve_max_model_len(hf_config.max_position_embeddings)  # before the weights
         self.vocab_size = hf_config.vocab_size
         self.worker.init(model_cls, hf_config, model_path)
@@ -183,7 +184,6 @@ class ExecutionEngine:
                 "device": self.platform.device_type,
             },
             static_kernel=model_config.enable_static_kernel,
-            dynamic_graph=model_config.enable_dynamic_graph,
         )
         if compiler is None:
             return None

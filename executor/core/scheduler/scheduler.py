@@ -71,6 +71,10 @@ class StepRecord:
             )
         return line
 
+    def cann_log_line(self) -> str:
+        """The step's time as cann-recipes prints it, for the scripts its users grep logs with."""
+        return f"[Main] Inference time ({self.phase}): {self.step_time_ms:.2f} ms"
+
 
 @dataclass(slots=True)
 class StepOutput:
@@ -139,6 +143,7 @@ class Scheduler:
         )
         self.kv_blocks_peak = max(self.kv_blocks_peak, record.kv_blocks_used)
         logger.info(record.log_line())
+        logger.info(record.cann_log_line())
         return StepOutput(record=record, finished=finished)
 
     # -- scheduling -------------------------------------------------------------------------

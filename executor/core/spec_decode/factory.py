@@ -54,14 +54,15 @@ def make_proposer(engine: ExecutionEngine) -> Proposer | None:
 
 def _draft_engine(target: ExecutionEngine, config: InferenceConfig) -> ExecutionEngine:
     """An engine for the draft model with the target's limits and exe_mode (one ops table per process),
-    no prefix caching (its shadow requests are rewritten each step) and no speculation of its own."""
+    no prefix caching (its shadow requests are rewritten each step), no speculation of its own, and
+    none of the target's custom_params (a num_hidden_layers there cuts the target, not the draft)."""
     from executor.core.engine.engine import ExecutionEngine
     from executor.utils.model_registry import resolve_model
 
     draft_path = str(Path(expand_home_vars(config.speculative_config.draft_model_path)).expanduser())
     draft_config = dataclasses.replace(
         config,
-        model_config=dataclasses.replace(config.model_config, model_path=draft_path, next_n=0),
+        model_config=dataclasses.replace(config.model_config, model_path=draft_path, next_n=0, custom_params={}),
         scheduler_config=dataclasses.replace(config.scheduler_config, enable_prefix_caching=False),
         speculative_config=dataclasses.replace(config.speculative_config, method="", num_speculative_tokens=0),
     )

@@ -5,7 +5,7 @@ and the embedding of the token at p + 1, and predicts the token at p + 2. After 
 over each request's rows whose K/V stands, with the inputs shifted by one token, which keeps its own
 KV cache complete (prefill chunks included), and its last row's prediction is draft 1. Draft j > 1
 feeds draft j - 1 back through the module (the last one, when the model has fewer modules than
-drafts, as vLLM does for checkpoints with a single module), writing its K/V one position further on.
+drafts, as vLLM does for a model with a single MTP module), writing its K/V one position further on.
 """
 
 from __future__ import annotations
