@@ -23,13 +23,12 @@ import tempfile
 import time
 
 import torch
-from transformers import LlamaConfig
 
 from executor.core.config import build_config
 from executor.core.engine.engine import ExecutionEngine
 from executor.core.types_ import Batch, Request, SamplingParams
 from executor.model_loader.default_model import default_model_path
-from models.llama import LlamaForCausalLM
+from executor.utils.model_registry import resolve_model
 
 PROMPT_TOKENS = 100
 GRAPH_MODES = ("ge_graph", "npugraph_ex")
@@ -39,7 +38,9 @@ def build_engine(args: argparse.Namespace, exe_mode: str, cache_dir: str) -> Exe
     config = build_config(
         {
             "model_config": {
+                "model_name": args.model_name,
                 "model_path": str(args.model_path),
+                "with_ckpt": not args.random_weights,
                 "dtype": args.dtype,
                 "device": "cpu",
                 "exe_mode": exe_mode,
@@ -57,7 +58,7 @@ def build_engine(args: argparse.Namespace, exe_mode: str, cache_dir: str) -> Exe
         source="bench_graph_modes",
     )
     engine = ExecutionEngine(config)
-    engine.init(LlamaForCausalLM, LlamaConfig, str(args.model_path))
+    engine.init(*resolve_model(args.model_name), str(args.model_path))
     return engine
 
 
@@ -95,13 +96,16 @@ def warm_up_seconds(args: argparse.Namespace, exe_mode: str, cache_dir: str) -> 
     """Graph warm-up time of a fresh process (so only the on-disk cache can help)."""
     command = [sys.executable, __file__, "--warm-up-only", exe_mode, "--cache-dir", cache_dir, "--dtype", args.dtype]
     command += ["--model-path", str(args.model_path), "--batch-sizes", *map(str, args.batch_sizes)]
+    command += ["--model-name", args.model_name] + (["--random-weights"] if args.random_weights else [])
     output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
     return float(output.strip().splitlines()[-1])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model-path", default=None, help="HF model folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--model-path", default=None, help="HF model folder (default: the default model)")
+    parser.add_argument("--model-name", default="", help="model_config.model_name (default: the default model's)")
+    parser.add_argument("--random-weights", action="store_true", help="with_ckpt false: the folder's config.json only")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--modes", nargs="+", default=list(GRAPH_MODES), choices=GRAPH_MODES)
@@ -141,6 +145,7 @@ def main() -> None:
     report = {
         "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
         f"torch {torch.__version__}",
+        "model": f"{args.model_name or 'default'} ({args.model_path})",
         "dtype": args.dtype,
         "prompt_tokens": f"{PROMPT_TOKENS}-{PROMPT_TOKENS + 6}",
         "decode_ms_per_step_median": median,

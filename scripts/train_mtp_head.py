@@ -264,9 +264,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--prompts", type=Path, nargs="+", default=list(DEFAULT_PROMPT_FILES), help="JSONL prompt files (dataset/)"
     )
-    parser.add_argument("--steps", type=int, default=300, help="optimizer steps, one sequence each")
+    parser.add_argument("--steps", type=int, default=800, help="optimizer steps, one sequence each")
     parser.add_argument("--output", type=Path, default=None, help="default: <model folder>-MTP beside the model")
-    parser.add_argument("--max-new-tokens", type=int, default=256, help="greedy tokens generated per prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=160, help="greedy tokens generated per prompt")
     parser.add_argument("--held-out", type=float, default=0.2, help="share of sequences kept for the accuracy")
     parser.add_argument("--lr", type=float, default=1e-3, help="of the new parts; the decoder layer's is a tenth")
     parser.add_argument("--seed", type=int, default=0)

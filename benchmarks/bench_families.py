@@ -1,0 +1,56 @@
+"""Decode step time of every model family's small config, eager and the best CPU graph mode, at batch 1 and 8.
+
+Each family runs benchmarks/bench_graph_modes.py in a process of its own (one ops table and one compile
+per process) on its folder's tiny random config (`models/<f>/tiny_random`, random weights) and Llama on
+the real default model; prints one JSON object with each family's medians and graph speed-up.
+docs/benchmarks.md records the figures, the first table of the harness's per-model profiling.
+
+    python benchmarks/bench_families.py [--families qwen3 gpt_oss] [--modes ge_graph] [--batch-sizes 1 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import models
+from executor.utils.model_registry import available_models
+
+BENCH_GRAPH_MODES = Path(__file__).with_name("bench_graph_modes.py")
+
+
+def family_args(family: str) -> list[str]:
+    """The default model for its own family; every other family's tiny random config."""
+    if family == models.DEFAULT_MODEL_FOLDER:
+        return ["--model-name", family]
+    return ["--model-name", family, "--model-path", str(Path(models.__file__).parent / family / "tiny_random"),
+            "--random-weights"]  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--families", nargs="+", default=available_models(), choices=available_models())
+    parser.add_argument("--modes", nargs="+", default=["ge_graph"], help="graph modes besides eager")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args()
+    report = {}
+    for family in args.families:
+        command = [sys.executable, str(BENCH_GRAPH_MODES), *family_args(family), "--skip-warm-up-timing"]
+        command += ["--modes", *args.modes, "--batch-sizes", *map(str, args.batch_sizes)]
+        command += ["--dtype", args.dtype, "--steps", str(args.steps)]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            report[family] = {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "failed"}
+        else:
+            report[family] = json.loads(done.stdout)
+        print(json.dumps({family: report[family]}), flush=True)
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
