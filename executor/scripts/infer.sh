@@ -36,7 +36,5 @@ if [[ ! -f $config ]]; then
     echo "error: no $yaml in models/$model/config/; there: $(cd "$root/models/$model/config" && ls | xargs)" >&2
     exit 2
 fi
-source "$root/scripts/setup.sh"
-cd "$root"
 echo "====================> launch offline inference (model=$model, yaml=$yaml)"
-exec "$PYTHON" -m executor.offline --yaml "$config" ${overrides[@]+"${overrides[@]}"}
+exec bash "$root/scripts/run_model.sh" "$config" ${overrides[@]+"${overrides[@]}"}

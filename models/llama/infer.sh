@@ -1,10 +1,4 @@
 #!/usr/bin/env bash
 # Run a Llama-family model: bash models/llama/infer.sh [config.yaml] [--set section.key=value ...]
-set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-root=$(cd "$here/../.." && pwd)
-source "$root/scripts/setup.sh"
-yaml="$here/config/smollm2_135m.yaml"
-if [[ $# -gt 0 && $1 != --* ]]; then yaml=$1; shift; fi
-cd "$root"
-exec "$PYTHON" -m executor.offline --yaml "$yaml" "$@"
+exec bash "$here/../../scripts/run_model.sh" "$here/config/smollm2_135m.yaml" "$@"

@@ -1,10 +1,4 @@
 #!/usr/bin/env bash
 # Run a Qwen3-MoE model: bash models/qwen3_moe/infer.sh [config.yaml] [--set section.key=value ...]
-set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-root=$(cd "$here/../.." && pwd)
-source "$root/scripts/setup.sh"
-yaml="$here/config/tiny_random.yaml"
-if [[ $# -gt 0 && $1 != --* ]]; then yaml=$1; shift; fi
-cd "$root"
-exec "$PYTHON" -m executor.offline --yaml "$yaml" "$@"
+exec bash "$here/../../scripts/run_model.sh" "$here/config/tiny_random.yaml" "$@"
