@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 
@@ -29,3 +32,37 @@ def load_shard(
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
     """For parameters that every rank holds whole (norm weights)."""
     load_shard(param.data, loaded_weight, None, 0, 1)
+
+
+def fused_parameter_name(
+    checkpoint_name: str, packed_modules_mapping: Mapping[str, tuple[str, ShardId]]
+) -> tuple[str, ShardId]:
+    """The parameter a checkpoint tensor fills and which shard of it: a tensor of a module that
+    packed_modules_mapping fuses ("...q_proj.weight" -> ("...qkv_proj.weight", "q")), else itself whole."""
+    for checkpoint_module, (fused_module, fused_shard) in packed_modules_mapping.items():
+        if f".{checkpoint_module}." in checkpoint_name:
+            return checkpoint_name.replace(f".{checkpoint_module}.", f".{fused_module}."), fused_shard
+    return checkpoint_name, None
+
+
+def load_fused_tensor(
+    model: nn.Module,
+    checkpoint_name: str,
+    tensor: torch.Tensor,
+    params: Mapping[str, nn.Parameter],
+    packed_modules_mapping: Mapping[str, tuple[str, ShardId]],
+) -> tuple[str, ShardId]:
+    """Copy one checkpoint tensor into its (possibly fused) parameter of `model` with the parameter's
+    weight_loader; -> (parameter name, which shard it was). An unknown name raises WeightLoadError."""
+    name, shard_id = fused_parameter_name(checkpoint_name, packed_modules_mapping)
+    param = params.get(name)
+    if param is None:
+        raise WeightLoadError(f"unexpected: {type(model).__name__} has no parameter {name!r}")
+    getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard_id)
+    return name, shard_id
+
+
+def fused_shards_needed(name: str, packed_modules_mapping: Mapping[str, tuple[str, ShardId]]) -> int:
+    """How many checkpoint tensors fill parameter `name` ("<prefix>.<module>.<weight|bias>"): one per
+    part for a module that packed_modules_mapping fuses, else one."""
+    return Counter(module for module, _ in packed_modules_mapping.values()).get(name.split(".")[-2], 1)

@@ -390,8 +390,8 @@ def moe_experts_clamped_swiglu(
 ) -> torch.Tensor:
     """moe_experts with gpt-oss's experts: biased projections (gate_up_bias [E, 2I], down_bias
     [E, H]) and clamped_swiglu(alpha, limit) in place of silu(gate) * up; same layouts otherwise."""
-    return grouped_experts_clamped_swiglu(
-        hidden_states, topk_weights, topk_ids, gate_up_proj, gate_up_bias, down_proj, down_bias, alpha, limit
+    return grouped_experts(
+        hidden_states, topk_weights, topk_ids, gate_up_proj, down_proj, gate_up_bias, down_bias, alpha, limit
     )
 
 
@@ -439,43 +439,26 @@ def grouped_experts(
     topk_ids: torch.Tensor,
     gate_up_proj: torch.Tensor,
     down_proj: torch.Tensor,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    swiglu_alpha: float | None = None,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
-    """moe_experts' body: one matmul pair per expert over its tokens only (_run_grouped)."""
-    return _run_grouped(
-        hidden_states,
-        topk_weights,
-        topk_ids,
-        gate_up_proj.shape[0],
-        lambda expert, x: F.linear(silu_and_mul(F.linear(x, gate_up_proj[expert])), down_proj[expert]),
-    )
-
-
-@grouped_experts.register_fake
-def _(hidden_states, topk_weights, topk_ids, gate_up_proj, down_proj):
-    return torch.empty_like(hidden_states)
-
-
-@torch.library.custom_op("infer_recipes::grouped_experts_clamped_swiglu", mutates_args=())
-def grouped_experts_clamped_swiglu(
-    hidden_states: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    gate_up_proj: torch.Tensor,
-    gate_up_bias: torch.Tensor,
-    down_proj: torch.Tensor,
-    down_bias: torch.Tensor,
-    alpha: float,
-    limit: float,
-) -> torch.Tensor:
-    """moe_experts_clamped_swiglu's body, grouped as grouped_experts is."""
+    """The body of moe_experts and moe_experts_clamped_swiglu: one matmul pair per expert over its
+    tokens only (_run_grouped), adding the biases that are given, with silu(gate) * up or, given
+    swiglu_alpha and swiglu_limit, clamped_swiglu(swiglu_alpha, swiglu_limit)."""
 
     def expert_forward(expert: int, x: torch.Tensor) -> torch.Tensor:
-        gated = clamped_swiglu(F.linear(x, gate_up_proj[expert], gate_up_bias[expert]), alpha, limit)
-        return F.linear(gated, down_proj[expert], down_bias[expert])
+        gate_up = F.linear(x, gate_up_proj[expert], None if gate_up_bias is None else gate_up_bias[expert])
+        if swiglu_alpha is None or swiglu_limit is None:
+            gated = silu_and_mul(gate_up)
+        else:
+            gated = clamped_swiglu(gate_up, swiglu_alpha, swiglu_limit)
+        return F.linear(gated, down_proj[expert], None if down_bias is None else down_bias[expert])
 
     return _run_grouped(hidden_states, topk_weights, topk_ids, gate_up_proj.shape[0], expert_forward)
 
 
-@grouped_experts_clamped_swiglu.register_fake
-def _(hidden_states, topk_weights, topk_ids, gate_up_proj, gate_up_bias, down_proj, down_bias, alpha, limit):
-    return torch.empty_like(hidden_states)
+@grouped_experts.register_fake
+def _(hidden_states: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+    return torch.empty_like(hidden_states)  # only the output's shape and dtype: those of hidden_states

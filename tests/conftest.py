@@ -14,28 +14,16 @@ from tokenizers.pre_tokenizers import WhitespaceSplit
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from models.llama import LlamaForCausalLM as OurLlamaForCausalLM
+from tests.paged_harness import VOCAB, parity_config, save_random_model
 
-TINY_VOCAB = 256
+TINY_VOCAB = VOCAB  # the tokenizer has a word for every token id of the parity models
 CHAT_TEMPLATE = "{% for m in messages %}<s> {{ m['content'] }} {% endfor %}{% if add_generation_prompt %}<s>{% endif %}"
 
 
 def llama_config(**overrides: object) -> LlamaConfig:
-    """A tiny random Llama config for parity tests; overrides change any field."""
-    settings = dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        vocab_size=TINY_VOCAB,
-        max_position_embeddings=128,
-        initializer_range=0.1,  # peaked logits, so greedy choices are far from ties
-        bos_token_id=None,
-        eos_token_id=None,  # HF generate must not stop early
-        pad_token_id=None,
-        attn_implementation="eager",
-    )
-    settings.update(overrides)
-    return LlamaConfig(**settings)
+    """A tiny random Llama config for parity tests (paged_harness.PARITY_SETTINGS, 3 layers);
+    overrides change any field."""
+    return parity_config(LlamaConfig, {"intermediate_size": 128, "num_hidden_layers": 3}, overrides)
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
@@ -65,8 +53,7 @@ def save_tiny_llama(path: Path, seed: int = 0) -> Path:
         pad_token_id=2,
         tie_word_embeddings=False,
     )
-    torch.manual_seed(seed)
-    LlamaForCausalLM(config).eval().save_pretrained(path)
+    save_random_model(path, LlamaForCausalLM, config, seed)
     tiny_tokenizer().save_pretrained(path)
     return path
 

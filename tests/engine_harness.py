@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
+import ops
 from executor.core.config import build_config
 from executor.core.engine.step_inputs import build_step_layout
 from executor.core.types_ import Batch, Request, SamplingParams
@@ -15,6 +16,13 @@ from executor.offline.offline_inference import OfflineInference, RunResult
 from executor.offline.results import ResultWriter
 from executor.offline.run_folder import plan_run
 from ops.attention_metadata import build_model_inputs
+from tests.conftest import tiny_tokenizer
+from tests.paged_harness import random_prompts
+
+# A tiny random model run by the whole engine: tiny_tokenizer's special token ids, and room for the
+# longest of ENGINE_PROMPT_LENS plus the engine's 32 new tokens.
+ENGINE_CONFIG = dict(max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+ENGINE_PROMPT_LENS = (1, 5, 17, 33, 8, 40, 3)
 
 
 def make_inference(
@@ -82,3 +90,21 @@ def hf_last_logits(model: torch.nn.Module, prompt_ids: list[int]) -> torch.Tenso
 
 def token_records(prompts: list[list[int]]) -> list[PromptRecord]:
     return [PromptRecord(id=f"p{i}", prompt_token_ids=ids) for i, ids in enumerate(prompts)]
+
+
+def generate_random_prompts(
+    model_dir: Path, model_name: str, prompt_lens: tuple[int, ...] = ENGINE_PROMPT_LENS, seed: int = 5
+) -> tuple[OfflineInference, list[list[int]], RunResult]:
+    """The whole engine (scheduler, KV cache manager, worker) on the torch backend, on model folder
+    `model_dir` given tiny_tokenizer, with random prompts of `prompt_lens` in one batch:
+    -> (the inference, the prompts, its result)."""
+    ops.set_backend("torch")
+    tiny_tokenizer().save_pretrained(model_dir)
+    inference = make_inference(model_dir, model_config={"model_name": model_name}, batch_size=len(prompt_lens))
+    prompts = random_prompts(prompt_lens, seed)
+    return inference, prompts, inference.generate(token_records(prompts))
+
+
+def check_engine_greedy(hf_model: torch.nn.Module, prompts: list[list[int]], result: RunResult) -> None:
+    """Each request's output is transformers' greedy output for its prompt alone (the engine's 32 tokens)."""
+    assert [r.output_token_ids for r in result.requests] == [hf_greedy(hf_model, p, 32) for p in prompts]

@@ -1,15 +1,20 @@
 """Driving any of our models over a paged KV cache as the engine does, next to transformers, for the
 parity tests of every model family: NaN-filled caches built from each layer's spec, scattered
-blocks, packed (TND) steps, and transformers' outputs for each prompt alone."""
+blocks, packed (TND) steps, and transformers' outputs for each prompt alone; tiny random configs
+and checkpoints; and the checks every family runs (check_*), which assert."""
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import pytest
 import torch
+import torch._dynamo.testing
+import transformers
 
+import ops
 from executor.core.engine.step_inputs import ScheduledSequence, build_step_layout
 from executor.core.types_.model_inputs import ModelInputs
 from executor.model_loader.default_loader import safetensors_weights
@@ -17,6 +22,20 @@ from module.attention import KVCacheLayer
 from ops.attention_metadata import TorchMetadataBuilder, build_model_inputs
 
 VOCAB = 256
+# What every family's tiny parity config shares: random weights that give peaked logits (greedy
+# choices far from ties), no special tokens (transformers' generate must not stop early) and
+# transformers' eager attention.
+PARITY_SETTINGS: dict[str, object] = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    num_attention_heads=4,
+    max_position_embeddings=128,
+    initializer_range=0.1,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+    attn_implementation="eager",
+)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -26,6 +45,38 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(num_threads)
+
+
+def parity_config(
+    make_config: Callable[..., transformers.PretrainedConfig],
+    family_settings: Mapping[str, object],
+    overrides: Mapping[str, object],
+) -> transformers.PretrainedConfig:
+    """make_config (a config class) with PARITY_SETTINGS, then a family's own settings, then a test's overrides."""
+    return make_config(**(PARITY_SETTINGS | dict(family_settings) | dict(overrides)))
+
+
+def save_random_model(
+    path: Path,
+    model_cls: Callable[[transformers.PretrainedConfig], torch.nn.Module],
+    config: transformers.PretrainedConfig,
+    seed: int = 0,
+    redraw: Mapping[str, tuple[float, float]] | None = None,
+) -> torch.nn.Module:
+    """transformers' model_cls(config) with random weights from `seed`, saved to `path` in its own
+    format and returned (in eval mode) for reference. Parameters and buffers whose names end with a
+    key of `redraw` are drawn again from normal(mean, std) (its value): those that transformers'
+    init leaves constant (biases zero, norm weights one), so that each must load for parity."""
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for name, tensor in [*model.named_buffers(), *model.named_parameters()]:
+            for suffix, (mean, std) in (redraw or {}).items():
+                if name.endswith(suffix):
+                    tensor.normal_(mean, std)
+                    break
+    model.save_pretrained(path)
+    return model
 
 
 def load_ours(model_cls: type[torch.nn.Module], path: Path, config: object) -> torch.nn.Module:
@@ -95,7 +146,21 @@ class PagedModel:
         return outputs
 
 
-def random_prompts(lengths: list[int], seed: int) -> list[list[int]]:
+def parity_models(
+    path: Path,
+    config: transformers.PretrainedConfig,
+    save_checkpoint: Callable[[Path, transformers.PretrainedConfig], torch.nn.Module],
+    load_ours: Callable[[Path, transformers.PretrainedConfig], torch.nn.Module],
+    block_size: int,
+) -> tuple[torch.nn.Module, PagedModel]:
+    """On the torch backend: transformers' model that save_checkpoint writes to `path` for `config`,
+    and ours loaded from that folder over a PagedModel with blocks of `block_size`."""
+    ops.set_backend("torch")
+    hf_model = save_checkpoint(path, config)
+    return hf_model, PagedModel(load_ours(path, config), block_size)
+
+
+def random_prompts(lengths: Sequence[int], seed: int) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(0, VOCAB, (length,), generator=generator).tolist() for length in lengths]
 
@@ -109,3 +174,101 @@ def hf_last_logits(hf_model: torch.nn.Module, prompt: list[int]) -> torch.Tensor
 def hf_generate(hf_model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
     out = hf_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens)
     return out[0, len(prompt) :].tolist()
+
+
+def assert_last_logits_match(
+    hf_model: torch.nn.Module, prompts: list[list[int]], logits: torch.Tensor, tolerance: float
+) -> None:
+    """Row i of `logits` is transformers' last-token logits for prompts[i] alone, to max-abs-diff `tolerance`."""
+    for prompt, row in zip(prompts, logits, strict=True):
+        assert (row - hf_last_logits(hf_model, prompt)).abs().max() <= tolerance
+
+
+def check_prefill_logits(
+    hf_model: torch.nn.Module, ours: PagedModel, prompts: list[list[int]], tolerance: float
+) -> None:
+    """The prompts prefilled packed in one step: one row of logits each, transformers' for that prompt alone."""
+    logits = ours.step([ScheduledSequence(p, 0, [ours.allocate(len(p))]) for p in prompts])
+    assert logits.shape == (len(prompts), hf_model.config.vocab_size)
+    assert_last_logits_match(hf_model, prompts, logits, tolerance)
+
+
+def check_cached_prefix(
+    hf_model: torch.nn.Module, ours: PagedModel, prompts: list[list[int]], splits: Sequence[int], tolerance: float
+) -> None:
+    """Each prompt's first `split` tokens prefilled in one packed step, the rest in the next over that
+    cached prefix: the last logits are transformers' on the whole prompt."""
+    blocks = [ours.allocate(len(p)) for p in prompts]
+    ours.step([ScheduledSequence(p[:s], 0, [b]) for p, s, b in zip(prompts, splits, blocks, strict=True)])
+    logits = ours.step([ScheduledSequence(p[s:], s, [b]) for p, s, b in zip(prompts, splits, blocks, strict=True)])
+    assert_last_logits_match(hf_model, prompts, logits, tolerance)
+
+
+def check_batched_greedy(
+    hf_model: torch.nn.Module, ours: PagedModel, prompts: list[list[int]], max_new_tokens: int, pad_to: int = 0
+) -> None:
+    """PagedModel.greedy over all prompts together (decode steps padded to `pad_to` rows, as a graph
+    would run them) gives each prompt transformers' generate() for that prompt alone."""
+    outputs = ours.greedy(prompts, max_new_tokens, pad_to=pad_to)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert output == hf_generate(hf_model, prompt, max_new_tokens)
+
+
+def check_decode_traces_as_one_graph(ours: PagedModel, prompts: list[list[int]]) -> None:
+    """What the graph modes need (fullgraph, static shapes): after a packed prefill, a decode step
+    padded to 4 rows compiles as one graph and gives eager's hidden states."""
+    blocks = [ours.allocate(len(p) + 2) for p in prompts]
+    tokens = ours.step([ScheduledSequence(p, 0, [b]) for p, b in zip(prompts, blocks, strict=True)]).argmax(-1)
+    decode = [ScheduledSequence([t], len(p), [b]) for t, p, b in zip(tokens.tolist(), prompts, blocks, strict=True)]
+    inputs = ours.inputs(decode, pad_to=4)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("eager")
+    torch._dynamo.reset()
+    compiled = torch.compile(ours.model, backend=counter, fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        traced = compiled(*inputs.forward_args())
+        eager = ours.model(*inputs.forward_args())  # writes the same cache entries to the same slots again
+    torch._dynamo.reset()
+    assert counter.frame_count == 1
+    torch.testing.assert_close(traced, eager)
+
+
+class PagedParityTests:
+    """The parity tests every family runs on its module's `models` fixture ((transformers' model, our
+    PagedModel) per config): a test module subclasses this as TestPagedParity, changing the prompt
+    lengths and step counts where its family needs others (longer than its sliding window, say)."""
+
+    tolerance = 1e-4  # fp32 logits, max-abs-diff
+    prefill_prompt_lens = (5, 17, 1, 9, 12)
+    prefix_prompt_lens, prefix_splits = (13, 8), (7, 3)
+    decode_prompt_lens = (3, 11, 6, 1, 15, 8)
+    max_new_tokens = 16
+    decode_pad_to = 8  # decode steps padded to a bucket of 8 rows, as a graph would run them (0: unpadded)
+
+    def test_packed_prefill_logits_match_hf_per_prompt(self, models):
+        hf_model, ours = models
+        check_prefill_logits(hf_model, ours, random_prompts(self.prefill_prompt_lens, seed=1), self.tolerance)
+
+    def test_prefill_over_a_cached_prefix_matches_hf_on_the_whole_prompt(self, models):
+        hf_model, ours = models
+        prompts = random_prompts(self.prefix_prompt_lens, seed=2)
+        check_cached_prefix(hf_model, ours, prompts, self.prefix_splits, self.tolerance)
+
+    def test_batched_greedy_decoding_matches_hf_generate_per_prompt(self, models):
+        hf_model, ours = models
+        prompts = random_prompts(self.decode_prompt_lens, seed=3)
+        check_batched_greedy(hf_model, ours, prompts, self.max_new_tokens, pad_to=self.decode_pad_to)
+
+
+class RoutingTieTests:
+    """For MoE families: the module's `tied_routing_models` fixture is a pair whose routers score
+    experts equally at the top-k cut; ours must break those ties as transformers does, in prefill and
+    in decode. A test module subclasses this as TestRoutingTies."""
+
+    tolerance = 1e-4
+    tie_prompt_lens = (7, 4, 10)
+
+    def test_routing_ties_break_as_in_transformers(self, tied_routing_models):
+        hf_model, ours = tied_routing_models
+        prompts = random_prompts(self.tie_prompt_lens, seed=4)
+        check_prefill_logits(hf_model, ours, prompts, self.tolerance)
+        check_batched_greedy(hf_model, ours, prompts, 8)

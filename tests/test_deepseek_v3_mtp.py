@@ -16,13 +16,11 @@ from safetensors.torch import load_file
 
 import ops
 from executor.core.engine.step_inputs import ScheduledSequence
-from tests.deepseek_v3_harness import (  # single_thread: an autouse fixture
+from tests.deepseek_v3_harness import deepseek_config, load_ours, save_checkpoint
+from tests.paged_harness import (
     PagedModel,
-    deepseek_config,
-    load_ours,
     random_prompts,
-    save_checkpoint,
-    single_thread,  # noqa: F401
+    single_thread,  # noqa: F401 (an autouse fixture)
 )
 
 NUM_MTP = 2

@@ -12,21 +12,16 @@ import pytest
 import torch
 
 import ops
-from executor.core.engine.step_inputs import ScheduledSequence
-from tests.conftest import tiny_tokenizer
-from tests.deepseek_v3_harness import (
+from tests.deepseek_v3_harness import deepseek_config, load_ours, save_checkpoint
+from tests.engine_harness import ENGINE_CONFIG, check_engine_greedy, generate_random_prompts
+from tests.paged_harness import (
     PagedModel,
-    deepseek_config,
-    hf_generate,
-    hf_last_logits,
-    load_ours,
-    random_prompts,
-    save_checkpoint,
+    PagedParityTests,
+    RoutingTieTests,
+    parity_models,
     single_thread,  # noqa: F401 (an autouse fixture)
 )
-from tests.engine_harness import hf_greedy, make_inference, token_records
 
-TOLERANCE = 1e-4
 YARN = {
     "rope_type": "yarn",
     "factor": 4.0,
@@ -62,49 +57,18 @@ CONFIGS = {
         8,
     ),
 }
-PREFILL_PROMPT_LENS = [5, 17, 1, 9, 12]
-DECODE_PROMPT_LENS = [3, 11, 6, 1, 15, 8]
-MAX_NEW_TOKENS = 16
 
 
 @pytest.fixture(params=list(CONFIGS), scope="module")
 def models(request, tmp_path_factory) -> tuple[torch.nn.Module, PagedModel]:
-    ops.set_backend("torch")
     overrides, block_size = CONFIGS[request.param]
-    config = deepseek_config(**overrides)
     path = tmp_path_factory.mktemp(request.param)
-    hf_model = save_checkpoint(path, config)
-    return hf_model, PagedModel(load_ours(path, config), block_size)
+    return parity_models(path, deepseek_config(**overrides), save_checkpoint, load_ours, block_size)
 
 
-def test_packed_prefill_logits_match_hf_per_prompt(models):
-    hf_model, ours = models
-    prompts = random_prompts(PREFILL_PROMPT_LENS, seed=1)
-    logits = ours.step([ScheduledSequence(p, 0, [ours.allocate(len(p))]) for p in prompts])
-    assert logits.shape == (len(prompts), hf_model.config.vocab_size)
-    for prompt, row in zip(prompts, logits, strict=True):
-        assert (row - hf_last_logits(hf_model, prompt)).abs().max() <= TOLERANCE
-
-
-def test_prefill_over_a_cached_prefix_matches_hf_on_the_whole_prompt(models):
-    hf_model, ours = models
-    prompts = random_prompts([13, 8], seed=2)
-    splits = [7, 3]
-    blocks = [ours.allocate(len(p)) for p in prompts]
-    ours.step([ScheduledSequence(p[:s], 0, [b]) for p, s, b in zip(prompts, splits, blocks, strict=True)])
-    logits = ours.step([ScheduledSequence(p[s:], s, [b]) for p, s, b in zip(prompts, splits, blocks, strict=True)])
-    for prompt, row in zip(prompts, logits, strict=True):
-        assert (row - hf_last_logits(hf_model, prompt)).abs().max() <= TOLERANCE
-
-
-def test_batched_greedy_decoding_matches_hf_generate_per_prompt(models):
-    """Decode steps padded to a bucket of 8 rows, as a graph would run them: padding rows read and
-    write only the null block."""
-    hf_model, ours = models
-    prompts = random_prompts(DECODE_PROMPT_LENS, seed=3)
-    outputs = ours.greedy(prompts, MAX_NEW_TOKENS, pad_to=8)
-    for prompt, output in zip(prompts, outputs, strict=True):
-        assert output == hf_generate(hf_model, prompt, MAX_NEW_TOKENS)
+class TestPagedParity(PagedParityTests):
+    """Packed prefill, prefill over a cached prefix, and batched greedy decoding with steps padded to
+    8 rows (padding rows read and write only the null block), each against transformers."""
 
 
 # Every router's logits are 0 (gate weights zero), so each expert's score is sigmoid(0) = 0.5 and
@@ -143,39 +107,23 @@ def test_tie_config_ties_groups_and_experts_at_the_cut(tied_routing_models):
     assert any(biased[e] == last_chosen for e in in_kept_groups if e not in chosen)
 
 
-def test_routing_ties_break_as_in_transformers(tied_routing_models):
-    hf_model, ours = tied_routing_models
-    prompts = random_prompts([7, 4, 10], seed=4)
-    logits = ours.step([ScheduledSequence(p, 0, [ours.allocate(len(p))]) for p in prompts])
-    for prompt, row in zip(prompts, logits, strict=True):
-        assert (row - hf_last_logits(hf_model, prompt)).abs().max() <= TOLERANCE
-    outputs = ours.greedy(prompts, 8)
-    assert outputs == [hf_generate(hf_model, p, 8) for p in prompts]
-
-
-ENGINE_PROMPT_LENS = [1, 5, 17, 33, 8, 40, 3]
+class TestRoutingTies(RoutingTieTests):
+    """Groups and experts tied by TIE_BIASES, as the test above shows."""
 
 
 @pytest.fixture(scope="module")
 def engine_run(tmp_path_factory):
     """The whole engine (scheduler, KV cache manager, worker) on a saved tiny checkpoint with one MTP
     module, whose attention gets its latent cache like every other layer."""
-    ops.set_backend("torch")
-    config = deepseek_config(
-        num_nextn_predict_layers=1, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=2
-    )
+    config = deepseek_config(num_nextn_predict_layers=1, **ENGINE_CONFIG)
     path = tmp_path_factory.mktemp("tiny_deepseek_v3")
     hf_model = save_checkpoint(path, config)
-    tiny_tokenizer().save_pretrained(path)
-    inference = make_inference(path, model_config={"model_name": "deepseek_v3"}, batch_size=len(ENGINE_PROMPT_LENS))
-    prompts = random_prompts(ENGINE_PROMPT_LENS, seed=5)
-    result = inference.generate(token_records(prompts))
-    return config, hf_model, inference, prompts, result
+    return config, hf_model, *generate_random_prompts(path, "deepseek_v3")
 
 
 def test_engine_greedy_equals_transformers_generate(engine_run):
     _, hf_model, _, prompts, result = engine_run
-    assert [r.output_token_ids for r in result.requests] == [hf_greedy(hf_model, p, 32) for p in prompts]
+    check_engine_greedy(hf_model, prompts, result)
 
 
 def test_latent_cache_holds_kv_lora_rank_plus_rope_per_token_per_layer(engine_run):

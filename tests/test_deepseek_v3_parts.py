@@ -8,11 +8,9 @@ import types
 
 import pytest
 import torch
-import torch._dynamo.testing
 import torch.nn.functional as F
 
 import ops
-from executor.core.engine.step_inputs import ScheduledSequence
 from executor.core.types_.kv_cache_spec import AttentionKind, KVTensorSpec, mla_spec
 from executor.model_loader.default_loader import safetensors_weights
 from executor.model_loader.errors import WeightLoadError
@@ -20,7 +18,8 @@ from models.deepseek_v3 import DeepseekV3ForCausalLM
 from module.moe import FusedExperts
 from ops.dispatch import OpTable
 from ops.npu import NpuOps
-from tests.deepseek_v3_harness import PagedModel, deepseek_config, load_ours, random_prompts, save_checkpoint
+from tests.deepseek_v3_harness import deepseek_config, load_ours, save_checkpoint
+from tests.paged_harness import PagedModel, check_decode_traces_as_one_graph, random_prompts
 
 NUM_HEADS, NOPE, ROPE, RANK, V_DIM = 4, 16, 8, 32, 12
 
@@ -167,17 +166,4 @@ def test_decode_forward_traces_as_one_graph_and_matches_eager(tmp_path):
     config = deepseek_config(num_hidden_layers=2)  # one dense layer, one MoE layer
     save_checkpoint(tmp_path, config)
     ours = PagedModel(load_ours(tmp_path, config), block_size=4)
-    prompts = random_prompts([3, 9, 5], seed=8)
-    blocks = [ours.allocate(len(p) + 2) for p in prompts]
-    tokens = ours.step([ScheduledSequence(p, 0, [b]) for p, b in zip(prompts, blocks, strict=True)]).argmax(-1)
-    decode = [ScheduledSequence([t], len(p), [b]) for t, p, b in zip(tokens.tolist(), prompts, blocks, strict=True)]
-    inputs = ours.inputs(decode, pad_to=4)
-    counter = torch._dynamo.testing.CompileCounterWithBackend("eager")
-    torch._dynamo.reset()
-    compiled = torch.compile(ours.model, backend=counter, fullgraph=True, dynamic=False)
-    with torch.no_grad():
-        traced = compiled(*inputs.forward_args())
-        eager = ours.model(*inputs.forward_args())  # writes the same latents to the same slots again
-    torch._dynamo.reset()
-    assert counter.frame_count == 1
-    torch.testing.assert_close(traced, eager)
+    check_decode_traces_as_one_graph(ours, random_prompts([3, 9, 5], seed=8))

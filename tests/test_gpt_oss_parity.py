@@ -15,12 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch._dynamo.testing
 import transformers
 from safetensors.torch import save_file
 
 import ops
-from executor.core.engine.step_inputs import ScheduledSequence
 from executor.core.types_ import AttentionKind
 from executor.model_loader.default_loader import safetensors_weights
 from executor.model_loader.errors import WeightLoadError
@@ -28,16 +26,20 @@ from models.gpt_oss import GptOssForCausalLM
 from module.rotary import RotaryEmbedding
 from ops.dispatch import OpTable
 from ops.npu import NpuOps
-from tests.conftest import tiny_tokenizer
-from tests.deepseek_v3_harness import (
-    VOCAB,
+from tests import paged_harness
+from tests.engine_harness import ENGINE_CONFIG, check_engine_greedy, generate_random_prompts
+from tests.paged_harness import (
     PagedModel,
-    hf_generate,
+    PagedParityTests,
+    RoutingTieTests,
+    check_decode_traces_as_one_graph,
     hf_last_logits,
+    parity_config,
+    parity_models,
     random_prompts,
+    save_random_model,
     single_thread,  # noqa: F401 (an autouse fixture)
 )
-from tests.engine_harness import hf_greedy, make_inference, token_records
 
 TOLERANCE = 1e-4
 WINDOW = 8
@@ -59,48 +61,27 @@ def yarn(truncate: bool) -> dict:
 def gpt_oss_config(**overrides: object) -> transformers.GptOssConfig:
     """Four layers (sliding, full, sliding, full), GQA, 4 experts of which 2 per token; overrides change any field."""
     settings = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
         intermediate_size=32,
         num_hidden_layers=4,
-        num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=16,
         num_local_experts=4,
         num_experts_per_tok=2,
         sliding_window=WINDOW,
-        max_position_embeddings=128,
         rope_parameters=yarn(truncate=False),
-        initializer_range=0.1,  # peaked logits, so greedy choices are far from ties
-        bos_token_id=None,
-        eos_token_id=None,  # HF generate must not stop early
-        pad_token_id=None,
-        attn_implementation="eager",
     )
-    settings.update(overrides)
-    return transformers.GptOssConfig(**settings)
+    return parity_config(transformers.GptOssConfig, settings, overrides)
 
 
 def save_checkpoint(path: Path, config: transformers.GptOssConfig, seed: int = 0) -> transformers.GptOssForCausalLM:
     """transformers' model with random weights, biases (zero from transformers' init) and sinks of
     order one, saved to `path` in its own format; returned for reference."""
-    torch.manual_seed(seed)
-    model = transformers.GptOssForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("bias"):
-                param.normal_(0.0, 0.1)
-            elif name.endswith("sinks"):
-                param.normal_(0.0, 1.0)
-    model.save_pretrained(path)
-    return model
+    redraw = {"bias": (0.0, 0.1), "sinks": (0.0, 1.0)}
+    return save_random_model(path, transformers.GptOssForCausalLM, config, seed, redraw)
 
 
 def load_ours(path: Path, config: transformers.GptOssConfig) -> GptOssForCausalLM:
-    model = GptOssForCausalLM(config)
-    filled = model.load_weights(safetensors_weights(path))
-    assert filled == {name for name, _ in model.named_parameters()}
-    return model.eval()
+    return paged_harness.load_ours(GptOssForCausalLM, path, config)
 
 
 def test_yarn_truncate_changes_the_rope_frequencies_at_this_head_dim():
@@ -123,48 +104,20 @@ CONFIGS = {
         16,
     ),
 }
-PREFILL_PROMPT_LENS = [5, 17, 1, 9, 30]
-DECODE_PROMPT_LENS = [3, 11, 6, 1, 15, 8]
-MAX_NEW_TOKENS = 16
 
 
 @pytest.fixture(params=list(CONFIGS), scope="module")
 def models(request, tmp_path_factory) -> tuple[transformers.GptOssForCausalLM, PagedModel]:
-    ops.set_backend("torch")
     overrides, block_size = CONFIGS[request.param]
-    config = gpt_oss_config(**overrides)
     path = tmp_path_factory.mktemp(request.param)
-    hf_model = save_checkpoint(path, config)
-    return hf_model, PagedModel(load_ours(path, config), block_size)
+    return parity_models(path, gpt_oss_config(**overrides), save_checkpoint, load_ours, block_size)
 
 
-def test_packed_prefill_logits_match_hf_per_prompt(models):
-    hf_model, ours = models
-    prompts = random_prompts(PREFILL_PROMPT_LENS, seed=1)
-    logits = ours.step([ScheduledSequence(p, 0, [ours.allocate(len(p))]) for p in prompts])
-    assert logits.shape == (len(prompts), hf_model.config.vocab_size)
-    for prompt, row in zip(prompts, logits, strict=True):
-        assert (row - hf_last_logits(hf_model, prompt)).abs().max() <= TOLERANCE
+class TestPagedParity(PagedParityTests):
+    """Prompts and cached prefixes longer than the window (8), decoding past it with steps padded to 8 rows."""
 
-
-def test_prefill_over_a_cached_prefix_longer_than_the_window_matches_hf(models):
-    hf_model, ours = models
-    prompts = random_prompts([21, 13], seed=2)
-    splits = [12, 3]
-    blocks = [ours.allocate(len(p)) for p in prompts]
-    ours.step([ScheduledSequence(p[:s], 0, [b]) for p, s, b in zip(prompts, splits, blocks, strict=True)])
-    logits = ours.step([ScheduledSequence(p[s:], s, [b]) for p, s, b in zip(prompts, splits, blocks, strict=True)])
-    for prompt, row in zip(prompts, logits, strict=True):
-        assert (row - hf_last_logits(hf_model, prompt)).abs().max() <= TOLERANCE
-
-
-def test_batched_greedy_decoding_past_the_window_matches_hf_generate_per_prompt(models):
-    """Decode steps padded to a bucket of 8 rows, as a graph would run them."""
-    hf_model, ours = models
-    prompts = random_prompts(DECODE_PROMPT_LENS, seed=3)
-    outputs = ours.greedy(prompts, MAX_NEW_TOKENS, pad_to=8)
-    for prompt, output in zip(prompts, outputs, strict=True):
-        assert output == hf_generate(hf_model, prompt, MAX_NEW_TOKENS)
+    prefill_prompt_lens = (5, 17, 1, 9, 30)
+    prefix_prompt_lens, prefix_splits = (21, 13), (12, 3)
 
 
 def test_sinks_change_the_logits_far_beyond_the_tolerance(models):
@@ -212,36 +165,21 @@ def test_tied_router_rows_put_the_top_k_cut_inside_the_tie(tied_routing_models):
     assert ((chosen_tied == 1) | (chosen_tied == 2)).all()  # never all three: the tie is broken every time
 
 
-def test_routing_ties_break_as_in_transformers(tied_routing_models):
-    hf_model, ours = tied_routing_models
-    prompts = random_prompts([7, 4, 10], seed=4)
-    logits = ours.step([ScheduledSequence(p, 0, [ours.allocate(len(p))]) for p in prompts])
-    for prompt, row in zip(prompts, logits, strict=True):
-        assert (row - hf_last_logits(hf_model, prompt)).abs().max() <= TOLERANCE
-    outputs = ours.greedy(prompts, 8)
-    assert outputs == [hf_generate(hf_model, p, 8) for p in prompts]
-
-
-ENGINE_PROMPT_LENS = [1, 5, 17, 33, 8, 40, 3]
+class TestRoutingTies(RoutingTieTests):
+    """Experts tied by equal router rows (TIED_EXPERTS), as the test above shows."""
 
 
 @pytest.fixture(scope="module")
 def engine_run(tmp_path_factory):
     """The whole engine (scheduler, KV cache manager, worker) on a saved tiny checkpoint."""
-    ops.set_backend("torch")
-    config = gpt_oss_config(max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     path = tmp_path_factory.mktemp("tiny_gpt_oss")
-    hf_model = save_checkpoint(path, config)
-    tiny_tokenizer().save_pretrained(path)
-    inference = make_inference(path, model_config={"model_name": "gpt_oss"}, batch_size=len(ENGINE_PROMPT_LENS))
-    prompts = random_prompts(ENGINE_PROMPT_LENS, seed=5)
-    result = inference.generate(token_records(prompts))
-    return hf_model, inference, prompts, result
+    hf_model = save_checkpoint(path, gpt_oss_config(**ENGINE_CONFIG))
+    return hf_model, *generate_random_prompts(path, "gpt_oss")
 
 
 def test_engine_greedy_equals_transformers_generate(engine_run):
     hf_model, _, prompts, result = engine_run
-    assert [r.output_token_ids for r in result.requests] == [hf_greedy(hf_model, p, 32) for p in prompts]
+    check_engine_greedy(hf_model, prompts, result)
 
 
 def test_sliding_and_full_layers_get_a_cache_group_each(engine_run):
@@ -284,17 +222,4 @@ def test_decode_forward_traces_as_one_graph_and_matches_eager(tmp_path):
     config = gpt_oss_config(num_hidden_layers=2)  # one sliding layer, one full
     save_checkpoint(tmp_path, config)
     ours = PagedModel(load_ours(tmp_path, config), block_size=4)
-    prompts = random_prompts([3, 12, 5], seed=8)
-    blocks = [ours.allocate(len(p) + 2) for p in prompts]
-    tokens = ours.step([ScheduledSequence(p, 0, [b]) for p, b in zip(prompts, blocks, strict=True)]).argmax(-1)
-    decode = [ScheduledSequence([t], len(p), [b]) for t, p, b in zip(tokens.tolist(), prompts, blocks, strict=True)]
-    inputs = ours.inputs(decode, pad_to=4)
-    counter = torch._dynamo.testing.CompileCounterWithBackend("eager")
-    torch._dynamo.reset()
-    compiled = torch.compile(ours.model, backend=counter, fullgraph=True, dynamic=False)
-    with torch.no_grad():
-        traced = compiled(*inputs.forward_args())
-        eager = ours.model(*inputs.forward_args())  # writes the same K/V to the same slots again
-    torch._dynamo.reset()
-    assert counter.frame_count == 1
-    torch.testing.assert_close(traced, eager)
+    check_decode_traces_as_one_graph(ours, random_prompts([3, 12, 5], seed=8))

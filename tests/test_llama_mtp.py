@@ -30,6 +30,7 @@ from scripts import train_mtp_head
 from scripts.train_mtp_head import Sequence, TrainableMTPLayer, generate_sequences, load_frozen_model, mtp_hidden_states
 from tests.conftest import TINY_VOCAB, llama_config
 from tests.engine_harness import run_engine
+from tests.paged_harness import random_prompts, single_thread  # noqa: F401 (single_thread: an autouse fixture)
 
 NUM_LAYERS = 3  # llama_config's; the MTP layer's checkpoint index
 BLOCK_SIZE = 4
@@ -142,15 +143,6 @@ class PagedMTPLlama:
         return hidden, self.model.mtp_compute_logits(0, hidden, inputs.logits_indices)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """Matmuls this small run faster on one thread; extra threads only contend on a busy machine."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
-
-
 @pytest.fixture(scope="module")
 def models() -> tuple[torch.nn.Module, dict[str, torch.Tensor], PagedMTPLlama]:
     ops.set_backend("torch")
@@ -161,14 +153,9 @@ def models() -> tuple[torch.nn.Module, dict[str, torch.Tensor], PagedMTPLlama]:
     return hf_model, mtp, PagedMTPLlama(config, hf_model, mtp)
 
 
-def random_sequences(lengths: list[int], seed: int) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, TINY_VOCAB, (length,), generator=generator).tolist() for length in lengths]
-
-
 def test_packed_mtp_prefill_matches_reference_per_sequence(models):
     hf_model, mtp, ours = models
-    sequences = random_sequences(SEQUENCE_LENGTHS, seed=2)
+    sequences = random_prompts(SEQUENCE_LENGTHS, seed=2)
     blocks = [ours.allocate(len(s)) for s in sequences]
     target_hidden = ours.target_hidden(sequences, blocks)
     hidden, logits = ours.mtp_step(
@@ -186,7 +173,7 @@ def test_mtp_rows_after_cached_rows_match_reference(models):
     """A later step's rows (one, as after a decode step, or several, as after a verify step) attend to the rows
     the MTP cached before."""
     hf_model, mtp, ours = models
-    sequences = random_sequences([6, 13, 3, 9], seed=3)
+    sequences = random_prompts([6, 13, 3, 9], seed=3)
     splits = [4, 9, 1, 5]  # rows cached first; 1, 3, 1 and 3 rows follow
     blocks = [ours.allocate(len(s)) for s in sequences]
     target_hidden = ours.target_hidden(sequences, blocks)
@@ -246,7 +233,7 @@ def test_training_module_exports_what_the_reference_computes():
     with torch.no_grad():
         for param in mtp.parameters():  # away from the initial pass-through, so that every weight matters
             param.add_(0.1 * torch.randn_like(param))
-        tokens = random_sequences([11], seed=4)[0]
+        tokens = random_prompts([11], seed=4)[0]
         target_hidden = hf_model.model(torch.tensor([tokens])).last_hidden_state[0, :-1]
         sequence = Sequence(torch.tensor(tokens), 4, target_hidden)
         logits = hf_model.lm_head(mtp_hidden_states(hf_model, mtp, sequence, slice(0, 10)))

@@ -11,15 +11,12 @@ import torch
 import transformers
 
 import ops
-from executor.core.engine.step_inputs import ScheduledSequence
 from executor.model_loader.errors import WeightLoadError
 from models.llama import LlamaForCausalLM
 from tests.conftest import llama_config
 from tests.paged_harness import (
-    VOCAB,
     PagedModel,
-    hf_last_logits,
-    random_prompts,
+    PagedParityTests,
     single_thread,  # noqa: F401 (an autouse fixture)
 )
 
@@ -44,9 +41,6 @@ CONFIGS = {
         16,
     ),
 }
-PREFILL_PROMPT_LENS = [5, 17, 1, 9, 12]
-DECODE_PROMPT_LENS = [3, 11, 6, 1, 15, 8, 4, 20]
-MAX_NEW_TOKENS = 32
 
 
 def paged_llama(config: transformers.LlamaConfig, hf_model: torch.nn.Module, block_size: int) -> PagedModel:
@@ -67,34 +61,12 @@ def models(request) -> tuple[torch.nn.Module, PagedModel]:
     return hf_model, paged_llama(config, hf_model, block_size)
 
 
-def test_packed_prefill_logits_match_hf_per_prompt(models):
-    hf_model, ours = models
-    prompts = random_prompts(PREFILL_PROMPT_LENS, seed=1)
-    sequences = [ScheduledSequence(p, 0, [ours.allocate(len(p))]) for p in prompts]
-    logits = ours.step(sequences)
-    assert logits.shape == (len(prompts), VOCAB)
-    for prompt, row in zip(prompts, logits, strict=True):
-        assert (row - hf_last_logits(hf_model, prompt)).abs().max() <= 1e-4
+class TestPagedParity(PagedParityTests):
+    """Longer greedy runs of more prompts, decode steps unpadded."""
 
-
-def test_prefill_over_a_cached_prefix_matches_hf_on_the_whole_prompt(models):
-    hf_model, ours = models
-    prompts = random_prompts([13, 8], seed=2)
-    splits = [7, 3]
-    blocks = [ours.allocate(len(p)) for p in prompts]
-    ours.step([ScheduledSequence(p[:s], 0, [b]) for p, s, b in zip(prompts, splits, blocks, strict=True)])
-    logits = ours.step([ScheduledSequence(p[s:], s, [b]) for p, s, b in zip(prompts, splits, blocks, strict=True)])
-    for prompt, row in zip(prompts, logits, strict=True):
-        assert (row - hf_last_logits(hf_model, prompt)).abs().max() <= 1e-4
-
-
-def test_batched_greedy_decoding_matches_hf_generate_per_prompt(models):
-    hf_model, ours = models
-    prompts = random_prompts(DECODE_PROMPT_LENS, seed=3)
-    outputs = ours.greedy(prompts, MAX_NEW_TOKENS)
-    for prompt, output in zip(prompts, outputs, strict=True):
-        expected = hf_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=MAX_NEW_TOKENS)
-        assert output == expected[0, len(prompt) :].tolist()
+    decode_prompt_lens = (3, 11, 6, 1, 15, 8, 4, 20)
+    max_new_tokens = 32
+    decode_pad_to = 0
 
 
 def test_tied_model_ignores_lm_head_in_checkpoint_and_loads_without_it():

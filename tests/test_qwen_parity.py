@@ -10,6 +10,7 @@ decoder_sparse_step), norm_topk_prob both ways, and routing ties at the top-k cu
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -17,26 +18,26 @@ import torch
 import transformers
 
 import ops
-from executor.core.engine.step_inputs import ScheduledSequence
 from executor.offline.__main__ import main as offline_main
 from models.qwen2 import Qwen2ForCausalLM
 from models.qwen3 import Qwen3ForCausalLM
 from models.qwen3_moe import Qwen3MoeForCausalLM
 from module.mlp import GatedMLP
 from module.moe import SparseMoeBlock
-from tests.conftest import tiny_tokenizer
-from tests.engine_harness import hf_greedy, make_inference, token_records
+from tests.engine_harness import ENGINE_CONFIG, check_engine_greedy, generate_random_prompts
 from tests.paged_harness import (
-    VOCAB,
     PagedModel,
-    hf_generate,
+    PagedParityTests,
+    RoutingTieTests,
     hf_last_logits,
     load_ours,
+    parity_config,
+    parity_models,
     random_prompts,
+    save_random_model,
     single_thread,  # noqa: F401 (an autouse fixture)
 )
 
-TOLERANCE = 1e-4
 ROOT = Path(__file__).resolve().parents[1]
 # family -> (transformers' class, ours)
 FAMILIES: dict[str, tuple[type, type]] = {
@@ -74,87 +75,41 @@ CONFIGS = {
         8,
     ),
 }
-PREFILL_PROMPT_LENS = [5, 17, 1, 9, 12]
-DECODE_PROMPT_LENS = [3, 11, 6, 1, 15, 8]
-MAX_NEW_TOKENS = 16
 
 
 def qwen_config(family: str, **overrides: object) -> transformers.PretrainedConfig:
     """Three tiny layers, GQA (4 heads over 2), 8 experts choosing 2 for MoE; overrides change any field."""
-    settings = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        initializer_range=0.1,  # peaked logits, so greedy choices are far from ties
-        bos_token_id=None,
-        eos_token_id=None,  # HF generate must not stop early
-        pad_token_id=None,
-        attn_implementation="eager",
-    )
+    settings: dict[str, object] = dict(intermediate_size=96, num_hidden_layers=3, num_key_value_heads=2)
     if family == "qwen3":
         settings["head_dim"] = 16
     if family == "qwen3_moe":
         settings |= dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2)
-    settings.update(overrides)
-    return transformers.AutoConfig.for_model(family, **settings)
+    return parity_config(functools.partial(transformers.AutoConfig.for_model, family), settings, overrides)
 
 
-def save_checkpoint(path: Path, family: str, config: transformers.PretrainedConfig) -> torch.nn.Module:
-    """Write a model folder for `config` and return transformers' model with its weights: random, with
-    the biases (zero at init) and the norm weights (one at init) drawn too, so that each must land."""
-    torch.manual_seed(0)
-    model = FAMILIES[family][0](config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("bias"):
-                param.normal_(0.0, 0.1)
-            elif name.endswith("norm.weight"):
-                param.normal_(1.0, 0.1)
-    model.save_pretrained(path)
-    return model
+def save_checkpoint(path: Path, config: transformers.PretrainedConfig) -> torch.nn.Module:
+    """Write a model folder for `config` and return transformers' model (of the config's family) with
+    its weights: random, with the biases (zero at init) and the norm weights (one at init) drawn too,
+    so that each must land."""
+    redraw = {"bias": (0.0, 0.1), "norm.weight": (1.0, 0.1)}
+    return save_random_model(path, FAMILIES[config.model_type][0], config, redraw=redraw)
+
+
+def load_qwen(path: Path, config: transformers.PretrainedConfig) -> torch.nn.Module:
+    """Our model of the config's family with the weights of model folder `path`."""
+    return load_ours(FAMILIES[config.model_type][1], path, config)
 
 
 @pytest.fixture(params=list(CONFIGS), scope="module")
 def models(request, tmp_path_factory) -> tuple[torch.nn.Module, PagedModel]:
-    ops.set_backend("torch")
     family, overrides, block_size = CONFIGS[request.param]
-    config = qwen_config(family, **overrides)
     path = tmp_path_factory.mktemp(request.param)
-    hf_model = save_checkpoint(path, family, config)
-    return hf_model, PagedModel(load_ours(FAMILIES[family][1], path, config), block_size)
+    return parity_models(path, qwen_config(family, **overrides), save_checkpoint, load_qwen, block_size)
 
 
-def test_packed_prefill_logits_match_hf_per_prompt(models):
-    hf_model, ours = models
-    prompts = random_prompts(PREFILL_PROMPT_LENS, seed=1)
-    logits = ours.step([ScheduledSequence(p, 0, [ours.allocate(len(p))]) for p in prompts])
-    assert logits.shape == (len(prompts), VOCAB)
-    for prompt, row in zip(prompts, logits, strict=True):
-        assert (row - hf_last_logits(hf_model, prompt)).abs().max() <= TOLERANCE
-
-
-def test_prefill_over_a_cached_prefix_matches_hf_on_the_whole_prompt(models):
-    hf_model, ours = models
-    prompts = random_prompts([13, 8], seed=2)
-    splits = [7, 3]
-    blocks = [ours.allocate(len(p)) for p in prompts]
-    ours.step([ScheduledSequence(p[:s], 0, [b]) for p, s, b in zip(prompts, splits, blocks, strict=True)])
-    logits = ours.step([ScheduledSequence(p[s:], s, [b]) for p, s, b in zip(prompts, splits, blocks, strict=True)])
-    for prompt, row in zip(prompts, logits, strict=True):
-        assert (row - hf_last_logits(hf_model, prompt)).abs().max() <= TOLERANCE
-
-
-def test_batched_greedy_decoding_matches_hf_generate_per_prompt(models):
-    """Decode steps padded to a bucket of 8 rows, as a graph would run them."""
-    hf_model, ours = models
-    prompts = random_prompts(DECODE_PROMPT_LENS, seed=3)
-    outputs = ours.greedy(prompts, MAX_NEW_TOKENS, pad_to=8)
-    for prompt, output in zip(prompts, outputs, strict=True):
-        assert output == hf_generate(hf_model, prompt, MAX_NEW_TOKENS)
+class TestPagedParity(PagedParityTests):
+    """Packed prefill, prefill over a cached prefix, and batched greedy decoding with steps padded to
+    8 rows, each against transformers."""
 
 
 def test_qwen2_sliding_layers_are_those_transformers_slides():
@@ -189,13 +144,13 @@ def tied_routing_models(tmp_path_factory) -> tuple[torch.nn.Module, PagedModel]:
     ops.set_backend("torch")
     config = qwen_config("qwen3_moe", num_hidden_layers=2, norm_topk_prob=True)
     path = tmp_path_factory.mktemp("tied_routing")
-    hf_model = save_checkpoint(path, "qwen3_moe", config)
+    hf_model = save_checkpoint(path, config)
     with torch.no_grad():
         hf_model.model.layers[0].mlp.gate.weight.zero_()
         router = hf_model.model.layers[1].mlp.gate.weight
         router[TIED_EXPERTS] = 3 * router[0]
     hf_model.save_pretrained(path)  # the same checkpoint with the tied routers
-    return hf_model, PagedModel(load_ours(Qwen3MoeForCausalLM, path, config), block_size=4)
+    return hf_model, PagedModel(load_qwen(path, config), block_size=4)
 
 
 def test_tie_config_puts_equal_scores_at_the_top_k_cut(tied_routing_models):
@@ -214,30 +169,19 @@ def test_tie_config_puts_equal_scores_at_the_top_k_cut(tied_routing_models):
     assert any(0 < count < len(TIED_EXPERTS) for count in chosen_of_tied)  # the cut falls inside the tie
 
 
-def test_routing_ties_break_as_in_transformers(tied_routing_models):
-    hf_model, ours = tied_routing_models
-    prompts = random_prompts([7, 4, 12], seed=4)
-    logits = ours.step([ScheduledSequence(p, 0, [ours.allocate(len(p))]) for p in prompts])
-    for prompt, row in zip(prompts, logits, strict=True):
-        assert (row - hf_last_logits(hf_model, prompt)).abs().max() <= TOLERANCE
-    assert ours.greedy(prompts, 8) == [hf_generate(hf_model, p, 8) for p in prompts]
+class TestRoutingTies(RoutingTieTests):
+    """Layer 0's zero router and layer 1's equal rows (TIED_EXPERTS), as the test above shows."""
 
-
-ENGINE_PROMPT_LENS = [1, 5, 17, 33, 8, 40, 3]
+    tie_prompt_lens = (7, 4, 12)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_engine_greedy_equals_transformers_generate(family, tmp_path):
     """The whole engine (scheduler, KV cache manager, worker) on a saved model folder with a tokenizer."""
-    ops.set_backend("torch")
-    config = qwen_config(family, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    hf_model = save_checkpoint(tmp_path, family, config)
-    tiny_tokenizer().save_pretrained(tmp_path)
-    inference = make_inference(tmp_path, model_config={"model_name": family}, batch_size=len(ENGINE_PROMPT_LENS))
+    hf_model = save_checkpoint(tmp_path, qwen_config(family, **ENGINE_CONFIG))
+    inference, prompts, result = generate_random_prompts(tmp_path, family)
     assert isinstance(inference.engine.worker.model, FAMILIES[family][1])
-    prompts = random_prompts(ENGINE_PROMPT_LENS, seed=5)
-    result = inference.generate(token_records(prompts))
-    assert [r.output_token_ids for r in result.requests] == [hf_greedy(hf_model, p, 32) for p in prompts]
+    check_engine_greedy(hf_model, prompts, result)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -10,7 +10,6 @@ with transformers: tests/test_deepseek_v3_parity.py.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable
 
 import torch
@@ -28,7 +27,7 @@ from module.moe import FusedExperts, SparseMoeBlock, TopkRouter, load_expert_ten
 from module.mtp import SHARED_MTP_TENSOR, MTPLayerMixin
 from module.norm import RMSNorm
 from module.rotary import RotaryEmbedding
-from module.weights import ShardId, default_weight_loader
+from module.weights import ShardId, fused_shards_needed, load_fused_tensor
 
 # Which part of a parameter a checkpoint tensor filled: a merged layer's shard, or (expert, projection).
 ShardKey = ShardId | tuple[int, str]
@@ -214,18 +213,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         expert = load_expert_tensor(self, checkpoint_name, tensor)
         if expert is not None:
             return expert
-        name, shard_id = checkpoint_name, None
-        for checkpoint_module, (fused_module, fused_shard) in self.packed_modules_mapping.items():
-            if f".{checkpoint_module}." in checkpoint_name:
-                name = checkpoint_name.replace(f".{checkpoint_module}.", f".{fused_module}.")
-                shard_id = fused_shard
-                break
-        param = params.get(name)
-        if param is None:
-            raise WeightLoadError(f"unexpected: {type(self).__name__} has no parameter {name!r}")
-        loader = getattr(param, "weight_loader", default_weight_loader)
-        loader(param, tensor, shard_id)
-        return name, shard_id
+        return load_fused_tensor(self, checkpoint_name, tensor, params, self.packed_modules_mapping)
 
     def _shards_needed(self, name: str) -> int:
         """Stacked experts need one tensor per expert and projection; merged layers one per part."""
@@ -233,4 +221,4 @@ class DeepseekV3ForCausalLM(nn.Module):
         experts = self.get_submodule(module_name)
         if isinstance(experts, FusedExperts):
             return experts.checkpoint_tensors_needed(param_name)
-        return Counter(module for module, _ in self.packed_modules_mapping.values()).get(name.split(".")[-2], 1)
+        return fused_shards_needed(name, self.packed_modules_mapping)

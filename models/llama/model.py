@@ -6,7 +6,6 @@ for free; parity with transformers is checked in tests/test_llama_parity.py.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Hashable, Iterable
 
 import torch
@@ -24,7 +23,7 @@ from module.mlp import GatedMLP
 from module.mtp import mtp_layer_class, mtp_parameter_name, num_mtp_layers_of
 from module.norm import RMSNorm
 from module.rotary import RotaryEmbedding
-from module.weights import default_weight_loader
+from module.weights import fused_shards_needed, load_fused_tensor
 
 
 def head_dim_of(config: PretrainedConfig) -> int:
@@ -226,19 +225,8 @@ class LlamaForCausalLM(nn.Module):
         self, checkpoint_name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter]
     ) -> tuple[str, Hashable]:
         """Copy one checkpoint tensor into its parameter; -> (parameter name, which shard it was)."""
-        name, shard_id = checkpoint_name, None
-        for checkpoint_module, (fused_module, fused_shard) in self.packed_modules_mapping.items():
-            if f".{checkpoint_module}." in checkpoint_name:
-                name = checkpoint_name.replace(f".{checkpoint_module}.", f".{fused_module}.")
-                shard_id = fused_shard
-                break
-        param = params.get(name)
-        if param is None:
-            raise WeightLoadError(f"unexpected: {type(self).__name__} has no parameter {name!r}")
-        getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard_id)
-        return name, shard_id
+        return load_fused_tensor(self, checkpoint_name, tensor, params, self.packed_modules_mapping)
 
     def _shards_needed(self, name: str) -> int:
         """How many checkpoint tensors fill parameter `name`: one per part for a fused module."""
-        # name = "<prefix>.<module>.<weight|bias>"
-        return Counter(module for module, _ in self.packed_modules_mapping.values()).get(name.split(".")[-2], 1)
+        return fused_shards_needed(name, self.packed_modules_mapping)
