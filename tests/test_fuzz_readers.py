@@ -45,14 +45,17 @@ config_documents = st.dictionaries(
 
 
 def read_as_file(reader: Callable[[Path], Any], error_type: type[Exception], name: str, data: bytes) -> Any:
-    """`reader(path)` on a file holding `data`; None when it raised its own (one-line) error."""
+    """`reader(path)` on a file holding `data`; None when it raised its own error: one line per problem
+    (a ConfigError with several problems lists them under one heading line)."""
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / name
         path.write_bytes(data)
         try:
             return reader(path)
         except error_type as exc:
-            assert "\n" not in str(exc), "errors are one line"
+            problems = getattr(exc, "problems", [str(exc)])
+            assert all("\n" not in problem for problem in problems), "each problem is one line"
+            assert str(exc).count("\n") == (0 if len(problems) == 1 else len(problems))
             return None
 
 

@@ -147,7 +147,8 @@ def _valid_values(prefix: str, keys_cls: type, values: dict, source: str, proble
         where = f"{prefix}.{key} in {source}"
         if key not in fields:
             hint = _did_you_mean(str(key), fields, f"; docs/configuration.md lists the keys of {prefix}")
-            problems.append(f"unknown key {prefix}.{key} in {source}{hint}")
+            shown = key if isinstance(key, str) and key.isprintable() else repr(key)  # one line, whatever the key
+            problems.append(f"unknown key {prefix}.{shown} in {source}{hint}")
             continue
         try:
             _check_type(value, hints[key], where)
