@@ -145,11 +145,13 @@ def test_compare_prints_each_part_before_and_after_with_its_change(profiled_run,
     assert float(rows["forward"][4].rstrip("%")) == pytest.approx(500 / float(rows["forward"][1]), abs=0.05)
 
 
-@pytest.mark.parametrize("setup", ["missing", "no_steps"])
+@pytest.mark.parametrize("setup", ["missing", "no_steps", "not_step_lines"])
 def test_report_on_a_bad_folder_is_one_line_naming_it(tmp_path, capsys, setup):
     folder = tmp_path / "not-a-run"
-    if setup == "no_steps":
+    if setup != "missing":
         folder.mkdir()
+    if setup == "not_step_lines":
+        (folder / "steps.jsonl").write_text('{"id": "r0", "output_text": "an outputs.jsonl line"}\n')
     assert report.main([str(folder)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and str(folder) in err

@@ -50,6 +50,9 @@ def load_run_folder(path: Path) -> RunFolder:
         raise ReportError(f"{path}: {STEPS_FILE} cannot be read ({exc})") from None
     if not steps:
         raise ReportError(f"{path} is not a run folder with steps: {STEPS_FILE} is missing or empty")
+    for line_no, step in enumerate(steps, start=1):
+        if not isinstance(step.get("step"), int) or not isinstance(step.get("step_time_ms"), (int, float)):
+            raise ReportError(f"{path / STEPS_FILE}:{line_no} is not a step line (no step or step_time_ms)")
     try:
         summary = json.loads((path / SUMMARY_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -61,6 +64,7 @@ def plot_steps(run: RunFolder, png_path: Path) -> None:
     """Step time across the run (its parts stacked where timed; prefill and decode steps marked)
     above batch size and KV cache use (second axis); dashed lines where a resumed part begins."""
     from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state
+    from matplotlib.ticker import MaxNLocator
 
     steps = run.steps
     x = list(range(1, len(steps) + 1))
@@ -73,10 +77,16 @@ def plot_steps(run: RunFolder, png_path: Path) -> None:
     for phase, marker, color in (("prefill", "^", "tab:red"), ("decode", "o", "tab:blue")):
         at = [i for i, s in zip(x, steps, strict=True) if s.get("phase") == phase]
         time_ax.scatter(at, [steps[i - 1]["step_time_ms"] for i in at], marker=marker, s=14, color=color, label=phase)
+    profiled = [i for i, s in zip(x, steps, strict=True) if s.get("profiled")]
+    if profiled:
+        times = [steps[i - 1]["step_time_ms"] for i in profiled]
+        time_ax.scatter(profiled, times, marker="x", s=40, color="black", label="profiled (left out)")
     time_ax.set_ylabel("step time (ms)")
     time_ax.legend(loc="upper right", fontsize="small", ncols=2)
     load_ax.step(x, [s.get("batch_size", 0) for s in steps], where="mid", color="tab:green", label="batch size")
     load_ax.set_ylabel("batch size", color="tab:green")
+    load_ax.set_ylim(bottom=0)
+    load_ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     load_ax.set_xlabel(f"step of the run ({STEPS_FILE} order)")
     kv_ax = load_ax.twinx()
     kv_ax.plot(x, [100 * s.get("kv_usage", 0.0) for s in steps], color="tab:purple")

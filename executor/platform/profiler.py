@@ -44,8 +44,11 @@ class StepProfiler:
         trace_dir = self.trace_root / phase
         trace_dir.mkdir(parents=True, exist_ok=True)
         name = f"{phase}_{index}"
-        session = _npu_session if self.device_type == "npu" else _torch_session
-        with session(self.device_type, trace_dir, name):
+        if self.device_type == "npu":
+            session = _npu_session(trace_dir, name)
+        else:
+            session = _torch_session(self.device_type == "cuda", trace_dir, name)
+        with session:
             yield True
 
     def close(self) -> None:
@@ -65,20 +68,20 @@ class StepProfiler:
 
 
 @contextlib.contextmanager
-def _torch_session(device_type: str, trace_dir: Path, name: str) -> Iterator[None]:
+def _torch_session(on_cuda: bool, trace_dir: Path, name: str) -> Iterator[None]:
     activities = [torch.profiler.ProfilerActivity.CPU]
-    if device_type == "cuda":
+    if on_cuda:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
         yield
     prof.export_chrome_trace(str(trace_dir / f"{name}.pt.trace.json"))
-    sort_by = "self_device_time_total" if device_type == "cuda" else "self_cpu_time_total"
+    sort_by = "self_device_time_total" if on_cuda else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=sort_by, row_limit=TOP_OPS)
     logger.info("top operators of %s (by %s):\n%s", name, sort_by, table)
 
 
 @contextlib.contextmanager
-def _npu_session(device_type: str, trace_dir: Path, name: str) -> Iterator[None]:
+def _npu_session(trace_dir: Path, name: str) -> Iterator[None]:
     """torch_npu.profiler (../shared/npu-api-facts.md, section 5); imported only here, so a CPU or
     CUDA run never needs it and an NPU run without it fails with npu_runtime's message."""
     npu_profiler = npu_runtime.torch_npu().profiler
