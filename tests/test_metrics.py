@@ -5,7 +5,15 @@ import pytest
 from executor.core.engine.kv_cache_sizing import plan_num_blocks
 from executor.core.scheduler import StepRecord
 from executor.core.types_ import FinishReason, Request, SamplingParams
-from executor.utils.metrics import cann_closing_lines, cann_decode_average_ms, percentile, summarize
+from executor.utils.metrics import (
+    breakdown_lines,
+    cann_closing_lines,
+    cann_decode_average_ms,
+    percentile,
+    step_breakdown,
+    summarize,
+    upper_fence,
+)
 
 
 def test_percentile_interpolates():
@@ -76,3 +84,50 @@ def test_cann_closing_lines_are_in_cann_recipes_words():
     lines = cann_closing_lines("m", [9.0, 4.0, 6.0], spec, 2)
     assert lines[1] == "m model average equivalent latency of MTP2 is 2.50 ms"
     assert lines[2:] == ["The speculation accept length: 2.0000", "The speculation accept rate: 0.5000"]
+
+
+def step_line(step: int, phase: str, forward_ms: float, *, part: int = 1, profiled: bool = False) -> dict:
+    parts = {"prepare": 1.0, "h2d": 0.5, "forward": forward_ms, "sample": 0.5, "output": 0.0}
+    return {
+        "part": part,
+        "step": step,
+        "phase": phase,
+        "step_time_ms": sum(parts.values()),
+        "parts_ms": parts,
+        "profiled": profiled,
+    }
+
+
+def test_upper_fence_is_the_third_quartile_plus_one_and_a_half_iqr():
+    assert upper_fence([1.0, 2.0, 3.0, 4.0, 5.0]) == pytest.approx(4.0 + 1.5 * 2.0)
+
+
+def test_breakdown_reports_outliers_and_leaves_them_out_of_the_means_not_the_percentiles():
+    steps = [step_line(i, "decode", forward) for i, forward in enumerate([10.0, 11.0, 12.0, 10.0, 11.0, 200.0], 1)]
+    decode = step_breakdown(steps)["decode"]
+    assert [o["step"] for o in decode["outliers"]] == [6]
+    assert decode["parts"]["forward"]["mean_ms"] == pytest.approx(10.8)
+    assert decode["parts"]["total"]["mean_ms"] == pytest.approx(12.8)
+    assert decode["parts"]["forward"]["p99_ms"] > 190.0  # the outlier still counts in the percentiles
+    assert list(decode["parts"]) == ["prepare", "h2d", "forward", "sample", "output", "total"]
+
+
+def test_breakdown_keeps_prefill_and_decode_apart_and_leaves_profiled_steps_out():
+    steps = [
+        step_line(1, "prefill", 50.0),
+        step_line(2, "decode", 10.0),
+        step_line(3, "decode", 90.0, profiled=True),
+        step_line(1, "decode", 12.0, part=2),
+    ]
+    breakdown = step_breakdown(steps)
+    assert breakdown["prefill"]["steps"] == 1 and breakdown["prefill"]["parts"]["forward"]["mean_ms"] == 50.0
+    assert breakdown["decode"]["steps"] == 3 and breakdown["decode"]["parts"]["forward"]["mean_ms"] == 11.0
+    assert breakdown["decode"]["profiled"] == [{"part": 1, "step": 3, "step_time_ms": 92.0}]
+    assert breakdown["decode"]["parts"]["forward"]["p99_ms"] < 90.0
+
+
+def test_breakdown_of_steps_timed_without_parts_has_the_total_only():
+    steps = [{"step": 1, "phase": "decode", "step_time_ms": 5.0, "parts_ms": None}]
+    assert list(step_breakdown(steps)["decode"]["parts"]) == ["total"]
+    lines = breakdown_lines(step_breakdown(steps))
+    assert lines[0].startswith("decode: 1 steps, 0 outlier(s)") and "total" in lines[-1]

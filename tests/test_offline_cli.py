@@ -89,7 +89,7 @@ def test_run_writes_every_result_file(tmp_path, tiny_llama_dir, capsys):
 
 def test_enable_profiler_writes_a_trace(tmp_path, tiny_llama_dir):
     assert run_cli(tmp_path, tiny_llama_dir, '{"prompt": "w3 w4"}\n', "model_config.enable_profiler=true") == 0
-    trace = json.loads((tmp_path / "out" / "profile" / "trace.json").read_text())
+    trace = json.loads((tmp_path / "out" / "prof" / "prefill" / "prefill_0.pt.trace.json").read_text())
     assert trace["traceEvents"]
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import time
@@ -20,8 +19,8 @@ from executor.core.scheduler import Scheduler, SchedulerLimits, StepRecord
 from executor.core.types_ import Request, SamplingParams
 from executor.offline.dataset import DatasetError, PromptRecord, tokenize_record
 from executor.offline.results import ResultWriter, request_result
-from executor.platform.profiler import profile_run
-from executor.utils.metrics import cann_closing_lines, summarize
+from executor.platform.profiler import StepProfiler
+from executor.utils.metrics import breakdown_lines, cann_closing_lines, step_breakdown, summarize
 from executor.utils.model_registry import model_folder, resolve_model
 
 logger = logging.getLogger(__name__)
@@ -47,6 +46,7 @@ class OfflineInference:
             SchedulerLimits(sched.batch_size, config.prefill_token_budget, self.engine.max_model_len),
             self.engine.kv_cache_manager,
             self.engine.eos_token_ids,
+            timer=self.engine.step_timer,
         )
         data = config.data_config
         self.default_sampling_params = SamplingParams(
@@ -87,21 +87,16 @@ class OfflineInference:
                 writer.write_request(result)
             progress.update(1)
 
-        profiling = self.config.model_config.enable_profiler and writer is not None
-        profiler = (
-            profile_run(self.engine.platform.device_type, writer.output_dir / "profile")
-            if profiling
-            else contextlib.nullcontext()
-        )
+        profiler = self._make_profiler(writer)
         start_s = time.perf_counter()
-        with logging_redirect_tqdm(), tqdm(total=len(requests), unit="req", desc="requests") as progress, profiler:
+        with logging_redirect_tqdm(), tqdm(total=len(requests), unit="req", desc="requests") as progress:
             for request in requests:
                 if request.is_finished:
                     finish(request)
                 else:
                     self.scheduler.add_request(request)
             while self.scheduler.has_work() and not should_stop():
-                output = self.scheduler.run_step(self.engine)
+                output = self.scheduler.run_step(self.engine, profiler)
                 if output.record is not None:
                     steps.append(output.record)
                     if writer is not None:
@@ -109,10 +104,14 @@ class OfflineInference:
                 for request in output.finished:
                     finish(request)
         summary = summarize(requests, steps, start_s, time.perf_counter())
-        decode_times_ms = [step.step_time_ms for step in steps if step.phase == "decode"]
+        decode_times_ms = [step.step_time_ms for step in steps if step.phase == "decode" and not step.profiled]
         model_name = self.config.model_config.model_name or model_folder("")
         for line in cann_closing_lines(model_name, decode_times_ms, summary, self.config.speculation[1]):
             logger.info(line)
+        for line in breakdown_lines(step_breakdown([dataclasses.asdict(step) for step in steps])):
+            logger.info(line)
+        if profiler is not None:
+            profiler.close()
         summary |= self.scheduler.cache_stats() | {
             "device": str(self.engine.platform.device),
             "dtype": self.config.model_config.dtype,
@@ -123,6 +122,18 @@ class OfflineInference:
         if writer is not None:
             writer.write_summary(summary)
         return RunResult(requests, [results[r.request_id] for r in requests if r.request_id in results], steps, summary)
+
+    def _make_profiler(self, writer: ResultWriter | None) -> StepProfiler | None:
+        """With model_config.enable_profiler, the steps it chooses are profiled into <output>/prof."""
+        model_config = self.config.model_config
+        if not model_config.enable_profiler or writer is None:
+            return None
+        return StepProfiler(
+            self.engine.platform.device_type,
+            writer.output_dir / "prof",
+            model_config.profile_prefill_steps,
+            model_config.profile_decode_steps,
+        )
 
     def _make_request(self, record: PromptRecord) -> Request:
         """A request with the run's sampling parameters and the line's overrides; a record that

@@ -34,6 +34,9 @@ OUTPUT_NEUTRAL_KEYS = frozenset(
     {
         "model_config.output_path",
         "model_config.enable_profiler",
+        "model_config.profile_prefill_steps",
+        "model_config.profile_decode_steps",
+        "model_config.step_breakdown",
         "model_config.enable_cache_compile",
         "model_config.enable_static_kernel",
         "model_config.enable_dynamic_graph",

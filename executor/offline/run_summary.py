@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from executor.utils.metrics import speculation_stats, step_stats
+from executor.utils.metrics import speculation_stats, step_breakdown, step_stats
 
 
 def run_summary(
@@ -35,6 +35,7 @@ def run_summary(
         "total_s": total_s,
         "prefill": step_stats([s["step_time_ms"] for s in step_lines if s.get("phase") == "prefill"]),
         "decode": step_stats([s["step_time_ms"] for s in step_lines if s.get("phase") == "decode"]),
+        "step_breakdown": step_breakdown(step_lines),
         "ttft_mean_ms": _weighted_mean(timed, "ttft_mean_ms"),
         "tpot_mean_ms": _weighted_mean(timed, "tpot_mean_ms"),
         "output_tokens_per_s": part_output_tokens / total_s if total_s > 0 else 0.0,

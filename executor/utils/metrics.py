@@ -1,4 +1,4 @@
-"""The run summary: token counts, step-time percentiles, TTFT, TPOT and throughput."""
+"""The run summary: token counts, step-time percentiles and their breakdown, TTFT, TPOT and throughput."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 
 from executor.core.scheduler import StepRecord
 from executor.core.types_ import FinishReason, Request
+from executor.utils.step_timer import PARTS
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -82,15 +83,75 @@ def speculation_stats(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     }
 
 
+def upper_fence(times: Sequence[float]) -> float:
+    """cann-recipes' outlier rule: a step slower than Q3 + 1.5 x IQR is an outlier."""
+    q1, q3 = percentile(times, 25), percentile(times, 75)
+    return q3 + 1.5 * (q3 - q1)
+
+
 def cann_decode_average_ms(decode_times_ms: Sequence[float]) -> float:
     """cann-recipes' closing decode average: the first decode step (still warming up) left out,
-    then the steps slower than Q3 + 1.5 x IQR, and the mean of the rest; one step is its own."""
+    then the outliers (upper_fence), and the mean of the rest; one step is its own."""
     if len(decode_times_ms) <= 1:
         return decode_times_ms[0] if decode_times_ms else 0.0
     times = decode_times_ms[1:]
-    q1, q3 = percentile(times, 25), percentile(times, 75)
-    kept = [t for t in times if t <= q3 + 1.5 * (q3 - q1)]
-    return statistics.fmean(kept)
+    fence = upper_fence(times)
+    return statistics.fmean([t for t in times if t <= fence])
+
+
+def step_breakdown(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Per phase (steps.jsonl lines): mean, p50 and p99 of the step time and of each of its parts.
+    Profiled steps are left out (the profiler slows them); of the rest, the outliers (upper_fence
+    on the step time) are listed and left out of the means, not of the percentiles."""
+    phases = {phase: [s for s in steps if s.get("phase") == phase] for phase in ("prefill", "decode")}
+    return {phase: _phase_breakdown(of_phase) for phase, of_phase in phases.items() if of_phase}
+
+
+def _phase_breakdown(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    timed = [s for s in steps if not s.get("profiled")]
+    fence = upper_fence([s["step_time_ms"] for s in timed]) if timed else 0.0
+    kept = [s for s in timed if s["step_time_ms"] <= fence]
+    names = [part for part in PARTS if _part_times(timed, part)] + ["total"]
+    parts = {
+        name: {
+            "mean_ms": statistics.fmean(_part_times(kept, name)) if _part_times(kept, name) else 0.0,
+            "p50_ms": percentile(_part_times(timed, name), 50),
+            "p99_ms": percentile(_part_times(timed, name), 99),
+        }
+        for name in names
+    }
+    return {
+        "steps": len(steps),
+        "upper_fence_ms": fence,
+        "outliers": [_step_id(s) for s in timed if s["step_time_ms"] > fence],
+        "profiled": [_step_id(s) for s in steps if s.get("profiled")],
+        "parts": parts,
+    }
+
+
+def _part_times(steps: Sequence[Mapping[str, Any]], name: str) -> list[float]:
+    """The times of one part ("total": the whole step) over the steps that timed it."""
+    if name == "total":
+        return [s["step_time_ms"] for s in steps]
+    return [s["parts_ms"][name] for s in steps if name in (s.get("parts_ms") or {})]
+
+
+def _step_id(step: Mapping[str, Any]) -> dict[str, Any]:
+    return {"part": step.get("part", 1), "step": step["step"], "step_time_ms": step["step_time_ms"]}
+
+
+def breakdown_lines(breakdown: Mapping[str, Any]) -> list[str]:
+    """step_breakdown() as a table per phase, for the log and the report command."""
+    lines = []
+    for phase, stats in breakdown.items():
+        left_out = f"{len(stats['outliers'])} outlier(s) above {stats['upper_fence_ms']:.2f} ms left out of the means"
+        if stats["profiled"]:
+            left_out += f", {len(stats['profiled'])} profiled step(s) left out"
+        lines.append(f"{phase}: {stats['steps']} steps, {left_out}")
+        lines.append(f"  {'part':10s} {'mean ms':>10s} {'p50 ms':>10s} {'p99 ms':>10s}")
+        for part, times in stats["parts"].items():
+            lines.append(f"  {part:10s} {times['mean_ms']:10.3f} {times['p50_ms']:10.3f} {times['p99_ms']:10.3f}")
+    return lines
 
 
 def cann_closing_lines(

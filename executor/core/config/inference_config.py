@@ -211,6 +211,10 @@ def _type_name(expected: Any) -> str:
 def _check_rule(value: Any, metadata: typing.Mapping[str, Any], where: str) -> None:
     if value is None:  # an optional key left off: ranges apply to values only
         return
+    if isinstance(value, list):  # a list's rule holds for each of its items
+        for item in value:
+            _check_rule(item, metadata, where)
+        return
     if isinstance(value, float) and value != value:
         raise ConfigError(f"{where} must be a number, got .nan")
     if isinstance(value, float) and not math.isfinite(value):

@@ -90,7 +90,22 @@ class ModelConfig:
         "are not the model's",
         help="MoE: route tokens to experts round-robin",
     )
-    enable_profiler: bool = rule(False, help="write a torch profiler trace of the run next to the outputs")
+    enable_profiler: bool = rule(
+        False,
+        help="profile the steps profile_prefill_steps / profile_decode_steps choose: a trace each under "
+        "<output>/prof/prefill and prof/decode, the top operators in the log (docs/profiling.md)",
+    )
+    profile_prefill_steps: list[int] = rule(
+        default_factory=lambda: [0], min=0, help="ours: with enable_profiler, which prefill steps (from 0) to profile"
+    )
+    profile_decode_steps: list[int] = rule(
+        default_factory=lambda: [5], min=0, help="ours: with enable_profiler, which decode steps (from 0) to profile"
+    )
+    step_breakdown: bool | None = rule(
+        None,
+        help="ours: time each step's parts (prepare, h2d, forward, sample, propose, output); null = where it is free "
+        "(CPU); on CUDA/NPU it waits for the device at each part",
+    )
     enable_weight_nz: bool = not_applicable(
         True, "an NPU weight layout (FRACTAL_NZ); weights stay ND here", help="store weights in NZ format"
     )

@@ -32,6 +32,7 @@ from executor.platform import create_platform, resolve_dtype
 from executor.platform.compile_cache import CompileCache
 from executor.platform.graph_compilers import make_graph_compiler
 from executor.utils.graph_buckets import resolve_buckets
+from executor.utils.step_timer import StepTimer
 from ops.attention_metadata import to_device
 
 logger = logging.getLogger(__name__)
@@ -48,8 +49,13 @@ class ExecutionEngine:
         self.metadata_builder = op_table.metadata_builder(self.platform.device)
         self.host_metadata_builder = op_table.metadata_builder(torch.device("cpu"))  # graph steps stage here
         self.dtype = resolve_dtype(config.model_config.dtype)
+        self.step_timer = self._make_step_timer()
         self.worker = ModelWorker(
-            self.platform, self.dtype, config.model_config.with_ckpt, seed=config.data_config.seed
+            self.platform,
+            self.dtype,
+            config.model_config.with_ckpt,
+            seed=config.data_config.seed,
+            step_timer=self.step_timer,
         )
         self.sampler = Sampler(config.data_config.seed, self.platform.device)
         self.tokenizer: Any = None
@@ -60,6 +66,16 @@ class ExecutionEngine:
         self.eos_token_ids: set[int] = set()
         self.proposer: Proposer | None = None
         logger.info("platform %s, dtype %s", self.platform.device, config.model_config.dtype)
+
+    def _make_step_timer(self) -> StepTimer:
+        """The timer the scheduler shares: with model_config.step_breakdown (null: on where it is free,
+        the CPU), each part of a step is timed, waiting for an asynchronous device at each mark."""
+        asynchronous = self.platform.device_type != "cpu"
+        breakdown = self.config.model_config.step_breakdown
+        return StepTimer(
+            breakdown=not asynchronous if breakdown is None else breakdown,
+            synchronize=self.platform.synchronize if asynchronous else None,
+        )
 
     def init(self, model_cls: type[torch.nn.Module], config_cls: Any, model_path: str) -> None:
         hf_config = load_hf_config(config_cls, model_path, self.config.model_config.custom_params)
@@ -197,6 +213,7 @@ class ExecutionEngine:
             num_cache_groups=len(self.worker.kv_cache_groups),
             max_blocks_per_request=self.max_blocks_per_request,
             pin_host_buffers=self.platform.device_type != "cpu",
+            step_timer=self.step_timer,
         )
 
     def _measure_graph_memory(self) -> int:
@@ -240,8 +257,11 @@ class ExecutionEngine:
             block_size=self.config.scheduler_config.block_size,
             max_blocks_per_request=self.max_blocks_per_request,
         )
-        hidden_states, all_logits = self.worker.execute(layout, self.metadata_builder)
+        timer = self.step_timer
+        timer.mark("prepare")
+        hidden_states, all_logits = self.worker.execute(layout, self.metadata_builder)  # marks h2d
         if not layout.logits_indices:
+            timer.mark("forward")
             return [[] for _ in sequences]
         logits_indices = to_device(layout.logits_indices, torch.int64, self.platform.device)
         logits = (
@@ -249,6 +269,7 @@ class ExecutionEngine:
             if all_logits is not None
             else self.worker.compute_logits(hidden_states, logits_indices)
         )
+        timer.mark("forward")
         requests_per_row = [
             request for request, seq in zip(batch.requests, sequences, strict=True) for _ in range(seq.num_sampled_rows)
         ]
@@ -262,8 +283,10 @@ class ExecutionEngine:
                 rows = self._verify(batch.requests[index], drafts, rows, logits[row : row + seq.num_sampled_rows])
             new_token_ids.append(rows)
             row += seq.num_sampled_rows
+        timer.mark("sample")
         if self.proposer is not None:
             self._propose(batch, sequences, new_token_ids, hidden_states, layout)
+            timer.mark("propose")
         return new_token_ids
 
     def _verify(self, request: Request, drafts: list[int], row_token_ids: list[int], logits: torch.Tensor) -> list[int]:

@@ -19,6 +19,7 @@ import torch
 from executor.core.types_.model_inputs import ModelInputs, StepLayout
 from executor.platform.graph_compilers import GraphCallable, GraphCompiler, GraphOutput
 from executor.utils.graph_buckets import pick_bucket
+from executor.utils.step_timer import StepTimer
 from executor.utils.tensor_tree import map_tensors, same_structure, tensor_leaves
 from ops.attention_metadata import AttentionMetadataBuilder, build_model_inputs
 
@@ -79,8 +80,10 @@ class GraphRunner:
         num_cache_groups: int,
         max_blocks_per_request: int,
         pin_host_buffers: bool,
+        step_timer: StepTimer | None = None,
     ) -> None:
         self.step = DecodeStep(model)
+        self.step_timer = step_timer if step_timer is not None else StepTimer()  # marks the end of h2d
         self.compiler = compiler
         self.buckets = sorted(buckets)
         self.device_builder = device_builder
@@ -139,6 +142,7 @@ class GraphRunner:
             copy_step(graph.staging, fresh)
             fresh = graph.staging
         copy_step(graph.buffers, fresh)
+        self.step_timer.mark("h2d")
         self.steps_per_bucket[bucket] += 1
         return graph.run(graph.buffers)
 

@@ -15,6 +15,7 @@ from executor.core.types_.kv_cache_spec import KVCacheSpec
 from executor.core.types_.model_inputs import ModelInputs, StepLayout
 from executor.model_loader import get_model_loader
 from executor.platform import Platform
+from executor.utils.step_timer import StepTimer
 from module.attention import KVCacheLayer
 from ops.attention_metadata import AttentionMetadataBuilder, build_model_inputs
 
@@ -48,11 +49,14 @@ def group_kv_cache_layers(layers: dict[str, KVCacheLayer]) -> list[KVCacheGroup]
 
 
 class ModelWorker:
-    def __init__(self, platform: Platform, dtype: torch.dtype, with_ckpt: bool, seed: int) -> None:
+    def __init__(
+        self, platform: Platform, dtype: torch.dtype, with_ckpt: bool, seed: int, step_timer: StepTimer | None = None
+    ) -> None:
         self.platform = platform
         self.dtype = dtype
         self.with_ckpt = with_ckpt
         self.seed = seed
+        self.step_timer = step_timer if step_timer is not None else StepTimer()  # marks the end of h2d
         self.model: torch.nn.Module | None = None
         self.kv_cache_layers: dict[str, KVCacheLayer] = {}
         self.kv_cache_groups: list[KVCacheGroup] = []
@@ -108,7 +112,9 @@ class ModelWorker:
             output = self.graph_runner.forward(layout)
             if output is not None:
                 return output
-        return self.forward(build_model_inputs(layout, builder)), None
+        inputs = build_model_inputs(layout, builder)
+        self.step_timer.mark("h2d")
+        return self.forward(inputs), None
 
     @torch.inference_mode()
     def forward(self, inputs: ModelInputs) -> torch.Tensor:

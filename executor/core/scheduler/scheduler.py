@@ -20,11 +20,13 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Protocol
 
 from executor.core.kv_cache import KVCacheManager
 from executor.core.types_ import Batch, FinishReason, Request, RequestStatus
+from executor.utils.step_timer import StepTimer
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +34,12 @@ logger = logging.getLogger(__name__)
 class BatchRunner(Protocol):
     def forward_batch(self, batch: Batch) -> list[list[int]]:
         """The new token ids of each request of the batch (zero or more each)."""
+        ...
+
+
+class PhaseProfiler(Protocol):
+    def profile(self, phase: str) -> AbstractContextManager[bool]:
+        """Wraps one step of `phase` ("prefill" | "decode"); yields whether it is being profiled."""
         ...
 
 
@@ -57,6 +65,8 @@ class StepRecord:
     num_draft_tokens: int = 0  # speculative decoding: drafts verified this step
     num_accepted_tokens: int = 0  # of them, accepted
     num_verified_requests: int = 0  # requests that verified drafts this step
+    parts_ms: dict[str, float] | None = None  # step_time_ms split into step_timer.PARTS; None: breakdown off
+    profiled: bool = False  # ran under the profiler, so its times are not the run's
 
     def log_line(self) -> str:
         line = (
@@ -69,6 +79,8 @@ class StepRecord:
                 f" | accepted {self.num_accepted_tokens}/{self.num_draft_tokens} drafts, accept length "
                 f"{1 + self.num_accepted_tokens / self.num_verified_requests:.2f}"
             )
+        if self.parts_ms:
+            line += " | " + " ".join(f"{part} {ms:.2f}" for part, ms in self.parts_ms.items()) + " ms"
         return line
 
     def cann_log_line(self) -> str:
@@ -89,11 +101,13 @@ class Scheduler:
         kv_cache_manager: KVCacheManager,
         eos_token_ids: set[int],
         clock: Callable[[], float] = time.perf_counter,
+        timer: StepTimer | None = None,
     ) -> None:
         self.limits = limits
         self.kv_cache_manager = kv_cache_manager
         self.eos_token_ids = eos_token_ids
         self.clock = clock
+        self.timer = timer if timer is not None else StepTimer(clock)  # the engine marks the same one
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admitted requests (they hold blocks), oldest first
         self.num_preemptions = 0
@@ -115,22 +129,25 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._newly_failed)
 
-    def run_step(self, engine: BatchRunner) -> StepOutput:
-        """Schedule one batch, run it, and advance the requests' states."""
+    def run_step(self, engine: BatchRunner, profiler: PhaseProfiler | None = None) -> StepOutput:
+        """Schedule one batch, run it (under `profiler` if given), and advance the requests' states.
+        The step's time runs from scheduling to the requests' update (parts: StepTimer)."""
         finished, self._newly_failed = self._newly_failed, []
+        self.timer.start()
         batch = self._schedule_prefill_batch() or self._schedule_decode_batch()
         if batch is None:
             if finished:
                 return StepOutput(record=None, finished=finished)
             raise RuntimeError("scheduler stalled: requests wait but none can be scheduled")
-        start_s = self.clock()
-        new_token_ids = engine.forward_batch(batch)
-        step_time_ms = (self.clock() - start_s) * 1e3
+        phase = "prefill" if batch.is_prefill else "decode"
+        with profiler.profile(phase) if profiler is not None else nullcontext(False) as profiled:
+            new_token_ids = engine.forward_batch(batch)
         finished.extend(self._update_from_output(batch, new_token_ids))
+        step_time_ms, parts_ms = self.timer.stop("output")
         self._step += 1
         record = StepRecord(
             step=self._step,
-            phase="prefill" if batch.is_prefill else "decode",
+            phase=phase,
             batch_size=batch.size,
             num_tokens=batch.total_tokens,
             step_time_ms=step_time_ms,
@@ -140,6 +157,8 @@ class Scheduler:
             evictions=self.kv_cache_manager.block_pool.num_evictions,
             preemptions=self.num_preemptions,
             **_speculation_counts(batch, new_token_ids),
+            parts_ms=parts_ms,
+            profiled=profiled,
         )
         self.kv_blocks_peak = max(self.kv_blocks_peak, record.kv_blocks_used)
         logger.info(record.log_line())
