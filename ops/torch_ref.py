@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from ops import cpu_kernels
 from ops.attention_metadata import TorchAttentionMetadata
 
 
@@ -99,7 +100,26 @@ def paged_decode_attention(
     length (and before its window, when `sliding_window` > 0) gather its last written slot instead
     and are masked off: unwritten slots may hold anything (NaN included) and are never read.
     With `sinks` [H], each head's softmax denominator has one more term (see _append_sink).
+
+    On the CPU a C++ kernel (ops/cpu_kernels.py) computes the same without the gathered copy,
+    reading each request's slots in place; the body below is the definition and the other devices' path.
     """
+    if query.device.type == "cpu" and (kernel := cpu_kernels.paged_decode_attention()) is not None:
+        return kernel(query, key_cache, value_cache, block_table, seq_lens, scale, sliding_window, sinks)
+    return gathered_decode_attention(query, key_cache, value_cache, block_table, seq_lens, scale, sliding_window, sinks)
+
+
+def gathered_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """paged_decode_attention in torch ops: every request's K/V gathered up to the step's longest."""
     batch_size = query.shape[0]
     block_size, num_kv_heads, head_dim = key_cache.shape[1:]
     max_len = _gathered_length(seq_lens, block_table.shape[1] * block_size)

@@ -47,7 +47,7 @@ class ExecutionEngine:
         op_table = ops.set_backend(self.platform.ops_backend, config.model_config.exe_mode)
         self.metadata_builder = op_table.metadata_builder(self.platform.device)
         self.host_metadata_builder = op_table.metadata_builder(torch.device("cpu"))  # graph steps stage here
-        self.dtype = resolve_dtype(config.model_config.dtype)
+        self.dtype = resolve_dtype(config.model_config.dtype, self.platform.device_type)
         self.worker = ModelWorker(
             self.platform, self.dtype, config.model_config.with_ckpt, seed=config.data_config.seed
         )
@@ -59,7 +59,7 @@ class ExecutionEngine:
         self.vocab_size = 0
         self.eos_token_ids: set[int] = set()
         self.proposer: Proposer | None = None
-        logger.info("platform %s, dtype %s", self.platform.device, config.model_config.dtype)
+        logger.info("platform %s, dtype %s (%s)", self.platform.device, config.model_config.dtype, self.dtype)
 
     def init(self, model_cls: type[torch.nn.Module], config_cls: Any, model_path: str) -> None:
         hf_config = load_hf_config(config_cls, model_path, self.config.model_config.custom_params)
