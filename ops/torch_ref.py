@@ -188,6 +188,16 @@ def _prefill_mask(
     return mask
 
 
+def _sdpa_per_request(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **options) -> torch.Tensor:
+    """SDPA of one request's [H, L, D] tensors, run as a batch of one: the CPU's flash kernel takes
+    4-D inputs only, and 3-D ones fall to the math path (a materialised mask, the full score matrix
+    and a NaN-safe softmax), which made a prefill step several times slower here."""
+    mask = options.pop("attn_mask", None)
+    return F.scaled_dot_product_attention(
+        query[None], key[None], value[None], attn_mask=None if mask is None else mask[None], **options
+    )[0]
+
+
 def paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -260,7 +270,7 @@ def _paged_attention(
             if mask is None:  # top-left causal, q_len == kv_len
                 mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril()
             key, value, mask = _append_sink(key, value, mask[None], sinks)
-        out = F.scaled_dot_product_attention(
+        out = _sdpa_per_request(
             request_query, key, value, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
         )
         outputs.append(out.transpose(0, 1))
@@ -313,7 +323,7 @@ def mla_attention_naive(
         key = torch.cat((k_nope, k_pe[:, None].expand(-1, num_heads, -1)), dim=-1)
         q_len = query_end - query_start
         mask = _prefill_mask(q_len, kv_len, 0, None, query.device)
-        out = F.scaled_dot_product_attention(
+        out = _sdpa_per_request(
             query[query_start:query_end].transpose(0, 1),
             key.transpose(0, 1),
             value.transpose(0, 1),
