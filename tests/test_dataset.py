@@ -377,3 +377,15 @@ def test_repeat_to_count_cycles_the_records_with_unique_ids_or_cuts_them():
     assert [r.id for r in repeat_to_count(records, 5)] == ["a", "b", "a#1", "b#1", "a#2"]
     assert [r.prompt for r in repeat_to_count(records, 3)] == ["x", "y", "x"]
     assert [r.id for r in repeat_to_count(records, 1)] == ["a"]
+
+
+def test_chat64_is_the_throughput_workload_of_64_chat_prompts_of_20_to_220_tokens(smollm2_dir):
+    """benchmarks/bench_vs_transformers.py --dataset chat64: the workload of the speed goals."""
+    from transformers import AutoTokenizer
+
+    records = load_prompts(DATASET_DIR / "chat64.jsonl")
+    assert len(records) == 64 and len({record.id for record in records}) == 64
+    assert all(record.error is None and record.prompt_token_ids is None for record in records)
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    lengths = [len(tokenize_record(record, tokenizer, apply_chat_template=True)) for record in records]
+    assert 20 <= min(lengths) and max(lengths) <= 220

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import shutil
 
 import pytest
 import torch
@@ -225,11 +226,33 @@ def test_decode_attention_reads_only_up_to_the_longest_sequence_not_the_table_wi
     seq_lens = torch.tensor([6, 3])
     args = (query, key_cache, key_cache)
     with torch.profiler.profile(record_shapes=True) as prof:
-        out_wide = ops.torch_ref.paged_decode_attention(*args, wide, seq_lens, 0.3, 0)
-    out_narrow = ops.torch_ref.paged_decode_attention(*args, narrow, seq_lens, 0.3, 0)
+        out_wide = ops.torch_ref.gathered_decode_attention(*args, wide, seq_lens, 0.3, 0)
+    out_narrow = ops.torch_ref.gathered_decode_attention(*args, narrow, seq_lens, 0.3, 0)
     torch.testing.assert_close(out_wide, out_narrow)
     index_shapes = [e.input_shapes[2] for e in prof.events() if e.name == "aten::index_select"]
     assert index_shapes == [[2 * 6], [2 * 6]]  # K and V: 2 requests x the longest sequence (6), not x 503 blocks
+
+
+@pytest.mark.skipif(
+    shutil.which("c++") is None or shutil.which("ninja") is None, reason="the CPU kernel builds with c++ and ninja"
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sliding_window, with_sinks", [(0, False), (5, False), (0, True), (5, True)])
+def test_cpu_decode_kernel_matches_the_gathered_reference(dtype, sliding_window, with_sinks):
+    """The C++ kernel reads the cache in place; it must agree with the torch definition, whatever
+    the table width, the window, the sinks and the storage dtype (fp32 accumulation in both)."""
+    kernel = ops.cpu_kernels.paged_decode_attention()
+    assert kernel is not None, "the kernel must build where a compiler is present"
+    key_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
+    value_cache = torch.randn_like(key_cache)
+    query = torch.randn(3, NUM_HEADS, HEAD_DIM, dtype=dtype)
+    block_table = torch.tensor([[4, 9, 2, 0, 0], [7, 0, 0, 0, 0], [11, 3, 5, 8, 0]], dtype=torch.int32)
+    seq_lens = torch.tensor([10, 1, 15])
+    sinks = torch.tensor([-1.0, 0.0, 0.5, 3.0], dtype=dtype) if with_sinks else None
+    args = (query, key_cache, value_cache, block_table, seq_lens, 0.35, sliding_window, sinks)
+    expected = ops.torch_ref.gathered_decode_attention(*args)
+    tolerance = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {}
+    torch.testing.assert_close(kernel(*args), expected, **tolerance)
 
 
 def test_unknown_backend_or_exe_mode_is_rejected():

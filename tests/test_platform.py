@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from executor.platform import create_platform, detect_device_type, npu_runtime, resolve_dtype
+from executor.platform import platform as platform_module
 from executor.platform.npu_runtime import NpuUnavailableError
+from executor.platform.platform import cpu_has_fast_bf16
 
 
 @pytest.fixture
@@ -80,6 +82,25 @@ def test_dtype_names():
     assert resolve_dtype("bfloat16") is torch.bfloat16
     with pytest.raises(ValueError, match="dtype must be one of"):
         resolve_dtype("fp8")
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [("fpu avx2 fma", False), ("fpu avx2 avx512f avx512_bf16", True), ("fpu avx512f amx_tile amx_bf16", True)],
+)
+def test_cpu_has_fast_bf16_reads_the_bf16_matrix_flags(tmp_path, flags, expected):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+    assert cpu_has_fast_bf16(cpuinfo) is expected
+
+
+def test_auto_dtype_is_bf16_on_accelerators_and_follows_the_cpu_flags_on_the_cpu(monkeypatch):
+    assert resolve_dtype("auto", "cuda") is torch.bfloat16
+    assert resolve_dtype("auto", "npu") is torch.bfloat16
+    monkeypatch.setattr(platform_module, "cpu_has_fast_bf16", lambda: False)
+    assert resolve_dtype("auto", "cpu") is torch.float32
+    monkeypatch.setattr(platform_module, "cpu_has_fast_bf16", lambda: True)
+    assert resolve_dtype("auto", "cpu") is torch.bfloat16
 
 
 def test_nothing_outside_the_platform_imports_torch_npu():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -10,6 +11,9 @@ from executor.platform import npu_runtime
 
 DEVICE_TYPES = ("auto", "cpu", "cuda", "npu")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# CPU flags of a bf16 matrix multiply faster than fp32's; without them (AVX2 only, say) torch's
+# bf16 GEMMs fall back to a path about 100x slower than fp32 (docs/benchmarks.md).
+FAST_BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,8 +78,21 @@ def create_platform(requested: str = "auto", local_rank: int = 0) -> Platform:
     return Platform("cpu", torch.device("cpu"), ops_backend="torch")
 
 
-def resolve_dtype(name: str) -> torch.dtype:
+def resolve_dtype(name: str, device_type: str = "cpu") -> torch.dtype:
+    """`model_config.dtype` as a torch dtype; "auto" is bf16 where `device_type` multiplies bf16
+    fast (CUDA, NPU, a CPU with AMX or AVX-512 BF16) and fp32 elsewhere."""
+    if name == "auto":
+        return torch.bfloat16 if device_type != "cpu" or cpu_has_fast_bf16() else torch.float32
     try:
         return DTYPES[name]
     except KeyError:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}") from None
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {name!r}") from None
+
+
+def cpu_has_fast_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether this CPU has bf16 matrix instructions (Linux's flags; False where they cannot be read)."""
+    try:
+        flags = set(cpuinfo.read_text().split())
+    except OSError:
+        return False
+    return any(flag in flags for flag in FAST_BF16_CPU_FLAGS)

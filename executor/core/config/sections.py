@@ -61,7 +61,11 @@ class ModelConfig:
     )
     model_path: str = rule("", help="HF model folder; empty = the default model's checkpoint in $INFER_RECIPES_HOME")
     output_path: str = rule("", help="where results go; empty = models/<folder>/res/<timestamp>_<yaml-stem>/")
-    dtype: str = rule("bfloat16", choices=("float32", "bfloat16", "float16"), help="weights, activations and KV cache")
+    dtype: str = rule(
+        "bfloat16",
+        choices=("float32", "bfloat16", "float16", "auto"),
+        help="weights, activations and KV cache; auto: bfloat16 where the device multiplies it fast, else float32",
+    )
     with_ckpt: bool = rule(True, help="false: seeded random weights (DummyModelLoader)")
     next_n: int = rule(0, min=0, help="MTP draft tokens per step (speculative_config method mtp); 0 = off")
     platform_version: str = not_applicable(

@@ -48,7 +48,7 @@ class ExecutionEngine:
         op_table = ops.set_backend(self.platform.ops_backend, config.model_config.exe_mode)
         self.metadata_builder = op_table.metadata_builder(self.platform.device)
         self.host_metadata_builder = op_table.metadata_builder(torch.device("cpu"))  # graph steps stage here
-        self.dtype = resolve_dtype(config.model_config.dtype)
+        self.dtype = resolve_dtype(config.model_config.dtype, self.platform.device_type)
         self.step_timer = self._make_step_timer()
         self.worker = ModelWorker(
             self.platform,
@@ -65,7 +65,7 @@ class ExecutionEngine:
         self.vocab_size = 0
         self.eos_token_ids: set[int] = set()
         self.proposer: Proposer | None = None
-        logger.info("platform %s, dtype %s", self.platform.device, config.model_config.dtype)
+        logger.info("platform %s, dtype %s (%s)", self.platform.device, config.model_config.dtype, self.dtype)
 
     def _make_step_timer(self) -> StepTimer:
         """The timer the scheduler shares: with model_config.step_breakdown (null: on where it is free,

@@ -1,6 +1,7 @@
 """Packing one step's requests into flat TND inputs as host lists (StepLayout).
 
-Everything is built on the host as Python lists and copied to the device once per tensor
+Everything is built on the host as Python lists, with no loop per token (ranges per request and
+per block), and copied to the device once per tensor
 (ops.attention_metadata.build_model_inputs), so the hot loop makes no device round-trips; the ops
 backend's builder decides which tensors exist.
 """
@@ -48,10 +49,17 @@ def build_step_layout(
         for group, block_ids in enumerate(seq.block_ids):
             assert len(block_ids) * block_size >= end, "sequence has too few blocks for its tokens"
             layout.block_ids[group].append(block_ids)
-            layout.slot_mappings[group].extend(
-                block_ids[pos // block_size] * block_size + pos % block_size for pos in range(start, end)
-            )
+            layout.slot_mappings[group].extend(_slots(block_ids, start, end, block_size))
         layout.query_ends.append(len(layout.input_ids))
         layout.seq_lens.append(end)
         layout.logits_indices.extend(range(len(layout.input_ids) - seq.num_sampled_rows, len(layout.input_ids)))
     return layout
+
+
+def _slots(block_ids: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """Cache slots of positions [start, end): one range per block touched, no loop per token."""
+    slots: list[int] = []
+    for index in range(start // block_size, -(-end // block_size)):
+        base, block_start = block_ids[index] * block_size, index * block_size
+        slots.extend(range(base + max(start - block_start, 0), base + min(end - block_start, block_size)))
+    return slots
