@@ -39,4 +39,4 @@ fi
 source "$root/scripts/setup.sh"
 cd "$root"
 echo "====================> launch offline inference (model=$model, yaml=$yaml)"
-exec "$PYTHON" -m executor.offline --yaml "$config" ${overrides[@]+"${overrides[@]}"}
+exec "$PYTHON" -m executor.offline.launch --yaml "$config" ${overrides[@]+"${overrides[@]}"}

@@ -7,4 +7,4 @@ source "$root/scripts/setup.sh"
 yaml="$here/config/tiny_random.yaml"
 if [[ $# -gt 0 && $1 != --* ]]; then yaml=$1; shift; fi
 cd "$root"
-exec "$PYTHON" -m executor.offline --yaml "$yaml" "$@"
+exec "$PYTHON" -m executor.offline.launch --yaml "$yaml" "$@"

@@ -20,7 +20,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from executor.core.kv_cache import KVCacheManager
@@ -57,6 +57,8 @@ class StepRecord:
     num_draft_tokens: int = 0  # speculative decoding: drafts verified this step
     num_accepted_tokens: int = 0  # of them, accepted
     num_verified_requests: int = 0  # requests that verified drafts this step
+    # bytes this rank handed to each collective this step ("<group>.<op>"); empty in one process
+    comm_bytes: dict[str, int] = field(default_factory=dict)
 
     def log_line(self) -> str:
         line = (
