@@ -3,9 +3,10 @@ read from each run's step log (what the harness reports about a parallel run; on
 processes share the cores, so the times show the reporting, not parallel speed).
 
 Each layout runs `python -m executor.offline.launch` (torchrun above one process) on the first
---num-prompts prompts of dataset/default.jsonl, fp32, EOS ignored. Prints JSON: per layout and
-phase, the median step time, the steps, and the mean bytes per step of each collective, over every
-replica's steps for DP.
+--num-prompts prompts of dataset/default.jsonl, fp32, EOS ignored, logprobs on. Prints JSON: per
+layout and phase, the median step time, the steps, and the mean bytes per step of each collective,
+over every replica's steps for DP; and per layout whether its tokens equal TP 1's, with the largest
+difference of the chosen tokens' logprobs.
 
     python benchmarks/bench_distributed.py --num-prompts 4 --max-new-tokens 16
 """
@@ -31,8 +32,10 @@ LAYOUTS = {
 }
 
 
-def run_layout(sizes: dict[str, int], out: Path, args: argparse.Namespace) -> list[dict]:
+def run_layout(sizes: dict[str, int], out: Path, args: argparse.Namespace) -> tuple[list[dict], dict[str, dict]]:
+    """(every step line, outputs by request id) of one run of the layout."""
     overrides = {
+        "data_config.logprobs": 0,
         "model_config.output_path": out,
         "data_config.num_prompts": args.num_prompts,
         "scheduler_config.batch_size": args.num_prompts,
@@ -45,7 +48,20 @@ def run_layout(sizes: dict[str, int], out: Path, args: argparse.Namespace) -> li
         command += ["--set", f"{key}={value}"]
     env = os.environ | {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // sizes.get("world_size", 1)))}
     subprocess.run(command, cwd=ROOT, env=env, check=True, capture_output=True)
-    return [json.loads(line) for path in sorted(out.glob("steps*.jsonl")) for line in path.read_text().splitlines()]
+    steps = [json.loads(line) for path in sorted(out.glob("steps*.jsonl")) for line in path.read_text().splitlines()]
+    outputs = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
+    return steps, {line["id"]: line for line in outputs}
+
+
+def against(reference: dict[str, dict], outputs: dict[str, dict]) -> dict:
+    """Whether the tokens equal the reference's, and the largest logprob difference where they do."""
+    same = all(outputs[i]["output_token_ids"] == line["output_token_ids"] for i, line in reference.items())
+    differences = [
+        abs(a["logprob"] - b["logprob"])
+        for i, line in reference.items()
+        for a, b in zip(line["logprobs"], outputs[i]["logprobs"], strict=False)
+    ]
+    return {"tokens_equal": same, "max_logprob_difference": max(differences)}
 
 
 def phase_figures(steps: list[dict]) -> dict[str, dict]:
@@ -71,9 +87,12 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=16)
     args = parser.parse_args()
     results = {}
+    reference: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, sizes in LAYOUTS.items():
-            results[name] = phase_figures(run_layout(sizes, Path(tmp) / name.replace(" ", "_"), args))
+            steps, outputs = run_layout(sizes, Path(tmp) / name.replace(" ", "_"), args)
+            reference = reference or outputs
+            results[name] = phase_figures(steps) | {"vs_tp_1": against(reference, outputs)}
     print(json.dumps({"cpus": os.cpu_count(), **vars(args), "layouts": results}, indent=2))
 
 
