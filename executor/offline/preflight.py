@@ -152,5 +152,19 @@ def check_parallel_layout(config: InferenceConfig, hf_config: Any) -> None:
     launch = launch_problem(layout.world_size, DistEnv.from_environ())
     if launch is not None:
         problems.append(f"{launch} ({config.source})")
+    if layout.world_size > 1:
+        where = f"with world_size {layout.world_size} in {config.source}"
+        problems += [f"{problem} {where}" for problem in _one_process_only(config)]
     if problems:
         raise ConfigError.from_problems(problems, config.source)
+
+
+def _one_process_only(config: InferenceConfig) -> list[str]:
+    """Features not built for several processes yet: graphs would have to capture the collectives,
+    and the proposers' forwards would have to run in step on every rank."""
+    problems = []
+    if config.model_config.exe_mode != "eager":
+        problems.append(f"model_config.exe_mode {config.model_config.exe_mode!r} is not built for several processes")
+    if config.speculation[0]:
+        problems.append(f"speculative decoding ({config.speculation[0]}) is not built for several processes")
+    return problems
