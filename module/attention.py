@@ -13,6 +13,7 @@ from torch import nn
 import ops
 from executor.core.types_.forward_metadata import ForwardMetaData
 from executor.core.types_.kv_cache_spec import KVCacheSpec, attention_spec
+from module.parallel_group import SINGLE, ParallelGroup
 from module.weights import ShardId, load_shard
 
 
@@ -93,12 +94,11 @@ class SinkAttention(Attention):
         head_dim: int,
         scale: float,
         sliding_window: int | None = None,
-        tp_rank: int = 0,
-        tp_size: int = 1,
+        tp: ParallelGroup = SINGLE,
     ) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window)
-        self.tp_rank = tp_rank
-        self.tp_size = tp_size
+        self.tp_rank = tp.rank
+        self.tp_size = tp.size
         self.sinks = nn.Parameter(torch.empty(num_heads), requires_grad=False)
         self.sinks.weight_loader = self.weight_loader
 

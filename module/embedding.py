@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from module.linear import divide
+from module.parallel_group import SINGLE, ParallelGroup
 from module.weights import ShardId, load_shard
 
 
@@ -15,12 +15,13 @@ class VocabParallelEmbedding(nn.Module):
     """Rank r holds rows [r * V/tp, (r+1) * V/tp) of the table; other ids embed to zero there and
     the all-reduce fills them in from their owner."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, tp_rank: int = 0, tp_size: int = 1) -> None:
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp: ParallelGroup = SINGLE) -> None:
         super().__init__()
-        self.tp_rank = tp_rank
-        self.tp_size = tp_size
-        self.num_embeddings_per_rank = divide(num_embeddings, tp_size)
-        self.vocab_start = tp_rank * self.num_embeddings_per_rank
+        self.tp = tp
+        self.tp_rank = tp.rank
+        self.tp_size = tp.size
+        self.num_embeddings_per_rank = divide(num_embeddings, tp.size)
+        self.vocab_start = tp.rank * self.num_embeddings_per_rank
         self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_rank, embedding_dim), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
@@ -34,8 +35,7 @@ class VocabParallelEmbedding(nn.Module):
         owned = (local_ids >= 0) & (local_ids < self.num_embeddings_per_rank)
         embeddings = F.embedding(local_ids.clamp(0, self.num_embeddings_per_rank - 1), self.weight)
         embeddings.masked_fill_(~owned.unsqueeze(-1), 0)
-        dist.all_reduce(embeddings)
-        return embeddings
+        return self.tp.all_reduce(embeddings)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -43,9 +43,4 @@ class ParallelLMHead(VocabParallelEmbedding):
     slices are gathered so every rank holds full logits."""
 
     def forward(self, hidden_states: torch.Tensor, row_indices: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden_states[row_indices], self.weight)
-        if self.tp_size == 1:
-            return logits
-        shards = [torch.empty_like(logits) for _ in range(self.tp_size)]
-        dist.all_gather(shards, logits)
-        return torch.cat(shards, dim=-1)
+        return self.tp.all_gather(F.linear(hidden_states[row_indices], self.weight), dim=-1)

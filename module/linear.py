@@ -3,16 +3,17 @@
 Each rank holds one shard of the weight; every parameter carries a `weight_loader(param,
 loaded_weight, shard_id=None)` that cuts this rank's shard out of the full checkpoint tensor, so
 model loaders never know how a layer is split. Column layers split the output dim and need no
-communication; RowParallelLinear splits the input dim and all-reduces its partial sums.
+communication; RowParallelLinear splits the input dim and all-reduces its partial sums over the
+layer's own group (module/parallel_group.py), never the default one.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from module.parallel_group import SINGLE, ParallelGroup
 from module.weights import ShardId, load_shard
 
 
@@ -25,11 +26,12 @@ def divide(numerator: int, denominator: int) -> int:
 class LinearBase(nn.Module):
     """y = x W^T + b with W [output_size, input_size] already cut to this rank's shard."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int, tp_rank: int, tp_size: int) -> None:
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int, tp: ParallelGroup) -> None:
         super().__init__()
         self.tp_dim = tp_dim
-        self.tp_rank = tp_rank
-        self.tp_size = tp_size
+        self.tp = tp
+        self.tp_rank = tp.rank
+        self.tp_size = tp.size
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -50,20 +52,18 @@ class LinearBase(nn.Module):
 class ColumnParallelLinear(LinearBase):
     """Output features split over ranks; each rank's output is its own slice."""
 
-    def __init__(
-        self, input_size: int, output_size: int, bias: bool = False, tp_rank: int = 0, tp_size: int = 1
-    ) -> None:
-        super().__init__(input_size, divide(output_size, tp_size), bias, 0, tp_rank, tp_size)
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp: ParallelGroup = SINGLE) -> None:
+        super().__init__(input_size, divide(output_size, tp.size), bias, 0, tp)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column layers fused along the output dim (gate_proj + up_proj), loaded one shard at a time."""
 
     def __init__(
-        self, input_size: int, output_sizes: list[int], bias: bool = False, tp_rank: int = 0, tp_size: int = 1
+        self, input_size: int, output_sizes: list[int], bias: bool = False, tp: ParallelGroup = SINGLE
     ) -> None:
         self.output_sizes = output_sizes
-        super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size)
+        super().__init__(input_size, sum(output_sizes), bias, tp)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
         assert isinstance(shard_id, int), "a merged layer is loaded one shard (by index) at a time"
@@ -82,13 +82,12 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         total_num_heads: int,
         total_num_kv_heads: int,
         bias: bool = False,
-        tp_rank: int = 0,
-        tp_size: int = 1,
+        tp: ParallelGroup = SINGLE,
     ) -> None:
-        self.num_heads = divide(total_num_heads, tp_size)
-        self.num_kv_heads = divide(total_num_kv_heads, tp_size)
+        self.num_heads = divide(total_num_heads, tp.size)
+        self.num_kv_heads = divide(total_num_kv_heads, tp.size)
         output_sizes = [total_num_heads * head_dim, total_num_kv_heads * head_dim, total_num_kv_heads * head_dim]
-        super().__init__(hidden_size, output_sizes, bias, tp_rank, tp_size)
+        super().__init__(hidden_size, output_sizes, bias, tp)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
         assert shard_id in ("q", "k", "v"), f"QKV shard_id must be 'q', 'k' or 'v', got {shard_id!r}"
@@ -101,13 +100,8 @@ class RowParallelLinear(LinearBase):
     The bias is replicated and added on rank 0 only, so the all-reduce adds it once.
     """
 
-    def __init__(
-        self, input_size: int, output_size: int, bias: bool = False, tp_rank: int = 0, tp_size: int = 1
-    ) -> None:
-        super().__init__(divide(input_size, tp_size), output_size, bias, 1, tp_rank, tp_size)
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp: ParallelGroup = SINGLE) -> None:
+        super().__init__(divide(input_size, tp.size), output_size, bias, 1, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
-        if self.tp_size > 1:
-            dist.all_reduce(y)
-        return y
+        return self.tp.all_reduce(F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None))

@@ -19,6 +19,7 @@ from executor.core.types_.kv_cache_spec import KVCacheSpec, mla_spec
 from module.attention import KVCacheLayer
 from module.linear import ColumnParallelLinear, RowParallelLinear, divide
 from module.norm import RMSNorm
+from module.parallel_group import SINGLE, ParallelGroup
 
 # transformers builds q_a_layernorm and kv_a_layernorm with RMSNorm's default eps, not rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
@@ -35,10 +36,10 @@ class MLAAttention(KVCacheLayer):
     """Projections named as in DeepSeek checkpoints; heads split over tensor-parallel ranks (q_b_proj
     or q_proj, kv_b_proj, o_proj), the down-projections to the latents replicated."""
 
-    def __init__(self, config: PretrainedConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
+    def __init__(self, config: PretrainedConfig, tp: ParallelGroup = SINGLE) -> None:
         super().__init__()
         hidden_size, total_heads = config.hidden_size, config.num_attention_heads
-        self.num_heads = divide(total_heads, tp_size)
+        self.num_heads = divide(total_heads, tp.size)
         self.qk_nope_head_dim = config.qk_nope_head_dim
         self.qk_rope_head_dim = config.qk_rope_head_dim
         self.v_head_dim = config.v_head_dim
@@ -46,23 +47,20 @@ class MLAAttention(KVCacheLayer):
         self.q_lora_rank = config.q_lora_rank
         self.rope_interleave = config.rope_interleave
         qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
-        parallel = dict(tp_rank=tp_rank, tp_size=tp_size)
         if self.q_lora_rank is None:
-            self.q_proj = ColumnParallelLinear(hidden_size, total_heads * qk_head_dim, bias=False, **parallel)
+            self.q_proj = ColumnParallelLinear(hidden_size, total_heads * qk_head_dim, bias=False, tp=tp)
         else:
             self.q_a_proj = ColumnParallelLinear(hidden_size, self.q_lora_rank, bias=config.attention_bias)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, total_heads * qk_head_dim, bias=False, **parallel)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, total_heads * qk_head_dim, bias=False, tp=tp)
         self.kv_a_proj_with_mqa = ColumnParallelLinear(
             hidden_size, self.kv_lora_rank + self.qk_rope_head_dim, bias=config.attention_bias
         )
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = ColumnParallelLinear(
-            self.kv_lora_rank, total_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False, **parallel
+            self.kv_lora_rank, total_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False, tp=tp
         )
-        self.o_proj = RowParallelLinear(
-            total_heads * self.v_head_dim, hidden_size, bias=config.attention_bias, **parallel
-        )
+        self.o_proj = RowParallelLinear(total_heads * self.v_head_dim, hidden_size, bias=config.attention_bias, tp=tp)
         # yarn's mscale enters the softmax scale too, as in transformers (a no-op for other rope types).
         self.scale = yarn_apply_mscale(config.rope_parameters, qk_head_dim**-0.5)
         self.cache_dtype = torch.get_default_dtype()  # the worker builds the model under its dtype

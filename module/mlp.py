@@ -7,6 +7,7 @@ from torch import nn
 
 from module.activation import SiluAndMul
 from module.linear import MergedColumnParallelLinear, RowParallelLinear
+from module.parallel_group import SINGLE, ParallelGroup
 
 
 class GatedMLP(nn.Module):
@@ -19,17 +20,16 @@ class GatedMLP(nn.Module):
         intermediate_size: int,
         hidden_act: str = "silu",
         bias: bool = False,
-        tp_rank: int = 0,
-        tp_size: int = 1,
+        tp: ParallelGroup = SINGLE,
     ) -> None:
         super().__init__()
         if hidden_act != "silu":
             raise ValueError(f"GatedMLP supports hidden_act 'silu' only, got {hidden_act!r}")
         self.gate_up_proj = MergedColumnParallelLinear(
-            hidden_size, [intermediate_size, intermediate_size], bias=bias, tp_rank=tp_rank, tp_size=tp_size
+            hidden_size, [intermediate_size, intermediate_size], bias=bias, tp=tp
         )
         self.act_fn = SiluAndMul()
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, tp_rank=tp_rank, tp_size=tp_size)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))

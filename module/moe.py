@@ -6,7 +6,14 @@ for op, so that ties between equal scores break the same way: TopkRouter is Deep
 scores; a per-expert bias that steers the choice but not the weights; top-k within the best groups),
 SoftmaxTopkRouter Qwen-MoE's (softmax, top-k, optional renormalisation). The experts hold every
 expert's weights in two stacked tensors, as transformers does, and run through ops.moe_experts;
-tensor parallelism splits each expert's intermediate dim and all-reduces the partial sums.
+MoE tensor parallelism (moe_tp) splits each expert's intermediate dim, expert parallelism (moe_ep)
+splits the experts, and the partial sums are all-reduced over both groups.
+
+Expert parallelism here: the EP group lies inside one attention TP group (the layout check refuses
+any other), so every rank of it already holds every token. Dispatch is then the identity and combine
+is an all-reduce: each rank runs its own experts on the tokens routed to them (the weights of the
+other experts' slots are zero) and the EP all-reduce sums the experts' outputs. The all-to-all
+dispatch/combine that EP across data-parallel groups needs is not built.
 """
 
 from __future__ import annotations
@@ -14,13 +21,13 @@ from __future__ import annotations
 import re
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 import ops
 from executor.model_loader.errors import WeightLoadError
 from module.linear import divide
+from module.parallel_group import SINGLE, ParallelGroup
 from module.weights import load_shard
 
 
@@ -133,13 +140,21 @@ class SoftmaxTopkRouter(Router):
 
 
 class FusedExperts(nn.Module):
-    """E SwiGLU experts: gate_up_proj [E, 2I, H] (gate rows, then up rows) and down_proj [E, H, I],
-    with I this rank's share of moe_intermediate_size. Checkpoints store one tensor per expert and
-    projection; load_expert_weight puts each in its place."""
+    """This rank's E_local = E / ep.size SwiGLU experts (global ids first_expert ...): gate_up_proj
+    [E_local, 2I, H] (gate rows, then up rows) and down_proj [E_local, H, I], with I this rank's share
+    of moe_intermediate_size. Checkpoints store one tensor per expert and projection;
+    load_expert_weight puts each of this rank's in its place and skips the others'."""
 
     PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp_rank: int, tp_size: int) -> None:
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        tp: ParallelGroup = SINGLE,
+        ep: ParallelGroup = SINGLE,
+    ) -> None:
         super().__init__()
         missing = ops.missing_ops(("moe_experts",))
         if missing:
@@ -148,37 +163,49 @@ class FusedExperts(nn.Module):
                 "have yet; run MoE models on cpu or cuda"
             )
         self.num_experts = num_experts
-        self.tp_rank = tp_rank
-        self.tp_size = tp_size
-        self.intermediate_per_rank = divide(intermediate_size, tp_size)
-        size = self.intermediate_per_rank
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * size, hidden_size), requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, size), requires_grad=False)
+        self.tp, self.ep = tp, ep
+        self.tp_rank = tp.rank
+        self.tp_size = tp.size
+        self.num_local_experts = divide(num_experts, ep.size)
+        self.first_expert = ep.rank * self.num_local_experts
+        self.intermediate_per_rank = divide(intermediate_size, tp.size)
+        size, local = self.intermediate_per_rank, self.num_local_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(local, 2 * size, hidden_size), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(local, hidden_size, size), requires_grad=False)
 
-    def load_expert_weight(self, loaded_weight: torch.Tensor, expert_id: int, projection: str) -> str:
-        """Copy this rank's slice of one expert's gate_proj/up_proj [I, H] or down_proj [H, I];
-        returns the name of the parameter it went into."""
+    def local_index(self, expert_id: int) -> int | None:
+        """Where global expert `expert_id` sits in this rank's parameters; None when another rank holds it."""
         if not 0 <= expert_id < self.num_experts:
             raise WeightLoadError(f"expert {expert_id} out of range: the layer has {self.num_experts} experts")
+        local = expert_id - self.first_expert
+        return local if 0 <= local < self.num_local_experts else None
+
+    def load_expert_weight(self, loaded_weight: torch.Tensor, expert_id: int, projection: str) -> str | None:
+        """Copy this rank's slice of one expert's gate_proj/up_proj [I, H] or down_proj [H, I];
+        returns the name of the parameter it went into, None for another EP rank's expert."""
+        local = self.local_index(expert_id)
+        if local is None:
+            return None
         if projection == "down_proj":
-            load_shard(self.down_proj.data[expert_id], loaded_weight, 1, self.tp_rank, self.tp_size)
+            load_shard(self.down_proj.data[local], loaded_weight, 1, self.tp_rank, self.tp_size)
             return "down_proj"
         size = self.intermediate_per_rank
         offset = self.PROJECTIONS.index(projection) * size
-        load_shard(
-            self.gate_up_proj.data[expert_id].narrow(0, offset, size), loaded_weight, 0, self.tp_rank, self.tp_size
-        )
+        load_shard(self.gate_up_proj.data[local].narrow(0, offset, size), loaded_weight, 0, self.tp_rank, self.tp_size)
         return "gate_up_proj"
 
     def checkpoint_tensors_needed(self, param_name: str) -> int:
-        """How many checkpoint tensors fill `param_name`: gate and up of every expert, or each down."""
-        return self.num_experts * (2 if param_name == "gate_up_proj" else 1)
+        """How many checkpoint tensors fill `param_name`: gate and up of each local expert, or each down."""
+        return self.num_local_experts * (2 if param_name == "gate_up_proj" else 1)
 
     def forward(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        if self.ep.size > 1:  # slots routed to another rank's experts weigh nothing here
+            local_ids = topk_ids - self.first_expert
+            owned = (local_ids >= 0) & (local_ids < self.num_local_experts)
+            topk_weights = topk_weights.masked_fill(~owned, 0)
+            topk_ids = local_ids.clamp(0, self.num_local_experts - 1)
         output = self.run_experts(hidden_states, topk_weights, topk_ids)
-        if self.tp_size > 1:
-            dist.all_reduce(output)
-        return output
+        return self.ep.all_reduce(self.tp.all_reduce(output))
 
     def run_experts(
         self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
@@ -204,6 +231,8 @@ def load_expert_tensor(
         raise WeightLoadError(f"{type(model).__name__} has no routed experts at {match['module']!r}")
     expert_id, projection = int(match["expert"]), match["projection"]
     param_name = experts.load_expert_weight(tensor, expert_id, projection)
+    if param_name is None:  # another EP rank's expert
+        return f"{match['module']}.skipped", (expert_id, projection)
     return f"{match['module']}.{param_name}", (expert_id, projection)
 
 

@@ -8,4 +8,4 @@ shift
 if [[ $# -gt 0 && $1 != --* ]]; then yaml=$1; shift; fi
 source "$root/scripts/setup.sh"
 cd "$root"
-exec "$PYTHON" -m executor.offline --yaml "$yaml" "$@"
+exec "$PYTHON" -m executor.offline.launch --yaml "$yaml" "$@"

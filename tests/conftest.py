@@ -78,7 +78,7 @@ class SlidingLlama(OurLlamaForCausalLM):
     """A test model: Llama layers where `config.layer_types` says so get a sliding window (as
     transformers' Ministral does), so the model mixes two cache kinds."""
 
-    def __init__(self, hf_config: transformers.PretrainedConfig, **kwargs: int) -> None:
+    def __init__(self, hf_config: transformers.PretrainedConfig, **kwargs: object) -> None:
         hf_config.attention_bias = hf_config.mlp_bias = False  # Ministral's layers have no biases
         super().__init__(hf_config, **kwargs)
         for layer, layer_type in zip(self.model.layers, hf_config.layer_types, strict=True):

@@ -137,23 +137,24 @@ def test_not_applicable_keys_set_in_the_file_are_reported_with_their_reason_what
 
 def test_a_refused_value_names_the_key_the_reason_and_what_runs():
     with pytest.raises(ConfigError) as err:
-        build_config({"parallel_config": {"world_size": 2}}, source="run.yaml")
+        build_config({"parallel_config": {"cp_size": 2}}, source="run.yaml")
     message = str(err.value)
-    assert "parallel_config.world_size in run.yaml is refused at 2" in message and "runs with 1" in message
-    build_config({"parallel_config": {"world_size": 1, "cp_size": 1}, "model_config": {"force_eplb": False}})
+    assert "parallel_config.cp_size in run.yaml is refused at 2: context parallel is not built" in message
+    assert "runs with 1" in message
+    build_config({"parallel_config": {"world_size": 2, "cp_size": 1}, "model_config": {"force_eplb": False}})
 
 
 def test_every_problem_of_a_file_is_reported_at_once_one_line_each(tmp_path):
     text = (
         "model_config:\n  platform_version: A3\n  force_eplb: true\n  custom_params:\n    enable_afd: true\n"
-        "parallel_config:\n  world_size: 16\n  cp_sise: 1\nscheduler_config:\n  batch_size: 0\n"
+        "parallel_config:\n  pp_size: 16\n  cp_sise: 1\nscheduler_config:\n  batch_size: 0\n"
     )
     path = write_yaml(tmp_path, text)
     with pytest.raises(ConfigError) as err:
         load_config(path)
     lines = str(err.value).splitlines()
     assert lines[0] == f"5 problems in {path}:"
-    for key in ("force_eplb", "custom_params.enable_afd", "world_size", "cp_sise", "batch_size"):
+    for key in ("force_eplb", "custom_params.enable_afd", "pp_size", "cp_sise", "batch_size"):
         assert sum(key in line for line in lines[1:]) == 1, key
     assert len(err.value.problems) == 5
 

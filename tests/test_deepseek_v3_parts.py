@@ -16,6 +16,7 @@ from executor.model_loader.default_loader import safetensors_weights
 from executor.model_loader.errors import WeightLoadError
 from models.deepseek_v3 import DeepseekV3ForCausalLM
 from module.moe import FusedExperts
+from module.parallel_group import ParallelGroup
 from ops.dispatch import OpTable
 from ops.npu import NpuOps
 from tests.deepseek_v3_harness import deepseek_config, load_ours, save_checkpoint
@@ -97,7 +98,7 @@ def test_moe_experts_sum_each_tokens_chosen_experts_by_weight():
 
 def test_expert_weights_split_the_intermediate_dim_over_tp_ranks():
     gate, up, down = torch.randn(8, 16), torch.randn(8, 16), torch.randn(16, 8)
-    ranks = [FusedExperts(3, 16, 8, tp_rank=rank, tp_size=2) for rank in range(2)]
+    ranks = [FusedExperts(3, 16, 8, tp=ParallelGroup("moe_tp", rank, 2)) for rank in range(2)]
     for layer in ranks:
         assert layer.load_expert_weight(gate, 1, "gate_proj") == "gate_up_proj"
         layer.load_expert_weight(up, 1, "up_proj")

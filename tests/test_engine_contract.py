@@ -16,6 +16,7 @@ from executor.offline import offline_inference
 from executor.offline.dataset import PromptRecord
 from executor.platform import create_platform
 from module.attention import KVCacheLayer
+from module.parallel_group import ModelParallel
 from tests.conftest import WINDOW, SlidingLlama
 from tests.engine_harness import hf_greedy, load_hf_model, make_inference, run_engine, token_records
 
@@ -103,7 +104,7 @@ class MLAShapedCache(KVCacheLayer):
 
 
 class ToyMLAModel(nn.Module):
-    def __init__(self, hf_config: object) -> None:
+    def __init__(self, hf_config: object, parallel: ModelParallel) -> None:
         super().__init__()
         self.layers = nn.ModuleList([MLAShapedCache(512, 64) for _ in range(3)])
         self.proj = nn.Linear(4, 4)

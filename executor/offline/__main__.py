@@ -1,4 +1,7 @@
-"""`python -m executor.offline --yaml FILE [--set section.key=value ...]`: the entry every infer.sh calls."""
+"""`python -m executor.offline --yaml FILE [--set section.key=value ...]`: the entry every infer.sh calls.
+
+With parallel_config.world_size above 1 it runs as one of torchrun's processes (infer.sh starts them
+through executor/offline/launch.py); rank 0 alone writes the run folder."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from executor.core.config import ConfigError, InferenceConfig, load_config
+from executor.core.config.comm_manager import DistEnv
 from executor.core.config.inference_config import not_applicable_keys
 from executor.model_loader.default_model import default_model_path, expand_home_vars
 from executor.offline.dataset import (
@@ -28,7 +32,13 @@ from executor.offline.durable_io import OutputWriteError
 from executor.offline.exit_status import COULD_NOT_START, STOPPED_ON_ERROR, finished_run_status
 from executor.offline.interrupts import RunInterrupted, StopSignals, exit_status_for
 from executor.offline.offline_inference import OfflineInference, RunResult
-from executor.offline.preflight import check_device, check_kv_pool, check_model_folder, one_line
+from executor.offline.preflight import (
+    check_device,
+    check_kv_pool,
+    check_model_folder,
+    check_parallel_layout,
+    one_line,
+)
 from executor.offline.results import ResultWriter, default_output_dir, failed_record_result
 from executor.offline.run_folder import OUTPUTS_FILE, RunPlan, plan_run
 from executor.utils.logging_config import setup_logging
@@ -93,6 +103,7 @@ def prepare_run(yaml_path: str, overrides: list[str]) -> PreparedRun:
     model_path = resolve_model_path(config)
     _, config_cls = resolve_model(config.model_config.model_name)
     hf_config = check_model_folder(model_path, config_cls, config.model_config.with_ckpt)
+    check_parallel_layout(config, hf_config)
     device_type = check_device(config)
     check_kv_pool(config, getattr(hf_config, "max_position_embeddings", 0))
     records = check_token_ids(records, hf_config.vocab_size)
@@ -115,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     args = parser.parse_args(argv)
     setup_logging()
+    env = DistEnv.from_environ()
     with StopSignals() as stop:
         try:
             return run(args, stop)
@@ -124,6 +136,10 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return exit_status_for(exc.signum)
+        except Exception as exc:
+            if env.world_size > 1:  # torchrun then stops the other ranks; say which one failed and why
+                print(f"error: rank {env.rank} of {env.world_size} failed: {one_line(exc)}", file=sys.stderr)
+            raise
 
 
 def run(args: argparse.Namespace, stop: StopSignals) -> int:
@@ -147,17 +163,22 @@ def run(args: argparse.Namespace, stop: StopSignals) -> int:
             return COULD_NOT_START
     resume_hint = f"to resume, run: {resume_command(args, config, plan.output_dir)}"
     writer = None
+    is_rank0 = DistEnv.from_environ().rank == 0
     try:
-        writer = ResultWriter(plan, config)
-        for record in plan.pending:
-            if record.error is not None:
-                writer.write_request(failed_record_result(record))
+        if is_rank0:
+            writer = ResultWriter(plan, config)
+            for record in plan.pending:
+                if record.error is not None:
+                    writer.write_request(failed_record_result(record))
         if inference is not None:
             with stop.deferred():
-                result = inference.generate(servable, writer, should_stop=stop.requested)
-            print_results(result)
+                result = inference.serve(servable, writer, should_stop=stop.requested)
+            if result is not None:
+                print_results(result)
         if stop.requested():
             raise RunInterrupted(stop.signum or signal.SIGINT)
+        if writer is None:  # a rank other than 0: rank 0 reports the run
+            return 0
         summary = writer.finish("complete")
     except RunInterrupted as exc:
         _finish_quietly(writer, "interrupted")
@@ -177,6 +198,8 @@ def run(args: argparse.Namespace, stop: StopSignals) -> int:
     finally:
         if writer is not None:
             writer.close()
+        if inference is not None:
+            inference.engine.comm.close()
     print_summary(summary, plan.output_dir)
     return finished_run_status(summary)
 

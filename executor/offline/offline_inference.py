@@ -88,16 +88,21 @@ class OfflineInference:
             progress.update(1)
 
         profiler = self._make_profiler(writer)
+        comm = self.engine.comm
+        comm.stats.take()  # warm-up's collectives are not the first step's
         start_s = time.perf_counter()
-        with logging_redirect_tqdm(), tqdm(total=len(requests), unit="req", desc="requests") as progress:
+        progress_bar = tqdm(total=len(requests), unit="req", desc="requests", disable=comm.rank != 0)
+        with logging_redirect_tqdm(), progress_bar as progress:
             for request in requests:
                 if request.is_finished:
                     finish(request)
                 else:
                     self.scheduler.add_request(request)
-            while self.scheduler.has_work() and not should_stop():
+            # The ranks of one attention TP group run the same steps, so they stop after the same one.
+            while self.scheduler.has_work() and not comm.any_in_replica(should_stop()):
                 output = self.scheduler.run_step(self.engine, profiler)
                 if output.record is not None:
+                    output.record.comm_bytes = comm.stats.take()
                     steps.append(output.record)
                     if writer is not None:
                         writer.write_step(output.record)
@@ -135,6 +140,36 @@ class OfflineInference:
             model_config.profile_decode_steps,
         )
 
+    def serve(
+        self, records: list[PromptRecord], writer: ResultWriter | None, should_stop: Callable[[], bool]
+    ) -> RunResult | None:
+        """generate() on this rank's share of `records`. One DP replica: every rank serves them all
+        and rank 0 writes as requests finish. Several: replica d serves records d, d + dp, ...; the
+        leaders' results are gathered on rank 0 at the end, which writes them in prompt order, each
+        replica's step log apart, and one summary. The RunResult of the whole run on rank 0, None
+        on the other ranks."""
+        comm = self.engine.comm
+        num_replicas = comm.layout.attn_dp_size
+        if num_replicas == 1:
+            result = self.generate(records, writer if comm.rank == 0 else None, should_stop)
+            return result if comm.rank == 0 else None
+        result = self.generate(records[comm.dp_rank :: num_replicas], None, should_stop)
+        if not comm.is_dp_leader:
+            return None
+        gathered = comm.gather_from_dp_leaders(result)
+        if gathered is None:
+            return None
+        merged = merge_replicas(gathered, [record.id for record in records])
+        if writer is not None:
+            for line in merged.results:
+                writer.write_request(line)
+            for step in gathered[0].steps:
+                writer.write_step(step)
+            for dp_rank, replica in enumerate(gathered[1:], start=1):
+                writer.write_replica_steps(dp_rank, replica.steps)
+            writer.write_summary(merged.summary)
+        return merged
+
     def _make_request(self, record: PromptRecord) -> Request:
         """A request with the run's sampling parameters and the line's overrides; a record that
         cannot be tokenized or served fails alone. Without a seed of its own a request gets one
@@ -157,3 +192,17 @@ class OfflineInference:
         if reason is not None:
             return Request.failed(record.id, prompt, params, f"record {record.id!r}: {reason}", time.perf_counter())
         return Request(record.id, prompt, token_ids, params)
+
+
+def merge_replicas(replicas: list[RunResult], prompt_order: list[str]) -> RunResult:
+    """The data-parallel replicas' results as one run's: requests and outputs in prompt order, the
+    summary over all of them (wall time: the slowest replica's), each replica's own summary kept."""
+    position = {request_id: index for index, request_id in enumerate(prompt_order)}
+    requests = sorted((r for replica in replicas for r in replica.requests), key=lambda r: position[r.request_id])
+    results = sorted((line for replica in replicas for line in replica.results), key=lambda line: position[line["id"]])
+    steps = [step for replica in replicas for step in replica.steps]
+    total_s = max(replica.summary["total_s"] for replica in replicas)
+    summary = summarize(requests, steps, 0.0, total_s) | {
+        "data_parallel_replicas": [replica.summary for replica in replicas]
+    }
+    return RunResult(requests, results, steps, summary)

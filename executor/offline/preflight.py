@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from executor.core.config import ConfigError, InferenceConfig
+from executor.core.config.comm_manager import DistEnv, launch_problem
+from executor.core.config.parallel_layout import ParallelLayout, model_fit_problems
 from executor.model_loader import WeightLoadError
 from executor.model_loader.default_loader import INDEX_FILE, checkpoint_shards
 from executor.platform.platform import detect_device_type
@@ -139,3 +141,30 @@ def check_kv_pool(config: InferenceConfig, model_max_len: int) -> None:
 def one_line(exc: BaseException) -> str:
     """An exception as one line, for messages to the user."""
     return " ".join(str(exc).split())[:300] or type(exc).__name__
+
+
+def check_parallel_layout(config: InferenceConfig, hf_config: Any) -> None:
+    """parallel_config's sizes against the model (heads, KV heads, experts, vocab, FFN widths), against
+    what is built and against the processes started; all problems in one ConfigError, before any
+    process group or weight."""
+    layout = ParallelLayout.from_config(config.parallel_config)
+    problems = [f"{problem} in {config.source}" for problem in model_fit_problems(layout, hf_config)]
+    launch = launch_problem(layout.world_size, DistEnv.from_environ())
+    if launch is not None:
+        problems.append(f"{launch} ({config.source})")
+    if layout.world_size > 1:
+        where = f"with world_size {layout.world_size} in {config.source}"
+        problems += [f"{problem} {where}" for problem in _one_process_only(config)]
+    if problems:
+        raise ConfigError.from_problems(problems, config.source)
+
+
+def _one_process_only(config: InferenceConfig) -> list[str]:
+    """Features not built for several processes yet: graphs would have to capture the collectives,
+    and the proposers' forwards would have to run in step on every rank."""
+    problems = []
+    if config.model_config.exe_mode != "eager":
+        problems.append(f"model_config.exe_mode {config.model_config.exe_mode!r} is not built for several processes")
+    if config.speculation[0]:
+        problems.append(f"speculative decoding ({config.speculation[0]}) is not built for several processes")
+    return problems

@@ -114,6 +114,16 @@ class ResultWriter:
         self._steps.append(line)
         self._step_lines.append(line)
 
+    def write_replica_steps(self, dp_rank: int, records: list[StepRecord]) -> None:
+        """Another data-parallel replica's step log, kept apart in steps_dp<rank>.jsonl (replica 0's
+        is steps.jsonl): step numbers and times of different replicas do not line up."""
+        appender = LineAppender(self.output_dir / f"steps_dp{dp_rank}.jsonl", sync=False)
+        try:
+            for record in records:
+                appender.append({"part": self._part["part"], **dataclasses.asdict(record)})
+        finally:
+            appender.close()
+
     def write_summary(self, summary: dict[str, Any]) -> None:
         """Take this part's timing summary; counts are this part's lines (abandoned requests are not counted)."""
         failed = sum(line["error"] is not None for line in self._lines_this_part)

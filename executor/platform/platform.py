@@ -22,6 +22,11 @@ class Platform:
     device: torch.device
     ops_backend: str  # which ops/ implementation runs: "torch" or "npu"
 
+    @property
+    def dist_backend(self) -> str:
+        """torch.distributed's backend for tensors on this device."""
+        return {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}[self.device_type]
+
     def synchronize(self) -> None:
         """Wait for queued device work, so host timers measure the device."""
         if self.device_type == "cuda":

@@ -8,6 +8,9 @@ import os
 
 def setup_logging() -> None:
     level = os.environ.get("INFER_RECIPES_LOG_LEVEL", "INFO").upper()
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    rank = f"[rank {os.environ['RANK']}] " if "RANK" in os.environ else ""  # under torchrun
+    logging.basicConfig(
+        level=level, format=f"%(asctime)s {rank}%(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
     for noisy in ("httpx", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

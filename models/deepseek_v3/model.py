@@ -26,6 +26,7 @@ from module.mlp import GatedMLP
 from module.moe import FusedExperts, SparseMoeBlock, TopkRouter, load_expert_tensor
 from module.mtp import SHARED_MTP_TENSOR, MTPLayerMixin
 from module.norm import RMSNorm
+from module.parallel_group import ONE_PROCESS, ModelParallel
 from module.rotary import RotaryEmbedding
 from module.weights import ShardId, fused_shards_needed, load_fused_tensor
 
@@ -47,7 +48,7 @@ def check_routing(config: DeepseekV3Config) -> None:
 class DeepseekV3MoE(SparseMoeBlock):
     """V3's grouped sigmoid router over the routed experts, plus n_shared_experts as one wide MLP."""
 
-    def __init__(self, config: DeepseekV3Config, tp_rank: int, tp_size: int) -> None:
+    def __init__(self, config: DeepseekV3Config, parallel: ModelParallel) -> None:
         super().__init__(
             TopkRouter(
                 config.hidden_size,
@@ -58,13 +59,18 @@ class DeepseekV3MoE(SparseMoeBlock):
                 config.norm_topk_prob,
                 config.routed_scaling_factor,
             ),
-            FusedExperts(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size, tp_rank, tp_size),
+            FusedExperts(
+                config.n_routed_experts,
+                config.hidden_size,
+                config.moe_intermediate_size,
+                parallel.moe_tp,
+                parallel.moe_ep,
+            ),
             GatedMLP(
                 config.hidden_size,
                 config.moe_intermediate_size * config.n_shared_experts,
                 config.hidden_act,
-                tp_rank=tp_rank,
-                tp_size=tp_size,
+                tp=parallel.moe_tp,
             )
             if config.n_shared_experts
             else None,
@@ -72,15 +78,13 @@ class DeepseekV3MoE(SparseMoeBlock):
 
 
 class DeepseekV3DecoderLayer(PreNormDecoderLayer):
-    def __init__(self, config: DeepseekV3Config, layer_index: int, tp_rank: int, tp_size: int) -> None:
+    def __init__(self, config: DeepseekV3Config, layer_index: int, parallel: ModelParallel) -> None:
         super().__init__()
-        self.self_attn = MLAAttention(config, tp_rank, tp_size)
+        self.self_attn = MLAAttention(config, parallel.attn_tp)
         if layer_index >= config.first_k_dense_replace:
-            self.mlp = DeepseekV3MoE(config, tp_rank, tp_size)
+            self.mlp = DeepseekV3MoE(config, parallel)
         else:
-            self.mlp = GatedMLP(
-                config.hidden_size, config.intermediate_size, config.hidden_act, tp_rank=tp_rank, tp_size=tp_size
-            )
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, tp=parallel.dense_tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -91,15 +95,15 @@ class DeepseekV3MTPLayer(MTPLayerMixin, DeepseekV3DecoderLayer):
 
 
 class DeepseekV3Model(nn.Module):
-    def __init__(self, config: DeepseekV3Config, tp_rank: int, tp_size: int) -> None:
+    def __init__(self, config: DeepseekV3Config, parallel: ModelParallel) -> None:
         super().__init__()
         self.num_hidden_layers = config.num_hidden_layers
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_rank, tp_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel.embed_tp)
         # The MTP modules follow the decoder layers in one list, indexed as in the checkpoints.
         self.layers = nn.ModuleList(
-            [DeepseekV3DecoderLayer(config, index, tp_rank, tp_size) for index in range(config.num_hidden_layers)]
+            [DeepseekV3DecoderLayer(config, index, parallel) for index in range(config.num_hidden_layers)]
             + [
-                DeepseekV3MTPLayer(config, config.num_hidden_layers + index, tp_rank, tp_size)
+                DeepseekV3MTPLayer(config, config.num_hidden_layers + index, parallel)
                 for index in range(config.num_nextn_predict_layers or 0)
             ]
         )
@@ -126,7 +130,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, hf_config: DeepseekV3Config, *, tp_rank: int = 0, tp_size: int = 1) -> None:
+    def __init__(self, hf_config: DeepseekV3Config, *, parallel: ModelParallel = ONE_PROCESS) -> None:
         super().__init__()
         missing = ops.missing_ops(("write_latent_cache", "mla_attention", "moe_experts"))
         if missing:
@@ -136,8 +140,8 @@ class DeepseekV3ForCausalLM(nn.Module):
             )
         check_routing(hf_config)
         self.config = hf_config
-        self.model = DeepseekV3Model(hf_config, tp_rank, tp_size)
-        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, tp_rank, tp_size)
+        self.model = DeepseekV3Model(hf_config, parallel)
+        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, parallel.lmhead_tp)
         if hf_config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.num_mtp_layers = len(self.model.layers) - hf_config.num_hidden_layers

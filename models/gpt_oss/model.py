@@ -25,6 +25,7 @@ from models.llama.model import LlamaAttention, LlamaDecoderLayer, LlamaForCausal
 from module.attention import SinkAttention
 from module.moe import FusedExperts
 from module.mtp import num_mtp_layers_of
+from module.parallel_group import ONE_PROCESS, ModelParallel, ParallelGroup
 from module.weights import ShardId, load_shard
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -40,7 +41,7 @@ class GptOssAttention(LlamaAttention):
         return config.sliding_window if config.layer_types[layer_index] == "sliding_attention" else None
 
     def build_attention(
-        self, config: GptOssConfig, sliding_window: int | None, tp_rank: int, tp_size: int
+        self, config: GptOssConfig, sliding_window: int | None, parallel: ModelParallel
     ) -> SinkAttention:
         return SinkAttention(
             self.num_heads,
@@ -48,8 +49,7 @@ class GptOssAttention(LlamaAttention):
             self.head_dim,
             scale=self.head_dim**-0.5,
             sliding_window=sliding_window,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
+            tp=parallel.attn_tp,
         )
 
 
@@ -86,16 +86,17 @@ class GptOssExperts(FusedExperts):
         intermediate_size: int,
         alpha: float,
         limit: float,
-        tp_rank: int,
-        tp_size: int,
+        tp: ParallelGroup,
+        ep: ParallelGroup,
     ) -> None:
-        super().__init__(num_experts, hidden_size, intermediate_size, tp_rank, tp_size)
+        super().__init__(num_experts, hidden_size, intermediate_size, tp, ep)
         self.alpha = alpha
         self.limit = limit
         size = self.intermediate_per_rank
-        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * size), requires_grad=False)
+        local = self.num_local_experts
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(local, 2 * size), requires_grad=False)
         # Replicated, but added on rank 0 only (zeros elsewhere), so the all-reduce adds it once.
-        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        self.down_proj_bias = nn.Parameter(torch.empty(local, hidden_size), requires_grad=False)
         self.gate_up_proj.weight_loader = self.load_gate_up_proj
         self.down_proj.weight_loader = self.load_down_proj
         self.gate_up_proj_bias.weight_loader = self.load_gate_up_proj_bias
@@ -106,6 +107,10 @@ class GptOssExperts(FusedExperts):
             raise WeightLoadError(
                 f"expected {self.num_experts} stacked experts ({ndim} dims), got shape {tuple(loaded_weight.shape)}"
             )
+
+    def _local_rows(self, stacked: torch.Tensor) -> torch.Tensor:
+        """This EP rank's experts of a tensor stacked over all experts."""
+        return stacked.narrow(0, self.first_expert, self.num_local_experts)
 
     def load_gate_up_proj(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
         self._check_experts(loaded_weight, 3)
@@ -123,11 +128,13 @@ class GptOssExperts(FusedExperts):
     ) -> None:
         self._check_experts(loaded_weight, 2)
         gate, up = param.data.chunk(2, dim=1)
-        load_shard(gate, loaded_weight[:, ::2], 1, self.tp_rank, self.tp_size)
-        load_shard(up, loaded_weight[:, 1::2], 1, self.tp_rank, self.tp_size)
+        local = self._local_rows(loaded_weight)
+        load_shard(gate, local[:, ::2], 1, self.tp_rank, self.tp_size)
+        load_shard(up, local[:, 1::2], 1, self.tp_rank, self.tp_size)
 
     def load_down_proj_bias(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
-        load_shard(param.data, loaded_weight, None, 0, 1)
+        self._check_experts(loaded_weight, 2)
+        load_shard(param.data, self._local_rows(loaded_weight), None, 0, 1)
         if self.tp_rank != 0:
             param.data.zero_()
 
@@ -148,7 +155,7 @@ class GptOssExperts(FusedExperts):
 
 
 class GptOssMoE(nn.Module):
-    def __init__(self, config: GptOssConfig, tp_rank: int, tp_size: int) -> None:
+    def __init__(self, config: GptOssConfig, parallel: ModelParallel) -> None:
         super().__init__()
         self.router = GptOssRouter(config.hidden_size, config.num_local_experts, config.num_experts_per_tok)
         self.experts = GptOssExperts(
@@ -157,8 +164,8 @@ class GptOssMoE(nn.Module):
             config.intermediate_size,
             config.swiglu_alpha,
             config.swiglu_limit,
-            tp_rank,
-            tp_size,
+            parallel.moe_tp,
+            parallel.moe_ep,
         )
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -168,9 +175,9 @@ class GptOssMoE(nn.Module):
 class GptOssDecoderLayer(LlamaDecoderLayer):
     attention_cls = GptOssAttention
 
-    def build_mlp(self, config: GptOssConfig, layer_index: int, tp_rank: int, tp_size: int) -> nn.Module:
+    def build_mlp(self, config: GptOssConfig, layer_index: int, parallel: ModelParallel) -> nn.Module:
         """An MoE block in every layer."""
-        return GptOssMoE(config, tp_rank, tp_size)
+        return GptOssMoE(config, parallel)
 
 
 def check_config(config: GptOssConfig) -> None:
@@ -191,7 +198,7 @@ def check_config(config: GptOssConfig) -> None:
 class GptOssForCausalLM(LlamaForCausalLM):
     decoder_layer_cls = GptOssDecoderLayer
 
-    def __init__(self, hf_config: GptOssConfig, *, tp_rank: int = 0, tp_size: int = 1) -> None:
+    def __init__(self, hf_config: GptOssConfig, *, parallel: ModelParallel = ONE_PROCESS) -> None:
         missing = ops.missing_ops(NEEDED_OPS)
         if missing:
             raise NotImplementedError(
@@ -199,7 +206,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
                 "have yet (attention sinks and its MoE experts are left for later there); run it on cpu or cuda"
             )
         check_config(hf_config)
-        super().__init__(hf_config, tp_rank=tp_rank, tp_size=tp_size)
+        super().__init__(hf_config, parallel=parallel)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors (gpt-oss's stacked experts; sinks under self_attn, ours under

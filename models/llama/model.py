@@ -1,7 +1,7 @@
 """Llama (and every checkpoint that loads as transformers' LlamaForCausalLM) on the packed TND path.
 
-Built from module/ layers so that tensor parallelism, the ops dispatch and the paged KV cache come
-for free; parity with transformers is checked in tests/test_llama_parity.py.
+Built from module/ layers so that tensor parallelism (over the groups in ModelParallel), the ops dispatch
+and the paged KV cache come for free; parity with transformers is checked in tests/test_llama_parity.py.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from module.linear import QKVParallelLinear, RowParallelLinear
 from module.mlp import GatedMLP
 from module.mtp import mtp_layer_class, mtp_parameter_name, num_mtp_layers_of
 from module.norm import RMSNorm
+from module.parallel_group import ONE_PROCESS, ModelParallel
 from module.rotary import RotaryEmbedding
 from module.weights import fused_shards_needed, load_fused_tensor
 
@@ -35,7 +36,7 @@ class LlamaAttention(nn.Module):
     biases, a layer's sliding window, the attention op's layer (build_attention), and q/k/v before rope
     (project_qkv)."""
 
-    def __init__(self, config: PretrainedConfig, layer_index: int, tp_rank: int, tp_size: int) -> None:
+    def __init__(self, config: PretrainedConfig, layer_index: int, parallel: ModelParallel) -> None:
         super().__init__()
         qkv_bias, output_bias = self.projection_biases(config)
         self.head_dim = head_dim_of(config)
@@ -45,8 +46,7 @@ class LlamaAttention(nn.Module):
             config.num_attention_heads,
             config.num_key_value_heads,
             bias=qkv_bias,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
+            tp=parallel.attn_tp,
         )
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
@@ -54,13 +54,12 @@ class LlamaAttention(nn.Module):
             config.num_attention_heads * self.head_dim,
             config.hidden_size,
             bias=output_bias,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
+            tp=parallel.attn_tp,
         )
-        self.attn = self.build_attention(config, self.layer_sliding_window(config, layer_index), tp_rank, tp_size)
+        self.attn = self.build_attention(config, self.layer_sliding_window(config, layer_index), parallel)
 
     def build_attention(
-        self, config: PretrainedConfig, sliding_window: int | None, tp_rank: int, tp_size: int
+        self, config: PretrainedConfig, sliding_window: int | None, parallel: ModelParallel
     ) -> Attention:
         """The paged attention over this rank's heads (after the projections are built)."""
         return Attention(
@@ -99,33 +98,32 @@ class LlamaAttention(nn.Module):
 class LlamaDecoderLayer(PreNormDecoderLayer):
     attention_cls: type[LlamaAttention] = LlamaAttention
 
-    def __init__(self, config: PretrainedConfig, layer_index: int, tp_rank: int, tp_size: int) -> None:
+    def __init__(self, config: PretrainedConfig, layer_index: int, parallel: ModelParallel) -> None:
         super().__init__()
-        self.self_attn = self.attention_cls(config, layer_index, tp_rank, tp_size)
-        self.mlp = self.build_mlp(config, layer_index, tp_rank, tp_size)
+        self.self_attn = self.attention_cls(config, layer_index, parallel)
+        self.mlp = self.build_mlp(config, layer_index, parallel)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def build_mlp(self, config: PretrainedConfig, layer_index: int, tp_rank: int, tp_size: int) -> nn.Module:
+    def build_mlp(self, config: PretrainedConfig, layer_index: int, parallel: ModelParallel) -> nn.Module:
         """The layer's feed-forward block: Llama's is a SwiGLU MLP with optional biases in every layer."""
         return GatedMLP(
             config.hidden_size,
             config.intermediate_size,
             config.hidden_act,
             bias=config.mlp_bias,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
+            tp=parallel.dense_tp,
         )
 
 
 class LlamaModel(nn.Module):
     def __init__(
-        self, config: PretrainedConfig, tp_rank: int, tp_size: int, decoder_layer_cls: type[LlamaDecoderLayer]
+        self, config: PretrainedConfig, parallel: ModelParallel, decoder_layer_cls: type[LlamaDecoderLayer]
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_rank, tp_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel.embed_tp)
         self.layers = nn.ModuleList(
-            [decoder_layer_cls(config, index, tp_rank, tp_size) for index in range(config.num_hidden_layers)]
+            [decoder_layer_cls(config, index, parallel) for index in range(config.num_hidden_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # One cos/sin table for all layers, looked up once per step.
@@ -157,18 +155,18 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, hf_config: PretrainedConfig, *, tp_rank: int = 0, tp_size: int = 1) -> None:
+    def __init__(self, hf_config: PretrainedConfig, *, parallel: ModelParallel = ONE_PROCESS) -> None:
         super().__init__()
         self.config = hf_config
-        self.model = LlamaModel(hf_config, tp_rank, tp_size, self.decoder_layer_cls)
-        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, tp_rank, tp_size)
+        self.model = LlamaModel(hf_config, parallel, self.decoder_layer_cls)
+        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, parallel.lmhead_tp)
         if hf_config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         # config.num_nextn_predict_layers of them; none (an empty list, no parameters) without the key.
         self.num_mtp_layers = num_mtp_layers_of(hf_config)
         self.mtp_layers = nn.ModuleList(
             [
-                mtp_layer_class(self.decoder_layer_cls)(hf_config, hf_config.num_hidden_layers - 1, tp_rank, tp_size)
+                mtp_layer_class(self.decoder_layer_cls)(hf_config, hf_config.num_hidden_layers - 1, parallel)
                 for _ in range(self.num_mtp_layers)
             ]
         )

@@ -12,6 +12,7 @@ from transformers import PretrainedConfig
 
 from models.llama.model import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from module.mlp import GatedMLP
+from module.parallel_group import ModelParallel
 
 
 class Qwen2Attention(LlamaAttention):
@@ -30,11 +31,9 @@ class Qwen2Attention(LlamaAttention):
 class Qwen2DecoderLayer(LlamaDecoderLayer):
     attention_cls = Qwen2Attention
 
-    def build_mlp(self, config: PretrainedConfig, layer_index: int, tp_rank: int, tp_size: int) -> nn.Module:
+    def build_mlp(self, config: PretrainedConfig, layer_index: int, parallel: ModelParallel) -> nn.Module:
         """A SwiGLU MLP without biases (Qwen2's config has no mlp_bias)."""
-        return GatedMLP(
-            config.hidden_size, config.intermediate_size, config.hidden_act, tp_rank=tp_rank, tp_size=tp_size
-        )
+        return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, tp=parallel.dense_tp)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

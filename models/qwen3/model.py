@@ -14,6 +14,7 @@ from transformers import PretrainedConfig
 from models.llama.model import LlamaAttention
 from models.qwen2.model import Qwen2Attention, Qwen2DecoderLayer, Qwen2ForCausalLM
 from module.norm import RMSNorm
+from module.parallel_group import ModelParallel
 
 
 class Qwen3Attention(Qwen2Attention):
@@ -22,8 +23,8 @@ class Qwen3Attention(Qwen2Attention):
         """attention_bias on q/k/v and o_proj alike, as in Llama."""
         return LlamaAttention.projection_biases(config)
 
-    def __init__(self, config: PretrainedConfig, layer_index: int, tp_rank: int, tp_size: int) -> None:
-        super().__init__(config, layer_index, tp_rank, tp_size)
+    def __init__(self, config: PretrainedConfig, layer_index: int, parallel: ModelParallel) -> None:
+        super().__init__(config, layer_index, parallel)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 

@@ -17,6 +17,7 @@ from transformers import PretrainedConfig
 
 from models.qwen3.model import Qwen3Attention, Qwen3DecoderLayer, Qwen3ForCausalLM
 from module.moe import FusedExperts, SoftmaxTopkRouter, SparseMoeBlock, load_expert_tensor
+from module.parallel_group import ModelParallel
 
 
 class Qwen3MoeAttention(Qwen3Attention):
@@ -27,12 +28,14 @@ class Qwen3MoeAttention(Qwen3Attention):
 
 
 class Qwen3MoeSparseMoeBlock(SparseMoeBlock):
-    def __init__(self, config: PretrainedConfig, tp_rank: int, tp_size: int) -> None:
+    def __init__(self, config: PretrainedConfig, parallel: ModelParallel) -> None:
         super().__init__(
             SoftmaxTopkRouter(
                 config.hidden_size, config.num_experts, config.num_experts_per_tok, config.norm_topk_prob
             ),
-            FusedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size, tp_rank, tp_size),
+            FusedExperts(
+                config.num_experts, config.hidden_size, config.moe_intermediate_size, parallel.moe_tp, parallel.moe_ep
+            ),
         )
 
 
@@ -48,10 +51,10 @@ def is_sparse_layer(config: PretrainedConfig, layer_index: int) -> bool:
 class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
     attention_cls = Qwen3MoeAttention
 
-    def build_mlp(self, config: PretrainedConfig, layer_index: int, tp_rank: int, tp_size: int) -> nn.Module:
+    def build_mlp(self, config: PretrainedConfig, layer_index: int, parallel: ModelParallel) -> nn.Module:
         if is_sparse_layer(config, layer_index):
-            return Qwen3MoeSparseMoeBlock(config, tp_rank, tp_size)
-        return super().build_mlp(config, layer_index, tp_rank, tp_size)
+            return Qwen3MoeSparseMoeBlock(config, parallel)
+        return super().build_mlp(config, layer_index, parallel)
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):

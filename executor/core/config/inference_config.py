@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 
 from executor.core.config.errors import ConfigError
+from executor.core.config.parallel_layout import ParallelLayout
 from executor.core.config.sections import (
     NESTED,
     NOT_APPLICABLE,
@@ -243,6 +244,12 @@ def _check_cross_rules(config: InferenceConfig, problems: list[str]) -> None:
         _check_speculation(config)
     except ConfigError as exc:
         problems.append(str(exc))
+    problems.extend(f"{problem} in {config.source}" for problem in parallel_size_problems(config))
+
+
+def parallel_size_problems(config: InferenceConfig) -> list[str]:
+    """Parallel sizes that do not tile world_size (whether they fit the model is checked in preflight)."""
+    return ParallelLayout.from_config(config.parallel_config).size_problems()
 
 
 def _check_speculation(config: InferenceConfig) -> None:

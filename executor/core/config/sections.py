@@ -24,7 +24,7 @@ NOT_APPLICABLE = "not applicable"
 REFUSED = "refused"
 OUTCOMES = (USED, NOT_APPLICABLE, REFUSED)
 
-_ONE_PROCESS = "one process for now: tensor, expert and data parallelism are not built yet (issue 11)"
+_NOT_BUILT = "not built here: tensor, expert and data parallelism are (parallel_config)"
 
 
 def rule(default: Any = None, *, default_factory: Any = None, **metadata: Any) -> Any:
@@ -47,9 +47,9 @@ def refused(default: Any, runs_with: tuple[Any, ...], reason: str, **metadata: A
     return rule(default, outcome=REFUSED, runs_with=runs_with, reason=reason, **metadata)
 
 
-def one_process(help_text: str) -> Any:
-    """A parallel size: 1 runs; more needs several processes."""
-    return refused(1, (1,), _ONE_PROCESS, min=1, help=help_text)
+def parallel_size(help_text: str) -> Any:
+    """A parallel size: it must divide world_size, and fit the model (checked before weights load)."""
+    return rule(1, min=1, help=help_text)
 
 
 @dataclass(slots=True)
@@ -141,10 +141,12 @@ class CustomParams:
         None, min=1, help="replaces the model config's layer count (the first N layers; tests, smoke runs)"
     )
     enable_afd: bool = refused(
-        False, (False,), "attention-FFN disaggregation runs attention and FFN on separate ranks; " + _ONE_PROCESS
+        False, (False,), "attention-FFN disaggregation runs attention and FFN on separate ranks; " + _NOT_BUILT
     )
-    enable_sp: bool = refused(False, (False,), "sequence parallel; " + _ONE_PROCESS)
-    ngram_embed_tp_size: int = refused(1, (1,), _ONE_PROCESS, min=1, help="n-gram embedding TP size")
+    enable_sp: bool = refused(False, (False,), "sequence parallel; " + _NOT_BUILT)
+    ngram_embed_tp_size: int = refused(
+        1, (1,), "n-gram embeddings are not built", min=1, help="n-gram embedding TP size"
+    )
     enable_online_mxfp8_quantization: bool = refused(
         False, (False,), "MXFP8 quantization is not built: the run would not give the quantized model's results"
     )
@@ -165,10 +167,14 @@ class CustomParams:
     enable_mla_prolog: bool = not_applicable(False, "the fused NPU MLA prolog kernel; the torch reference runs")
     enable_pypto: bool = not_applicable(False, "PyPTO NPU kernels; the torch reference runs")
     enable_gdn_solve_triangular: bool = not_applicable(False, "an NPU kernel for gated delta-net attention")
-    enable_mm_all_reduce_base: bool = not_applicable(False, "fused matmul + all-reduce; one process")
-    enable_o_proj_alltoall: bool = not_applicable(False, "all-to-all around o_proj; one process")
+    enable_mm_all_reduce_base: bool = not_applicable(
+        False, "an NPU kernel fusing matmul and all-reduce; the two run apart here, with equal results"
+    )
+    enable_o_proj_alltoall: bool = not_applicable(
+        False, "all-to-all around o_proj; o_proj is split with the attention heads here (o_proj_tp_size)"
+    )
     enable_offload: bool = not_applicable(False, "keeps KV in host-swapped memory; the KV cache stays on the device")
-    micro_batch_mode: int = not_applicable(0, "micro-batch overlap of communication and compute; one process")
+    micro_batch_mode: int = not_applicable(0, "micro-batch overlap of communication and compute; one stream here")
     moe_chunk_max_len: int = not_applicable(0, "splits MoE work into chunks to bound NPU memory; results are equal")
 
 
@@ -199,23 +205,39 @@ class DataConfig:
 
 @dataclass(slots=True)
 class ParallelConfig:
-    world_size: int = one_process("processes")
-    attn_tp_size: int = one_process("attention tensor parallel size")
-    moe_tp_size: int = one_process("MoE tensor parallel size (EP = world_size / this)")
+    """Sizes as cann-recipes defines them (executor/core/config/parallel_layout.py has the groups);
+    world_size processes are started by infer.sh through torchrun (docs/distributed.md)."""
+
+    world_size: int = parallel_size("processes (one per device); above 1 infer.sh starts them with torchrun")
+    attn_tp_size: int = parallel_size("attention tensor parallel size; data parallel size = world_size / this")
+    moe_tp_size: int = parallel_size("MoE tensor parallel size (EP = world_size / this)")
     moe_ep_size: int = not_applicable(
         0, "derived as world_size / moe_tp_size (cann-recipes ignores the written value too)", min=0
     )
-    embed_tp_size: int = one_process("embedding tensor parallel size")
-    lmhead_tp_size: int = one_process("LM head tensor parallel size")
-    dense_tp_size: int = one_process("dense FFN tensor parallel size")
-    o_proj_tp_size: int = one_process("attention output projection tensor parallel size")
-    shared_tp_size: int = one_process("shared-expert tensor parallel size")
-    cp_size: int = one_process("context parallel size (prefill split across ranks)")
-    pp_size: int = one_process("pipeline parallel size (cann-recipes' executor does not read it)")
-
-    @property
-    def attn_dp_size(self) -> int:
-        return self.world_size // self.attn_tp_size
+    embed_tp_size: int = parallel_size("embedding tensor parallel size; must divide attn_tp_size here")
+    lmhead_tp_size: int = parallel_size("LM head tensor parallel size; must divide attn_tp_size here")
+    dense_tp_size: int = parallel_size("dense FFN tensor parallel size; must divide attn_tp_size here")
+    o_proj_tp_size: int = not_applicable(
+        1,
+        "o_proj is split with the attention heads (attn_tp_size); another split changes which ranks exchange "
+        "what, not the results",
+        min=1,
+        help="attention output projection tensor parallel size",
+    )
+    shared_tp_size: int = not_applicable(
+        1,
+        "shared experts are split like the routed experts' intermediate dim (moe_tp_size); another split "
+        "changes which ranks hold what, not the results",
+        min=1,
+        help="shared-expert tensor parallel size",
+    )
+    cp_size: int = refused(1, (1,), "context parallel is not built", min=1, help="context parallel size")
+    pp_size: int = refused(
+        1, (1,), "pipeline parallel is not built", min=1, help="pipeline parallel size (cann-recipes does not read it)"
+    )
+    collective_timeout_s: int = rule(
+        600, min=1, help="ours: the longest any collective waits (a rank that died turns into an error, not a hang)"
+    )
 
 
 @dataclass(slots=True)
@@ -238,7 +260,7 @@ class SchedulerConfig:
     num_reserved_decode_tokens: int = not_applicable(
         64, "admission control of online prefill-decode disaggregation; runs here are offline", min=0
     )
-    cp_mini_batch: int = not_applicable(-1, "caps a context-parallel prefill step; cp_size is 1 here")
+    cp_mini_batch: int = not_applicable(-1, "caps a context-parallel prefill step; context parallel is not built")
     num_blocks: int = rule(0, min=0, help="ours: KV blocks to allocate; 0 = size from the memory budget")
     max_model_len: int = rule(0, min=0, help="ours: longest prompt+output; 0 = the model's max_position_embeddings")
     ignore_eos: bool = rule(False, help="ours: run every request to max_new_tokens (benchmarks)")

@@ -1,7 +1,8 @@
 """ExecutionEngine: turns a scheduled Batch into packed inputs, runs the worker, samples.
 
-Built in two phases, as in cann-recipes: the constructor readies the platform and an empty
-ModelWorker; init() loads weights and the tokenizer, warms up and sizes the KV cache.
+Built in two phases, as in cann-recipes: the constructor readies the platform, the process groups
+(CommManager) and an empty ModelWorker; init() loads weights and the tokenizer, warms up and sizes
+the KV cache (the smallest pool any rank can hold, so that all ranks schedule alike).
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from transformers import AutoTokenizer, GenerationConfig
 
 import ops
 from executor.core.config import ConfigError, InferenceConfig
+from executor.core.config.comm_manager import CommManager, DistEnv
 from executor.core.config.inference_config import check_device_rules
+from executor.core.config.parallel_layout import ParallelLayout
 from executor.core.engine.kv_cache_sizing import host_available_bytes, plan_num_blocks
 from executor.core.engine.step_inputs import ScheduledSequence, build_step_layout
 from executor.core.kv_cache import KVCacheManager, cdiv
@@ -41,10 +44,16 @@ WARM_UP_PROMPT_TOKENS = 16
 
 
 class ExecutionEngine:
-    def __init__(self, config: InferenceConfig) -> None:
+    def __init__(self, config: InferenceConfig, comm: CommManager | None = None) -> None:
+        """`comm`: the groups of the run (a draft model's engine shares its target's); built here when None."""
         self.config = config
-        self.platform = create_platform(config.model_config.device)
+        env = comm.env if comm is not None else DistEnv.from_environ()
+        self.platform = create_platform(config.model_config.device, env.local_rank)
         check_device_rules(config, self.platform.device_type)
+        parallel = config.parallel_config
+        self.comm = comm or CommManager(
+            ParallelLayout.from_config(parallel), env, self.platform.dist_backend, parallel.collective_timeout_s
+        )
         op_table = ops.set_backend(self.platform.ops_backend, config.model_config.exe_mode)
         self.metadata_builder = op_table.metadata_builder(self.platform.device)
         self.host_metadata_builder = op_table.metadata_builder(torch.device("cpu"))  # graph steps stage here
@@ -56,6 +65,7 @@ class ExecutionEngine:
             config.model_config.with_ckpt,
             seed=config.data_config.seed,
             step_timer=self.step_timer,
+            parallel=self.comm.model_parallel(),
         )
         self.sampler = Sampler(config.data_config.seed, self.platform.device)
         self.tokenizer: Any = None
@@ -132,6 +142,7 @@ class ExecutionEngine:
             free_memory_bytes=free_bytes,
             mem_fraction_static=sched.mem_fraction_static,
         )
+        num_blocks = self.comm.min_over_world(num_blocks)
         blocks_per_request = len(groups) * self.max_blocks_per_request
         if num_blocks - 1 < blocks_per_request:
             source = (

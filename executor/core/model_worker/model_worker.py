@@ -17,6 +17,7 @@ from executor.model_loader import get_model_loader
 from executor.platform import Platform
 from executor.utils.step_timer import StepTimer
 from module.attention import KVCacheLayer
+from module.parallel_group import ONE_PROCESS, ModelParallel
 from ops.attention_metadata import AttentionMetadataBuilder, build_model_inputs
 
 logger = logging.getLogger(__name__)
@@ -50,9 +51,16 @@ def group_kv_cache_layers(layers: dict[str, KVCacheLayer]) -> list[KVCacheGroup]
 
 class ModelWorker:
     def __init__(
-        self, platform: Platform, dtype: torch.dtype, with_ckpt: bool, seed: int, step_timer: StepTimer | None = None
+        self,
+        platform: Platform,
+        dtype: torch.dtype,
+        with_ckpt: bool,
+        seed: int,
+        step_timer: StepTimer | None = None,
+        parallel: ModelParallel = ONE_PROCESS,
     ) -> None:
         self.platform = platform
+        self.parallel = parallel
         self.dtype = dtype
         self.with_ckpt = with_ckpt
         self.seed = seed
@@ -63,10 +71,11 @@ class ModelWorker:
         self.graph_runner: GraphRunner | None = None
 
     def init(self, model_cls: type[torch.nn.Module], hf_config: Any, model_path: str) -> None:
-        """Build the model from its HF config on the device, load the folder's weights, and group
-        its KV cache layers by spec."""
+        """Build the model from its HF config on the device with this rank's groups, load its shard of
+        the folder's weights (each layer cuts its part out of each checkpoint tensor as it streams by),
+        and group its KV cache layers by spec."""
         with _default_dtype(self.dtype), self.platform.device:
-            model = model_cls(hf_config)
+            model = model_cls(hf_config, parallel=self.parallel)
         get_model_loader(self.with_ckpt, self.seed).load_weights(model, model_path)
         self.model = model.eval()
         self.kv_cache_layers = {name: m for name, m in model.named_modules() if isinstance(m, KVCacheLayer)}

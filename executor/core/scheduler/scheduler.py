@@ -21,7 +21,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from executor.core.kv_cache import KVCacheManager
@@ -67,6 +67,8 @@ class StepRecord:
     num_verified_requests: int = 0  # requests that verified drafts this step
     parts_ms: dict[str, float] | None = None  # step_time_ms split into step_timer.PARTS; None: breakdown off
     profiled: bool = False  # ran under the profiler, so its times are not the run's
+    # bytes this rank handed to each collective this step ("<group>.<op>"); empty in one process
+    comm_bytes: dict[str, int] = field(default_factory=dict)
 
     def log_line(self) -> str:
         line = (

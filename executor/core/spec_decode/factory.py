@@ -66,7 +66,7 @@ def _draft_engine(target: ExecutionEngine, config: InferenceConfig) -> Execution
         scheduler_config=dataclasses.replace(config.scheduler_config, enable_prefix_caching=False),
         speculative_config=dataclasses.replace(config.speculative_config, method="", num_speculative_tokens=0),
     )
-    engine = ExecutionEngine(draft_config)
+    engine = ExecutionEngine(draft_config, comm=target.comm)
     model_cls, config_cls = resolve_model(config.model_config.model_name)
     engine.init(model_cls, config_cls, draft_path)
     if engine.vocab_size != target.vocab_size:

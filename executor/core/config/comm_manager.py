@@ -1,0 +1,155 @@
+"""CommManager: every process group of a run, created once at start from parallel_config.
+
+Model groups (on the platform's backend: gloo on CPU, nccl on CUDA, hccl on NPU) go to the layers as
+a ModelParallel; the gloo groups carry Python objects and flags: the world (KV block counts), each
+attention TP group (agreeing to stop after a step) and the DP leaders (gathering the replicas'
+results). The o_proj TP and attention DP groups of the layout are not created: no layer here splits
+o_proj other than with the attention heads, and the DP replicas talk through their leaders only. All ranks call
+new_group for every group in the same order, as torch.distributed requires; groups with the same
+ranks and backend are created once and shared. Every collective has the run's timeout, so a rank
+that is gone turns into an error within it, never a hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from executor.core.config.errors import ConfigError
+from executor.core.config.parallel_layout import ParallelLayout
+from module.parallel_group import CommStats, ModelParallel, ParallelGroup
+
+CPU_BACKEND = "gloo"
+MODEL_KINDS = ("attn_tp", "dense_tp", "moe_tp", "moe_ep", "embed_tp", "lmhead_tp")
+
+
+@dataclass(frozen=True, slots=True)
+class DistEnv:
+    """This process's place as torchrun describes it (RANK, WORLD_SIZE, LOCAL_RANK); one process without it."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @classmethod
+    def from_environ(cls) -> DistEnv:
+        if "RANK" not in os.environ:
+            return cls()
+        return cls(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def launch_problem(world_size: int, env: DistEnv) -> str | None:
+    """Why this process cannot be a rank of a world_size run, or None."""
+    if world_size == env.world_size:
+        return None
+    launched = f"torchrun started {env.world_size} processes" if env.world_size > 1 else "it runs in one process"
+    return (
+        f"parallel_config.world_size is {world_size} but {launched}: launch through infer.sh or "
+        "`python -m executor.offline.launch` (torchrun --nproc-per-node <world_size> under the hood)"
+    )
+
+
+class CommManager:
+    def __init__(self, layout: ParallelLayout, env: DistEnv, backend: str, timeout_s: float) -> None:
+        problem = launch_problem(layout.world_size, env)
+        if problem is not None:
+            raise ConfigError(problem)
+        self.layout = layout
+        self.env = env
+        self.rank = env.rank
+        self.backend = backend
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.stats = CommStats()
+        self._handles: dict[tuple[tuple[int, ...], str], Any] = {}
+        self.groups: dict[str, ParallelGroup] = {kind: ParallelGroup(kind) for kind in MODEL_KINDS}
+        self.world_cpu: Any = None
+        self.tp_cpu: Any = None
+        self.dp_leaders_cpu: Any = None
+        if env.world_size == 1:
+            return
+        if not dist.is_initialized():
+            dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=self.timeout)
+        for kind in MODEL_KINDS:
+            self.groups[kind] = self._create(kind, backend)
+        self.world_cpu = self._handle(list(range(env.world_size)), CPU_BACKEND)
+        self.tp_cpu = self._create_cpu("attn_tp")
+        self.dp_leaders_cpu = self._create_cpu("dp_leaders")
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.env.world_size > 1
+
+    def _handle(self, ranks: list[int], backend: str) -> Any:
+        key = (tuple(ranks), backend)
+        if key not in self._handles:
+            if len(ranks) == dist.get_world_size() and backend == dist.get_backend():
+                self._handles[key] = dist.group.WORLD
+            else:
+                self._handles[key] = dist.new_group(ranks, timeout=self.timeout, backend=backend)
+        return self._handles[key]
+
+    def _create(self, kind: str, backend: str) -> ParallelGroup:
+        """This rank's group of `kind` (every rank is in one group of each model kind)."""
+        size = self.layout.size_of(kind)
+        if size == 1:
+            return ParallelGroup(kind)
+        handle = self._create_cpu(kind, backend)
+        return ParallelGroup(kind, self.layout.group_rank(kind, self.rank), size, handle, self.stats)
+
+    def _create_cpu(self, kind: str, backend: str = CPU_BACKEND) -> Any:
+        """Every group of `kind` created (as all ranks must); the handle of this rank's, or None."""
+        mine = None
+        for ranks in self.layout.groups(kind):
+            handle = self._handle(ranks, backend)
+            if self.rank in ranks:
+                mine = handle
+        return mine
+
+    def model_parallel(self) -> ModelParallel:
+        """The groups the model's layers are built with."""
+        return ModelParallel(**self.groups)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.layout.dp_rank(self.rank)
+
+    @property
+    def is_dp_leader(self) -> bool:
+        """Attention TP rank 0: the rank that speaks for its data-parallel replica."""
+        return self.groups["attn_tp"].rank == 0
+
+    def min_over_world(self, value: int) -> int:
+        """The smallest `value` over all ranks (KV block counts: every rank must size the same pool)."""
+        if not self.is_distributed:
+            return value
+        tensor = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.world_cpu)
+        return int(tensor.item())
+
+    def any_in_replica(self, flag: bool) -> bool:
+        """Whether any rank of this attention TP group says so: its ranks run the same steps, so
+        they must stop after the same one."""
+        if self.layout.attn_tp_size == 1:
+            return flag
+        tensor = torch.tensor([int(flag)], dtype=torch.int64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.tp_cpu)
+        return bool(tensor.item())
+
+    def gather_from_dp_leaders(self, obj: Any) -> list[Any] | None:
+        """On rank 0, every DP leader's `obj` in DP-rank order; None on the other ranks. Only the
+        leaders call it (their replicas' other ranks hold the same results)."""
+        assert self.is_dp_leader
+        if self.layout.attn_dp_size == 1:
+            return [obj]
+        gathered: list[Any] | None = [None] * self.layout.attn_dp_size if self.rank == 0 else None
+        dist.gather_object(obj, gathered, dst=0, group=self.dp_leaders_cpu)
+        return gathered
+
+    def close(self) -> None:
+        if self.is_distributed and dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,159 @@
+"""Which ranks form which group, from parallel_config's sizes alone: pure functions, so that every
+layout (cann-recipes' world 16 with MoE EP 16 included) is checked without launching a process.
+
+Meanings, as in cann-recipes-infer (world W, rank r):
+- attention TP groups are runs of attn_tp_size consecutive ranks; attention DP size = W / attn_tp_size,
+  and r's DP rank is r // attn_tp_size. Every rank of one attention TP group serves the same requests.
+- dense FFN, MoE, embedding, LM-head and o_proj TP groups are runs of their size of consecutive ranks.
+- MoE EP size = W / moe_tp_size; an EP group is the ranks with the same MoE TP rank (a stride of moe_tp_size).
+- an attention DP group is the ranks with the same attention TP rank (one per DP replica); the DP
+  leaders are the one with attention TP rank 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from executor.core.config.sections import ParallelConfig
+
+# Group kinds, by the names CommManager and the step log use.
+TP_KINDS = ("attn_tp", "dense_tp", "moe_tp", "embed_tp", "lmhead_tp", "o_proj_tp")
+KINDS = (*TP_KINDS, "moe_ep", "attn_dp", "dp_leaders", "world")
+# Groups whose layers need the same tokens on all of their ranks: they must sit inside one attention TP group.
+TOKEN_SHARING_KINDS = ("dense_tp", "embed_tp", "lmhead_tp")
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelLayout:
+    world_size: int = 1
+    attn_tp_size: int = 1
+    dense_tp_size: int = 1
+    moe_tp_size: int = 1
+    embed_tp_size: int = 1
+    lmhead_tp_size: int = 1
+    o_proj_tp_size: int = 1
+
+    @classmethod
+    def from_config(cls, config: ParallelConfig) -> ParallelLayout:
+        return cls(**{name: getattr(config, name) for name in cls.__dataclass_fields__})
+
+    @property
+    def attn_dp_size(self) -> int:
+        return self.world_size // self.attn_tp_size
+
+    @property
+    def moe_ep_size(self) -> int:
+        return self.world_size // self.moe_tp_size
+
+    def size_of(self, kind: str) -> int:
+        """The size of every group of `kind`."""
+        sizes = {"moe_ep": self.moe_ep_size, "attn_dp": self.attn_dp_size, "dp_leaders": self.attn_dp_size}
+        return sizes.get(kind) or (self.world_size if kind == "world" else getattr(self, f"{kind}_size"))
+
+    def size_problems(self) -> list[str]:
+        """Sizes that do not tile the world: each must divide world_size."""
+        return [
+            f"parallel_config.{kind}_size {getattr(self, f'{kind}_size')} does not divide world_size {self.world_size}"
+            for kind in TP_KINDS
+            if self.world_size % getattr(self, f"{kind}_size")
+        ]
+
+    def groups(self, kind: str) -> list[list[int]]:
+        """Every group of `kind`, each a list of global ranks in group-rank order (the layout must have
+        no size_problems)."""
+        assert kind in KINDS, kind
+        world = self.world_size
+        if kind == "world":
+            return [list(range(world))]
+        if kind == "moe_ep":
+            return strided(world, self.moe_tp_size)
+        if kind == "attn_dp":
+            return strided(world, self.attn_tp_size)
+        if kind == "dp_leaders":
+            return strided(world, self.attn_tp_size)[:1]
+        return consecutive(world, getattr(self, f"{kind}_size"))
+
+    def group_of(self, kind: str, rank: int) -> list[int]:
+        """The group of `kind` that `rank` belongs to (for dp_leaders: the leaders, whoever asks)."""
+        if kind == "dp_leaders":
+            return self.groups(kind)[0]
+        (group,) = [group for group in self.groups(kind) if rank in group]
+        return group
+
+    def dp_rank(self, rank: int) -> int:
+        return rank // self.attn_tp_size
+
+    def group_rank(self, kind: str, rank: int) -> int:
+        """`rank`'s index within its group of `kind`."""
+        return self.group_of(kind, rank).index(rank)
+
+    def unbuilt_problems(self, has_experts: bool) -> list[str]:
+        """Layouts whose groups are valid but whose data movement is not built here: a token-sharing
+        group (dense FFN, embedding, LM head) wider than attention TP would need the tokens of several
+        DP replicas exchanged; MoE groups across DP replicas need idle replicas to join each step."""
+        problems = [
+            f"parallel_config.{kind}_size {self.size_of(kind)} must divide attn_tp_size {self.attn_tp_size} "
+            f"(a {kind} group across data-parallel replicas needs their tokens exchanged, which is not built)"
+            for kind in TOKEN_SHARING_KINDS
+            if self.attn_tp_size % self.size_of(kind)
+        ]
+        moe_spans_replicas = self.moe_ep_size > 1 or self.attn_tp_size % self.moe_tp_size
+        if has_experts and self.attn_dp_size > 1 and moe_spans_replicas:
+            problems.append(
+                f"parallel_config: MoE groups (moe_tp_size {self.moe_tp_size}, EP {self.moe_ep_size}) span the "
+                f"{self.attn_dp_size} data-parallel replicas of world_size {self.world_size} / attn_tp_size "
+                f"{self.attn_tp_size}; that needs all-to-all dispatch with idle replicas joining every step, "
+                "which is not built (for MoE models set attn_tp_size to world_size)"
+            )
+        return problems
+
+
+def num_experts_of(hf_config: Any) -> int:
+    """Routed experts per MoE layer under any family's key; 0 for a dense model."""
+    for key in ("n_routed_experts", "num_experts", "num_local_experts"):
+        if getattr(hf_config, key, None):
+            return int(getattr(hf_config, key))
+    return 0
+
+
+def model_fit_problems(layout: ParallelLayout, hf_config: Any) -> list[str]:
+    """Sizes that do not split the model: each split dimension must divide evenly (checked before
+    any weight loads, so that a bad layout fails in a second with the dimension named)."""
+    splits = [
+        ("attn_tp_size", layout.attn_tp_size, "num_attention_heads", hf_config.num_attention_heads),
+        ("embed_tp_size", layout.embed_tp_size, "vocab_size", hf_config.vocab_size),
+        ("lmhead_tp_size", layout.lmhead_tp_size, "vocab_size", hf_config.vocab_size),
+        ("dense_tp_size", layout.dense_tp_size, "intermediate_size", hf_config.intermediate_size),
+    ]
+    if getattr(hf_config, "kv_lora_rank", None) is None:  # MLA's latent cache is not split by heads
+        kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+        splits.append(("attn_tp_size", layout.attn_tp_size, "num_key_value_heads", kv_heads))
+    num_experts = num_experts_of(hf_config)
+    if num_experts:
+        moe_intermediate = getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size
+        splits += [
+            ("MoE EP (world_size / moe_tp_size)", layout.moe_ep_size, "experts", num_experts),
+            ("moe_tp_size", layout.moe_tp_size, "moe_intermediate_size", moe_intermediate),
+        ]
+    problems = [
+        f"parallel_config.{key} {size} does not divide the model's {dim} {value}"
+        for key, size, dim, value in splits
+        if value % size
+    ]
+    if getattr(hf_config, "tie_word_embeddings", False) and layout.embed_tp_size != layout.lmhead_tp_size:
+        problems.append(
+            f"parallel_config.embed_tp_size {layout.embed_tp_size} and lmhead_tp_size {layout.lmhead_tp_size} "
+            "must be equal: the model ties its LM head to its embedding"
+        )
+    return problems + layout.unbuilt_problems(has_experts=num_experts > 0)
+
+
+def consecutive(world_size: int, size: int) -> list[list[int]]:
+    """Runs of `size` consecutive ranks: [0..size), [size..2 size), ..."""
+    return [list(range(start, start + size)) for start in range(0, world_size, size)]
+
+
+def strided(world_size: int, stride: int) -> list[list[int]]:
+    """One group per offset in [0, stride): the ranks offset, offset + stride, ..."""
+    return [list(range(offset, world_size, stride)) for offset in range(stride)]

@@ -1,0 +1,35 @@
+"""A torchrun entry for the failure test: the offline entry, with rank FAULT_RANK raising at its
+FAULT_CALL-th forward_batch (the warm-up makes two; the fourth is the run's second step)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from executor.core.engine.engine import ExecutionEngine
+from executor.offline.__main__ import main
+
+FAULT_RANK = 1
+FAULT_CALL = 4
+FAULT_MESSAGE = "injected fault for the failure test"
+
+
+def install_fault() -> None:
+    if int(os.environ["RANK"]) != FAULT_RANK:
+        return
+    original = ExecutionEngine.forward_batch
+    calls = 0
+
+    def failing(self: ExecutionEngine, batch: object) -> list[list[int]]:
+        nonlocal calls
+        calls += 1
+        if calls == FAULT_CALL:
+            raise RuntimeError(FAULT_MESSAGE)
+        return original(self, batch)
+
+    ExecutionEngine.forward_batch = failing
+
+
+if __name__ == "__main__":
+    install_fault()
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""Runs of the offline entry under torchrun (gloo on CPU) for the distributed tests, and the
+one-process run each is compared with."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.run_harness import outputs_by_id, run_into
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN_TIMEOUT_S = 420
+
+
+@dataclass(slots=True)
+class DistRun:
+    returncode: int
+    output: str  # stdout and stderr together
+    out: Path
+
+    def outputs(self) -> dict[str, dict]:
+        return outputs_by_id(self.out)
+
+    def output_ids_in_file_order(self) -> list[str]:
+        return [json.loads(line)["id"] for line in (self.out / "outputs.jsonl").read_text().splitlines()]
+
+    def steps(self, name: str = "steps.jsonl") -> list[dict]:
+        return [json.loads(line) for line in (self.out / name).read_text().splitlines()]
+
+
+def parallel_overrides(world_size: int, **sizes: int) -> list[str]:
+    return [f"parallel_config.world_size={world_size}"] + [f"parallel_config.{k}={v}" for k, v in sizes.items()]
+
+
+def run_distributed(
+    run_yaml: Path, out: Path, overrides: list[str], entry: list[str] | None = None, nproc: int | None = None
+) -> DistRun:
+    """`python -m executor.offline.launch` (which starts torchrun), or with `entry` and `nproc`
+    torchrun over that entry directly; waits at most RUN_TIMEOUT_S."""
+    args = ["--yaml", str(run_yaml), "--set", f"model_config.output_path={out}"]
+    for override in overrides:
+        args += ["--set", override]
+    if entry is None:
+        command = [sys.executable, "-m", "executor.offline.launch", *args]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+        command += [*entry, *args]
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False
+    )
+    return DistRun(done.returncode, done.stdout + done.stderr, out)
+
+
+def run_one_process(run_yaml: Path, out: Path, *overrides: str) -> dict[str, dict]:
+    assert run_into(run_yaml, out, *overrides) == 0
+    return outputs_by_id(out)
+
+
+def token_ids(outputs: dict[str, dict]) -> dict[str, list[int]]:
+    return {request_id: line["output_token_ids"] for request_id, line in outputs.items()}
+
+
+def max_logprob_difference(first: dict[str, dict], second: dict[str, dict]) -> float:
+    """The largest difference between the two runs' logprobs of the tokens they chose (same tokens)."""
+    return max(
+        abs(a["logprob"] - b["logprob"])
+        for request_id in first
+        for a, b in zip(first[request_id]["logprobs"], second[request_id]["logprobs"], strict=True)
+    )

@@ -1,0 +1,186 @@
+"""Tensor, data and expert parallelism under torchrun on CPU (gloo): greedy outputs equal to one
+process's, one outputs.jsonl in prompt order, bytes per collective in the step log, and a failing
+rank that stops the run with its rank named.
+
+Tensor parallelism changes the order of the fp32 sums in the row-parallel all-reduces (and expert
+parallelism the order of the experts' sum), so logits move by rounding: the tests bound the largest
+difference of the chosen tokens' logprobs beside the token equality.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from executor.offline.dataset import DATASET_DIR, load_prompts, tokenize_record
+from executor.offline.exit_status import COULD_NOT_START
+from tests import deepseek_v3_harness
+from tests.conftest import tiny_tokenizer
+from tests.dist_fault_entry import FAULT_MESSAGE
+from tests.dist_harness import (
+    DistRun,
+    max_logprob_difference,
+    parallel_overrides,
+    run_distributed,
+    run_one_process,
+    token_ids,
+)
+from tests.engine_harness import hf_greedy, load_hf_model
+from tests.run_harness import run_into, summary, write_run
+from tests.test_qwen_parity import qwen_config
+from tests.test_qwen_parity import save_checkpoint as save_qwen_checkpoint
+
+NUM_PROMPTS = 6
+LOGPROBS = "data_config.logprobs=0"  # the chosen token's logprob on every output line
+# Largest logprob difference the fp32 sum order may cause on these tiny models.
+FP32_REORDER_BOUND = 1e-4
+SMOLLM2_NEW_TOKENS = 16
+
+
+def assert_ran(run: DistRun) -> None:
+    assert run.returncode == 0, run.output[-4000:]
+
+
+@pytest.fixture(scope="module")
+def llama_case(tmp_path_factory, tiny_llama_dir) -> tuple[Path, dict[str, dict]]:
+    """The tiny Llama (4 heads over 2 KV heads) over 6 token prompts, and its one-process outputs."""
+    tmp = tmp_path_factory.mktemp("dist_llama")
+    run_yaml = write_run(tmp, tiny_llama_dir, num_prompts=NUM_PROMPTS)
+    return run_yaml, run_one_process(run_yaml, tmp / "one_process", LOGPROBS)
+
+
+def test_a_layout_the_model_cannot_split_is_refused_before_it_loads_with_each_problem(llama_case, tmp_path, capsys):
+    run_yaml, _ = llama_case
+    assert run_into(run_yaml, tmp_path / "refused", *parallel_overrides(3, attn_tp_size=3)) == COULD_NOT_START
+    err = capsys.readouterr().err
+    assert "parallel_config.attn_tp_size 3 does not divide the model's num_attention_heads 4" in err
+    assert "num_key_value_heads 2" in err
+    assert "parallel_config.world_size is 3 but it runs in one process" in err
+    assert not (tmp_path / "refused").exists()
+
+
+def test_graph_modes_and_speculation_are_refused_for_several_processes(llama_case, tmp_path, capsys):
+    run_yaml, _ = llama_case
+    overrides = ["model_config.exe_mode=ge_graph", "speculative_config.method=ngram"]
+    overrides += ["speculative_config.num_speculative_tokens=2", *parallel_overrides(2, attn_tp_size=2)]
+    assert run_into(run_yaml, tmp_path / "refused", *overrides) == COULD_NOT_START
+    err = capsys.readouterr().err
+    assert "model_config.exe_mode 'ge_graph' is not built for several processes with world_size 2" in err
+    assert "speculative decoding (ngram) is not built for several processes with world_size 2" in err
+
+
+def test_attention_tp_2_gives_one_process_tokens_and_logs_bytes_per_collective(llama_case, tmp_path):
+    run_yaml, reference = llama_case
+    sizes = dict(attn_tp_size=2, dense_tp_size=2, embed_tp_size=2, lmhead_tp_size=2)
+    run = run_distributed(run_yaml, tmp_path / "tp2", [LOGPROBS, *parallel_overrides(2, **sizes)])
+    assert_ran(run)
+    assert token_ids(run.outputs()) == token_ids(reference)
+    assert max_logprob_difference(run.outputs(), reference) <= FP32_REORDER_BOUND
+    first_step = run.steps()[0]
+    hidden_bytes = first_step["num_tokens"] * 64 * 4  # [tokens, hidden 64] fp32
+    assert first_step["comm_bytes"]["attn_tp.all_reduce"] == 2 * hidden_bytes  # o_proj, per layer
+    assert first_step["comm_bytes"]["dense_tp.all_reduce"] == 2 * hidden_bytes  # down_proj, per layer
+    assert first_step["comm_bytes"]["embed_tp.all_reduce"] == hidden_bytes
+    assert first_step["comm_bytes"]["lmhead_tp.all_gather"] > 0
+
+
+def test_data_parallel_2_writes_every_replicas_outputs_in_prompt_order(llama_case, tmp_path):
+    run_yaml, reference = llama_case
+    run = run_distributed(run_yaml, tmp_path / "dp2", [LOGPROBS, *parallel_overrides(2)])
+    assert_ran(run)
+    assert token_ids(run.outputs()) == token_ids(reference)
+    assert run.output_ids_in_file_order() == [f"r{i}" for i in range(NUM_PROMPTS)]
+    assert max_logprob_difference(run.outputs(), reference) <= FP32_REORDER_BOUND
+    assert run.steps() and run.steps("steps_dp1.jsonl")  # each replica's step log, apart
+    run_summary = summary(run.out)
+    assert run_summary["status"] == "complete"
+    assert run_summary["requests"] == NUM_PROMPTS
+
+
+@pytest.mark.slow
+def test_tp_2_by_dp_2_on_four_processes_gives_one_process_tokens(llama_case, tmp_path):
+    run_yaml, reference = llama_case
+    run = run_distributed(run_yaml, tmp_path / "tp2dp2", [LOGPROBS, *parallel_overrides(4, attn_tp_size=2)])
+    assert_ran(run)
+    assert token_ids(run.outputs()) == token_ids(reference)
+    assert run.output_ids_in_file_order() == [f"r{i}" for i in range(NUM_PROMPTS)]
+    assert max_logprob_difference(run.outputs(), reference) <= FP32_REORDER_BOUND
+
+
+@pytest.mark.slow
+def test_embedding_and_lm_head_tp_may_differ_from_attention_tp(llama_case, tmp_path):
+    run_yaml, reference = llama_case
+    sizes = dict(attn_tp_size=2, embed_tp_size=1, lmhead_tp_size=2)
+    run = run_distributed(run_yaml, tmp_path / "mixed", [LOGPROBS, *parallel_overrides(2, **sizes)])
+    assert_ran(run)
+    assert token_ids(run.outputs()) == token_ids(reference)
+    assert "embed_tp.all_reduce" not in run.steps()[0]["comm_bytes"]  # replicated embedding: no collective
+
+
+def save_moe_folder(path: Path, family: str) -> Path:
+    if family == "deepseek_v3":
+        deepseek_v3_harness.save_checkpoint(path, deepseek_v3_harness.deepseek_config())
+    else:
+        save_qwen_checkpoint(path, family, qwen_config(family))
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
+def test_expert_parallel_2_gives_one_process_tokens(family, tmp_path):
+    model_dir = save_moe_folder(tmp_path / "model", family)
+    run_yaml = write_run(tmp_path, model_dir, num_prompts=4)
+    name = f"model_config.model_name={family}"
+    reference = run_one_process(run_yaml, tmp_path / "one_process", name, LOGPROBS)
+    sizes = dict(attn_tp_size=2, moe_tp_size=1)  # EP = world_size / moe_tp_size = 2
+    run = run_distributed(run_yaml, tmp_path / "ep2", [name, LOGPROBS, *parallel_overrides(2, **sizes)])
+    assert_ran(run)
+    assert token_ids(run.outputs()) == token_ids(reference)
+    assert max_logprob_difference(run.outputs(), reference) <= FP32_REORDER_BOUND
+    assert run.steps()[0]["comm_bytes"]["moe_ep.all_reduce"] > 0
+
+
+def test_a_rank_that_raises_stops_the_run_with_its_rank_named(llama_case, tmp_path):
+    run_yaml, _ = llama_case
+    timeout_s = 60
+    overrides = [*parallel_overrides(2, attn_tp_size=2), f"parallel_config.collective_timeout_s={timeout_s}"]
+    start_s = time.monotonic()
+    run = run_distributed(run_yaml, tmp_path / "fails", overrides, entry=["tests/dist_fault_entry.py"], nproc=2)
+    assert run.returncode != 0
+    assert f"error: rank 1 of 2 failed: {FAULT_MESSAGE}" in run.output
+    assert time.monotonic() - start_s < timeout_s + 60  # start-up, then at most one collective timeout
+
+
+def write_smollm2_run(tmp_path: Path, model_dir: Path, prompts: list[list[int]]) -> Path:
+    dataset = tmp_path / "prompts.jsonl"
+    lines = [json.dumps({"id": f"p{i}", "prompt_token_ids": ids}) for i, ids in enumerate(prompts)]
+    dataset.write_text("\n".join(lines) + "\n")
+    run_yaml = tmp_path / "run.yaml"
+    run_yaml.write_text(
+        f"model_config:\n  model_path: {model_dir}\n  dtype: float32\n  device: cpu\n"
+        f"data_config:\n  dataset_path: {dataset}\n  input_truncated_len: 0\n"
+        f"scheduler_config:\n  batch_size: {len(prompts)}\n  max_new_tokens: {SMOLLM2_NEW_TOKENS}\n"
+        "  block_size: 16\n  max_model_len: 512\n"
+    )
+    return run_yaml
+
+
+@pytest.mark.slow
+def test_smollm2_at_tp_3_equals_transformers_and_one_process(smollm2_dir, tmp_path):
+    """SmolLM2 has 9 query and 3 KV heads, so TP = 3; fp32, the tied embedding and LM head split too."""
+    hf_model = load_hf_model(smollm2_dir)
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    records = load_prompts(DATASET_DIR / "default.jsonl")[:3]
+    prompts = [tokenize_record(record, tokenizer, True) for record in records]
+    run_yaml = write_smollm2_run(tmp_path, smollm2_dir, prompts)
+    reference = run_one_process(run_yaml, tmp_path / "one_process", LOGPROBS)
+    sizes = dict(attn_tp_size=3, dense_tp_size=3, embed_tp_size=3, lmhead_tp_size=3)
+    run = run_distributed(run_yaml, tmp_path / "tp3", [LOGPROBS, *parallel_overrides(3, **sizes)])
+    assert_ran(run)
+    expected = {f"p{i}": hf_greedy(hf_model, ids, SMOLLM2_NEW_TOKENS) for i, ids in enumerate(prompts)}
+    assert token_ids(run.outputs()) == expected == token_ids(reference)
+    assert max_logprob_difference(run.outputs(), reference) <= FP32_REORDER_BOUND
