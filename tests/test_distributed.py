@@ -125,7 +125,7 @@ def save_moe_folder(path: Path, family: str) -> Path:
     if family == "deepseek_v3":
         deepseek_v3_harness.save_checkpoint(path, deepseek_v3_harness.deepseek_config())
     else:
-        save_qwen_checkpoint(path, family, qwen_config(family))
+        save_qwen_checkpoint(path, qwen_config(family))
     tiny_tokenizer().save_pretrained(path)
     return path
 
