@@ -19,6 +19,7 @@ from transformers import DeepseekV3Config
 import ops
 from executor.core.types_.forward_metadata import ForwardMetaData
 from executor.model_loader.errors import WeightLoadError
+from module.causal_lm import CausalLM
 from module.decoder_layer import PreNormDecoderLayer
 from module.embedding import ParallelLMHead, VocabParallelEmbedding
 from module.mla import MLAAttention
@@ -123,7 +124,7 @@ class DeepseekV3Model(nn.Module):
         return hidden_states
 
 
-class DeepseekV3ForCausalLM(nn.Module):
+class DeepseekV3ForCausalLM(CausalLM):
     # checkpoint module name -> (our fused module, shard id passed to its weight_loader)
     packed_modules_mapping: dict[str, tuple[str, int | str]] = {
         "gate_proj": ("gate_up_proj", 0),
@@ -146,40 +147,10 @@ class DeepseekV3ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.num_mtp_layers = len(self.model.layers) - hf_config.num_hidden_layers
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_metadata: ForwardMetaData
-    ) -> torch.Tensor:
-        """Packed input_ids/positions [T] -> final hidden states [T, hidden] (after the last norm)."""
-        return self.model(input_ids, positions, forward_metadata)
-
-    def compute_logits(self, hidden_states: torch.Tensor, row_indices: torch.Tensor) -> torch.Tensor:
-        """Logits [rows, vocab] of the rows a step samples; the LM head gathers its vocab shards."""
-        return self.lm_head(hidden_states, row_indices)
-
     def mtp_layer(self, layer: int) -> DeepseekV3MTPLayer:
         if not 0 <= layer < self.num_mtp_layers:
             raise IndexError(f"MTP layer {layer} does not exist: the model has {self.num_mtp_layers}")
         return self.model.layers[self.config.num_hidden_layers + layer]
-
-    def mtp_forward(
-        self,
-        layer: int,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        previous_hidden_states: torch.Tensor,
-        forward_metadata: ForwardMetaData,
-    ) -> torch.Tensor:
-        """MTP module `layer` on packed input_ids/positions [T] (each row's next token, at the row's
-        position) and the previous depth's hidden states [T, hidden] (for layer 0, forward()'s
-        output, after the final norm) -> hidden states [T, hidden] before shared_head.norm. Its
-        attention reads and writes its own latent cache through the step's block tables."""
-        inputs_embeds = self.model.embed_tokens(input_ids)
-        rotary = self.model.rotary_emb(positions, inputs_embeds.dtype)
-        return self.mtp_layer(layer).predict(inputs_embeds, previous_hidden_states, rotary, forward_metadata)
-
-    def mtp_compute_logits(self, layer: int, hidden_states: torch.Tensor, row_indices: torch.Tensor) -> torch.Tensor:
-        """shared_head.norm then the shared LM head -> logits [rows, vocab]."""
-        return self.lm_head(self.mtp_layer(layer).shared_head.norm(hidden_states), row_indices)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors (one per routed expert and projection, as DeepSeek checkpoints store

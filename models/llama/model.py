@@ -16,11 +16,12 @@ import ops
 from executor.core.types_.forward_metadata import ForwardMetaData
 from executor.model_loader.errors import WeightLoadError
 from module.attention import Attention
+from module.causal_lm import CausalLM
 from module.decoder_layer import PreNormDecoderLayer
 from module.embedding import ParallelLMHead, VocabParallelEmbedding
 from module.linear import QKVParallelLinear, RowParallelLinear
 from module.mlp import GatedMLP
-from module.mtp import mtp_layer_class, mtp_parameter_name, num_mtp_layers_of
+from module.mtp import MTPLayerMixin, mtp_layer_class, mtp_parameter_name, num_mtp_layers_of
 from module.norm import RMSNorm
 from module.parallel_group import ONE_PROCESS, ModelParallel
 from module.rotary import RotaryEmbedding
@@ -141,7 +142,7 @@ class LlamaModel(nn.Module):
         return hidden_states
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     """The causal LM over LlamaModel. Families that differ only in their layers set decoder_layer_cls;
     loading goes one checkpoint tensor at a time through _load_tensor, which they may extend."""
 
@@ -171,34 +172,10 @@ class LlamaForCausalLM(nn.Module):
             ]
         )
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_metadata: ForwardMetaData
-    ) -> torch.Tensor:
-        """Packed input_ids/positions [T] -> final hidden states [T, hidden] (after the last norm)."""
-        return self.model(input_ids, positions, forward_metadata)
-
-    def compute_logits(self, hidden_states: torch.Tensor, row_indices: torch.Tensor) -> torch.Tensor:
-        """Logits [rows, vocab] of the rows a step samples; the LM head gathers its vocab shards."""
-        return self.lm_head(hidden_states, row_indices)
-
-    def mtp_forward(
-        self,
-        layer: int,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        previous_hidden_states: torch.Tensor,
-        forward_metadata: ForwardMetaData,
-    ) -> torch.Tensor:
-        """MTP layer `layer` on packed rows -> [T, hidden] before its shared_head.norm. Row r holds
-        input_ids[r] and the hidden state of the token before it: for layer 0 the target's forward()
-        output (after its final norm), for a later draft the previous mtp_forward output."""
-        input_embeds = self.model.embed_tokens(input_ids)
-        rotary = self.model.rotary_emb(positions, input_embeds.dtype)
-        return self.mtp_layers[layer].predict(input_embeds, previous_hidden_states, rotary, forward_metadata)
-
-    def mtp_compute_logits(self, layer: int, hidden_states: torch.Tensor, row_indices: torch.Tensor) -> torch.Tensor:
-        """shared_head.norm of MTP layer `layer`, then the main LM head, on the rows a step drafts from."""
-        return self.lm_head(self.mtp_layers[layer].shared_head.norm(hidden_states), row_indices)
+    def mtp_layer(self, layer: int) -> MTPLayerMixin:
+        if not 0 <= layer < self.num_mtp_layers:
+            raise IndexError(f"MTP layer {layer} does not exist: the model has {self.num_mtp_layers}")
+        return self.mtp_layers[layer]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors; returns the parameters that received every shard they need."""

@@ -1,0 +1,53 @@
+"""The causal-LM surface the engine calls (model contract, docs/adding_a_model.md), written once for
+every model built as `self.model` (embed_tokens, rotary_emb, forward) plus `self.lm_head`."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from executor.core.types_.forward_metadata import ForwardMetaData
+from module.embedding import ParallelLMHead
+from module.mtp import MTPLayerMixin
+
+
+class CausalLM(nn.Module):
+    """Subclasses build `model` and `lm_head` and say where MTP layer i lives (mtp_layer)."""
+
+    model: nn.Module
+    lm_head: ParallelLMHead
+    num_mtp_layers: int
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_metadata: ForwardMetaData
+    ) -> torch.Tensor:
+        """Packed input_ids/positions [T] -> final hidden states [T, hidden] (after the last norm)."""
+        return self.model(input_ids, positions, forward_metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor, row_indices: torch.Tensor) -> torch.Tensor:
+        """Logits [rows, vocab] of the rows a step samples; the LM head gathers its vocab shards."""
+        return self.lm_head(hidden_states, row_indices)
+
+    def mtp_layer(self, layer: int) -> MTPLayerMixin:
+        """MTP layer `layer` (IndexError past num_mtp_layers); where a model keeps them is its own choice."""
+        raise NotImplementedError
+
+    def mtp_forward(
+        self,
+        layer: int,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        previous_hidden_states: torch.Tensor,
+        forward_metadata: ForwardMetaData,
+    ) -> torch.Tensor:
+        """MTP layer `layer` on packed input_ids/positions [T] (each row's next token, at the row's
+        position) and the previous depth's hidden states [T, hidden] (for layer 0, forward()'s output,
+        after the final norm) -> hidden states [T, hidden] before shared_head.norm. Its attention reads
+        and writes its own cache through the step's block tables."""
+        inputs_embeds = self.model.embed_tokens(input_ids)
+        rotary = self.model.rotary_emb(positions, inputs_embeds.dtype)
+        return self.mtp_layer(layer).predict(inputs_embeds, previous_hidden_states, rotary, forward_metadata)
+
+    def mtp_compute_logits(self, layer: int, hidden_states: torch.Tensor, row_indices: torch.Tensor) -> torch.Tensor:
+        """shared_head.norm of MTP layer `layer`, then the shared LM head -> logits [rows, vocab]."""
+        return self.lm_head(self.mtp_layer(layer).shared_head.norm(hidden_states), row_indices)
