@@ -1,8 +1,10 @@
 """Where a step's time goes: torch.profiler over one prefill step of every request and over eager
-decode steps of the default model; then the decode step time with the CPU decode attention kernel
-and with the gathered torch reference, interleaved (reference, kernel, kernel, reference).
+decode steps of the default model; then the decode step time as built against one part swapped
+for its baseline, interleaved (baseline, built, built, baseline): `--baseline attention` runs the
+gathered torch reference instead of the CPU decode attention kernel, `--baseline weights` MKL on
+the plain linear weights instead of oneDNN on the blocked ones (module/blocked_weights.py).
 
-    python benchmarks/profile_decode_step.py --batch-size 32 --prompt-tokens 200
+    python benchmarks/profile_decode_step.py --batch-size 32 --prompt-tokens 200 --baseline weights
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 import logging
 import statistics
 import time
+from collections.abc import Iterator
 from unittest import mock
 
 import torch
@@ -24,6 +27,7 @@ from executor.core.engine.engine import ExecutionEngine
 from executor.core.types_ import Batch, Request, SamplingParams
 from executor.model_loader.default_model import default_model_path
 from models.llama import LlamaForCausalLM
+from module.blocked_weights import BlockedWeightMixin
 from ops import cpu_kernels
 
 
@@ -62,11 +66,27 @@ def prefilled(engine: ExecutionEngine, batch_size: int, prompt_tokens: int) -> l
     return requests
 
 
-def attention(reference: bool) -> contextlib.AbstractContextManager:
-    """Decode attention through the gathered torch reference (the CPU kernel hidden), or as built."""
-    if reference:
-        return mock.patch.object(cpu_kernels, "paged_decode_attention", lambda: None)
-    return contextlib.nullcontext()
+def reference_attention() -> contextlib.AbstractContextManager:
+    """Decode attention through the gathered torch reference (the CPU kernel hidden)."""
+    return mock.patch.object(cpu_kernels, "paged_decode_attention", lambda: None)
+
+
+@contextlib.contextmanager
+def plain_weights(model: torch.nn.Module) -> Iterator[None]:
+    """Linear layers on their plain weights (MKL), the blocked copies set aside meanwhile."""
+    layers = [module for module in model.modules() if isinstance(module, BlockedWeightMixin)]
+    blocked = [layer.blocked_weight for layer in layers]
+    for layer in layers:
+        layer.blocked_weight = None
+    try:
+        yield
+    finally:
+        for layer, weight in zip(layers, blocked, strict=True):
+            layer.blocked_weight = weight
+
+
+def baseline(engine: ExecutionEngine, part: str) -> contextlib.AbstractContextManager:
+    return reference_attention() if part == "attention" else plain_weights(engine.worker.model)
 
 
 def main() -> None:
@@ -76,7 +96,8 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=200)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rows", type=int, default=15, help="operators in the printed table")
-    parser.add_argument("--profile-reference", action="store_true", help="profile decode without the CPU kernel")
+    parser.add_argument("--baseline", default="attention", choices=["attention", "weights"], help="the part swapped")
+    parser.add_argument("--profile-baseline", action="store_true", help="profile decode with the baseline part")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     engine = build_engine(args.dtype, args.batch_size)
@@ -89,13 +110,13 @@ def main() -> None:
     decode_ms(engine, requests, 2)  # warm
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
-        with attention(args.profile_reference):
+        with baseline(engine, args.baseline) if args.profile_baseline else contextlib.nullcontext():
             profiled_ms = decode_ms(engine, requests, args.steps)
     print(profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
 
-    timings: dict[str, list[float]] = {"reference": [], "kernel": []}
-    for variant in ("reference", "kernel", "kernel", "reference"):
-        with attention(variant == "reference"):
+    timings: dict[str, list[float]] = {"baseline": [], "built": []}
+    for variant in ("baseline", "built", "built", "baseline"):
+        with baseline(engine, args.baseline) if variant == "baseline" else contextlib.nullcontext():
             timings[variant] += decode_ms(engine, requests, args.steps)
     median = {variant: statistics.median(ms) for variant, ms in timings.items()}
     report = {
@@ -105,7 +126,8 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "profiled_ms_per_step": statistics.mean(profiled_ms),
         "decode_ms_per_step_median": median,
-        "reference_over_kernel": median["reference"] / median["kernel"],
+        "baseline": args.baseline,
+        "baseline_over_built": median["baseline"] / median["built"],
     }
     print(json.dumps(report))
 

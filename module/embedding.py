@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from module.blocked_weights import BlockedWeightMixin, linear
 from module.linear import divide
 from module.parallel_group import SINGLE, ParallelGroup
 from module.weights import ShardId, load_shard
@@ -38,9 +39,10 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(embeddings)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(BlockedWeightMixin, VocabParallelEmbedding):
     """hidden -> logits for the selected rows only; each rank computes its vocab slice, then the
     slices are gathered so every rank holds full logits."""
 
     def forward(self, hidden_states: torch.Tensor, row_indices: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_gather(F.linear(hidden_states[row_indices], self.weight), dim=-1)
+        logits = linear(hidden_states[row_indices], self.weight, None, self.blocked_weight)
+        return self.tp.all_gather(logits, dim=-1)

@@ -10,9 +10,9 @@ layer's own group (module/parallel_group.py), never the default one.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from module.blocked_weights import BlockedWeightMixin, linear
 from module.parallel_group import SINGLE, ParallelGroup
 from module.weights import ShardId, load_shard
 
@@ -23,8 +23,9 @@ def divide(numerator: int, denominator: int) -> int:
     return numerator // denominator
 
 
-class LinearBase(nn.Module):
-    """y = x W^T + b with W [output_size, input_size] already cut to this rank's shard."""
+class LinearBase(BlockedWeightMixin, nn.Module):
+    """y = x W^T + b with W [output_size, input_size] already cut to this rank's shard (and, on the
+    CPU, a blocked copy of it: module/blocked_weights.py)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int, tp: ParallelGroup) -> None:
         super().__init__()
@@ -46,7 +47,7 @@ class LinearBase(nn.Module):
         load_shard(param.data, loaded_weight, dim, self.tp_rank, self.tp_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.blocked_weight)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -104,4 +105,5 @@ class RowParallelLinear(LinearBase):
         super().__init__(divide(input_size, tp.size), output_size, bias, 1, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None))
+        bias = self.bias if self.tp_rank == 0 else None
+        return self.tp.all_reduce(linear(x, self.weight, bias, self.blocked_weight))

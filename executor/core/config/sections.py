@@ -110,6 +110,11 @@ class ModelConfig:
         help="ours: time each step's parts (prepare, h2d, forward, sample, propose, output); null = where it is free "
         "(CPU); on CUDA/NPU it waits for the device at each part",
     )
+    prepack_weights: bool = rule(
+        True,
+        help="ours: on the CPU, reorder linear weights once at load into oneDNN's blocked layout, faster at few rows "
+        "(the plain weights stay too: their memory twice); off: MKL on the plain weights",
+    )
     enable_weight_nz: bool = not_applicable(
         True, "an NPU weight layout (FRACTAL_NZ); weights stay ND here", help="store weights in NZ format"
     )

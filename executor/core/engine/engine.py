@@ -66,6 +66,7 @@ class ExecutionEngine:
             seed=config.data_config.seed,
             step_timer=self.step_timer,
             parallel=self.comm.model_parallel(),
+            prepack_weights=config.model_config.prepack_weights,
         )
         self.sampler = Sampler(config.data_config.seed, self.platform.device)
         self.tokenizer: Any = None

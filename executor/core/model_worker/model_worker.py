@@ -17,6 +17,7 @@ from executor.model_loader import get_model_loader
 from executor.platform import Platform
 from executor.utils.step_timer import StepTimer
 from module.attention import KVCacheLayer
+from module.blocked_weights import reorder_linear_weights
 from module.parallel_group import ONE_PROCESS, ModelParallel
 from ops.attention_metadata import AttentionMetadataBuilder, build_model_inputs
 
@@ -58,8 +59,10 @@ class ModelWorker:
         seed: int,
         step_timer: StepTimer | None = None,
         parallel: ModelParallel = ONE_PROCESS,
+        prepack_weights: bool = False,
     ) -> None:
         self.platform = platform
+        self.prepack_weights = prepack_weights
         self.parallel = parallel
         self.dtype = dtype
         self.with_ckpt = with_ckpt
@@ -77,6 +80,8 @@ class ModelWorker:
         with _default_dtype(self.dtype), self.platform.device:
             model = model_cls(hf_config, parallel=self.parallel)
         get_model_loader(self.with_ckpt, self.seed).load_weights(model, model_path)
+        if self.prepack_weights and self.platform.device_type == "cpu":
+            logger.info("%d linear layers reordered into oneDNN's blocked layout", reorder_linear_weights(model))
         self.model = model.eval()
         self.kv_cache_layers = {name: m for name, m in model.named_modules() if isinstance(m, KVCacheLayer)}
         if not self.kv_cache_layers:
