@@ -46,7 +46,7 @@ def paged_decode_attention() -> Callable[..., torch.Tensor] | None:
             name=name,
             cpp_sources=[_FORWARD, SOURCE.read_text()],
             functions=["paged_decode_attention"],
-            extra_cflags=["-O3", "-fopenmp", *flags],
+            extra_cflags=["-O3", "-fopenmp", "-fno-trapping-math", *flags],
             extra_ldflags=["-fopenmp"],
         )
     except Exception as exc:  # no compiler, missing headers: the reference still works

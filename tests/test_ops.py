@@ -237,7 +237,7 @@ def test_decode_attention_reads_only_up_to_the_longest_sequence_not_the_table_wi
     shutil.which("c++") is None or shutil.which("ninja") is None, reason="the CPU kernel builds with c++ and ninja"
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("sliding_window, with_sinks", [(0, False), (5, False), (0, True), (5, True)])
+@pytest.mark.parametrize("sliding_window, with_sinks", [(0, False), (5, False), (40, False), (0, True), (40, True)])
 def test_cpu_decode_kernel_matches_the_gathered_reference(dtype, sliding_window, with_sinks):
     """The C++ kernel reads the cache in place; it must agree with the torch definition, whatever
     the table width, the window, the sinks and the storage dtype (fp32 accumulation in both)."""
@@ -245,9 +245,12 @@ def test_cpu_decode_kernel_matches_the_gathered_reference(dtype, sliding_window,
     assert kernel is not None, "the kernel must build where a compiler is present"
     key_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
     value_cache = torch.randn_like(key_cache)
-    query = torch.randn(3, NUM_HEADS, HEAD_DIM, dtype=dtype)
-    block_table = torch.tensor([[4, 9, 2, 0, 0], [7, 0, 0, 0, 0], [11, 3, 5, 8, 0]], dtype=torch.int32)
-    seq_lens = torch.tensor([10, 1, 15])
+    query = 3 * torch.randn(4, NUM_HEADS, HEAD_DIM, dtype=dtype)  # peaked softmaxes too
+    # Request 3 spans several of the kernel's 32-key tiles, its last one partly.
+    block_table = torch.tensor(
+        [[4, 9, 2, 0] + [0] * 16, [7] + [0] * 19, [11, 3, 5, 8] + [0] * 16, list(range(12, 32))], dtype=torch.int32
+    )
+    seq_lens = torch.tensor([10, 1, 15, 78])
     sinks = torch.tensor([-1.0, 0.0, 0.5, 3.0], dtype=dtype) if with_sinks else None
     args = (query, key_cache, value_cache, block_table, seq_lens, 0.35, sliding_window, sinks)
     expected = ops.torch_ref.gathered_decode_attention(*args)

@@ -1,12 +1,13 @@
 // Decode attention over the paged KV cache for the CPU: one query token per request, read straight
 // from the cache blocks (no gathered copy), one pass with an online softmax, so the work follows the
 // K/V each request actually has. Parallel over (request, KV head); all query heads of a KV head share
-// each loaded key and value row. Accumulates in fp32 whatever the storage dtype.
+// each loaded key and value row, a tile of keys at a time. Accumulates in fp32 whatever the storage dtype.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -36,11 +37,43 @@ inline const float* as_float(const scalar_t* source, float* buffer, int64_t n) {
   }
 }
 
-template <typename scalar_t>
+// exp(x) for x <= 0 over an array, in a form the compiler vectorises (no libm call): 2^k p(r) with
+// x = k ln2 + r, |r| <= ln2 / 2, and Cephes' degree-6 polynomial for p (about 1 ulp). Inputs below
+// -87 give exp(-87) ~ 1.6e-38, not 0: after the max is subtracted such weights are negligible.
+// (It vectorises with -fno-trapping-math, which ops/cpu_kernels.py passes.)
+inline void exp_nonpositive(float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = x[i] > -87.0f ? x[i] : -87.0f;
+    // Rounded to nearest by truncating v log2(e) - 1/2 toward zero (v <= 0).
+    const int32_t k_int = static_cast<int32_t>(v * 1.44269504088896341f - 0.5f);
+    const float k = static_cast<float>(k_int);
+    const float r = (v - k * 0.693359375f) + k * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t bits = (k_int + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, sizeof scale);
+    x[i] = p * scale;
+  }
+}
+
+// Positions attended per tile: their scores are computed together, then their weights, then the
+// value rows are accumulated, so that no step waits on the one before (the one-key-at-a-time
+// online softmax is bound by that chain).
+constexpr int64_t kTile = 32;
+
+// kHeadDim > 0: the head dim known when compiling (64, 128), so the per-key loops unroll; 0: any.
+template <typename scalar_t, int64_t kHeadDim>
 void decode_attention(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                       const torch::Tensor& block_table, const torch::Tensor& seq_lens, const float* sinks, double scale,
                       int64_t sliding_window, torch::Tensor& out) {
-  const int64_t batch = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t batch = query.size(0), num_heads = query.size(1);
+  const int64_t head_dim = kHeadDim > 0 ? kHeadDim : query.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   const int64_t group = num_heads / num_kv_heads, table_width = block_table.size(1);
   const scalar_t* q = query.data_ptr<scalar_t>();
@@ -52,8 +85,11 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& key_cache
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
   at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q_rows(group * head_dim), acc(group * head_dim), k_row(head_dim), v_row(head_dim);
+    std::vector<float> q_rows(group * head_dim), acc(group * head_dim), scores(group * kTile);
+    std::vector<float> k_rows(kTile * head_dim), v_rows(kTile * head_dim);
     std::vector<float> running_max(group), denominator(group);
+    const float* k_tile[kTile];
+    const float* v_tile[kTile];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / num_kv_heads, kv_head = item % num_kv_heads;
       const int64_t length = lens[b];
@@ -67,22 +103,37 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& key_cache
         denominator[g] = sinks ? 1.0f : 0.0f;
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t pos = first; pos < length; ++pos) {
-        const int64_t slot = static_cast<int64_t>(table[b * table_width + pos / block_size]) * block_size + pos % block_size;
-        const int64_t offset = (slot * num_kv_heads + kv_head) * head_dim;
-        const float* k = as_float(keys + offset, k_row.data(), head_dim);
-        const float* v = as_float(values + offset, v_row.data(), head_dim);
+      for (int64_t tile_start = first; tile_start < length; tile_start += kTile) {
+        const int64_t n = std::min(kTile, length - tile_start);
+        for (int64_t t = 0; t < n; ++t) {
+          const int64_t pos = tile_start + t;
+          const int64_t slot = static_cast<int64_t>(table[b * table_width + pos / block_size]) * block_size + pos % block_size;
+          const int64_t offset = (slot * num_kv_heads + kv_head) * head_dim;
+          k_tile[t] = as_float(keys + offset, k_rows.data() + t * head_dim, head_dim);
+          v_tile[t] = as_float(values + offset, v_rows.data() + t * head_dim, head_dim);
+          for (int64_t g = 0; g < group; ++g) scores[g * kTile + t] = dot(q_rows.data() + g * head_dim, k_tile[t], head_dim);
+        }
         for (int64_t g = 0; g < group; ++g) {
-          const float score = dot(q_rows.data() + g * head_dim, k, head_dim);
-          float* a = acc.data() + g * head_dim;
-          if (score > running_max[g]) {
-            const float correction = std::exp(running_max[g] - score);
-            denominator[g] = denominator[g] * correction + 1.0f;
-            for (int64_t d = 0; d < head_dim; ++d) a[d] = a[d] * correction + v[d];
-            running_max[g] = score;
-          } else {
-            const float weight = std::exp(score - running_max[g]);
-            denominator[g] += weight;
+          float* s = scores.data() + g * kTile;
+          const float tile_max = *std::max_element(s, s + n);
+          const float new_max = std::max(running_max[g], tile_max);
+          const float correction = std::exp(running_max[g] - new_max);  // 0 while nothing is accumulated
+          for (int64_t t = 0; t < n; ++t) s[t] -= new_max;
+          exp_nonpositive(s, n);
+          float tile_sum = 0.0f;
+          for (int64_t t = 0; t < n; ++t) tile_sum += s[t];
+          denominator[g] = denominator[g] * correction + tile_sum;
+          running_max[g] = new_max;
+          if (correction != 1.0f) {
+            float* a = acc.data() + g * head_dim;
+            for (int64_t d = 0; d < head_dim; ++d) a[d] *= correction;
+          }
+        }
+        for (int64_t t = 0; t < n; ++t) {
+          const float* v = v_tile[t];
+          for (int64_t g = 0; g < group; ++g) {
+            const float weight = scores[g * kTile + t];
+            float* a = acc.data() + g * head_dim;
             for (int64_t d = 0; d < head_dim; ++d) a[d] += weight * v[d];
           }
         }
@@ -113,8 +164,16 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
   if (sinks.has_value()) sink_logits = sinks->to(torch::kFloat32).contiguous();
   auto out = torch::empty_like(query);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
-    decode_attention<scalar_t>(query, key_cache, value_cache, block_table, seq_lens,
-                               sinks.has_value() ? sink_logits.data_ptr<float>() : nullptr, scale, sliding_window, out);
+    const float* sink_data = sinks.has_value() ? sink_logits.data_ptr<float>() : nullptr;
+    const auto run = [&](auto head_dim) {
+      decode_attention<scalar_t, decltype(head_dim)::value>(query, key_cache, value_cache, block_table, seq_lens,
+                                                            sink_data, scale, sliding_window, out);
+    };
+    switch (query.size(2)) {
+      case 64: run(std::integral_constant<int64_t, 64>{}); break;
+      case 128: run(std::integral_constant<int64_t, 128>{}); break;
+      default: run(std::integral_constant<int64_t, 0>{});
+    }
   });
   return out;
 }
