@@ -14,7 +14,7 @@ import ops
 from executor.core.types_.forward_metadata import ForwardMetaData
 from executor.core.types_.kv_cache_spec import KVCacheSpec, attention_spec
 from module.parallel_group import SINGLE, ParallelGroup
-from module.weights import ShardId, load_shard
+from module.weights import LoadedWeight, ShardId, load_shard
 
 
 class KVCacheLayer(nn.Module):
@@ -102,7 +102,7 @@ class SinkAttention(Attention):
         self.sinks = nn.Parameter(torch.empty(num_heads), requires_grad=False)
         self.sinks.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: ShardId = None) -> None:
         load_shard(param.data, loaded_weight, 0, self.tp_rank, self.tp_size)
 
     def attend(self, query: torch.Tensor, block_table: torch.Tensor, forward_metadata: ForwardMetaData) -> torch.Tensor:

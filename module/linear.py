@@ -1,8 +1,9 @@
 """Linear layers shaped for tensor parallelism, after vLLM/nano-vllm.
 
 Each rank holds one shard of the weight; every parameter carries a `weight_loader(param,
-loaded_weight, shard_id=None)` that cuts this rank's shard out of the full checkpoint tensor, so
-model loaders never know how a layer is split. Column layers split the output dim and need no
+loaded_weight, shard_id=None)` that cuts this rank's shard out of the full checkpoint tensor (and
+reads only that shard from the file when handed a CheckpointTensor), so model loaders never know how
+a layer is split. Column layers split the output dim and need no
 communication; RowParallelLinear splits the input dim and all-reduces its partial sums over the
 layer's own group (module/parallel_group.py), never the default one.
 """
@@ -14,7 +15,7 @@ from torch import nn
 
 from module.blocked_weights import BlockedWeightMixin, linear
 from module.parallel_group import SINGLE, ParallelGroup
-from module.weights import ShardId, load_shard
+from module.weights import LoadedWeight, ShardId, load_shard
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -41,7 +42,7 @@ class LinearBase(BlockedWeightMixin, nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: ShardId = None) -> None:
         # The bias follows the weight's split on the output dim and is replicated on the input dim.
         dim = None if param is self.bias and self.tp_dim == 1 else self.tp_dim
         load_shard(param.data, loaded_weight, dim, self.tp_rank, self.tp_size)
@@ -66,7 +67,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias, tp)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: ShardId = None) -> None:
         assert isinstance(shard_id, int), "a merged layer is loaded one shard (by index) at a time"
         offset = divide(sum(self.output_sizes[:shard_id]), self.tp_size)
         size = divide(self.output_sizes[shard_id], self.tp_size)
@@ -90,7 +91,7 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         output_sizes = [total_num_heads * head_dim, total_num_kv_heads * head_dim, total_num_kv_heads * head_dim]
         super().__init__(hidden_size, output_sizes, bias, tp)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: ShardId = None) -> None:
         assert shard_id in ("q", "k", "v"), f"QKV shard_id must be 'q', 'k' or 'v', got {shard_id!r}"
         super().weight_loader(param, loaded_weight, "qkv".index(shard_id))
 

@@ -1,4 +1,9 @@
-"""Copying checkpoint tensors into (sharded) parameters with shape checks that name both shapes."""
+"""Copying checkpoint tensors into (sharded) parameters with shape checks that name both shapes.
+
+A loader may hand over a CheckpointTensor (executor/model_loader/checkpoint_tensor.py) instead of a
+torch.Tensor: load_shard narrows it before reading, so a tensor-parallel rank reads only its shard of
+each tensor from the file, and an expert-parallel rank never reads another rank's experts.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from executor.model_loader.checkpoint_tensor import LoadedWeight, materialize
 from executor.model_loader.errors import WeightLoadError
 
 # Which part of a fused parameter a checkpoint tensor fills: "q"/"k"/"v", a merged index, or None.
@@ -15,9 +21,11 @@ ShardId = int | str | None
 
 
 def load_shard(
-    destination: torch.Tensor, loaded_weight: torch.Tensor, dim: int | None, tp_rank: int, tp_size: int
+    destination: torch.Tensor, loaded_weight: LoadedWeight, dim: int | None, tp_rank: int, tp_size: int
 ) -> None:
-    """Copy rank `tp_rank`'s slice of `loaded_weight` along `dim` (None: replicated) into destination."""
+    """Copy rank `tp_rank`'s slice of `loaded_weight` along `dim` (None: replicated) into destination,
+    reading only that slice when `loaded_weight` is still in the checkpoint; the copy converts to
+    destination's dtype."""
     expected = list(destination.shape)
     if dim is not None:
         expected[dim] *= tp_size
@@ -26,10 +34,10 @@ def load_shard(
     if dim is not None:
         size = destination.shape[dim]
         loaded_weight = loaded_weight.narrow(dim, tp_rank * size, size)
-    destination.copy_(loaded_weight)
+    destination.copy_(materialize(loaded_weight))
 
 
-def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
+def default_weight_loader(param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: ShardId = None) -> None:
     """For parameters that every rank holds whole (norm weights)."""
     load_shard(param.data, loaded_weight, None, 0, 1)
 
@@ -48,7 +56,7 @@ def fused_parameter_name(
 def load_fused_tensor(
     model: nn.Module,
     checkpoint_name: str,
-    tensor: torch.Tensor,
+    tensor: LoadedWeight,
     params: Mapping[str, nn.Parameter],
     packed_modules_mapping: Mapping[str, tuple[str, ShardId]],
 ) -> tuple[str, ShardId]:

@@ -41,19 +41,40 @@ def run_distributed(
 ) -> DistRun:
     """`python -m executor.offline.launch` (which starts torchrun), or with `entry` and `nproc`
     torchrun over that entry directly; waits at most RUN_TIMEOUT_S."""
+    command = launch_command(run_yaml, out, overrides, entry, nproc)
+    done = subprocess.run(
+        command, cwd=ROOT, env=RUN_ENV, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False
+    )
+    return DistRun(done.returncode, done.stdout + done.stderr, out)
+
+
+RUN_ENV = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+
+def launch_command(
+    run_yaml: Path, out: Path, overrides: list[str], entry: list[str] | None = None, nproc: int | None = None
+) -> list[str]:
     args = ["--yaml", str(run_yaml), "--set", f"model_config.output_path={out}"]
     for override in overrides:
         args += ["--set", override]
     if entry is None:
-        command = [sys.executable, "-m", "executor.offline.launch", *args]
-    else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-        command += [*entry, *args]
-    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(
-        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False
-    )
-    return DistRun(done.returncode, done.stdout + done.stderr, out)
+        return [sys.executable, "-m", "executor.offline.launch", *args]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    return [*command, *entry, *args]
+
+
+def start_distributed(run_yaml: Path, out: Path, overrides: list[str], log: Path) -> subprocess.Popen:
+    """`python -m executor.offline.launch` started in a process group of its own, as a terminal starts
+    a command (so that os.killpg(process.pid, SIGINT) is a Ctrl-C), its output going to `log`."""
+    with log.open("w") as log_file:
+        return subprocess.Popen(
+            launch_command(run_yaml, out, overrides),
+            cwd=ROOT,
+            env=RUN_ENV,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 def run_one_process(run_yaml: Path, out: Path, *overrides: str) -> dict[str, dict]:

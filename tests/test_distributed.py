@@ -10,6 +10,9 @@ difference of the chosen tokens' logprobs beside the token equality.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -22,11 +25,13 @@ from tests import deepseek_v3_harness
 from tests.conftest import tiny_tokenizer
 from tests.dist_fault_entry import FAULT_MESSAGE
 from tests.dist_harness import (
+    RUN_TIMEOUT_S,
     DistRun,
     max_logprob_difference,
     parallel_overrides,
     run_distributed,
     run_one_process,
+    start_distributed,
     token_ids,
 )
 from tests.engine_harness import hf_greedy, load_hf_model
@@ -153,6 +158,71 @@ def test_a_rank_that_raises_stops_the_run_with_its_rank_named(llama_case, tmp_pa
     assert run.returncode != 0
     assert f"error: rank 1 of 2 failed: {FAULT_MESSAGE}" in run.output
     assert time.monotonic() - start_s < timeout_s + 60  # start-up, then at most one collective timeout
+
+
+# Enough work that the run is still serving when the signal comes: 40 requests one at a time, 240 tokens each.
+LONG_RUN = [f"scheduler_config.{key}" for key in ("batch_size=1", "max_new_tokens=240", "max_model_len=256")]
+STOP_BOUND_S = 60  # from the signal to every process gone: a step, the run folder, torchrun's shutdown
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux /proc)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[1]) == pid:
+            children.append(int(stat.parent.name))
+    return children
+
+
+def is_running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_for(condition, launcher: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while not condition():
+        assert launcher.poll() is None, f"the run ended before it served a step:\n{log.read_text()[-4000:]}"
+        assert time.monotonic() < deadline, "no step within RUN_TIMEOUT_S"
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("sizes", [dict(attn_tp_size=2), dict(attn_tp_size=1)], ids=["tp2", "dp2"])
+def test_ctrl_c_stops_every_rank_and_the_run_folder_says_interrupted(tiny_llama_dir, tmp_path, sizes):
+    """A terminal's Ctrl-C (SIGINT to the launcher's process group) while the ranks serve: every process
+    exits within STOP_BOUND_S with 130, as one process does, and summary.json says interrupted."""
+    run_yaml, out, log = write_run(tmp_path, tiny_llama_dir, num_prompts=40), tmp_path / "out", tmp_path / "log"
+    launcher = start_distributed(run_yaml, out, [*LONG_RUN, *parallel_overrides(2, **sizes)], log)
+    try:
+        steps = out / "steps.jsonl"
+        if sizes["attn_tp_size"] == 2:  # steps.jsonl grows as steps end
+            wait_for(lambda: steps.is_file() and steps.read_text().strip(), launcher, log)
+        else:  # DP replicas' step logs are written at the end: wait until both are warm, then a moment
+            wait_for(lambda: log.read_text().count("KV cache:") == 2, launcher, log)
+            time.sleep(2)
+        ranks = child_pids(launcher.pid)
+        assert len(ranks) == 2
+        os.killpg(launcher.pid, signal.SIGINT)
+        start_s = time.monotonic()
+        status = launcher.wait(timeout=STOP_BOUND_S)
+        assert time.monotonic() - start_s < STOP_BOUND_S
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    output = log.read_text()
+    assert status == 130, output[-4000:]
+    assert [pid for pid in ranks if is_running(pid)] == []
+    assert output.count("interrupted (SIGINT)") == 2, output[-4000:]  # each rank stopped itself
+    interrupted = summary(out)
+    assert interrupted["status"] == "interrupted", output[-4000:]
+    assert "to resume, run: python -m executor.offline.launch --yaml" in output
+    assert 0 < interrupted["pending_requests"] <= 40
 
 
 def write_smollm2_run(tmp_path: Path, model_dir: Path, prompts: list[list[int]]) -> Path:

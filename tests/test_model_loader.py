@@ -22,6 +22,7 @@ from executor.model_loader import (
     WeightLoadError,
     get_model_loader,
 )
+from executor.model_loader.checkpoint_tensor import materialize
 from executor.model_loader.default_model import (
     REQUIRED_FILES,
     default_model_path,
@@ -57,7 +58,7 @@ class TinyModel(nn.Module):
                 raise WeightLoadError(f"unexpected checkpoint tensor {name!r}")
             if params[name].shape != tensor.shape:
                 raise WeightLoadError(f"{name}: expected {tuple(params[name].shape)}, got {tuple(tensor.shape)}")
-            params[name].copy_(tensor)
+            params[name].copy_(materialize(tensor))
             loaded.add(name)
         return loaded
 

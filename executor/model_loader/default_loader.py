@@ -1,7 +1,9 @@
 """Load a Hugging Face safetensors checkpoint (one file or shards with an index) into a model.
 
-The loader only finds files and yields (name, tensor) pairs lazily; the model's `load_weights` maps
-names to parameters, so the loader knows no model. It then checks that nothing was left unfilled.
+The loader only finds files and yields (name, CheckpointTensor) pairs: each tensor's shape and dtype,
+read from the file only where a layer's weight_loader materializes it, and then only the shard that
+this rank holds (checkpoint_tensor.py, module/weights.py). The model's `load_weights` maps names to parameters, so the
+loader knows no model. It then checks that nothing was left unfilled.
 """
 
 from __future__ import annotations
@@ -15,11 +17,30 @@ import torch
 from safetensors import safe_open
 
 from executor.model_loader.base_loader import BaseModelLoader
+from executor.model_loader.checkpoint_tensor import CheckpointTensor
 from executor.model_loader.errors import WeightLoadError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 MAX_NAMES_SHOWN = 10
+# safetensors' dtype names (PySafeSlice.get_dtype) -> torch's
+SAFETENSORS_DTYPES = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "U16": torch.uint16,
+    "I32": torch.int32,
+    "U32": torch.uint32,
+    "I64": torch.int64,
+    "U64": torch.uint64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
 
 
 def checkpoint_shards(model_path: Path) -> Mapping[Path, list[str] | None]:
@@ -41,15 +62,26 @@ def checkpoint_shards(model_path: Path) -> Mapping[Path, list[str] | None]:
     raise WeightLoadError(f"no {SINGLE_FILE} or {INDEX_FILE} in {model_path}")
 
 
-def safetensors_weights(model_path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) one tensor at a time, so that peak memory stays near one tensor."""
+def lazy_tensor(file, name: str) -> CheckpointTensor:
+    """Tensor `name` of an open safetensors file, read only when (and as far as) it is materialized."""
+    tensor_slice = file.get_slice(name)
+    dtype_name = tensor_slice.get_dtype()
+    dtype = SAFETENSORS_DTYPES.get(dtype_name)
+    if dtype is None:
+        raise WeightLoadError(f"tensor {name!r} has dtype {dtype_name}, which this loader does not know")
+    return CheckpointTensor(tensor_slice.__getitem__, tensor_slice.get_shape(), dtype)
+
+
+def safetensors_weights(model_path: str | Path) -> Iterator[tuple[str, CheckpointTensor]]:
+    """Yield (name, CheckpointTensor) one tensor at a time; nothing is read until a weight_loader
+    materializes its shard, so peak memory stays near one shard."""
     for shard, names in checkpoint_shards(Path(model_path)).items():
         with safe_open(str(shard), framework="pt") as file:
             available = set(file.keys())
             for name in names if names is not None else file.keys():
                 if name not in available:
                     raise WeightLoadError(f"tensor {name!r} is listed for {shard} but is not in it")
-                yield name, file.get_tensor(name)
+                yield name, lazy_tensor(file, name)
 
 
 def _name_list(names: list[str]) -> str:

@@ -111,8 +111,9 @@ def prepare_run(yaml_path: str, overrides: list[str]) -> PreparedRun:
 
 
 def resume_command(args: argparse.Namespace, config: InferenceConfig, output_dir: Path) -> str:
-    """The command line that continues this run."""
-    words = ["python", "-m", "executor.offline", "--yaml", args.yaml]
+    """The command line that continues this run (through the launcher when it needs torchrun)."""
+    entry = "executor.offline.launch" if config.parallel_config.world_size > 1 else "executor.offline"
+    words = ["python", "-m", entry, "--yaml", args.yaml]
     for override in args.overrides:
         words += ["--set", override]
     if not config.model_config.output_path:

@@ -1,8 +1,11 @@
 """`python -m executor.offline.launch --yaml FILE [--set section.key=value ...]`: what every infer.sh runs.
 
-parallel_config.world_size 1: the run, in this process. Above 1: torchrun with world_size processes on
-this node (`--standalone` rendezvous), each running `python -m executor.offline` with the same
-arguments. Several nodes: run torchrun on each yourself (docs/distributed.md), e.g.
+parallel_config.world_size 1: the run, in this process. Above 1: torchrun, in this process, with
+world_size processes on this node (`--standalone` rendezvous), each running `python -m executor.offline`
+with the same arguments. Ctrl-C or SIGTERM reaches torchrun here (the ranks run in sessions of their
+own), which hands it to every rank once; the ranks stop after the same step and write the run folder,
+and this process then exits as one process would: 128 + the signal number.
+Several nodes: run torchrun on each yourself (docs/distributed.md), e.g.
 `torchrun --nnodes 2 --node-rank <n> --nproc-per-node <world_size / 2> --rdzv-backend c10d
 --rdzv-endpoint <host:port> -m executor.offline --yaml FILE`.
 """
@@ -13,23 +16,28 @@ import argparse
 import os
 import sys
 
+from torch.distributed import run as torchrun
+from torch.distributed.elastic.multiprocessing.api import SignalException
+
 from executor.core.config import ConfigError, load_config
 from executor.offline import __main__ as offline
 from executor.offline.exit_status import COULD_NOT_START
+from executor.offline.interrupts import exit_status_for
 
 
-def torchrun_command(world_size: int, argv: list[str]) -> list[str]:
-    """The command that starts world_size ranks of the offline entry on this node."""
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={world_size}",
-        "-m",
-        "executor.offline",
-        *argv,
-    ]
+def torchrun_args(world_size: int, argv: list[str]) -> list[str]:
+    """torchrun's arguments that start world_size ranks of the offline entry on this node."""
+    return ["--standalone", f"--nproc-per-node={world_size}", "-m", "executor.offline", *argv]
+
+
+def run_torchrun(world_size: int, argv: list[str]) -> int:
+    """torchrun (`python -m torch.distributed.run`) in this process: on a signal its agent hands the
+    signal to every rank, waits for them (30 s, TORCH_ELASTIC_SHUTDOWN_TIMEOUT) and raises."""
+    try:
+        torchrun.main(torchrun_args(world_size, argv))
+    except SignalException as exc:
+        return exit_status_for(exc.sigval)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,8 +55,7 @@ def main(argv: list[str] | None = None) -> int:
             return COULD_NOT_START
     if world_size == 1 or "RANK" in os.environ:  # one process, or already a torchrun rank
         return offline.main(argv)
-    command = torchrun_command(world_size, argv)
-    os.execv(command[0], command)
+    return run_torchrun(world_size, argv)
 
 
 if __name__ == "__main__":

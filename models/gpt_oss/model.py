@@ -20,6 +20,7 @@ from torch import nn
 from transformers import GptOssConfig
 
 import ops
+from executor.model_loader.checkpoint_tensor import LoadedWeight, materialize
 from executor.model_loader.errors import WeightLoadError
 from models.llama.model import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from module.attention import SinkAttention
@@ -102,29 +103,34 @@ class GptOssExperts(FusedExperts):
         self.gate_up_proj_bias.weight_loader = self.load_gate_up_proj_bias
         self.down_proj_bias.weight_loader = self.load_down_proj_bias
 
-    def _check_experts(self, loaded_weight: torch.Tensor, ndim: int) -> None:
+    def _check_experts(self, loaded_weight: LoadedWeight, ndim: int) -> None:
         if loaded_weight.ndim != ndim or loaded_weight.shape[0] != self.num_experts:
             raise WeightLoadError(
                 f"expected {self.num_experts} stacked experts ({ndim} dims), got shape {tuple(loaded_weight.shape)}"
             )
 
-    def _local_rows(self, stacked: torch.Tensor) -> torch.Tensor:
-        """This EP rank's experts of a tensor stacked over all experts."""
-        return stacked.narrow(0, self.first_expert, self.num_local_experts)
+    def _local_rows(self, stacked: LoadedWeight) -> torch.Tensor:
+        """This EP rank's experts of a tensor stacked over all experts (the others are not read)."""
+        return materialize(stacked.narrow(0, self.first_expert, self.num_local_experts))
 
-    def load_gate_up_proj(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
+    def _local_experts(self, stacked: LoadedWeight) -> Iterator[tuple[int, torch.Tensor]]:
+        """(expert id, its tensor) for this EP rank's experts, read one at a time; the others are not read."""
+        for expert in range(self.first_expert, self.first_expert + self.num_local_experts):
+            yield expert, materialize(stacked.narrow(0, expert, 1))[0]
+
+    def load_gate_up_proj(self, param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: ShardId = None) -> None:
         self._check_experts(loaded_weight, 3)
-        for expert, weight in enumerate(loaded_weight):  # weight [H, 2I]
+        for expert, weight in self._local_experts(loaded_weight):  # weight [H, 2I]
             self.load_expert_weight(weight[:, ::2].T, expert, "gate_proj")
             self.load_expert_weight(weight[:, 1::2].T, expert, "up_proj")
 
-    def load_down_proj(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
+    def load_down_proj(self, param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: ShardId = None) -> None:
         self._check_experts(loaded_weight, 3)
-        for expert, weight in enumerate(loaded_weight):  # weight [I, H]
+        for expert, weight in self._local_experts(loaded_weight):  # weight [I, H]
             self.load_expert_weight(weight.T, expert, "down_proj")
 
     def load_gate_up_proj_bias(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None
+        self, param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: ShardId = None
     ) -> None:
         self._check_experts(loaded_weight, 2)
         gate, up = param.data.chunk(2, dim=1)
@@ -132,7 +138,7 @@ class GptOssExperts(FusedExperts):
         load_shard(gate, local[:, ::2], 1, self.tp_rank, self.tp_size)
         load_shard(up, local[:, 1::2], 1, self.tp_rank, self.tp_size)
 
-    def load_down_proj_bias(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
+    def load_down_proj_bias(self, param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: ShardId = None) -> None:
         self._check_experts(loaded_weight, 2)
         load_shard(param.data, self._local_rows(loaded_weight), None, 0, 1)
         if self.tp_rank != 0:
