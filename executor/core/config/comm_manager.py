@@ -5,7 +5,8 @@ a ModelParallel, each marked when it spans data-parallel replicas; the gloo grou
 objects and flags: the world (KV block counts; in lock-step, whether anyone still has work), each
 attention TP group (agreeing to stop after a step) and the DP leaders (gathering the replicas'
 results). The o_proj TP and attention DP groups of the layout are not created: no layer here splits
-o_proj other than with the attention heads, and the DP replicas talk through their leaders only. All ranks call
+o_proj other than with the attention heads, and the DP replicas talk through their leaders, the world
+group and the model groups that span them (lock-step, docs/distributed.md). All ranks call
 new_group for every group in the same order, as torch.distributed requires; groups with the same
 ranks and backend are created once and shared. Every collective has the run's timeout, so a rank
 that is gone turns into an error within it, never a hang.
