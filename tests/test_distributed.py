@@ -146,11 +146,14 @@ def test_expert_parallel_2_gives_one_process_tokens(family, tmp_path):
 
 # Lock-step data parallelism: 3 prompts over 2 replicas, one request at a time. Replica 0 serves r0
 # (2 new tokens) then r2 (4), replica 1 serves r1 (8): replica 0's prefill of r2 meets replica 1's
-# decode, and replica 0 runs out of work 2 steps before replica 1, so it runs 2 idle forwards.
+# decode, and replica 0 runs out of work before replica 1, so it runs idle forwards.
 UNEVEN_NEW_TOKENS = {"r0": 2, "r1": 8, "r2": 4}
 UNEVEN = ["scheduler_config.batch_size=1", LOGPROBS]
-UNEVEN_STEPS = [1 + 1 + 1 + 3, 1 + 7]  # real steps of each replica: a prefill, then a decode per further token
-UNEVEN_IDLE_STEPS = [2, 0]
+# Real steps of each replica (a prefill, then a decode per further token) and replica 0's idle forwards.
+UNEVEN_STEPS, UNEVEN_IDLE_STEPS = [1 + 1 + 1 + 3, 1 + 7], [2, 0]
+# The same with the 3-token prompts prefilled in chunks of 2: each prompt takes a step that samples no row.
+CHUNKED = "scheduler_config.max_prefill_tokens=2"
+CHUNKED_STEPS, CHUNKED_IDLE_STEPS = [2 + 1 + 2 + 3, 2 + 7], [1, 0]
 
 
 def write_uneven_run(tmp_path: Path, model_dir: Path) -> Path:
@@ -163,16 +166,18 @@ def write_uneven_run(tmp_path: Path, model_dir: Path) -> Path:
     return run_yaml
 
 
-def assert_lock_step_equals_one_process(run: DistRun, reference: dict[str, dict]) -> None:
+def assert_lock_step_equals_one_process(
+    run: DistRun, reference: dict[str, dict], steps: list[int] = UNEVEN_STEPS, idle: list[int] = UNEVEN_IDLE_STEPS
+) -> None:
     """Same tokens and logprobs within rounding as one process; each replica's log holds its real steps
     only, and the idle forwards are counted in its summary."""
     assert_ran(run)
     assert {request_id: len(ids) for request_id, ids in token_ids(reference).items()} == UNEVEN_NEW_TOKENS
     assert token_ids(run.outputs()) == token_ids(reference)
     assert max_logprob_difference(run.outputs(), reference) <= FP32_REORDER_BOUND
-    assert [len(run.steps()), len(run.steps("steps_dp1.jsonl"))] == UNEVEN_STEPS
+    assert [len(run.steps()), len(run.steps("steps_dp1.jsonl"))] == steps
     replicas = summary(run.out)["parts"][-1]["data_parallel_replicas"]
-    assert [replica["lock_step_idle_steps"] for replica in replicas] == UNEVEN_IDLE_STEPS
+    assert [replica["lock_step_idle_steps"] for replica in replicas] == idle
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
@@ -195,20 +200,23 @@ def test_expert_parallel_across_data_parallel_replicas_gives_one_process_tokens(
 
 def test_embedding_lm_head_and_dense_tp_across_data_parallel_replicas_give_one_process_tokens(tiny_llama_dir, tmp_path):
     """Attention TP 1 x DP 2 with embedding, LM head and dense FFN TP 2 (cann-recipes' gemma_4 shape):
-    ids, hidden rows and sampled rows are gathered across the replicas, which step in lock-step."""
+    ids, hidden rows and sampled rows are gathered across the replicas, which step in lock-step.
+    Prompts prefill in chunks, so a replica's step that samples no row meets the other's that does."""
     run_yaml = write_uneven_run(tmp_path, tiny_llama_dir)
-    reference = run_one_process(run_yaml, tmp_path / "one_process", *UNEVEN)
+    reference = run_one_process(run_yaml, tmp_path / "one_process", *UNEVEN, CHUNKED)
     sizes = dict(attn_tp_size=1, dense_tp_size=2, embed_tp_size=2, lmhead_tp_size=2)
-    run = run_distributed(run_yaml, tmp_path / "dp2tp2", [*UNEVEN, *parallel_overrides(2, **sizes)])
-    assert_lock_step_equals_one_process(run, reference)
-    comm_bytes = run.steps()[0]["comm_bytes"]  # both replicas prefill 3 tokens and sample 1 row
-    hidden_bytes = 3 * 64 * 4
-    assert comm_bytes["embed_tp.gather_rows"] == 8 + 3 * 8  # count, then 3 int64 ids
-    assert comm_bytes["embed_tp.all_reduce"] == 2 * hidden_bytes  # both replicas' rows
-    assert comm_bytes["dense_tp.gather_rows"] == 2 * (8 + hidden_bytes)  # per layer
-    assert comm_bytes["dense_tp.all_reduce"] == 2 * 2 * hidden_bytes
-    assert comm_bytes["lmhead_tp.gather_rows"] == 8 + 64 * 4
-    assert comm_bytes["lmhead_tp.all_gather"] == 2 * (TINY_VOCAB // 2) * 4  # 2 rows of this rank's vocab half
+    run = run_distributed(run_yaml, tmp_path / "dp2tp2", [*UNEVEN, CHUNKED, *parallel_overrides(2, **sizes)])
+    assert_lock_step_equals_one_process(run, reference, CHUNKED_STEPS, CHUNKED_IDLE_STEPS)
+    first, second = (step["comm_bytes"] for step in run.steps()[:2])
+    hidden_bytes = 2 * 64 * 4  # both replicas prefill 2 tokens, [tokens, hidden 64] fp32
+    assert first["embed_tp.gather_rows"] == 8 + 2 * 8  # count, then 2 int64 ids
+    assert first["embed_tp.all_reduce"] == 2 * hidden_bytes  # both replicas' rows
+    assert first["dense_tp.gather_rows"] == 2 * (8 + hidden_bytes)  # per layer
+    assert first["dense_tp.all_reduce"] == 2 * 2 * hidden_bytes
+    assert first["lmhead_tp.gather_rows"] == 8  # no replica samples: counts only
+    assert "lmhead_tp.all_gather" not in first
+    assert second["lmhead_tp.gather_rows"] == 8 + 64 * 4  # each replica samples its prompt's last row
+    assert second["lmhead_tp.all_gather"] == 2 * (TINY_VOCAB // 2) * 4  # 2 rows of this rank's vocab half
 
 
 def test_a_rank_that_raises_stops_the_run_with_its_rank_named(llama_case, tmp_path):
