@@ -1,4 +1,8 @@
-"""Token embedding and LM head with the vocabulary split over tensor-parallel ranks."""
+"""Token embedding and LM head with the vocabulary split over tensor-parallel ranks.
+
+When the group spans data-parallel replicas (embed_tp or lmhead_tp wider than attn_tp), its ranks
+hold different tokens: each layer gathers every rank's ids or rows first, runs its vocabulary shard
+over all of them, combines, and keeps its own rows."""
 
 from __future__ import annotations
 
@@ -32,6 +36,13 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
+        if self.tp.spans_replicas:
+            all_ids, own = self.tp.gather_rows(input_ids)
+            return self._embed_and_reduce(all_ids)[own]
+        return self._embed_and_reduce(input_ids)
+
+    def _embed_and_reduce(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Rows of this rank's vocabulary shard (zeros for other ids), summed over the group."""
         local_ids = input_ids - self.vocab_start
         owned = (local_ids >= 0) & (local_ids < self.num_embeddings_per_rank)
         embeddings = F.embedding(local_ids.clamp(0, self.num_embeddings_per_rank - 1), self.weight)
@@ -44,5 +55,10 @@ class ParallelLMHead(BlockedWeightMixin, VocabParallelEmbedding):
     slices are gathered so every rank holds full logits."""
 
     def forward(self, hidden_states: torch.Tensor, row_indices: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden_states[row_indices], self.weight, None, self.blocked_weight)
-        return self.tp.all_gather(logits, dim=-1)
+        rows = hidden_states[row_indices]
+        if not self.tp.spans_replicas:
+            return self.tp.all_gather(linear(rows, self.weight, None, self.blocked_weight), dim=-1)
+        all_rows, own = self.tp.gather_rows(rows)  # every rank calls it each step, with 0 rows or more
+        if all_rows.shape[0] == 0:  # no rank samples this step
+            return rows.new_empty((0, self.num_embeddings_per_rank * self.tp_size))
+        return self.tp.all_gather(linear(all_rows, self.weight, None, self.blocked_weight), dim=-1)[own]

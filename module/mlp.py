@@ -12,7 +12,8 @@ from module.parallel_group import SINGLE, ParallelGroup
 
 class GatedMLP(nn.Module):
     """Checkpoints name the halves gate_proj and up_proj; models map them onto gate_up_proj's
-    shards 0 and 1 (packed_modules_mapping)."""
+    shards 0 and 1 (packed_modules_mapping). When its TP group spans data-parallel replicas, it runs
+    on every rank's rows of the group (gather_rows) and keeps its own."""
 
     def __init__(
         self,
@@ -23,6 +24,7 @@ class GatedMLP(nn.Module):
         tp: ParallelGroup = SINGLE,
     ) -> None:
         super().__init__()
+        self.tp = tp
         if hidden_act != "silu":
             raise ValueError(f"GatedMLP supports hidden_act 'silu' only, got {hidden_act!r}")
         self.gate_up_proj = MergedColumnParallelLinear(
@@ -32,4 +34,7 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.spans_replicas:
+            all_rows, own = self.tp.gather_rows(x)
+            return self.down_proj(self.act_fn(self.gate_up_proj(all_rows)))[own]
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))

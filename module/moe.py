@@ -9,11 +9,20 @@ expert's weights in two stacked tensors, as transformers does, and run through o
 MoE tensor parallelism (moe_tp) splits each expert's intermediate dim, expert parallelism (moe_ep)
 splits the experts, and the partial sums are all-reduced over both groups.
 
-Expert parallelism here: the EP group lies inside one attention TP group (the layout check refuses
-any other), so every rank of it already holds every token. Dispatch is then the identity and combine
-is an all-reduce: each rank runs its own experts on the tokens routed to them (the weights of the
-other experts' slots are zero) and the EP all-reduce sums the experts' outputs. The all-to-all
-dispatch/combine that EP across data-parallel groups needs is not built.
+Expert parallelism, inside one attention TP group (every rank of the EP group holds the same
+tokens): dispatch is the identity and combine an all-reduce. Each rank runs its own experts on the
+tokens routed to them (the weights of the other experts' slots are zero) and the EP all-reduce sums
+the experts' outputs.
+
+Across data-parallel replicas (moe_ep or moe_tp spans them, as in cann-recipes' attention DP 16 x
+EP 16): the replicas hold different tokens, so dispatch is an all-gather. FusedExperts.gather_tokens
+gathers every rank's hidden states over each MoE group that spans replicas (variable counts, padded),
+which leaves the same rows on every rank of both groups; the replicated router routes them all, each
+rank runs its experts over them as above, the all-reduce combines, and each rank keeps its own rows.
+The replicas step in lock-step so that these collectives meet (docs/distributed.md). This moves
+every token to every rank (all-gather of [sum T, H], all-reduce of [sum T, H]) where an all-to-all
+would move each token to its top-k experts' ranks only; on gloo the all-gather is the simple,
+shape-static form, and the NPU API facts this project writes against name no fused dispatch op.
 """
 
 from __future__ import annotations
@@ -198,7 +207,20 @@ class FusedExperts(nn.Module):
         """How many checkpoint tensors fill `param_name`: gate and up of each local expert, or each down."""
         return self.num_local_experts * (2 if param_name == "gate_up_proj" else 1)
 
+    def gather_tokens(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, slice]:
+        """The tokens this layer runs on, and where this rank's own lie among them: its own where
+        the MoE groups lie inside one replica; where moe_tp or moe_ep spans replicas, every rank's
+        gathered over each such group (the same rows on every rank of both groups)."""
+        own = slice(0, hidden_states.shape[0])
+        for group in (self.tp, self.ep):
+            if group.spans_replicas:
+                hidden_states, mine = group.gather_rows(hidden_states)
+                own = slice(mine.start + own.start, mine.start + own.stop)
+        return hidden_states, own
+
     def forward(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """hidden_states [T, H] the same on every rank of moe_tp and moe_ep (gather_tokens' output)
+        -> every token's routed experts' weighted sum [T, H]."""
         if self.ep.size > 1:  # slots routed to another rank's experts weigh nothing here
             local_ids = topk_ids - self.first_expert
             owned = (local_ids >= 0) & (local_ids < self.num_local_experts)
@@ -247,7 +269,8 @@ class SparseMoeBlock(nn.Module):
         self.shared_experts = shared_experts
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        output = self.experts(hidden_states, *self.gate(hidden_states))
+        tokens, own = self.experts.gather_tokens(hidden_states)
+        output = self.experts(tokens, *self.gate(tokens))[own]
         if self.shared_experts is not None:
             output = output + self.shared_experts(hidden_states)
         return output

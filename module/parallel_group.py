@@ -4,6 +4,11 @@ A layer never reaches for torch.distributed's default group: it holds the Parall
 (attention TP, dense FFN TP, MoE TP and EP, embedding TP, LM-head TP), built once by CommManager
 (executor/core/config/comm_manager.py). Every collective goes through the group, which counts the
 bytes it hands over, so the step log can say what each collective cost.
+
+A group may span data-parallel replicas (cann-recipes' attention DP with a wider MoE EP or embedding
+TP): its ranks then hold different tokens, and a layer first gathers them (gather_rows), runs on all
+of them, and keeps its own rows. The replicas step in lock-step so that these collectives meet
+(docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ class ParallelGroup:
     size: int = 1
     group: Any = None  # torch.distributed.ProcessGroup
     stats: CommStats | None = None
+    spans_replicas: bool = False  # its ranks serve different DP replicas, so they hold different tokens
 
     def __post_init__(self) -> None:
         assert 0 <= self.rank < self.size, f"{self.name}: rank {self.rank} outside size {self.size}"
@@ -66,6 +72,33 @@ class ParallelGroup:
         shards = [torch.empty_like(tensor) for _ in range(self.size)]
         dist.all_gather(shards, tensor.contiguous(), group=self.group)
         return torch.cat(shards, dim=dim)
+
+    def gather_rows(self, tensor: torch.Tensor) -> tuple[torch.Tensor, slice]:
+        """Every rank's rows (dim 0; the counts may differ) concatenated in rank order, the same on
+        every rank, and the slice where this rank's own rows lie in it. The counts are exchanged
+        first (one host read), then each rank's rows padded to the largest count are all-gathered;
+        both count under "<group>.gather_rows"."""
+        own_count = tensor.shape[0]
+        if self.size == 1:
+            return tensor, slice(0, own_count)
+        count = torch.tensor([own_count], dtype=torch.int64, device=tensor.device)
+        self._count("gather_rows", count)
+        count_shards = [torch.empty_like(count) for _ in range(self.size)]
+        dist.all_gather(count_shards, count, group=self.group)
+        counts = torch.cat(count_shards).tolist()
+        start = sum(counts[: self.rank])
+        own = slice(start, start + own_count)
+        max_count = max(counts)
+        if max_count == 0:
+            return tensor, own
+        padded = tensor.contiguous()
+        if own_count < max_count:
+            padded = tensor.new_zeros((max_count, *tensor.shape[1:]))
+            padded[:own_count] = tensor
+        self._count("gather_rows", padded)
+        shards = [torch.empty_like(padded) for _ in range(self.size)]
+        dist.all_gather(shards, padded, group=self.group)
+        return torch.cat([shard[:n] for shard, n in zip(shards, counts, strict=True)]), own
 
 
 SINGLE = ParallelGroup()

@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 from executor.offline.dataset import DATASET_DIR, load_prompts, tokenize_record
 from executor.offline.exit_status import COULD_NOT_START
 from tests import deepseek_v3_harness
-from tests.conftest import tiny_tokenizer
+from tests.conftest import TINY_VOCAB, tiny_tokenizer
 from tests.dist_fault_entry import FAULT_MESSAGE
 from tests.dist_harness import (
     RUN_TIMEOUT_S,
@@ -147,6 +147,81 @@ def test_expert_parallel_2_gives_one_process_tokens(family, tmp_path):
     assert token_ids(run.outputs()) == token_ids(reference)
     assert max_logprob_difference(run.outputs(), reference) <= FP32_REORDER_BOUND
     assert run.steps()[0]["comm_bytes"]["moe_ep.all_reduce"] > 0
+
+
+# Lock-step data parallelism: 3 prompts over 2 replicas, one request at a time. Replica 0 serves r0
+# (2 new tokens) then r2 (4), replica 1 serves r1 (8): replica 0's prefill of r2 meets replica 1's
+# decode, and replica 0 runs out of work before replica 1, so it runs idle forwards.
+UNEVEN_NEW_TOKENS = {"r0": 2, "r1": 8, "r2": 4}
+UNEVEN = ["scheduler_config.batch_size=1", LOGPROBS]
+# Real steps of each replica (a prefill, then a decode per further token) and replica 0's idle forwards.
+UNEVEN_STEPS, UNEVEN_IDLE_STEPS = [1 + 1 + 1 + 3, 1 + 7], [2, 0]
+# The same with the 3-token prompts prefilled in chunks of 2: each prompt takes a step that samples no row.
+CHUNKED = "scheduler_config.max_prefill_tokens=2"
+CHUNKED_STEPS, CHUNKED_IDLE_STEPS = [2 + 1 + 2 + 3, 2 + 7], [1, 0]
+
+
+def write_uneven_run(tmp_path: Path, model_dir: Path) -> Path:
+    """write_run's 3 token-id prompts, each with its own max_new_tokens (UNEVEN_NEW_TOKENS)."""
+    run_yaml = write_run(tmp_path, model_dir, num_prompts=len(UNEVEN_NEW_TOKENS))
+    dataset = tmp_path / "prompts.jsonl"
+    lines = [json.loads(line) for line in dataset.read_text().splitlines()]
+    lines = [line | {"max_new_tokens": UNEVEN_NEW_TOKENS[line["id"]]} for line in lines]
+    dataset.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return run_yaml
+
+
+def assert_lock_step_equals_one_process(
+    run: DistRun, reference: dict[str, dict], steps: list[int] = UNEVEN_STEPS, idle: list[int] = UNEVEN_IDLE_STEPS
+) -> None:
+    """Same tokens and logprobs within rounding as one process; each replica's log holds its real steps
+    only, and the idle forwards are counted in its summary."""
+    assert_ran(run)
+    assert {request_id: len(ids) for request_id, ids in token_ids(reference).items()} == UNEVEN_NEW_TOKENS
+    assert token_ids(run.outputs()) == token_ids(reference)
+    assert max_logprob_difference(run.outputs(), reference) <= FP32_REORDER_BOUND
+    assert [len(run.steps()), len(run.steps("steps_dp1.jsonl"))] == steps
+    replicas = summary(run.out)["parts"][-1]["data_parallel_replicas"]
+    assert [replica["lock_step_idle_steps"] for replica in replicas] == idle
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
+def test_expert_parallel_across_data_parallel_replicas_gives_one_process_tokens(family, tmp_path):
+    """Attention TP 1 x DP 2 x EP 2 (cann-recipes' qwen3_moe layout at world 2): each MoE layer gathers
+    both replicas' tokens over moe_ep, and the replica without work runs idle forwards."""
+    model_dir = save_moe_folder(tmp_path / "model", family)
+    run_yaml = write_uneven_run(tmp_path, model_dir)
+    name = f"model_config.model_name={family}"
+    reference = run_one_process(run_yaml, tmp_path / "one_process", name, *UNEVEN)
+    sizes = dict(attn_tp_size=1, moe_tp_size=1)  # DP 2, EP 2
+    run = run_distributed(run_yaml, tmp_path / "dp2ep2", [name, *UNEVEN, *parallel_overrides(2, **sizes)])
+    assert_lock_step_equals_one_process(run, reference)
+    first_step = run.steps()[0]  # both replicas prefill 3 tokens
+    hidden_bytes = 3 * 64 * 4  # [tokens, hidden 64] fp32
+    num_moe_layers = 2 if family == "deepseek_v3" else 3
+    assert first_step["comm_bytes"]["moe_ep.gather_rows"] == num_moe_layers * (8 + hidden_bytes)  # count, rows
+    assert first_step["comm_bytes"]["moe_ep.all_reduce"] == num_moe_layers * 2 * hidden_bytes  # both replicas' rows
+
+
+def test_embedding_lm_head_and_dense_tp_across_data_parallel_replicas_give_one_process_tokens(tiny_llama_dir, tmp_path):
+    """Attention TP 1 x DP 2 with embedding, LM head and dense FFN TP 2 (cann-recipes' gemma_4 shape):
+    ids, hidden rows and sampled rows are gathered across the replicas, which step in lock-step.
+    Prompts prefill in chunks, so a replica's step that samples no row meets the other's that does."""
+    run_yaml = write_uneven_run(tmp_path, tiny_llama_dir)
+    reference = run_one_process(run_yaml, tmp_path / "one_process", *UNEVEN, CHUNKED)
+    sizes = dict(attn_tp_size=1, dense_tp_size=2, embed_tp_size=2, lmhead_tp_size=2)
+    run = run_distributed(run_yaml, tmp_path / "dp2tp2", [*UNEVEN, CHUNKED, *parallel_overrides(2, **sizes)])
+    assert_lock_step_equals_one_process(run, reference, CHUNKED_STEPS, CHUNKED_IDLE_STEPS)
+    first, second = (step["comm_bytes"] for step in run.steps()[:2])
+    hidden_bytes = 2 * 64 * 4  # both replicas prefill 2 tokens, [tokens, hidden 64] fp32
+    assert first["embed_tp.gather_rows"] == 8 + 2 * 8  # count, then 2 int64 ids
+    assert first["embed_tp.all_reduce"] == 2 * hidden_bytes  # both replicas' rows
+    assert first["dense_tp.gather_rows"] == 2 * (8 + hidden_bytes)  # per layer
+    assert first["dense_tp.all_reduce"] == 2 * 2 * hidden_bytes
+    assert first["lmhead_tp.gather_rows"] == 8  # no replica samples: counts only
+    assert "lmhead_tp.all_gather" not in first
+    assert second["lmhead_tp.gather_rows"] == 8 + 64 * 4  # each replica samples its prompt's last row
+    assert second["lmhead_tp.all_gather"] == 2 * (TINY_VOCAB // 2) * 4  # 2 rows of this rank's vocab half
 
 
 def test_a_rank_that_raises_stops_the_run_with_its_rank_named(llama_case, tmp_path):

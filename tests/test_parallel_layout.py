@@ -89,28 +89,26 @@ def cann_layout(name: str) -> ParallelLayout:
     return ParallelLayout(**{key: value for key, value in sizes.items() if key in fields})
 
 
-# cann-recipes' layouts: what each would need beyond what is built (empty: it runs as written).
-CANN_UNBUILT = {
+# cann-recipes' layouts (for a model with experts): the model groups that span data-parallel
+# replicas, which make the replicas step in lock-step (empty: independent replicas, or one).
+CANN_LOCK_STEP = {
     "bailing_2_5": [],  # world 8, everything TP 8, MoE EP 8 inside the one replica
     "hy3": [],  # world 16, attention TP 16, dense FFN replicated, MoE EP 16
     "qwen3_5": [],  # world 4, everything TP 4
     "longcat_flash_lite": [],  # world 8, attention and LM head TP 8, MoE EP 8
-    "gemma_4": ["embed_tp", "lmhead_tp", "MoE"],  # world 4, attention DP 4, embedding/LM head TP 4
-    "qwen3_moe": ["MoE"],  # world 16, attention DP 16, MoE EP 16 across the replicas
-    "step3p7_flash": ["dense_tp", "embed_tp", "lmhead_tp", "MoE"],
+    "gemma_4": ["embed_tp", "lmhead_tp", "moe_ep"],  # world 4, attention DP 4, embedding/LM head TP 4
+    "qwen3_moe": ["moe_ep"],  # world 16, attention DP 16, MoE EP 16 across the replicas
+    "step3p7_flash": ["dense_tp", "embed_tp", "lmhead_tp", "moe_ep"],
 }
 
 
-@pytest.mark.parametrize("name", sorted(CANN_UNBUILT))
-def test_cann_recipes_layouts_build_their_groups_and_say_what_is_not_built(name):
+@pytest.mark.parametrize("name", sorted(CANN_LOCK_STEP))
+def test_cann_recipes_layouts_build_their_groups_and_say_which_span_replicas(name):
     layout = cann_layout(name)
     assert layout.size_problems() == []
     for kind in KINDS:
         assert all(len(group) == layout.size_of(kind) for group in layout.groups(kind))
-    problems = layout.unbuilt_problems(has_experts=True)
-    assert len(problems) == len(CANN_UNBUILT[name]), problems
-    for problem, what in zip(problems, CANN_UNBUILT[name], strict=True):
-        assert what in problem
+    assert layout.lock_step_kinds(has_experts=True) == CANN_LOCK_STEP[name]
 
 
 def test_cann_qwen3_moe_layout_is_world_16_of_attention_dp_16_and_one_ep_group_of_16():
@@ -118,7 +116,19 @@ def test_cann_qwen3_moe_layout_is_world_16_of_attention_dp_16_and_one_ep_group_o
     assert layout.attn_dp_size == 16
     assert layout.groups("moe_ep") == [list(range(16))]
     assert layout.groups("attn_tp") == [[rank] for rank in range(16)]
-    assert layout.unbuilt_problems(has_experts=False) == []  # a dense model would run it as 16 replicas
+    assert layout.lock_step_kinds(has_experts=False) == []  # a dense model runs it as 16 independent replicas
+
+
+def test_a_group_spans_replicas_when_its_ranks_serve_different_ones():
+    inside = ParallelLayout(world_size=4, attn_tp_size=2, moe_tp_size=2, embed_tp_size=2)
+    assert not inside.spans_replicas("moe_tp")  # [0, 1], [2, 3]: one replica each
+    assert inside.spans_replicas("moe_ep")  # [0, 2], [1, 3]
+    assert not inside.spans_replicas("embed_tp")
+    across = ParallelLayout(world_size=4, attn_tp_size=1, moe_tp_size=2)
+    assert across.spans_replicas("moe_tp") and across.spans_replicas("moe_ep")
+    assert across.lock_step_kinds(has_experts=True) == ["moe_tp", "moe_ep"]
+    assert across.lock_step_kinds(has_experts=False) == []
+    assert ParallelLayout(world_size=2, attn_tp_size=2, moe_tp_size=1).lock_step_kinds(has_experts=True) == []
 
 
 SMOLLM2 = SimpleNamespace(
@@ -152,8 +162,7 @@ def test_experts_must_split_over_ep_and_the_expert_width_over_moe_tp():
         moe_intermediate_size=30,
     )
     problems = model_fit_problems(ParallelLayout(world_size=4, attn_tp_size=2, moe_tp_size=4), moe)
-    assert "parallel_config.moe_tp_size 4 does not divide the model's moe_intermediate_size 30" in problems
-    assert any("MoE groups" in problem for problem in problems)  # 2 replicas, MoE TP 4 spans both
+    assert problems == ["parallel_config.moe_tp_size 4 does not divide the model's moe_intermediate_size 30"]
     assert model_fit_problems(ParallelLayout(world_size=4, attn_tp_size=4, moe_tp_size=1), moe) == [
         "parallel_config.MoE EP (world_size / moe_tp_size) 4 does not divide the model's experts 6"
     ]

@@ -15,7 +15,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from executor.core.config import InferenceConfig
 from executor.core.engine import ExecutionEngine
 from executor.core.sampler import request_seed
-from executor.core.scheduler import Scheduler, SchedulerLimits, StepRecord
+from executor.core.scheduler import Scheduler, SchedulerLimits, StepOutput, StepRecord
 from executor.core.types_ import Request, SamplingParams
 from executor.offline.dataset import DatasetError, PromptRecord, tokenize_record
 from executor.offline.results import ResultWriter, request_result
@@ -90,6 +90,7 @@ class OfflineInference:
         profiler = self._make_profiler(writer)
         comm = self.engine.comm
         comm.stats.take()  # warm-up's collectives are not the first step's
+        idle_steps = 0
         start_s = time.perf_counter()
         progress_bar = tqdm(total=len(requests), unit="req", desc="requests", disable=comm.rank != 0)
         with logging_redirect_tqdm(), progress_bar as progress:
@@ -98,9 +99,13 @@ class OfflineInference:
                     finish(request)
                 else:
                     self.scheduler.add_request(request)
-            # The ranks of one attention TP group run the same steps, so they stop after the same one.
-            while self.scheduler.has_work() and not comm.any_in_replica(should_stop()):
-                output = self.scheduler.run_step(self.engine, profiler)
+            while self._step_agreed(should_stop):
+                has_work = self.scheduler.has_work()
+                output = self.scheduler.run_step(self.engine, profiler) if has_work else StepOutput(None, [])
+                if output.record is None and self.engine.lock_step:  # no forward ran here: the others need one
+                    self.engine.idle_forward()
+                    comm.stats.take()  # an idle step is no step of this replica's log
+                    idle_steps += 1
                 if output.record is not None:
                     output.record.comm_bytes = comm.stats.take()
                     steps.append(output.record)
@@ -109,6 +114,8 @@ class OfflineInference:
                 for request in output.finished:
                     finish(request)
         summary = summarize(requests, steps, start_s, time.perf_counter())
+        if self.engine.lock_step:
+            summary["lock_step_idle_steps"] = idle_steps
         decode_times_ms = [step.step_time_ms for step in steps if step.phase == "decode" and not step.profiled]
         model_name = self.config.model_config.model_name or model_folder("")
         for line in cann_closing_lines(model_name, decode_times_ms, summary, self.config.speculation[1]):
@@ -127,6 +134,16 @@ class OfflineInference:
         if writer is not None:
             writer.write_summary(summary)
         return RunResult(requests, [results[r.request_id] for r in requests if r.request_id in results], steps, summary)
+
+    def _step_agreed(self, should_stop: Callable[[], bool]) -> bool:
+        """Whether to run another step. The ranks of one attention TP group run the same steps, so
+        they stop after the same one. In lock-step (model groups span the DP replicas) every rank
+        of the world steps while any has work, replicas without work running an idle forward."""
+        comm = self.engine.comm
+        if self.engine.lock_step:
+            anyone_has_work, anyone_stops = comm.agree_over_world(self.scheduler.has_work(), should_stop())
+            return anyone_has_work and not anyone_stops
+        return self.scheduler.has_work() and not comm.any_in_replica(should_stop())
 
     def _make_profiler(self, writer: ResultWriter | None) -> StepProfiler | None:
         """With model_config.enable_profiler, the steps it chooses are profiled into <output>/prof."""

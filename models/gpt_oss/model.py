@@ -175,7 +175,8 @@ class GptOssMoE(nn.Module):
         )
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.experts(hidden_states, *self.router(hidden_states))
+        tokens, own = self.experts.gather_tokens(hidden_states)
+        return self.experts(tokens, *self.router(tokens))[own]
 
 
 class GptOssDecoderLayer(LlamaDecoderLayer):

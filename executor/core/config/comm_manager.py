@@ -1,10 +1,12 @@
 """CommManager: every process group of a run, created once at start from parallel_config.
 
 Model groups (on the platform's backend: gloo on CPU, nccl on CUDA, hccl on NPU) go to the layers as
-a ModelParallel; the gloo groups carry Python objects and flags: the world (KV block counts), each
+a ModelParallel, each marked when it spans data-parallel replicas; the gloo groups carry Python
+objects and flags: the world (KV block counts; in lock-step, whether anyone still has work), each
 attention TP group (agreeing to stop after a step) and the DP leaders (gathering the replicas'
 results). The o_proj TP and attention DP groups of the layout are not created: no layer here splits
-o_proj other than with the attention heads, and the DP replicas talk through their leaders only. All ranks call
+o_proj other than with the attention heads, and the DP replicas talk through their leaders, the world
+group and the model groups that span them (lock-step, docs/distributed.md). All ranks call
 new_group for every group in the same order, as torch.distributed requires; groups with the same
 ranks and backend are created once and shared. Every collective has the run's timeout, so a rank
 that is gone turns into an error within it, never a hang.
@@ -99,7 +101,8 @@ class CommManager:
         if size == 1:
             return ParallelGroup(kind)
         handle = self._create_cpu(kind, backend)
-        return ParallelGroup(kind, self.layout.group_rank(kind, self.rank), size, handle, self.stats)
+        rank = self.layout.group_rank(kind, self.rank)
+        return ParallelGroup(kind, rank, size, handle, self.stats, spans_replicas=self.layout.spans_replicas(kind))
 
     def _create_cpu(self, kind: str, backend: str = CPU_BACKEND) -> Any:
         """Every group of `kind` created (as all ranks must); the handle of this rank's, or None."""
@@ -139,6 +142,16 @@ class CommManager:
         tensor = torch.tensor([int(flag)], dtype=torch.int64)
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.tp_cpu)
         return bool(tensor.item())
+
+    def agree_over_world(self, has_work: bool, stop: bool) -> tuple[bool, bool]:
+        """Lock-step data parallelism, before each step: whether any rank still has work, and whether
+        any says stop (one MAX over the world's gloo group, with the collective timeout)."""
+        if not self.is_distributed:
+            return has_work, stop
+        tensor = torch.tensor([int(has_work), int(stop)], dtype=torch.int64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.world_cpu)
+        anyone_has_work, anyone_stops = tensor.tolist()
+        return bool(anyone_has_work), bool(anyone_stops)
 
     def gather_from_dp_leaders(self, obj: Any) -> list[Any] | None:
         """On rank 0, every DP leader's `obj` in DP-rank order; None on the other ranks. Only the

@@ -20,7 +20,7 @@ from executor.core.config.sections import ParallelConfig
 # Group kinds, by the names CommManager and the step log use.
 TP_KINDS = ("attn_tp", "dense_tp", "moe_tp", "embed_tp", "lmhead_tp", "o_proj_tp")
 KINDS = (*TP_KINDS, "moe_ep", "attn_dp", "dp_leaders", "world")
-# Groups whose layers need the same tokens on all of their ranks: they must sit inside one attention TP group.
+# Groups of dense layers whose ranks need the same tokens: across DP replicas they gather them first.
 TOKEN_SHARING_KINDS = ("dense_tp", "embed_tp", "lmhead_tp")
 
 
@@ -88,25 +88,18 @@ class ParallelLayout:
         """`rank`'s index within its group of `kind`."""
         return self.group_of(kind, rank).index(rank)
 
-    def unbuilt_problems(self, has_experts: bool) -> list[str]:
-        """Layouts whose groups are valid but whose data movement is not built here: a token-sharing
-        group (dense FFN, embedding, LM head) wider than attention TP would need the tokens of several
-        DP replicas exchanged; MoE groups across DP replicas need idle replicas to join each step."""
-        problems = [
-            f"parallel_config.{kind}_size {self.size_of(kind)} must divide attn_tp_size {self.attn_tp_size} "
-            f"(a {kind} group across data-parallel replicas needs their tokens exchanged, which is not built)"
-            for kind in TOKEN_SHARING_KINDS
-            if self.attn_tp_size % self.size_of(kind)
-        ]
-        moe_spans_replicas = self.moe_ep_size > 1 or self.attn_tp_size % self.moe_tp_size
-        if has_experts and self.attn_dp_size > 1 and moe_spans_replicas:
-            problems.append(
-                f"parallel_config: MoE groups (moe_tp_size {self.moe_tp_size}, EP {self.moe_ep_size}) span the "
-                f"{self.attn_dp_size} data-parallel replicas of world_size {self.world_size} / attn_tp_size "
-                f"{self.attn_tp_size}; that needs all-to-all dispatch with idle replicas joining every step, "
-                "which is not built (for MoE models set attn_tp_size to world_size)"
-            )
-        return problems
+    def spans_replicas(self, kind: str) -> bool:
+        """Whether a group of `kind` holds ranks of several data-parallel replicas, which hold
+        different tokens: its layers must then exchange tokens (module/parallel_group.py's
+        gather_rows) and every replica must step in lock-step."""
+        return any(len({self.dp_rank(rank) for rank in group}) > 1 for group in self.groups(kind))
+
+    def lock_step_kinds(self, has_experts: bool) -> list[str]:
+        """The model groups that span data-parallel replicas (the MoE ones only for a model with
+        experts): when there is any, every replica runs a forward at every step (an idle one when it
+        has no work), so that these groups' collectives meet."""
+        kinds = [*TOKEN_SHARING_KINDS, *(("moe_tp", "moe_ep") if has_experts else ())]
+        return [kind for kind in kinds if self.size_of(kind) > 1 and self.spans_replicas(kind)]
 
 
 def num_experts_of(hf_config: Any) -> int:
@@ -146,7 +139,7 @@ def model_fit_problems(layout: ParallelLayout, hf_config: Any) -> list[str]:
             f"parallel_config.embed_tp_size {layout.embed_tp_size} and lmhead_tp_size {layout.lmhead_tp_size} "
             "must be equal: the model ties its LM head to its embedding"
         )
-    return problems + layout.unbuilt_problems(has_experts=num_experts > 0)
+    return problems
 
 
 def consecutive(world_size: int, size: int) -> list[list[int]]:

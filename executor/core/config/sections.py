@@ -219,9 +219,9 @@ class ParallelConfig:
     moe_ep_size: int = not_applicable(
         0, "derived as world_size / moe_tp_size (cann-recipes ignores the written value too)", min=0
     )
-    embed_tp_size: int = parallel_size("embedding tensor parallel size; must divide attn_tp_size here")
-    lmhead_tp_size: int = parallel_size("LM head tensor parallel size; must divide attn_tp_size here")
-    dense_tp_size: int = parallel_size("dense FFN tensor parallel size; must divide attn_tp_size here")
+    embed_tp_size: int = parallel_size("embedding tensor parallel size (wider than attn_tp_size: lock-step DP)")
+    lmhead_tp_size: int = parallel_size("LM head tensor parallel size (wider than attn_tp_size: lock-step DP)")
+    dense_tp_size: int = parallel_size("dense FFN tensor parallel size (wider than attn_tp_size: lock-step DP)")
     o_proj_tp_size: int = not_applicable(
         1,
         "o_proj is split with the attention heads (attn_tp_size); another split changes which ranks exchange "

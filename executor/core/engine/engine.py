@@ -17,7 +17,7 @@ import ops
 from executor.core.config import ConfigError, InferenceConfig
 from executor.core.config.comm_manager import CommManager, DistEnv
 from executor.core.config.inference_config import check_device_rules
-from executor.core.config.parallel_layout import ParallelLayout
+from executor.core.config.parallel_layout import ParallelLayout, num_experts_of
 from executor.core.engine.kv_cache_sizing import host_available_bytes, plan_num_blocks
 from executor.core.engine.step_inputs import ScheduledSequence, build_step_layout
 from executor.core.kv_cache import KVCacheManager, cdiv
@@ -76,6 +76,8 @@ class ExecutionEngine:
         self.vocab_size = 0
         self.eos_token_ids: set[int] = set()
         self.proposer: Proposer | None = None
+        # Model groups spanning data-parallel replicas (set by init): non-empty, the replicas step in lock-step.
+        self.lock_step_kinds: list[str] = []
         logger.info("platform %s, dtype %s (%s)", self.platform.device, config.model_config.dtype, self.dtype)
 
     def _make_step_timer(self) -> StepTimer:
@@ -92,6 +94,13 @@ class ExecutionEngine:
         hf_config = load_hf_config(config_cls, model_path, self.config.model_config.custom_params)
         self.max_model_len = self._resolve_max_model_len(hf_config.max_position_embeddings)  # before the weights
         self.vocab_size = hf_config.vocab_size
+        self.lock_step_kinds = self.comm.layout.lock_step_kinds(has_experts=num_experts_of(hf_config) > 0)
+        if self.lock_step_kinds:
+            logger.info(
+                "lock-step data parallelism: %s span the %d replicas, so every replica runs a forward at every step",
+                ", ".join(self.lock_step_kinds),
+                self.comm.layout.attn_dp_size,
+            )
         self.worker.init(model_cls, hf_config, model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.eos_token_ids = self._collect_eos_token_ids(model_path)
@@ -273,6 +282,7 @@ class ExecutionEngine:
         timer.mark("prepare")
         hidden_states, all_logits = self.worker.execute(layout, self.metadata_builder)  # marks h2d
         if not layout.logits_indices:
+            self._join_lm_head_without_rows(hidden_states)
             timer.mark("forward")
             return [[] for _ in sequences]
         logits_indices = to_device(layout.logits_indices, torch.int64, self.platform.device)
@@ -300,6 +310,31 @@ class ExecutionEngine:
             self._propose(batch, sequences, new_token_ids, hidden_states, layout)
             timer.mark("propose")
         return new_token_ids
+
+    @property
+    def lock_step(self) -> bool:
+        """Whether every data-parallel replica must run a forward at every step (docs/distributed.md)."""
+        return bool(self.lock_step_kinds)
+
+    def idle_forward(self) -> None:
+        """Lock-step data parallelism: the step of a replica with nothing to run, so that the groups it
+        shares with busy replicas meet in every collective. One padding token (id 0, position 0) whose
+        K/V goes to slot 0 of the null block 0, where padded rows write and which no request reads;
+        its hidden state and logits are dropped. Not a step of the run: nothing is scheduled."""
+        null_blocks = [[0]] * len(self.worker.kv_cache_groups)
+        layout = build_step_layout(
+            [ScheduledSequence(token_ids=[0], num_computed_tokens=0, block_ids=null_blocks, num_sampled_rows=0)],
+            block_size=self.config.scheduler_config.block_size,
+            max_blocks_per_request=self.max_blocks_per_request,
+        )
+        hidden_states, _ = self.worker.execute(layout, self.metadata_builder)
+        self._join_lm_head_without_rows(hidden_states)
+
+    def _join_lm_head_without_rows(self, hidden_states: torch.Tensor) -> None:
+        """A step that samples no row still joins the LM head's collectives when its group spans
+        replicas (another replica may sample in this step)."""
+        if "lmhead_tp" in self.lock_step_kinds:
+            self.worker.compute_logits(hidden_states, torch.empty(0, dtype=torch.int64, device=hidden_states.device))
 
     def _verify(self, request: Request, drafts: list[int], row_token_ids: list[int], logits: torch.Tensor) -> list[int]:
         """What a request emits from its verify rows: the greedy prefix match, or rejection sampling
