@@ -1,7 +1,9 @@
 """C++ kernels for the CPU, built on first use with torch's extension loader (cached afterwards).
 
 The torch reference gathers each request's K/V into a padded copy before attending; on the CPU
-the decode kernel reads the paged cache in place (ops/csrc). Where no compiler is found or the
+the decode kernel reads the paged cache in place (ops/csrc). The fused fp32 kernels (RMSNorm with
+and without the residual add, SiLU-and-mul, the rotary embedding) make one pass over memory where
+the reference makes one per operator. Where no compiler is found or the
 build fails, the reference runs instead, and the log says why once. The build is keyed by the CPU's
 vector extensions, so a cache shared by machines of different kinds never runs the wrong code.
 """
@@ -12,16 +14,31 @@ import functools
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode_attention.cpp"
-_FORWARD = (
-    "torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache, "
-    "torch::Tensor block_table, torch::Tensor seq_lens, double scale, int64_t sliding_window, "
-    "c10::optional<torch::Tensor> sinks);"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = ("paged_decode_attention.cpp", "fused_elementwise.cpp")
+_DECLARATIONS = """
+torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+    torch::Tensor block_table, torch::Tensor seq_lens, double scale, int64_t sliding_window,
+    c10::optional<torch::Tensor> sinks);
+torch::Tensor fused_rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+std::vector<torch::Tensor> fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
+    double eps);
+torch::Tensor fused_silu_and_mul(torch::Tensor x);
+std::vector<torch::Tensor> fused_apply_rotary(torch::Tensor query, torch::Tensor key, torch::Tensor cos,
+    torch::Tensor sin);
+"""
+FUNCTIONS = (
+    "paged_decode_attention",
+    "fused_rms_norm",
+    "fused_add_rms_norm",
+    "fused_silu_and_mul",
+    "fused_apply_rotary",
 )
 
 
@@ -35,21 +52,35 @@ def _vector_flags() -> list[str]:
 
 
 @functools.cache
-def paged_decode_attention() -> Callable[..., torch.Tensor] | None:
-    """The built kernel (same arguments as torch_ref.paged_decode_attention), or None."""
+def _extension() -> Any | None:
+    """The built module of every kernel, or None (and a warning, once) where it cannot be built."""
     from torch.utils.cpp_extension import load_inline  # imports setuptools: only when a kernel is wanted
 
     flags = _vector_flags()
-    name = "infer_recipes_cpu_decode" + ("_avx2" if flags else "")
     try:
-        module = load_inline(
-            name=name,
-            cpp_sources=[_FORWARD, SOURCE.read_text()],
-            functions=["paged_decode_attention"],
+        return load_inline(
+            name="infer_recipes_cpu_kernels" + ("_avx2" if flags else ""),
+            cpp_sources=[_DECLARATIONS, *((CSRC / source).read_text() for source in SOURCES)],
+            functions=list(FUNCTIONS),
             extra_cflags=["-O3", "-fopenmp", "-fno-trapping-math", *flags],
             extra_ldflags=["-fopenmp"],
+            extra_include_paths=[str(CSRC)],
         )
     except Exception as exc:  # no compiler, missing headers: the reference still works
-        logger.warning("CPU decode attention kernel unavailable (%s); using the torch reference", exc)
+        logger.warning("CPU kernels unavailable (%s); using the torch reference", exc)
         return None
-    return module.paged_decode_attention
+
+
+def paged_decode_attention() -> Callable[..., torch.Tensor] | None:
+    """The built decode attention kernel (same arguments as torch_ref.paged_decode_attention), or None."""
+    extension = _extension()
+    return None if extension is None else extension.paged_decode_attention
+
+
+def fused(name: str, *tensors: torch.Tensor) -> Callable[..., Any] | None:
+    """The fused fp32 kernel `fused_<name>` where every one of `tensors` is an fp32 CPU tensor and
+    no compiler is tracing (inductor fuses the reference's ops itself), else None."""
+    if torch.compiler.is_compiling() or any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
+        return None
+    extension = _extension()
+    return None if extension is None else getattr(extension, f"fused_{name}")

@@ -16,6 +16,8 @@ from ops.attention_metadata import TorchAttentionMetadata
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.is_contiguous() and (kernel := cpu_kernels.fused("rms_norm", x, weight)) is not None:
+        return kernel(x, weight.contiguous(), eps)
     hidden = x.float()
     hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
     return weight * hidden.to(x.dtype)
@@ -25,6 +27,10 @@ def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (rms_norm(x + residual), x + residual): the new residual comes out of the same pass."""
+    contiguous = x.is_contiguous() and residual.is_contiguous() and x.shape == residual.shape
+    if contiguous and (kernel := cpu_kernels.fused("add_rms_norm", x, residual, weight)) is not None:
+        normed, new_residual = kernel(x, residual, weight.contiguous(), eps)
+        return normed, new_residual
     new_residual = x + residual
     return rms_norm(new_residual, weight, eps), new_residual
 
@@ -39,14 +45,25 @@ def apply_rotary(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate query [T, H, D] and key [T, Hkv, D] by cos/sin [T, D] (HF rotate_half convention).
 
-    Use the returned tensors; an implementation may rotate its inputs in place.
+    Use the returned tensors; an implementation may rotate its inputs in place (the CPU's fused
+    kernel does).
     """
+    if (
+        query.dim() == key.dim() == 3
+        and query.stride(-1) == key.stride(-1) == cos.stride(-1) == 1
+        and cos.stride() == sin.stride()
+        and (kernel := cpu_kernels.fused("apply_rotary", query, key, cos, sin)) is not None
+    ):
+        rotated_query, rotated_key = kernel(query, key, cos, sin)
+        return rotated_query, rotated_key
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
     return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[T, 2I] -> [T, I]: silu(gate) * up, with the gate in the first half."""
+    if x.is_contiguous() and (kernel := cpu_kernels.fused("silu_and_mul", x)) is not None:
+        return kernel(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 

@@ -105,6 +105,24 @@ def generate_random_prompts(
     return inference, prompts, inference.generate(token_records(prompts))
 
 
+# fp32 logits closer than this can swap places under any other order of the same sums (a fused
+# kernel, another GEMM library), which is rounding, not a wrong model.
+NEAR_TIE = 1e-5
+
+
 def check_engine_greedy(hf_model: torch.nn.Module, prompts: list[list[int]], result: RunResult) -> None:
-    """Each request's output is transformers' greedy output for its prompt alone (the engine's 32 tokens)."""
-    assert [r.output_token_ids for r in result.requests] == [hf_greedy(hf_model, p, 32) for p in prompts]
+    """Each request's output is transformers' greedy output for its prompt alone (the engine's 32
+    tokens), except that a request may part from it at a near-tie: a token where transformers' own
+    logits of its choice and ours differ by under NEAR_TIE. At most one request in four may part."""
+    parted = []
+    for request, prompt in zip(result.requests, prompts, strict=True):
+        ours, reference = request.output_token_ids, hf_greedy(hf_model, prompt, 32)
+        if ours == reference:
+            continue
+        assert len(ours) == len(reference), f"{request.request_id}: {len(ours)} tokens, transformers {len(reference)}"
+        position = next(i for i, (a, b) in enumerate(zip(ours, reference, strict=True)) if a != b)
+        logits = hf_last_logits(hf_model, prompt + reference[:position])
+        margin = (logits[reference[position]] - logits[ours[position]]).item()
+        assert margin < NEAR_TIE, f"{request.request_id} parts from transformers at token {position} by {margin:.2e}"
+        parted.append(request.request_id)
+    assert len(parted) <= len(prompts) // 4, f"{parted} part from transformers at near-ties: too many to be rounding"

@@ -18,6 +18,9 @@ from ops.attention_metadata import TorchMetadataBuilder
 BLOCK_SIZE = 4
 NUM_BLOCKS = 32
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 8
+needs_compiler = pytest.mark.skipif(
+    shutil.which("c++") is None or shutil.which("ninja") is None, reason="the CPU kernels build with c++ and ninja"
+)
 
 
 @pytest.fixture(autouse=True)
@@ -233,9 +236,7 @@ def test_decode_attention_reads_only_up_to_the_longest_sequence_not_the_table_wi
     assert index_shapes == [[2 * 6], [2 * 6]]  # K and V: 2 requests x the longest sequence (6), not x 503 blocks
 
 
-@pytest.mark.skipif(
-    shutil.which("c++") is None or shutil.which("ninja") is None, reason="the CPU kernel builds with c++ and ninja"
-)
+@needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("sliding_window, with_sinks", [(0, False), (5, False), (40, False), (0, True), (40, True)])
 def test_cpu_decode_kernel_matches_the_gathered_reference(dtype, sliding_window, with_sinks):
@@ -256,6 +257,41 @@ def test_cpu_decode_kernel_matches_the_gathered_reference(dtype, sliding_window,
     expected = ops.torch_ref.gathered_decode_attention(*args)
     tolerance = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {}
     torch.testing.assert_close(kernel(*args), expected, **tolerance)
+
+
+@needs_compiler
+@pytest.mark.parametrize("rows, width", [(1, 576), (5, 20), (37, 1536)])
+def test_fused_cpu_kernels_match_the_reference_formulas(rows, width, monkeypatch):
+    """The fp32 fused kernels (one pass per row) against the reference's torch ops, at widths that
+    are and are not multiples of the vector length; SiLU's gate spans magnitudes that overflow exp."""
+    assert ops.cpu_kernels.fused("rms_norm", torch.ones(1)) is not None, "the kernels must build here"
+    x, residual, weight = torch.randn(rows, width), torch.randn(rows, width), torch.randn(width)
+    gate_up = torch.randn(rows, 2 * width) * 30
+    qkv = torch.randn(rows, 8 * 16)  # q: 4 heads, k and v: 2 each, as views of one fused projection
+    query, key = qkv[:, : 4 * 16].view(rows, 4, 16), qkv[:, 4 * 16 : 6 * 16].view(rows, 2, 16)
+    cos_sin = torch.randn(rows, 32)
+    cos, sin = cos_sin.chunk(2, dim=-1)
+    fused = {
+        "rms_norm": ops.torch_ref.rms_norm(x, weight, 1e-6),
+        "add_rms_norm": ops.torch_ref.add_rms_norm(x, residual, weight, 1e-6),
+        "silu_and_mul": ops.torch_ref.silu_and_mul(gate_up),
+        "apply_rotary": ops.torch_ref.apply_rotary(query.clone(), key.clone(), cos, sin),
+    }
+    monkeypatch.setattr(ops.cpu_kernels, "fused", lambda *args: None)
+    reference = {
+        "rms_norm": ops.torch_ref.rms_norm(x, weight, 1e-6),
+        "add_rms_norm": ops.torch_ref.add_rms_norm(x, residual, weight, 1e-6),
+        "silu_and_mul": ops.torch_ref.silu_and_mul(gate_up),
+        "apply_rotary": ops.torch_ref.apply_rotary(query, key, cos, sin),
+    }
+    for name, expected in reference.items():
+        torch.testing.assert_close(fused[name], expected, rtol=2e-6, atol=2e-5, msg=name)
+
+
+def test_fused_cpu_kernels_leave_other_dtypes_and_tracing_to_the_reference(monkeypatch):
+    assert ops.cpu_kernels.fused("rms_norm", torch.ones(2, dtype=torch.bfloat16)) is None
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert ops.cpu_kernels.fused("rms_norm", torch.ones(2)) is None
 
 
 def test_unknown_backend_or_exe_mode_is_rejected():

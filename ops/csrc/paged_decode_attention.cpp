@@ -5,6 +5,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "fast_exp.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -34,31 +36,6 @@ inline const float* as_float(const scalar_t* source, float* buffer, int64_t n) {
   } else {
     for (int64_t d = 0; d < n; ++d) buffer[d] = static_cast<float>(source[d]);
     return buffer;
-  }
-}
-
-// exp(x) for x <= 0 over an array, in a form the compiler vectorises (no libm call): 2^k p(r) with
-// x = k ln2 + r, |r| <= ln2 / 2, and Cephes' degree-6 polynomial for p (about 1 ulp). Inputs below
-// -87 give exp(-87) ~ 1.6e-38, not 0: after the max is subtracted such weights are negligible.
-// (It vectorises with -fno-trapping-math, which ops/cpu_kernels.py passes.)
-inline void exp_nonpositive(float* x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = x[i] > -87.0f ? x[i] : -87.0f;
-    // Rounded to nearest by truncating v log2(e) - 1/2 toward zero (v <= 0).
-    const int32_t k_int = static_cast<int32_t>(v * 1.44269504088896341f - 0.5f);
-    const float k = static_cast<float>(k_int);
-    const float r = (v - k * 0.693359375f) + k * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const int32_t bits = (k_int + 127) << 23;
-    float scale;
-    std::memcpy(&scale, &bits, sizeof scale);
-    x[i] = p * scale;
   }
 }
 
@@ -119,7 +96,7 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& key_cache
           const float new_max = std::max(running_max[g], tile_max);
           const float correction = std::exp(running_max[g] - new_max);  // 0 while nothing is accumulated
           for (int64_t t = 0; t < n; ++t) s[t] -= new_max;
-          exp_nonpositive(s, n);
+          infer_recipes::exp_nonpositive(s, n);
           float tile_sum = 0.0f;
           for (int64_t t = 0; t < n; ++t) tile_sum += s[t];
           denominator[g] = denominator[g] * correction + tile_sum;

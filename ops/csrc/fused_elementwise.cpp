@@ -1,0 +1,133 @@
+// Fused elementwise ops for fp32 on the CPU: each row is read once and written once, where the
+// torch reference makes a pass over memory, and a temporary, per operator (six for RMSNorm, five
+// for the rotary embedding). Parallel over rows; same formulas as ops/torch_ref.py in fp32.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <vector>
+
+#include "fast_exp.h"
+
+namespace {
+
+constexpr int64_t kRowsPerTask = 8;
+
+// out = weight * (x / sqrt(mean(x^2) + eps)) for one row of n.
+inline void rms_norm_row(const float* x, const float* weight, float eps, float* out, int64_t n) {
+  float partial[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t d = 0;
+  for (; d + 8 <= n; d += 8) {
+    for (int j = 0; j < 8; ++j) partial[j] += x[d + j] * x[d + j];
+  }
+  float sum = ((partial[0] + partial[1]) + (partial[2] + partial[3])) + ((partial[4] + partial[5]) + (partial[6] + partial[7]));
+  for (; d < n; ++d) sum += x[d] * x[d];
+  const float inverse = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
+  for (d = 0; d < n; ++d) out[d] = weight[d] * (x[d] * inverse);
+}
+
+void check_rows(const torch::Tensor& x, const torch::Tensor& weight) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && weight.scalar_type() == torch::kFloat32, "fp32 expected");
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && weight.numel() == x.size(-1), "contiguous rows expected");
+}
+
+}  // namespace
+
+torch::Tensor fused_rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  check_rows(x, weight);
+  const int64_t n = x.size(-1), rows = x.numel() / n;
+  auto out = torch::empty_like(x);
+  const float* in = x.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) rms_norm_row(in + row * n, w, static_cast<float>(eps), o + row * n, n);
+  });
+  return out;
+}
+
+// (rms_norm(x + residual), x + residual) in one pass over each row.
+std::vector<torch::Tensor> fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+  check_rows(x, weight);
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.is_contiguous() && residual.scalar_type() == torch::kFloat32,
+              "residual must match x");
+  const int64_t n = x.size(-1), rows = x.numel() / n;
+  auto out = torch::empty_like(x);
+  auto sum = torch::empty_like(x);
+  const float* a = x.data_ptr<float>();
+  const float* b = residual.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  float* s = sum.data_ptr<float>();
+  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      float* s_row = s + row * n;
+      for (int64_t d = 0; d < n; ++d) s_row[d] = a[row * n + d] + b[row * n + d];
+      rms_norm_row(s_row, w, static_cast<float>(eps), o + row * n, n);
+    }
+  });
+  return {out, sum};
+}
+
+// [rows, 2I] -> [rows, I]: silu(gate) * up, the gate in the first half. silu(g) = g sigmoid(g),
+// with sigmoid from e = exp(-|g|) (never overflows): 1 / (1 + e) for g >= 0, e / (1 + e) below.
+torch::Tensor fused_silu_and_mul(torch::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.size(-1) % 2 == 0, "fp32 [rows, 2I] expected");
+  const int64_t width = x.size(-1) / 2, rows = x.numel() / x.size(-1);
+  auto out_sizes = x.sizes().vec();
+  out_sizes.back() = width;
+  auto out = torch::empty(out_sizes, x.options());
+  const float* in = x.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    std::vector<float> e(width);
+    for (int64_t row = begin; row < end; ++row) {
+      const float* gate = in + row * 2 * width;
+      const float* up = gate + width;
+      for (int64_t d = 0; d < width; ++d) e[d] = -std::fabs(gate[d]);
+      infer_recipes::exp_nonpositive(e.data(), width);
+      float* o_row = o + row * width;
+      for (int64_t d = 0; d < width; ++d) {
+        const float numerator = gate[d] >= 0.0f ? 1.0f : e[d];
+        o_row[d] = gate[d] * (numerator / (1.0f + e[d])) * up[d];
+      }
+    }
+  });
+  return out;
+}
+
+// Rotates x [T, H, D] (last dim contiguous; any token and head strides) in place by cos/sin [T, D]
+// (rows `trig_stride` apart), rotate_half convention: x1' = x1 cos1 - x2 sin1, x2' = x2 cos2 + x1 sin2
+// over the two halves.
+static void rotate_in_place(torch::Tensor& x, const float* cos, const float* sin, int64_t trig_stride) {
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
+  const int64_t token_stride = x.stride(0), head_stride = x.stride(1);
+  float* data = x.data_ptr<float>();
+  at::parallel_for(0, tokens, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cos + t * trig_stride;
+      const float* s = sin + t * trig_stride;
+      for (int64_t h = 0; h < heads; ++h) {
+        float* row = data + t * token_stride + h * head_stride;
+        for (int64_t i = 0; i < half; ++i) {
+          const float first = row[i], second = row[i + half];
+          row[i] = first * c[i] - second * s[i];
+          row[i + half] = second * c[i + half] + first * s[i + half];
+        }
+      }
+    }
+  });
+}
+
+std::vector<torch::Tensor> fused_apply_rotary(torch::Tensor query, torch::Tensor key, torch::Tensor cos, torch::Tensor sin) {
+  for (const auto& x : {query, key}) {
+    TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0,
+                "fp32 [T, H, D] with a contiguous, even last dim expected");
+  }
+  TORCH_CHECK(cos.dim() == 2 && cos.strides() == sin.strides() && cos.stride(1) == 1 && cos.scalar_type() == torch::kFloat32 &&
+                  sin.scalar_type() == torch::kFloat32 && cos.size(1) == query.size(2),
+              "fp32 cos/sin [T, D] with contiguous rows expected");
+  rotate_in_place(query, cos.data_ptr<float>(), sin.data_ptr<float>(), cos.stride(0));
+  rotate_in_place(key, cos.data_ptr<float>(), sin.data_ptr<float>(), cos.stride(0));
+  return {query, key};
+}
