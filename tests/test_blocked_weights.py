@@ -54,7 +54,7 @@ def test_every_linear_and_the_lm_head_get_a_blocked_copy_outside_the_state_dict(
     assert all(layer.blocked_weight is not None for layer in model.values())
     assert not any("blocked" in name for name in model.state_dict())
     after = model["lm_head"](model["row"](model["column"](hidden)), rows)
-    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)  # three layers of other-order fp32 sums
 
 
 def test_where_onednn_cannot_take_the_weight_the_plain_product_runs(monkeypatch):
