@@ -1,5 +1,6 @@
-"""A torchrun entry for the failure test: the offline entry, with rank FAULT_RANK raising at its
-FAULT_CALL-th forward_batch (the warm-up makes two; the fourth is the run's second step)."""
+"""A torchrun entry for the failure tests: the offline entry, with rank FAULT_RANK raising at its
+FAULT_CALL-th forward_batch (the warm-up makes two; the fourth is the run's second step), or at the
+call that the environment variable FAULT_CALL_ENV names."""
 
 from __future__ import annotations
 
@@ -12,18 +13,20 @@ from executor.offline.__main__ import main
 FAULT_RANK = 1
 FAULT_CALL = 4
 FAULT_MESSAGE = "injected fault for the failure test"
+FAULT_CALL_ENV = "INFER_RECIPES_TEST_FAULT_CALL"
 
 
 def install_fault() -> None:
     if int(os.environ["RANK"]) != FAULT_RANK:
         return
     original = ExecutionEngine.forward_batch
+    fault_call = int(os.environ.get(FAULT_CALL_ENV, FAULT_CALL))
     calls = 0
 
     def failing(self: ExecutionEngine, batch: object) -> list[list[int]]:
         nonlocal calls
         calls += 1
-        if calls == FAULT_CALL:
+        if calls == fault_call:
             raise RuntimeError(FAULT_MESSAGE)
         return original(self, batch)
 

@@ -37,13 +37,18 @@ def parallel_overrides(world_size: int, **sizes: int) -> list[str]:
 
 
 def run_distributed(
-    run_yaml: Path, out: Path, overrides: list[str], entry: list[str] | None = None, nproc: int | None = None
+    run_yaml: Path,
+    out: Path,
+    overrides: list[str],
+    entry: list[str] | None = None,
+    nproc: int | None = None,
+    env: dict[str, str] | None = None,
 ) -> DistRun:
     """`python -m executor.offline.launch` (which starts torchrun), or with `entry` and `nproc`
-    torchrun over that entry directly; waits at most RUN_TIMEOUT_S."""
+    torchrun over that entry directly, with `env` added to the environment; waits at most RUN_TIMEOUT_S."""
     command = launch_command(run_yaml, out, overrides, entry, nproc)
     done = subprocess.run(
-        command, cwd=ROOT, env=RUN_ENV, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False
+        command, cwd=ROOT, env=RUN_ENV | (env or {}), capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False
     )
     return DistRun(done.returncode, done.stdout + done.stderr, out)
 

@@ -20,10 +20,11 @@ import pytest
 from transformers import AutoTokenizer
 
 from executor.offline.dataset import DATASET_DIR, load_prompts, tokenize_record
+from executor.offline.durable_io import read_jsonl
 from executor.offline.exit_status import COULD_NOT_START
 from tests import deepseek_v3_harness
 from tests.conftest import TINY_VOCAB, tiny_tokenizer
-from tests.dist_fault_entry import FAULT_MESSAGE
+from tests.dist_fault_entry import FAULT_CALL_ENV, FAULT_MESSAGE
 from tests.dist_harness import (
     RUN_TIMEOUT_S,
     DistRun,
@@ -35,7 +36,7 @@ from tests.dist_harness import (
     token_ids,
 )
 from tests.engine_harness import hf_greedy, load_hf_model
-from tests.run_harness import run_into, summary, write_run
+from tests.run_harness import outputs_by_id, run_into, summary, write_run
 from tests.test_qwen_parity import qwen_config
 from tests.test_qwen_parity import save_checkpoint as save_qwen_checkpoint
 
@@ -235,6 +236,42 @@ def test_a_rank_that_raises_stops_the_run_with_its_rank_named(llama_case, tmp_pa
     assert time.monotonic() - start_s < timeout_s + 60  # start-up, then at most one collective timeout
 
 
+# One request at a time per replica, each a prefill and 5 decodes (6 forwards; the warm-up makes 2):
+# replica 1 (rank 1) serves r1, r3, r5 and raises in r3's second decode, when r1 is finished.
+ONE_AT_A_TIME = "scheduler_config.batch_size=1"
+REPLICA_1_FAULT_CALL = 2 + 6 + 3
+
+
+def test_a_data_parallel_run_whose_replica_fails_keeps_finished_requests_and_resumes(llama_case, tmp_path):
+    """DP 2: each replica's leader writes its finished requests as they finish, so the failure of
+    replica 1 loses none of them (nor replica 0's); rerunning the command serves only the rest and
+    merges everything into one outputs.jsonl in prompt order, equal to one process's."""
+    run_yaml, reference = llama_case
+    out, overrides = tmp_path / "dp2", [LOGPROBS, ONE_AT_A_TIME, *parallel_overrides(2)]
+    entry = ["tests/dist_fault_entry.py"]
+    failed = run_distributed(run_yaml, out, overrides, entry, nproc=2, env={FAULT_CALL_ENV: str(REPLICA_1_FAULT_CALL)})
+    assert failed.returncode != 0
+    not_info = "\n".join(line for line in failed.output.splitlines() if " INFO " not in line)
+    assert f"error: rank 1 of 2 failed: {FAULT_MESSAGE}" in failed.output, not_info
+    kept = [[line["id"] for line in read_jsonl(out / f"outputs_dp{d}.jsonl").lines] for d in (0, 1)]
+    assert kept[1] == ["r1"], failed.output[-4000:]
+    assert kept[0] == ["r0", "r2", "r4"][: len(kept[0])]  # as far as replica 0 got before it was stopped
+    assert (out / "outputs.jsonl").read_text() == ""  # no merge: the end gather never happened
+    assert summary(out)["status"] != "complete"
+    assert len(failed.steps("steps_dp1.jsonl")) == REPLICA_1_FAULT_CALL - 2 - 1  # replica 1's steps before the fault
+
+    resumed = run_distributed(run_yaml, out, overrides)
+    assert_ran(resumed)
+    assert resumed.output_ids_in_file_order() == [f"r{i}" for i in range(NUM_PROMPTS)]  # each once
+    assert token_ids(outputs_by_id(out)) == token_ids(reference)
+    assert max_logprob_difference(outputs_by_id(out), reference) <= FP32_REORDER_BOUND
+    assert not list(out.glob("outputs_dp*.jsonl"))
+    whole = summary(out)
+    assert whole["status"] == "complete" and whole["requests"] == NUM_PROMPTS and whole["pending_requests"] == 0
+    served_before = len(kept[0]) + len(kept[1])
+    assert whole["parts"][-1]["requests"] == NUM_PROMPTS - served_before  # none served twice
+
+
 # Enough work that the run is still serving when the signal comes: 40 requests one at a time, 240 tokens each.
 LONG_RUN = [f"scheduler_config.{key}" for key in ("batch_size=1", "max_new_tokens=240", "max_model_len=256")]
 STOP_BOUND_S = 60  # from the signal to every process gone: a step, the run folder, torchrun's shutdown
@@ -275,12 +312,8 @@ def test_ctrl_c_stops_every_rank_and_the_run_folder_says_interrupted(tiny_llama_
     run_yaml, out, log = write_run(tmp_path, tiny_llama_dir, num_prompts=40), tmp_path / "out", tmp_path / "log"
     launcher = start_distributed(run_yaml, out, [*LONG_RUN, *parallel_overrides(2, **sizes)], log)
     try:
-        steps = out / "steps.jsonl"
-        if sizes["attn_tp_size"] == 2:  # steps.jsonl grows as steps end
-            wait_for(lambda: steps.is_file() and steps.read_text().strip(), launcher, log)
-        else:  # DP replicas' step logs are written at the end: wait until both are warm, then a moment
-            wait_for(lambda: log.read_text().count("KV cache:") == 2, launcher, log)
-            time.sleep(2)
+        steps = out / "steps.jsonl"  # grows as (replica 0's) steps end
+        wait_for(lambda: steps.is_file() and steps.read_text().strip(), launcher, log)
         ranks = child_pids(launcher.pid)
         assert len(ranks) == 2
         os.killpg(launcher.pid, signal.SIGINT)
@@ -298,6 +331,9 @@ def test_ctrl_c_stops_every_rank_and_the_run_folder_says_interrupted(tiny_llama_
     assert interrupted["status"] == "interrupted", output[-4000:]
     assert "to resume, run: python -m executor.offline.launch --yaml" in output
     assert 0 < interrupted["pending_requests"] <= 40
+    # DP: the replicas' files were merged after the stop; every line is in outputs.jsonl
+    assert not list(out.glob("outputs_dp*.jsonl"))
+    assert interrupted["requests"] == len(outputs_by_id(out)) == 40 - interrupted["pending_requests"]
 
 
 def write_smollm2_run(tmp_path: Path, model_dir: Path, prompts: list[list[int]]) -> Path:

@@ -1,11 +1,13 @@
 """`python -m executor.offline --yaml FILE [--set section.key=value ...]`: the entry every infer.sh calls.
 
 With parallel_config.world_size above 1 it runs as one of torchrun's processes (infer.sh starts them
-through executor/offline/launch.py); rank 0 alone writes the run folder."""
+through executor/offline/launch.py); rank 0 writes the run folder, and with several data-parallel
+replicas each replica's leader writes its own outputs_dp<d>.jsonl and step log beside."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import shlex
@@ -127,7 +129,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     args = parser.parse_args(argv)
     setup_logging()
-    env = DistEnv.from_environ()
     with StopSignals() as stop:
         try:
             return run(args, stop)
@@ -138,9 +139,23 @@ def main(argv: list[str] | None = None) -> int:
             )
             return exit_status_for(exc.signum)
         except Exception as exc:
-            if env.world_size > 1:  # torchrun then stops the other ranks; say which one failed and why
-                print(f"error: rank {env.rank} of {env.world_size} failed: {one_line(exc)}", file=sys.stderr)
+            report_rank_failure(exc)
             raise
+
+
+_RANK_FAILURE_REPORTED = "_rank_failure_reported"
+
+
+def report_rank_failure(exc: BaseException) -> None:
+    """Under torchrun, say once which rank failed and why (torchrun then stops the other ranks). The
+    run says it before it closes its process groups: peers waiting in a collective fail as soon as
+    the connections close, and torchrun may stop this rank before it gets further."""
+    env = DistEnv.from_environ()
+    if env.world_size <= 1 or not isinstance(exc, Exception) or getattr(exc, _RANK_FAILURE_REPORTED, False):
+        return
+    print(f"error: rank {env.rank} of {env.world_size} failed: {one_line(exc)}", file=sys.stderr, flush=True)
+    with contextlib.suppress(AttributeError):
+        setattr(exc, _RANK_FAILURE_REPORTED, True)
 
 
 def run(args: argparse.Namespace, stop: StopSignals) -> int:
@@ -173,7 +188,7 @@ def run(args: argparse.Namespace, stop: StopSignals) -> int:
                     writer.write_request(failed_record_result(record))
         if inference is not None:
             with stop.deferred():
-                result = inference.serve(servable, writer, should_stop=stop.requested)
+                result = inference.serve(servable, writer, should_stop=stop.requested, plan=plan)
             if result is not None:
                 print_results(result)
         if stop.requested():
@@ -193,7 +208,8 @@ def run(args: argparse.Namespace, stop: StopSignals) -> int:
         _finish_quietly(writer, "stopped on error")
         print(f"error: {exc}; finished requests are kept; {resume_hint}", file=sys.stderr)
         return STOPPED_ON_ERROR
-    except BaseException:
+    except BaseException as exc:
+        report_rank_failure(exc)
         _finish_quietly(writer, "stopped on error")
         raise
     finally:

@@ -10,6 +10,7 @@ import contextlib
 import errno
 import json
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,19 @@ def atomic_write_text(path: Path, text: str) -> None:
         raise write_error(path, exc) from None
 
 
+def remove_durably(paths: Iterable[Path]) -> None:
+    """Delete the files, and make their removal durable (one fsync of each folder)."""
+    folders = set()
+    for path in paths:
+        try:
+            path.unlink(missing_ok=True)
+            folders.add(path.parent)
+        except OSError as exc:
+            raise write_error(path, exc) from None
+    for folder in folders:
+        _fsync_dir(folder)
+
+
 def _fsync_dir(folder: Path) -> None:
     """Make a rename in `folder` durable."""
     fd = os.open(folder, os.O_RDONLY)
@@ -65,12 +79,18 @@ class LineAppender:
             raise write_error(path, exc) from None
 
     def append(self, obj: dict[str, Any]) -> None:
-        data = (json.dumps(obj, ensure_ascii=False) + "\n").encode("utf-8")
+        self.append_all([obj])
+
+    def append_all(self, objs: Iterable[dict[str, Any]]) -> None:
+        """Append each object as one line in one write; with `sync`, fsync once after the last. When a
+        write fails, the file is cut back to what it held before this call."""
         size_before = os.fstat(self._fd).st_size
         try:
-            written = os.write(self._fd, data)
-            if written != len(data):
-                raise OSError(errno.ENOSPC, f"only {written} of {len(data)} bytes written")
+            for obj in objs:
+                data = (json.dumps(obj, ensure_ascii=False) + "\n").encode("utf-8")
+                written = os.write(self._fd, data)
+                if written != len(data):
+                    raise OSError(errno.ENOSPC, f"only {written} of {len(data)} bytes written")
             if self.sync:
                 os.fsync(self._fd)
         except OSError as exc:

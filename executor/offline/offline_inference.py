@@ -18,7 +18,8 @@ from executor.core.sampler import request_seed
 from executor.core.scheduler import Scheduler, SchedulerLimits, StepOutput, StepRecord
 from executor.core.types_ import Request, SamplingParams
 from executor.offline.dataset import DatasetError, PromptRecord, tokenize_record
-from executor.offline.results import ResultWriter, request_result
+from executor.offline.results import ReplicaWriter, ResultWriter, request_result
+from executor.offline.run_folder import RunPlan
 from executor.platform.profiler import StepProfiler
 from executor.utils.metrics import breakdown_lines, cann_closing_lines, step_breakdown, summarize
 from executor.utils.model_registry import model_folder, resolve_model
@@ -70,7 +71,7 @@ class OfflineInference:
     def generate(
         self,
         records: list[PromptRecord],
-        writer: ResultWriter | None = None,
+        writer: ResultWriter | ReplicaWriter | None = None,
         should_stop: Callable[[], bool] = lambda: False,
     ) -> RunResult:
         """Run every record to completion, or until should_stop() says so between steps (then the
@@ -145,46 +146,56 @@ class OfflineInference:
             return anyone_has_work and not anyone_stops
         return self.scheduler.has_work() and not comm.any_in_replica(should_stop())
 
-    def _make_profiler(self, writer: ResultWriter | None) -> StepProfiler | None:
+    def _make_profiler(self, writer: ResultWriter | ReplicaWriter | None) -> StepProfiler | None:
         """With model_config.enable_profiler, the steps it chooses are profiled into <output>/prof."""
         model_config = self.config.model_config
-        if not model_config.enable_profiler or writer is None:
+        if not model_config.enable_profiler or writer is None or writer.profile_dir is None:
             return None
         return StepProfiler(
             self.engine.platform.device_type,
-            writer.output_dir / "prof",
+            writer.profile_dir,
             model_config.profile_prefill_steps,
             model_config.profile_decode_steps,
         )
 
     def serve(
-        self, records: list[PromptRecord], writer: ResultWriter | None, should_stop: Callable[[], bool]
+        self,
+        records: list[PromptRecord],
+        writer: ResultWriter | None,
+        should_stop: Callable[[], bool],
+        plan: RunPlan | None = None,
     ) -> RunResult | None:
         """generate() on this rank's share of `records`. One DP replica: every rank serves them all
-        and rank 0 writes as requests finish. Several: replica d serves records d, d + dp, ...; the
-        leaders' results are gathered on rank 0 at the end, which writes them in prompt order, each
-        replica's step log apart, and one summary. The RunResult of the whole run on rank 0, None
-        on the other ranks."""
+        and rank 0 writes as requests finish. Several: replica d serves records d, d + dp, ...; with
+        a `plan`, its leader writes each finished request to outputs_dp<d>.jsonl and each step to
+        its step log as they come, so that a crash loses no finished request. The leaders' results
+        are gathered on rank 0 at the end (or after a stop), which merges the per-replica files into
+        outputs.jsonl in prompt order and writes one summary. The RunResult of the whole run on
+        rank 0, None on the other ranks."""
         comm = self.engine.comm
         num_replicas = comm.layout.attn_dp_size
+        assert writer is None or plan is not None or num_replicas == 1, "several replicas write by the plan"
         if num_replicas == 1:
             result = self.generate(records, writer if comm.rank == 0 else None, should_stop)
             return result if comm.rank == 0 else None
-        result = self.generate(records[comm.dp_rank :: num_replicas], None, should_stop)
+        replica_writer = None
+        if comm.is_dp_leader and plan is not None:
+            replica_writer = ReplicaWriter(plan, comm.dp_rank, writer if comm.rank == 0 else None)
+        try:
+            result = self.generate(records[comm.dp_rank :: num_replicas], replica_writer, should_stop)
+        finally:
+            if replica_writer is not None:
+                replica_writer.close()
         if not comm.is_dp_leader:
             return None
-        gathered = comm.gather_from_dp_leaders(result)
+        gathered = comm.gather_from_dp_leaders(result)  # every replica has stopped writing
         if gathered is None:
             return None
         merged = merge_replicas(gathered, [record.id for record in records])
         if writer is not None:
-            for line in merged.results:
-                writer.write_request(line)
-            for step in gathered[0].steps:
-                writer.write_step(step)
-            for dp_rank, replica in enumerate(gathered[1:], start=1):
-                writer.write_replica_steps(dp_rank, replica.steps)
+            writer.add_replica_results(merged.results)
             writer.write_summary(merged.summary)
+            writer.merge_replica_outputs()
         return merged
 
     def _make_request(self, record: PromptRecord) -> Request:

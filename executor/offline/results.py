@@ -1,5 +1,7 @@
 """Where a run's results go: outputs.jsonl (one line per request, written as it finishes),
-steps.jsonl (one line per step), summary.json and the resolved config.yaml, in one run folder."""
+steps.jsonl (one line per step), summary.json and the resolved config.yaml, in one run folder.
+With several data-parallel replicas each replica's leader writes its own outputs_dp<d>.jsonl and
+step log as it serves (ReplicaWriter), and rank 0 merges the outputs into outputs.jsonl at the end."""
 
 from __future__ import annotations
 
@@ -16,8 +18,27 @@ from executor.core.config import InferenceConfig
 from executor.core.scheduler import StepRecord
 from executor.core.types_ import Request, SamplingParams
 from executor.offline.dataset import PromptRecord
-from executor.offline.durable_io import LineAppender, atomic_write_text, drop_torn_tail
-from executor.offline.run_folder import CONFIG_FILE, OUTPUTS_FILE, STEPS_FILE, SUMMARY_FILE, RunPlan
+from executor.offline.durable_io import (
+    CorruptLineError,
+    JsonlContents,
+    LineAppender,
+    atomic_write_text,
+    drop_torn_tail,
+    read_jsonl,
+    remove_durably,
+)
+from executor.offline.run_folder import (
+    CONFIG_FILE,
+    OUTPUTS_FILE,
+    REPLICA_OUTPUTS_PATTERN,
+    STEPS_FILE,
+    SUMMARY_FILE,
+    RunPlan,
+    replica_files,
+    replica_outputs_file,
+    replica_steps_file,
+    unmerged_replica_lines,
+)
 from executor.offline.run_summary import run_summary
 from executor.utils.model_registry import model_dir
 
@@ -75,33 +96,33 @@ class ResultWriter:
     outputs.jsonl lines are written whole and fsynced as each request finishes; steps.jsonl lines
     are written whole (a crash may lose the last few, which only time the run); config.yaml and
     summary.json are replaced atomically. summary.json says "running" until finish() is called, so
-    a folder whose summary still says so after its process is gone was killed.
+    a folder whose summary still says so after its process is gone was killed. Lines that
+    data-parallel replicas wrote to outputs_dp<d>.jsonl count as done (in summary.json too) and
+    are appended to outputs.jsonl by merge_replica_outputs().
     """
 
     def __init__(self, plan: RunPlan, config: InferenceConfig) -> None:
         self.output_dir = plan.output_dir
         self._request_hashes = plan.request_hashes
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        for name, contents in ((OUTPUTS_FILE, plan.outputs), (STEPS_FILE, plan.steps)):
-            if contents.torn_tail:
-                logger.warning(
-                    "dropping a torn last line of %s (%d bytes) left by a crash", name, len(contents.torn_tail)
-                )
-                drop_torn_tail(self.output_dir / name, contents)
         resolved = {"source": config.source, **config.to_dict()}
         atomic_write_text(self.output_dir / CONFIG_FILE, yaml.safe_dump(resolved, sort_keys=False))
-        self._outputs = LineAppender(self.output_dir / OUTPUTS_FILE, sync=True)
-        self._steps = LineAppender(self.output_dir / STEPS_FILE, sync=False)
-        self.output_lines = list(plan.outputs.lines)
+        self._outputs = continue_appending(self.output_dir / OUTPUTS_FILE, plan.outputs, sync=True)
+        self._steps = continue_appending(self.output_dir / STEPS_FILE, plan.steps, sync=False)
+        self.output_lines = list(plan.outputs.lines)  # what outputs.jsonl holds
         self._step_lines = list(plan.steps.lines)
         earlier_parts = plan.earlier_summary.get("parts", [])
         self._parts = [
             part | {"status": "killed"} if part.get("status") == "running" else part for part in earlier_parts
         ]
-        self._part: dict[str, Any] = {"part": len(self._parts) + 1, "status": "running", "started_at": _now()}
+        self._part: dict[str, Any] = {"part": plan.part, "status": "running", "started_at": _now()}
         self._parts.append(self._part)
         self._lines_this_part: list[dict[str, Any]] = []
         self.finish("running")
+
+    @property
+    def profile_dir(self) -> Path:
+        return self.output_dir / "prof"
 
     def write_request(self, result: dict[str, Any]) -> None:
         line = result | {"request_hash": self._request_hashes[result["id"]]}
@@ -114,39 +135,117 @@ class ResultWriter:
         self._steps.append(line)
         self._step_lines.append(line)
 
-    def write_replica_steps(self, dp_rank: int, records: list[StepRecord]) -> None:
-        """Another data-parallel replica's step log, kept apart in steps_dp<rank>.jsonl (replica 0's
-        is steps.jsonl): step numbers and times of different replicas do not line up."""
-        appender = LineAppender(self.output_dir / f"steps_dp{dp_rank}.jsonl", sync=False)
-        try:
-            for record in records:
-                appender.append({"part": self._part["part"], **dataclasses.asdict(record)})
-        finally:
-            appender.close()
+    def add_replica_results(self, results: list[dict[str, Any]]) -> None:
+        """This part's requests that the data-parallel replicas served (their leaders wrote the
+        lines): they count in this part's summary."""
+        self._lines_this_part.extend(results)
+
+    def merge_replica_outputs(self) -> None:
+        """Append the lines of every outputs_dp<d>.jsonl that outputs.jsonl lacks, in prompt order,
+        synced, then remove those files. Only when no replica writes them any more: at the end of a
+        data-parallel part (after the gather), or at the complete end of any part."""
+        paths = replica_files(self.output_dir, REPLICA_OUTPUTS_PATTERN)
+        if not paths:
+            return
+        replica_lines = [line for path in paths for line in _whole_lines(path)]
+        new_lines = unmerged_replica_lines(self.output_lines, replica_lines, list(self._request_hashes))
+        self._outputs.append_all(new_lines)
+        self.output_lines.extend(new_lines)
+        remove_durably(paths)
+        logger.info("merged %d line(s) of %s into %s", len(new_lines), ", ".join(p.name for p in paths), OUTPUTS_FILE)
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         """Take this part's timing summary; counts are this part's lines (abandoned requests are not counted)."""
         failed = sum(line["error"] is not None for line in self._lines_this_part)
         self._part.update(summary, requests=len(self._lines_this_part), failed_requests=failed)
 
-    @property
-    def pending_requests(self) -> int:
-        done = {line["id"] for line in self.output_lines}
-        return sum(request_id not in done for request_id in self._request_hashes)
+    def _done_lines(self) -> list[dict[str, Any]]:
+        """outputs.jsonl's lines, then those only in a per-replica file (read now: replicas may be writing)."""
+        paths = replica_files(self.output_dir, REPLICA_OUTPUTS_PATTERN)
+        replica_lines = [line for path in paths for line in _whole_lines(path)]
+        return self.output_lines + unmerged_replica_lines(self.output_lines, replica_lines, list(self._request_hashes))
 
     def finish(self, status: str) -> dict[str, Any]:
-        """Write summary.json for the whole run with this part's status, and return it."""
+        """Write summary.json for the whole run with this part's status, and return it. A complete
+        run first merges what data-parallel replicas left in outputs_dp<d>.jsonl."""
+        if status == "complete":
+            self.merge_replica_outputs()
         if status != "running":
             self._part.update(status=status, finished_at=_now())
         served_nothing = not self._lines_this_part and "total_s" not in self._part
         parts = self._parts[:-1] if served_nothing and status == "complete" else self._parts
-        summary = run_summary(status, self.output_lines, self._step_lines, parts, self.pending_requests)
+        lines = self._done_lines()
+        done = {line["id"] for line in lines}
+        pending = sum(request_id not in done for request_id in self._request_hashes)
+        summary = run_summary(status, lines, self._step_lines, parts, pending)
         atomic_write_text(self.output_dir / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
         return summary
 
     def close(self) -> None:
         self._outputs.close()
         self._steps.close()
+
+
+class ReplicaWriter:
+    """What one data-parallel replica's leader writes as the replica serves: each finished request's
+    line to outputs_dp<d>.jsonl (whole and fsynced before the next, with its request hash, as
+    outputs.jsonl), and each step to the replica's step log (replica 0's is steps.jsonl, written
+    through rank 0's ResultWriter `main`; replica d's is steps_dp<d>.jsonl). The replica's summary
+    travels to rank 0 in the end gather. Profiling is not built for several replicas."""
+
+    profile_dir = None
+
+    def __init__(self, plan: RunPlan, dp_rank: int, main: ResultWriter | None = None) -> None:
+        self._request_hashes = plan.request_hashes
+        self._part = plan.part
+        plan.output_dir.mkdir(parents=True, exist_ok=True)  # a new run's: rank 0 may not have made it yet
+        outputs_name = replica_outputs_file(dp_rank)
+        self._outputs = continue_appending(
+            plan.output_dir / outputs_name, plan.replica_outputs.get(outputs_name), sync=True
+        )
+        self._main = main
+        self._steps = None
+        if main is None:
+            steps_name = replica_steps_file(dp_rank)
+            self._steps = continue_appending(
+                plan.output_dir / steps_name, plan.replica_steps.get(steps_name), sync=False
+            )
+
+    def write_request(self, result: dict[str, Any]) -> None:
+        self._outputs.append(result | {"request_hash": self._request_hashes[result["id"]]})
+
+    def write_step(self, record: StepRecord) -> None:
+        if self._main is not None:
+            self._main.write_step(record)
+        else:
+            assert self._steps is not None
+            self._steps.append({"part": self._part, **dataclasses.asdict(record)})
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        """Nothing: rank 0 writes one summary over every replica's."""
+
+    def close(self) -> None:
+        self._outputs.close()
+        if self._steps is not None:
+            self._steps.close()
+
+
+def continue_appending(path: Path, contents: JsonlContents | None, sync: bool) -> LineAppender:
+    """An appender to a JSONL file that an earlier part may have left with a torn last line (dropped)."""
+    if contents is not None and contents.torn_tail:
+        logger.warning("dropping a torn last line of %s (%d bytes) left by a crash", path.name, len(contents.torn_tail))
+        drop_torn_tail(path, contents)
+    return LineAppender(path, sync=sync)
+
+
+def _whole_lines(path: Path) -> list[dict[str, Any]]:
+    """A per-replica file's whole lines (a torn tail left by a crash is not one). plan_run refused
+    the run if a file was corrupt before it started; a file gone meanwhile holds nothing."""
+    try:
+        return read_jsonl(path).lines
+    except (OSError, CorruptLineError) as exc:
+        logger.warning("cannot read %s: %s", path, exc)
+        return []
 
 
 def _now() -> str:

@@ -4,6 +4,11 @@ Every outputs.jsonl line carries a request hash: the dataset line's content (wit
 the settings that change outputs. A rerun skips the requests already there with the same id and
 hash, runs the rest, and refuses (before any model loads) when the settings or a prompt changed,
 since the folder would then mix two different runs. Only reading happens here; results.py writes.
+
+With several data-parallel replicas, each replica's leader writes its finished requests to
+outputs_dp<d>.jsonl as they finish; rank 0 appends them to outputs.jsonl (in prompt order) once
+every replica has stopped, then removes those files. A run stopped before that (a crash, a kill)
+leaves them behind: a rerun counts their lines as done and merges them at its end.
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +32,8 @@ OUTPUTS_FILE = "outputs.jsonl"
 STEPS_FILE = "steps.jsonl"
 SUMMARY_FILE = "summary.json"
 CONFIG_FILE = "config.yaml"
+REPLICA_OUTPUTS_PATTERN = re.compile(r"outputs_dp(\d+)\.jsonl")
+REPLICA_STEPS_PATTERN = re.compile(r"steps_dp(\d+)\.jsonl")
 MAX_CHANGES_SHOWN = 5  # changed settings named in a refusal
 _ABSENT = object()
 
@@ -62,6 +71,41 @@ def output_settings(sections: dict[str, dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def replica_outputs_file(dp_rank: int) -> str:
+    """Where data-parallel replica `dp_rank` writes its finished requests until rank 0 merges them."""
+    return f"outputs_dp{dp_rank}.jsonl"
+
+
+def replica_steps_file(dp_rank: int) -> str:
+    """Replica `dp_rank`'s step log: replica 0's is steps.jsonl (rank 0 writes it), the others' apart,
+    since step numbers and times of different replicas do not line up."""
+    return STEPS_FILE if dp_rank == 0 else f"steps_dp{dp_rank}.jsonl"
+
+
+def replica_files(output_dir: Path, pattern: re.Pattern[str]) -> list[Path]:
+    """The folder's files whose names match `pattern` (outputs_dp<d>.jsonl or steps_dp<d>.jsonl), by DP rank."""
+    if not output_dir.is_dir():
+        return []
+    numbered = [(pattern.fullmatch(path.name), path) for path in output_dir.iterdir()]
+    return [path for _, path in sorted((int(m.group(1)), p) for m, p in numbered if m) if path.is_file()]
+
+
+def unmerged_replica_lines(
+    merged: Iterable[dict[str, Any]], replica_lines: Iterable[dict[str, Any]], prompt_order: Sequence[str]
+) -> list[dict[str, Any]]:
+    """The per-replica files' lines that outputs.jsonl (`merged`) does not hold yet, each id once
+    (a merge cut short by a crash leaves a line in both), in prompt order; ids that are not among
+    this run's prompts (a shorter dataset) follow, in the order found."""
+    seen = {line["id"] for line in merged}
+    new: list[dict[str, Any]] = []
+    for line in replica_lines:
+        if line["id"] not in seen:
+            seen.add(line["id"])
+            new.append(line)
+    position = {request_id: index for index, request_id in enumerate(prompt_order)}
+    return sorted(new, key=lambda line: position.get(line["id"], len(position)))
+
+
 def settings_hash(config: InferenceConfig) -> str:
     canonical = json.dumps(output_settings(config.to_dict()), sort_keys=True, default=str)
     return hashlib.sha256(canonical.encode()).hexdigest()
@@ -83,6 +127,18 @@ class RunPlan:
     steps: JsonlContents
     resumed: bool = False  # the folder holds an earlier part of this run
     earlier_summary: dict[str, Any] = field(default_factory=dict)
+    # outputs_dp<d>.jsonl and steps_dp<d>.jsonl left by earlier parts (file name -> contents)
+    replica_outputs: dict[str, JsonlContents] = field(default_factory=dict)
+    replica_steps: dict[str, JsonlContents] = field(default_factory=dict)
+
+    @property
+    def part(self) -> int:
+        """This part's number (1 for a new run): every rank computes it alike before rank 0 writes."""
+        return len(self.earlier_summary.get("parts", [])) + 1
+
+    def replica_lines(self) -> list[dict[str, Any]]:
+        """Every line of the earlier parts' per-replica output files, in DP-rank order."""
+        return [line for contents in self.replica_outputs.values() for line in contents.lines]
 
 
 def plan_run(output_dir: Path, config: InferenceConfig, records: list[PromptRecord]) -> RunPlan:
@@ -92,6 +148,7 @@ def plan_run(output_dir: Path, config: InferenceConfig, records: list[PromptReco
     hashes = {record.id: request_hash(record, settings) for record in records}
     if not (output_dir / CONFIG_FILE).is_file():
         leftovers = [name for name in (OUTPUTS_FILE, SUMMARY_FILE) if (output_dir / name).exists()]
+        leftovers += [path.name for path in replica_files(output_dir, REPLICA_OUTPUTS_PATTERN)]
         if leftovers:
             raise ConfigError(
                 f"output folder {output_dir} holds {', '.join(leftovers)} but no {CONFIG_FILE}, so it cannot be "
@@ -101,7 +158,10 @@ def plan_run(output_dir: Path, config: InferenceConfig, records: list[PromptReco
         return RunPlan(output_dir, hashes, list(records), empty, empty)
     _check_same_settings(output_dir, config)
     outputs = _read(output_dir / OUTPUTS_FILE)
-    done = _match_earlier_lines(output_dir, outputs, hashes)
+    replica_outputs = {path.name: _read(path) for path in replica_files(output_dir, REPLICA_OUTPUTS_PATTERN)}
+    done = _match_earlier_lines(output_dir / OUTPUTS_FILE, outputs, hashes)
+    for name, contents in replica_outputs.items():
+        done |= _match_earlier_lines(output_dir / name, contents, hashes)
     return RunPlan(
         output_dir,
         hashes,
@@ -110,6 +170,8 @@ def plan_run(output_dir: Path, config: InferenceConfig, records: list[PromptReco
         _read(output_dir / STEPS_FILE),
         resumed=True,
         earlier_summary=_read_summary(output_dir / SUMMARY_FILE),
+        replica_outputs=replica_outputs,
+        replica_steps={path.name: _read(path) for path in replica_files(output_dir, REPLICA_STEPS_PATTERN)},
     )
 
 
@@ -160,12 +222,12 @@ def _shown(settings: dict[str, Any], key: str) -> str:
     return repr(settings[key]) if key in settings else "not set"
 
 
-def _match_earlier_lines(output_dir: Path, outputs: JsonlContents, hashes: dict[str, str]) -> set[str]:
+def _match_earlier_lines(path: Path, outputs: JsonlContents, hashes: dict[str, str]) -> set[str]:
     """Ids already served; a line whose hash differs from this run's record is a refusal."""
     done: set[str] = set()
     for line_no, line in enumerate(outputs.lines, start=1):
         request_id, earlier_hash = line.get("id"), line.get("request_hash")
-        where = f"{output_dir / OUTPUTS_FILE}:{line_no}"
+        where = f"{path}:{line_no}"
         if not isinstance(request_id, str) or not isinstance(earlier_hash, str):
             raise ConfigError(
                 f"{where} has no id or request_hash (an older or edited file); choose another output_path"
