@@ -83,4 +83,14 @@ def fused(name: str, *tensors: torch.Tensor) -> Callable[..., Any] | None:
     if torch.compiler.is_compiling() or any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
         return None
     extension = _extension()
-    return None if extension is None else getattr(extension, f"fused_{name}")
+    if extension is None:
+        return None
+    kernel = getattr(extension, f"fused_{name}")
+    if torch.autograd._profiler_enabled():  # a pybind call is no aten op: name it in the trace
+        return functools.partial(_recorded, f"infer_recipes::fused_{name}", kernel)
+    return kernel
+
+
+def _recorded(label: str, kernel: Callable[..., Any], *args: Any) -> Any:
+    with torch.profiler.record_function(label):
+        return kernel(*args)

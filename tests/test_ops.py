@@ -288,6 +288,13 @@ def test_fused_cpu_kernels_match_the_reference_formulas(rows, width, monkeypatch
         torch.testing.assert_close(fused[name], expected, rtol=2e-6, atol=2e-5, msg=name)
 
 
+@needs_compiler
+def test_fused_cpu_kernels_are_named_in_a_profile():
+    with torch.profiler.profile() as profile:
+        ops.torch_ref.silu_and_mul(torch.randn(3, 8))
+    assert "infer_recipes::fused_silu_and_mul" in {event.name for event in profile.events()}
+
+
 def test_fused_cpu_kernels_leave_other_dtypes_and_tracing_to_the_reference(monkeypatch):
     assert ops.cpu_kernels.fused("rms_norm", torch.ones(2, dtype=torch.bfloat16)) is None
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
