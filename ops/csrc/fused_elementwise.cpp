@@ -7,7 +7,7 @@
 #include <cmath>
 #include <vector>
 
-#include "fast_exp.h"
+#include "cpu_math.h"
 
 namespace {
 
@@ -15,15 +15,9 @@ constexpr int64_t kRowsPerTask = 8;
 
 // out = weight * (x / sqrt(mean(x^2) + eps)) for one row of n.
 inline void rms_norm_row(const float* x, const float* weight, float eps, float* out, int64_t n) {
-  float partial[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t d = 0;
-  for (; d + 8 <= n; d += 8) {
-    for (int j = 0; j < 8; ++j) partial[j] += x[d + j] * x[d + j];
-  }
-  float sum = ((partial[0] + partial[1]) + (partial[2] + partial[3])) + ((partial[4] + partial[5]) + (partial[6] + partial[7]));
-  for (; d < n; ++d) sum += x[d] * x[d];
+  const float sum = infer_recipes::dot(x, x, n);
   const float inverse = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
-  for (d = 0; d < n; ++d) out[d] = weight[d] * (x[d] * inverse);
+  for (int64_t d = 0; d < n; ++d) out[d] = weight[d] * (x[d] * inverse);
 }
 
 void check_rows(const torch::Tensor& x, const torch::Tensor& weight) {

@@ -5,7 +5,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include "fast_exp.h"
+#include "cpu_math.h"
 
 #include <algorithm>
 #include <cmath>
@@ -15,18 +15,6 @@
 #include <vector>
 
 namespace {
-
-// Eight independent partial sums, so that the compiler vectorises the loop without -ffast-math.
-inline float dot(const float* a, const float* b, int64_t n) {
-  float partial[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t d = 0;
-  for (; d + 8 <= n; d += 8) {
-    for (int j = 0; j < 8; ++j) partial[j] += a[d + j] * b[d + j];
-  }
-  float sum = ((partial[0] + partial[1]) + (partial[2] + partial[3])) + ((partial[4] + partial[5]) + (partial[6] + partial[7]));
-  for (; d < n; ++d) sum += a[d] * b[d];
-  return sum;
-}
 
 // A row as fp32: fp32 storage is read in place, other dtypes are converted into `buffer`.
 template <typename scalar_t>
@@ -88,7 +76,7 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& key_cache
           const int64_t offset = (slot * num_kv_heads + kv_head) * head_dim;
           k_tile[t] = as_float(keys + offset, k_rows.data() + t * head_dim, head_dim);
           v_tile[t] = as_float(values + offset, v_rows.data() + t * head_dim, head_dim);
-          for (int64_t g = 0; g < group; ++g) scores[g * kTile + t] = dot(q_rows.data() + g * head_dim, k_tile[t], head_dim);
+          for (int64_t g = 0; g < group; ++g) scores[g * kTile + t] = infer_recipes::dot(q_rows.data() + g * head_dim, k_tile[t], head_dim);
         }
         for (int64_t g = 0; g < group; ++g) {
           float* s = scores.data() + g * kTile;

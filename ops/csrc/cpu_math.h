@@ -1,10 +1,22 @@
-// A vectorisable exp for the CPU kernels (ops/csrc/*.cpp).
+// Vectorisable dot product and exp for the CPU kernels (ops/csrc/*.cpp).
 #pragma once
 
 #include <cstdint>
 #include <cstring>
 
 namespace infer_recipes {
+
+// Eight independent partial sums, so that the compiler vectorises the loop without -ffast-math.
+inline float dot(const float* a, const float* b, int64_t n) {
+  float partial[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t d = 0;
+  for (; d + 8 <= n; d += 8) {
+    for (int j = 0; j < 8; ++j) partial[j] += a[d + j] * b[d + j];
+  }
+  float sum = ((partial[0] + partial[1]) + (partial[2] + partial[3])) + ((partial[4] + partial[5]) + (partial[6] + partial[7]));
+  for (; d < n; ++d) sum += a[d] * b[d];
+  return sum;
+}
 
 // exp(x) for x <= 0 over an array, in a form the compiler vectorises (no libm call): 2^k p(r) with
 // x = k ln2 + r, |r| <= ln2 / 2, and Cephes' degree-6 polynomial for p (about 1 ulp). Inputs below
