@@ -2,7 +2,8 @@
 decode steps of the default model; then the decode step time as built against one part swapped
 for its baseline, interleaved (baseline, built, built, baseline): `--baseline attention` runs the
 gathered torch reference instead of the CPU decode attention kernel, `--baseline weights` MKL on
-the plain linear weights instead of oneDNN on the blocked ones (module/blocked_weights.py).
+the plain linear weights instead of oneDNN on the blocked ones (module/blocked_weights.py),
+`--baseline fused` the torch reference's separate ops instead of the fused CPU kernels.
 
     python benchmarks/profile_decode_step.py --batch-size 32 --prompt-tokens 200 --baseline weights
 """
@@ -86,6 +87,8 @@ def plain_weights(model: torch.nn.Module) -> Iterator[None]:
 
 
 def baseline(engine: ExecutionEngine, part: str) -> contextlib.AbstractContextManager:
+    if part == "fused":
+        return mock.patch.object(cpu_kernels, "fused", lambda *args: None)
     return reference_attention() if part == "attention" else plain_weights(engine.worker.model)
 
 
@@ -96,7 +99,8 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=200)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rows", type=int, default=15, help="operators in the printed table")
-    parser.add_argument("--baseline", default="attention", choices=["attention", "weights"], help="the part swapped")
+    parts = ["attention", "weights", "fused"]
+    parser.add_argument("--baseline", default="attention", choices=parts, help="the part swapped for its baseline")
     parser.add_argument("--profile-baseline", action="store_true", help="profile decode with the baseline part")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
