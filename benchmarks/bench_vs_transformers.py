@@ -183,7 +183,8 @@ def run_vllm(args: argparse.Namespace, prompts: list[list[int]], max_model_len: 
     if done.returncode != 0:
         last_line = (done.stderr.strip().splitlines() or ["no error output"])[-1]
         raise SystemExit(f"vLLM run failed (exit {done.returncode}): {last_line}")
-    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    # vLLM logs to stdout too: the figures are the last line that is a JSON object.
+    figures = json.loads(next(line for line in reversed(done.stdout.splitlines()) if line.startswith("{")))
     outputs = figures.pop("outputs")
     figures["outputs_sha256"] = hashlib.sha256(json.dumps(outputs).encode()).hexdigest()
     return figures
