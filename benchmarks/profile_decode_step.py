@@ -2,8 +2,9 @@
 decode steps of the default model; then the decode step time as built against one part swapped
 for its baseline, interleaved (baseline, built, built, baseline): `--baseline attention` runs the
 gathered torch reference instead of the CPU decode attention kernel, `--baseline weights` MKL on
-the plain linear weights instead of oneDNN on the blocked ones (module/blocked_weights.py),
-`--baseline fused` the torch reference's separate ops instead of the fused CPU kernels.
+the plain linear weights instead of the packed copies (module/packed_weights.py), `--baseline
+onednn` oneDNN's blocked copies instead of the AVX2 panels, `--baseline fused` the torch
+reference's separate ops instead of the fused CPU kernels.
 
     python benchmarks/profile_decode_step.py --batch-size 32 --prompt-tokens 200 --baseline weights
 """
@@ -28,7 +29,7 @@ from executor.core.engine.engine import ExecutionEngine
 from executor.core.types_ import Batch, Request, SamplingParams
 from executor.model_loader.default_model import default_model_path
 from models.llama import LlamaForCausalLM
-from module.blocked_weights import BlockedWeightMixin
+from module.packed_weights import DECODE_ROWS_HINT, PackedWeight, PackedWeightMixin
 from ops import cpu_kernels
 
 
@@ -73,23 +74,29 @@ def reference_attention() -> contextlib.AbstractContextManager:
 
 
 @contextlib.contextmanager
-def plain_weights(model: torch.nn.Module) -> Iterator[None]:
-    """Linear layers on their plain weights (MKL), the blocked copies set aside meanwhile."""
-    layers = [module for module in model.modules() if isinstance(module, BlockedWeightMixin)]
-    blocked = [layer.blocked_weight for layer in layers]
+def swapped_weights(model: torch.nn.Module, onednn: bool) -> Iterator[None]:
+    """Linear layers on their plain weights (MKL) or on oneDNN's blocked copies, the packed copies
+    set aside meanwhile."""
+    layers = [module for module in model.modules() if isinstance(module, PackedWeightMixin)]
+    packed = [layer.packed_weight for layer in layers]
     for layer in layers:
-        layer.blocked_weight = None
+        layer.packed_weight = None
+        if onednn:
+            blocked = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), DECODE_ROWS_HINT)
+            layer.packed_weight = PackedWeight(blocked, layer.weight.shape[0], "onednn")
     try:
         yield
     finally:
-        for layer, weight in zip(layers, blocked, strict=True):
-            layer.blocked_weight = weight
+        for layer, weight in zip(layers, packed, strict=True):
+            layer.packed_weight = weight
 
 
 def baseline(engine: ExecutionEngine, part: str) -> contextlib.AbstractContextManager:
     if part == "fused":
         return mock.patch.object(cpu_kernels, "fused", lambda *args: None)
-    return reference_attention() if part == "attention" else plain_weights(engine.worker.model)
+    if part == "attention":
+        return reference_attention()
+    return swapped_weights(engine.worker.model, onednn=part == "onednn")
 
 
 def main() -> None:
@@ -99,7 +106,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=200)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rows", type=int, default=15, help="operators in the printed table")
-    parts = ["attention", "weights", "fused"]
+    parts = ["attention", "weights", "onednn", "fused"]
     parser.add_argument("--baseline", default="attention", choices=parts, help="the part swapped for its baseline")
     parser.add_argument("--profile-baseline", action="store_true", help="profile decode with the baseline part")
     args = parser.parse_args()

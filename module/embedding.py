@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from module.blocked_weights import BlockedWeightMixin, linear
+from module.packed_weights import PackedWeightMixin, linear
 from module.linear import divide
 from module.parallel_group import SINGLE, ParallelGroup
 from module.weights import ShardId, load_shard
@@ -50,15 +50,15 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(embeddings)
 
 
-class ParallelLMHead(BlockedWeightMixin, VocabParallelEmbedding):
+class ParallelLMHead(PackedWeightMixin, VocabParallelEmbedding):
     """hidden -> logits for the selected rows only; each rank computes its vocab slice, then the
     slices are gathered so every rank holds full logits."""
 
     def forward(self, hidden_states: torch.Tensor, row_indices: torch.Tensor) -> torch.Tensor:
         rows = hidden_states[row_indices]
         if not self.tp.spans_replicas:
-            return self.tp.all_gather(linear(rows, self.weight, None, self.blocked_weight), dim=-1)
+            return self.tp.all_gather(linear(rows, self.weight, None, self.packed_weight), dim=-1)
         all_rows, own = self.tp.gather_rows(rows)  # every rank calls it each step, with 0 rows or more
         if all_rows.shape[0] == 0:  # no rank samples this step
             return rows.new_empty((0, self.num_embeddings_per_rank * self.tp_size))
-        return self.tp.all_gather(linear(all_rows, self.weight, None, self.blocked_weight), dim=-1)[own]
+        return self.tp.all_gather(linear(all_rows, self.weight, None, self.packed_weight), dim=-1)[own]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from module.blocked_weights import BlockedWeightMixin, linear
+from module.packed_weights import PackedWeightMixin, linear
 from module.parallel_group import SINGLE, ParallelGroup
 from module.weights import LoadedWeight, ShardId, load_shard
 
@@ -24,9 +24,9 @@ def divide(numerator: int, denominator: int) -> int:
     return numerator // denominator
 
 
-class LinearBase(BlockedWeightMixin, nn.Module):
+class LinearBase(PackedWeightMixin, nn.Module):
     """y = x W^T + b with W [output_size, input_size] already cut to this rank's shard (and, on the
-    CPU, a blocked copy of it: module/blocked_weights.py)."""
+    CPU, a packed copy of it: module/packed_weights.py)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int, tp: ParallelGroup) -> None:
         super().__init__()
@@ -48,7 +48,7 @@ class LinearBase(BlockedWeightMixin, nn.Module):
         load_shard(param.data, loaded_weight, dim, self.tp_rank, self.tp_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.blocked_weight)
+        return linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -107,4 +107,4 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
-        return self.tp.all_reduce(linear(x, self.weight, bias, self.blocked_weight))
+        return self.tp.all_reduce(linear(x, self.weight, bias, self.packed_weight))

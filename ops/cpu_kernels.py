@@ -21,7 +21,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("paged_decode_attention.cpp", "fused_elementwise.cpp")
+SOURCES = ("paged_decode_attention.cpp", "fused_elementwise.cpp", "packed_linear.cpp")
 _DECLARATIONS = """
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
     torch::Tensor block_table, torch::Tensor seq_lens, double scale, int64_t sliding_window,
@@ -32,6 +32,9 @@ std::vector<torch::Tensor> fused_add_rms_norm(torch::Tensor x, torch::Tensor res
 torch::Tensor fused_silu_and_mul(torch::Tensor x);
 std::vector<torch::Tensor> fused_apply_rotary(torch::Tensor query, torch::Tensor key, torch::Tensor cos,
     torch::Tensor sin);
+torch::Tensor pack_linear_weight(torch::Tensor weight);
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
+    int64_t out_features);
 """
 FUNCTIONS = (
     "paged_decode_attention",
@@ -39,6 +42,8 @@ FUNCTIONS = (
     "fused_add_rms_norm",
     "fused_silu_and_mul",
     "fused_apply_rotary",
+    "pack_linear_weight",
+    "packed_linear",
 )
 
 
@@ -75,6 +80,24 @@ def paged_decode_attention() -> Callable[..., torch.Tensor] | None:
     """The built decode attention kernel (same arguments as torch_ref.paged_decode_attention), or None."""
     extension = _extension()
     return None if extension is None else extension.paged_decode_attention
+
+
+def packed_linear() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]] | None:
+    """(pack_linear_weight, packed_linear) of ops/csrc/packed_linear.cpp where the CPU has AVX2 and
+    FMA and the build works, else None."""
+    extension = _extension()
+    if extension is None or not _vector_flags():
+        return None
+    return extension.pack_linear_weight, _labelled("infer_recipes::packed_linear", extension.packed_linear)
+
+
+def _labelled(label: str, kernel: Callable[..., Any]) -> Callable[..., Any]:
+    """`kernel`, named in profiler traces while a profiler runs (a pybind call is no aten op)."""
+
+    def call(*args: Any) -> Any:
+        return _recorded(label, kernel, *args) if torch.autograd._profiler_enabled() else kernel(*args)
+
+    return call
 
 
 def fused(name: str, *tensors: torch.Tensor) -> Callable[..., Any] | None:

@@ -112,8 +112,9 @@ class ModelConfig:
     )
     prepack_weights: bool = rule(
         True,
-        help="ours: on the CPU, reorder linear weights once at load into oneDNN's blocked layout, faster at few rows "
-        "(the plain weights stay too: their memory twice); off: MKL on the plain weights",
+        help="ours: on the CPU, lay linear weights out once at load for the fastest kernel at few rows (AVX2 panels, "
+        "or oneDNN's blocked layout with AVX-512; the plain weights stay too: their memory twice); off: MKL on the "
+        "plain weights",
     )
     enable_weight_nz: bool = not_applicable(
         True, "an NPU weight layout (FRACTAL_NZ); weights stay ND here", help="store weights in NZ format"

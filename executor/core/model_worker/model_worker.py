@@ -17,7 +17,7 @@ from executor.model_loader import get_model_loader
 from executor.platform import Platform
 from executor.utils.step_timer import StepTimer
 from module.attention import KVCacheLayer
-from module.blocked_weights import reorder_linear_weights
+from module.packed_weights import pack_linear_weights
 from module.parallel_group import ONE_PROCESS, ModelParallel
 from ops.attention_metadata import AttentionMetadataBuilder, build_model_inputs
 
@@ -81,7 +81,8 @@ class ModelWorker:
             model = model_cls(hf_config, parallel=self.parallel)
         get_model_loader(self.with_ckpt, self.seed).load_weights(model, model_path)
         if self.prepack_weights and self.platform.device_type == "cpu":
-            logger.info("%d linear layers reordered into oneDNN's blocked layout", reorder_linear_weights(model))
+            layout = pack_linear_weights(model)
+            logger.info("linear weights packed for the CPU: %s", layout or "no (the plain layout serves)")
         self.model = model.eval()
         self.kv_cache_layers = {name: m for name, m in model.named_modules() if isinstance(m, KVCacheLayer)}
         if not self.kv_cache_layers:
