@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from module.packed_weights import PackedWeightMixin, linear
 from module.linear import divide
+from module.packed_weights import PackedWeightMixin, linear
 from module.parallel_group import SINGLE, ParallelGroup
 from module.weights import ShardId, load_shard
 

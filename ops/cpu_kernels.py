@@ -3,9 +3,10 @@
 The torch reference gathers each request's K/V into a padded copy before attending; on the CPU
 the decode kernel reads the paged cache in place (ops/csrc). The fused fp32 kernels (RMSNorm with
 and without the residual add, SiLU-and-mul, the rotary embedding) make one pass over memory where
-the reference makes one per operator. Where no compiler is found or the
-build fails, the reference runs instead, and the log says why once. The build is keyed by the CPU's
-vector extensions, so a cache shared by machines of different kinds never runs the wrong code.
+the reference makes one per operator. The cache writes copy each new K/V row straight to its slot.
+Where no compiler is found or the build fails, the reference runs instead, and the log says why
+once. The build is keyed by the CPU's vector extensions, so a cache shared by machines of different
+kinds never runs the wrong code.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("paged_decode_attention.cpp", "fused_elementwise.cpp", "packed_linear.cpp")
+SOURCES = ("paged_decode_attention.cpp", "fused_elementwise.cpp", "kv_cache_write.cpp", "packed_linear.cpp")
 _DECLARATIONS = """
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
     torch::Tensor block_table, torch::Tensor seq_lens, double scale, int64_t sliding_window,
@@ -32,6 +33,9 @@ std::vector<torch::Tensor> fused_add_rms_norm(torch::Tensor x, torch::Tensor res
 torch::Tensor fused_silu_and_mul(torch::Tensor x);
 std::vector<torch::Tensor> fused_apply_rotary(torch::Tensor query, torch::Tensor key, torch::Tensor cos,
     torch::Tensor sin);
+void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, torch::Tensor value_cache,
+    torch::Tensor slot_mapping);
+void write_latent_cache(torch::Tensor latent, torch::Tensor latent_cache, torch::Tensor slot_mapping);
 torch::Tensor pack_linear_weight(torch::Tensor weight);
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
     int64_t out_features);
@@ -42,6 +46,8 @@ FUNCTIONS = (
     "fused_add_rms_norm",
     "fused_silu_and_mul",
     "fused_apply_rotary",
+    "write_kv_cache",
+    "write_latent_cache",
     "pack_linear_weight",
     "packed_linear",
 )
@@ -88,16 +94,7 @@ def packed_linear() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Te
     extension = _extension()
     if extension is None or not _vector_flags():
         return None
-    return extension.pack_linear_weight, _labelled("infer_recipes::packed_linear", extension.packed_linear)
-
-
-def _labelled(label: str, kernel: Callable[..., Any]) -> Callable[..., Any]:
-    """`kernel`, named in profiler traces while a profiler runs (a pybind call is no aten op)."""
-
-    def call(*args: Any) -> Any:
-        return _recorded(label, kernel, *args) if torch.autograd._profiler_enabled() else kernel(*args)
-
-    return call
+    return extension.pack_linear_weight, _named("packed_linear", extension.packed_linear)
 
 
 def fused(name: str, *tensors: torch.Tensor) -> Callable[..., Any] | None:
@@ -108,9 +105,27 @@ def fused(name: str, *tensors: torch.Tensor) -> Callable[..., Any] | None:
     extension = _extension()
     if extension is None:
         return None
-    kernel = getattr(extension, f"fused_{name}")
-    if torch.autograd._profiler_enabled():  # a pybind call is no aten op: name it in the trace
-        return functools.partial(_recorded, f"infer_recipes::fused_{name}", kernel)
+    return _named(f"fused_{name}", getattr(extension, f"fused_{name}"))
+
+
+def cache_write(name: str, slot_mapping: torch.Tensor, *caches: torch.Tensor) -> Callable[..., None] | None:
+    """The C++ cache write `name` (write_kv_cache, write_latent_cache: any dtype, one memcpy per row)
+    for contiguous CPU `caches` and an int64 CPU `slot_mapping` while no compiler is tracing, else None."""
+    if (
+        torch.compiler.is_compiling()
+        or slot_mapping.dtype != torch.int64
+        or slot_mapping.device.type != "cpu"
+        or any(cache.device.type != "cpu" or not cache.is_contiguous() for cache in caches)
+    ):
+        return None
+    extension = _extension()
+    return None if extension is None else _named(name, getattr(extension, name))
+
+
+def _named(name: str, kernel: Callable[..., Any]) -> Callable[..., Any]:
+    """`kernel`, recorded as infer_recipes::`name` while a profiler runs (a pybind call is no aten op)."""
+    if torch.autograd._profiler_enabled():
+        return functools.partial(_recorded, f"infer_recipes::{name}", kernel)
     return kernel
 
 

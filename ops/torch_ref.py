@@ -77,6 +77,9 @@ def write_kv_cache(
 ) -> None:
     """Store key/value [T, Hkv, D] into caches [num_blocks, block_size, Hkv, D] in place, token i
     at slot_mapping[i] = block_id * block_size + offset."""
+    if (kernel := cpu_kernels.cache_write("write_kv_cache", slot_mapping, key_cache, value_cache)) is not None:
+        kernel(key, value, key_cache, value_cache, slot_mapping)  # one memcpy per row; raises on a bad slot
+        return
     # The caches viewed as [num_slots, Hkv, D]: slot ids index rows directly.
     key_cache.view(-1, *key.shape[1:]).index_copy_(0, slot_mapping, key)
     value_cache.view(-1, *value.shape[1:]).index_copy_(0, slot_mapping, value)
@@ -297,6 +300,9 @@ def _paged_attention(
 
 def write_latent_cache(latent: torch.Tensor, latent_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store latent [T, D] into latent_cache [num_blocks, block_size, D] in place, token i at slot_mapping[i]."""
+    if (kernel := cpu_kernels.cache_write("write_latent_cache", slot_mapping, latent_cache)) is not None:
+        kernel(latent, latent_cache, slot_mapping)
+        return
     latent_cache.view(-1, latent.shape[-1]).index_copy_(0, slot_mapping, latent)
 
 

@@ -260,7 +260,77 @@ def test_cpu_decode_kernel_matches_the_gathered_reference(dtype, sliding_window,
 
 
 @needs_compiler
-@pytest.mark.parametrize("rows, width", [(1, 576), (5, 20), (37, 1536)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128, 24, 20])  # the unrolled dims, a multiple of 8 and not
+@pytest.mark.parametrize("block_size", [16, 128])
+@pytest.mark.parametrize("sliding_window, with_sinks", [(0, False), (50, True)])
+def test_cpu_decode_kernel_matches_the_reference_at_model_head_dims_and_block_sizes(
+    dtype, head_dim, block_size, sliding_window, with_sinks
+):
+    """Requests of 1 to 300 tokens (tiles full, partial, a last one of a single key) in scattered
+    blocks, 3 query heads per KV head as in SmolLM2."""
+    num_kv_heads, seq_lens = 3, torch.tensor([1, 7, 33, 192, 300])
+    blocks_per_request = -(-300 // block_size)
+    num_blocks = len(seq_lens) * blocks_per_request + 1
+    key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    value_cache = torch.randn_like(key_cache)
+    block_table = (torch.randperm(num_blocks - 1)[: len(seq_lens) * blocks_per_request] + 1).int()
+    query = 3 * torch.randn(len(seq_lens), 3 * num_kv_heads, head_dim, dtype=dtype)
+    sinks = torch.linspace(-2, 3, 3 * num_kv_heads, dtype=dtype) if with_sinks else None
+    args = (query, key_cache, value_cache, block_table.view(len(seq_lens), -1), seq_lens, head_dim**-0.5)
+    expected = ops.torch_ref.gathered_decode_attention(*args, sliding_window, sinks)
+    tolerance = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {}
+    kernel = ops.cpu_kernels.paged_decode_attention()
+    torch.testing.assert_close(kernel(*args, sliding_window, sinks), expected, **tolerance)
+
+
+def reference_cache_write(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """What torch_ref's index_copy_ form leaves in a copy of `cache`."""
+    expected = cache.clone()
+    expected.view(-1, *rows.shape[1:]).index_copy_(0, slot_mapping, rows)
+    return expected
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 3, 1500])  # decode-sized on the calling thread, prefill-sized split
+def test_cpu_kv_cache_write_matches_index_copy_for_views_of_a_fused_projection(dtype, num_tokens):
+    key_cache = torch.randn(200, 16, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
+    value_cache = torch.randn_like(key_cache)
+    qkv = torch.randn(num_tokens, (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM, dtype=dtype)
+    _, key, value = qkv.split([NUM_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM], dim=-1)
+    key, value = key.view(num_tokens, NUM_KV_HEADS, HEAD_DIM), value.view(num_tokens, NUM_KV_HEADS, HEAD_DIM)
+    slot_mapping = torch.randperm(200 * 16)[:num_tokens]
+    expected_key = reference_cache_write(key, key_cache, slot_mapping)
+    expected_value = reference_cache_write(value, value_cache, slot_mapping)
+    with torch.profiler.profile() as profile:
+        ops.torch_ref.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+    assert "infer_recipes::write_kv_cache" in {event.name for event in profile.events()}, "the C++ write must run"
+    assert torch.equal(key_cache, expected_key) and torch.equal(value_cache, expected_value)
+
+
+@needs_compiler
+def test_cpu_latent_cache_write_matches_index_copy():
+    latent_cache = torch.randn(20, 16, 40)
+    latent, slot_mapping = torch.randn(7, 40), torch.tensor([5, 300, 17, 0, 319, 64, 65])
+    expected = reference_cache_write(latent, latent_cache, slot_mapping)
+    ops.torch_ref.write_latent_cache(latent, latent_cache, slot_mapping)
+    assert torch.equal(latent_cache, expected)
+
+
+@needs_compiler
+@pytest.mark.parametrize("bad_slot", [-1, NUM_BLOCKS * BLOCK_SIZE])
+def test_cpu_kv_cache_write_rejects_a_slot_outside_the_cache_and_writes_nothing(bad_slot):
+    key_cache = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    value_cache = torch.zeros_like(key_cache)
+    key = value = torch.ones(2, NUM_KV_HEADS, HEAD_DIM)
+    with pytest.raises(RuntimeError, match="slot_mapping must lie in"):
+        ops.torch_ref.write_kv_cache(key, value, key_cache, value_cache, torch.tensor([3, bad_slot]))
+    assert key_cache.count_nonzero() == 0 and value_cache.count_nonzero() == 0
+
+
+@needs_compiler
+@pytest.mark.parametrize("rows, width", [(1, 576), (5, 20), (37, 1536), (300, 1536)])  # the last split over threads
 def test_fused_cpu_kernels_match_the_reference_formulas(rows, width, monkeypatch):
     """The fp32 fused kernels (one pass per row) against the reference's torch ops, at widths that
     are and are not multiples of the vector length; SiLU's gate spans magnitudes that overflow exp."""

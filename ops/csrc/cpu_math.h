@@ -1,6 +1,7 @@
-// Vectorisable dot product and exp for the CPU kernels (ops/csrc/*.cpp).
+// Vectorisable dot product, exp and SiLU for the CPU kernels (ops/csrc/*.cpp).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -18,29 +19,39 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
-// exp(x) for x <= 0 over an array, in a form the compiler vectorises (no libm call): 2^k p(r) with
-// x = k ln2 + r, |r| <= ln2 / 2, and Cephes' degree-6 polynomial for p (about 1 ulp). Inputs below
-// -87 give exp(-87) ~ 1.6e-38, not 0: after the max is subtracted such weights are negligible.
-// (It vectorises with -fno-trapping-math, which ops/cpu_kernels.py passes.)
+// exp(x) for x <= 0 in a form the compiler vectorises in any loop it is inlined into (no libm call):
+// 2^k p(r) with x = k ln2 + r, |r| <= ln2 / 2, and Cephes' degree-6 polynomial for p (about 1 ulp).
+// Inputs below -87 give exp(-87) ~ 1.6e-38, not 0: after the max is subtracted such weights are
+// negligible. (It vectorises with -fno-trapping-math, which ops/cpu_kernels.py passes.)
+inline float exp_nonpositive(float x) {
+  const float v = x > -87.0f ? x : -87.0f;
+  // Rounded to nearest by truncating v log2(e) - 1/2 toward zero (v <= 0).
+  const int32_t k_int = static_cast<int32_t>(v * 1.44269504088896341f - 0.5f);
+  const float k = static_cast<float>(k_int);
+  const float r = (v - k * 0.693359375f) + k * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (k_int + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// exp_nonpositive over an array, in place.
 inline void exp_nonpositive(float* x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = x[i] > -87.0f ? x[i] : -87.0f;
-    // Rounded to nearest by truncating v log2(e) - 1/2 toward zero (v <= 0).
-    const int32_t k_int = static_cast<int32_t>(v * 1.44269504088896341f - 0.5f);
-    const float k = static_cast<float>(k_int);
-    const float r = (v - k * 0.693359375f) + k * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const int32_t bits = (k_int + 127) << 23;
-    float scale;
-    std::memcpy(&scale, &bits, sizeof scale);
-    x[i] = p * scale;
-  }
+  for (int64_t i = 0; i < n; ++i) x[i] = exp_nonpositive(x[i]);
+}
+
+// silu(x) = x sigmoid(x), with sigmoid from e = exp(-|x|) (never overflows): 1 / (1 + e) for x >= 0,
+// e / (1 + e) below.
+inline float silu(float x) {
+  const float e = exp_nonpositive(-std::fabs(x));
+  return x * ((x >= 0.0f ? 1.0f : e) / (1.0f + e));
 }
 
 }  // namespace infer_recipes

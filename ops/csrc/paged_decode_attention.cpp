@@ -1,9 +1,15 @@
 // Decode attention over the paged KV cache for the CPU: one query token per request, read straight
 // from the cache blocks (no gathered copy), one pass with an online softmax, so the work follows the
 // K/V each request actually has. Parallel over (request, KV head); all query heads of a KV head share
-// each loaded key and value row, a tile of keys at a time. Accumulates in fp32 whatever the storage dtype.
+// each loaded key and value row, a tile of keys at a time, the next tile's rows prefetched meanwhile.
+// With AVX2 (head dims that are multiples of 8) the tile's scores and value sums run in intrinsics,
+// portable loops otherwise. Accumulates in fp32 whatever the storage dtype.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
 #include "cpu_math.h"
 
@@ -29,8 +35,100 @@ inline const float* as_float(const scalar_t* source, float* buffer, int64_t n) {
 
 // Positions attended per tile: their scores are computed together, then their weights, then the
 // value rows are accumulated, so that no step waits on the one before (the one-key-at-a-time
-// online softmax is bound by that chain).
+// online softmax is bound by that chain). A tile's K and V rows (32 x 2 x head dim) stay in L1.
 constexpr int64_t kTile = 32;
+
+// Asks for a row's cache lines ahead of use: consecutive positions sit in different blocks, which
+// the hardware prefetcher cannot guess, and one item's walk alone leaves memory idle between misses.
+inline void prefetch_row(const void* row, int64_t bytes) {
+  const char* start = static_cast<const char*>(row);
+  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(start + offset);
+}
+
+#ifdef __AVX2__
+// {sum of a[0]'s lanes, ..., sum of a[7]'s lanes}: eight dot products finished in one vector.
+inline __m256 lane_sums(const __m256 a[8]) {
+  const __m256 pairs01 = _mm256_hadd_ps(a[0], a[1]), pairs23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 pairs45 = _mm256_hadd_ps(a[4], a[5]), pairs67 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 quads0123 = _mm256_hadd_ps(pairs01, pairs23), quads4567 = _mm256_hadd_ps(pairs45, pairs67);
+  // Each 128-bit half holds a partial sum of four rows: add the low halves to the high ones.
+  return _mm256_add_ps(_mm256_permute2f128_ps(quads0123, quads4567, 0x20),
+                       _mm256_permute2f128_ps(quads0123, quads4567, 0x31));
+}
+
+// scores[j] = q . keys[j] for eight key rows (head_dim a multiple of 8): one accumulator per key,
+// so eight independent FMA chains, and the query chunk loaded once for all eight.
+inline void scores_of_8_keys(const float* q, const float* const* keys, int64_t head_dim, float* scores) {
+  __m256 acc[8];
+  for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < head_dim; d += 8) {
+    const __m256 q_chunk = _mm256_loadu_ps(q + d);
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(q_chunk, _mm256_loadu_ps(keys[j] + d), acc[j]);
+  }
+  _mm256_storeu_ps(scores, lane_sums(acc));
+}
+
+// acc[0, 8 kVectors) += sum over t < n of weights[t] * rows[t][offset, offset + 8 kVectors), the
+// accumulators held in registers over the whole tile.
+template <int kVectors>
+inline void accumulate_rows(const float* weights, const float* const* rows, int64_t n, int64_t offset, float* acc) {
+  __m256 sum[kVectors];
+  for (int j = 0; j < kVectors; ++j) sum[j] = _mm256_loadu_ps(acc + 8 * j);
+  for (int64_t t = 0; t < n; ++t) {
+    const __m256 weight = _mm256_broadcast_ss(weights + t);
+    const float* row = rows[t] + offset;
+    for (int j = 0; j < kVectors; ++j) sum[j] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(row + 8 * j), sum[j]);
+  }
+  for (int j = 0; j < kVectors; ++j) _mm256_storeu_ps(acc + 8 * j, sum[j]);
+}
+#endif
+
+// scores[g * kTile + t] = q_g . k_t for the group's query rows and the tile's n key rows. The AVX2
+// path scores keys eight at a time and pads k_tile to a multiple of 8 with its last row (those
+// scores are computed and never read).
+inline void tile_scores(const float* q_rows, int64_t group, int64_t head_dim, const float** k_tile, int64_t n,
+                        float* scores) {
+#ifdef __AVX2__
+  if (head_dim % 8 == 0) {
+    for (int64_t t = n; t % 8 != 0; ++t) k_tile[t] = k_tile[n - 1];
+    for (int64_t t = 0; t < n; t += 8) {
+      for (int64_t g = 0; g < group; ++g) {
+        scores_of_8_keys(q_rows + g * head_dim, k_tile + t, head_dim, scores + g * kTile + t);
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t g = 0; g < group; ++g) {
+      scores[g * kTile + t] = infer_recipes::dot(q_rows + g * head_dim, k_tile[t], head_dim);
+    }
+  }
+}
+
+// acc_g += sum over the tile's n positions of weight[g][t] * v_t, for each query head g of the group.
+inline void tile_values(const float* weights, int64_t group, int64_t head_dim, const float* const* v_tile, int64_t n,
+                        float* acc) {
+#ifdef __AVX2__
+  if (head_dim % 8 == 0) {
+    for (int64_t g = 0; g < group; ++g) {
+      int64_t d = 0;
+      const float* g_weights = weights + g * kTile;
+      float* g_acc = acc + g * head_dim;
+      for (; d + 64 <= head_dim; d += 64) accumulate_rows<8>(g_weights, v_tile, n, d, g_acc + d);
+      for (; d < head_dim; d += 8) accumulate_rows<1>(g_weights, v_tile, n, d, g_acc + d);
+    }
+    return;
+  }
+#endif
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t g = 0; g < group; ++g) {
+      const float weight = weights[g * kTile + t];
+      float* a = acc + g * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) a[d] += weight * v_tile[t][d];
+    }
+  }
+}
 
 // kHeadDim > 0: the head dim known when compiling (64, 128), so the per-key loops unroll; 0: any.
 template <typename scalar_t, int64_t kHeadDim>
@@ -41,6 +139,7 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& key_cache
   const int64_t head_dim = kHeadDim > 0 ? kHeadDim : query.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   const int64_t group = num_heads / num_kv_heads, table_width = block_table.size(1);
+  const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(scalar_t));
   const scalar_t* q = query.data_ptr<scalar_t>();
   const scalar_t* keys = key_cache.data_ptr<scalar_t>();
   const scalar_t* values = value_cache.data_ptr<scalar_t>();
@@ -48,6 +147,18 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& key_cache
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   scalar_t* o = out.data_ptr<scalar_t>();
   const float neg_inf = -std::numeric_limits<float>::infinity();
+  // An item is one (request, KV head); it attends to positions [first_position(item), lens[b]).
+  const auto first_position = [&](int64_t item) {
+    const int64_t length = lens[item / num_kv_heads];
+    return sliding_window > 0 ? std::max<int64_t>(0, length - sliding_window) : int64_t{0};
+  };
+  // Where an item's K/V row for `pos` starts in the caches, in elements.
+  const auto row_offset = [&](int64_t item, int64_t pos) {
+    const int64_t b = item / num_kv_heads, kv_head = item % num_kv_heads;
+    const int64_t block = table[b * table_width + pos / block_size];
+    const int64_t slot = block * block_size + pos % block_size;
+    return (slot * num_kv_heads + kv_head) * head_dim;
+  };
 
   at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q_rows(group * head_dim), acc(group * head_dim), scores(group * kTile);
@@ -58,7 +169,6 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& key_cache
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / num_kv_heads, kv_head = item % num_kv_heads;
       const int64_t length = lens[b];
-      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, length - sliding_window) : 0;
       for (int64_t g = 0; g < group; ++g) {
         const int64_t head = kv_head * group + g;
         const scalar_t* q_row = q + (b * num_heads + head) * head_dim;
@@ -68,16 +178,25 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& key_cache
         denominator[g] = sinks ? 1.0f : 0.0f;
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t tile_start = first; tile_start < length; tile_start += kTile) {
+      for (int64_t tile_start = first_position(item); tile_start < length; tile_start += kTile) {
         const int64_t n = std::min(kTile, length - tile_start);
+        // The tile after this one, this item's or the next's, is prefetched while this one is read.
+        const bool item_continues = tile_start + kTile < length;
+        const int64_t next_item = item_continues ? item : item + 1;
+        const int64_t next_start = item_continues ? tile_start + kTile
+                                                  : next_item < end ? first_position(next_item) : 0;
+        const int64_t next_n = next_item < end ? std::min(kTile, lens[next_item / num_kv_heads] - next_start) : 0;
         for (int64_t t = 0; t < n; ++t) {
-          const int64_t pos = tile_start + t;
-          const int64_t slot = static_cast<int64_t>(table[b * table_width + pos / block_size]) * block_size + pos % block_size;
-          const int64_t offset = (slot * num_kv_heads + kv_head) * head_dim;
+          const int64_t offset = row_offset(item, tile_start + t);
           k_tile[t] = as_float(keys + offset, k_rows.data() + t * head_dim, head_dim);
           v_tile[t] = as_float(values + offset, v_rows.data() + t * head_dim, head_dim);
-          for (int64_t g = 0; g < group; ++g) scores[g * kTile + t] = infer_recipes::dot(q_rows.data() + g * head_dim, k_tile[t], head_dim);
         }
+        for (int64_t t = 0; t < next_n; ++t) {
+          const int64_t offset = row_offset(next_item, next_start + t);
+          prefetch_row(keys + offset, row_bytes);
+          prefetch_row(values + offset, row_bytes);
+        }
+        tile_scores(q_rows.data(), group, head_dim, k_tile, n, scores.data());
         for (int64_t g = 0; g < group; ++g) {
           float* s = scores.data() + g * kTile;
           const float tile_max = *std::max_element(s, s + n);
@@ -94,14 +213,7 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& key_cache
             for (int64_t d = 0; d < head_dim; ++d) a[d] *= correction;
           }
         }
-        for (int64_t t = 0; t < n; ++t) {
-          const float* v = v_tile[t];
-          for (int64_t g = 0; g < group; ++g) {
-            const float weight = scores[g * kTile + t];
-            float* a = acc.data() + g * head_dim;
-            for (int64_t d = 0; d < head_dim; ++d) a[d] += weight * v[d];
-          }
-        }
+        tile_values(scores.data(), group, head_dim, v_tile, n, acc.data());
       }
       for (int64_t g = 0; g < group; ++g) {
         scalar_t* row = o + (b * num_heads + kv_head * group + g) * head_dim;
