@@ -1,7 +1,9 @@
 """C++ kernels for the CPU, built on first use with torch's extension loader (cached afterwards).
 
 The torch reference gathers each request's K/V into a padded copy before attending; on the CPU
-the decode kernel reads the paged cache in place (ops/csrc). The fused fp32 kernels (RMSNorm with
+the decode kernel reads the paged cache in place (ops/csrc), and the prefill kernel attends every
+request of a non-decode step in one call, taking the step's own K/V from the layer rather than back
+out of the cache. The fused fp32 kernels (RMSNorm with
 and without the residual add, SiLU-and-mul, the rotary embedding) make one pass over memory where
 the reference makes one per operator. Where no compiler is found or the
 build fails, the reference runs instead, and the log says why once. The build is keyed by the CPU's
@@ -21,11 +23,14 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("paged_decode_attention.cpp", "fused_elementwise.cpp")
+SOURCES = ("paged_decode_attention.cpp", "paged_prefill_attention.cpp", "fused_elementwise.cpp")
 _DECLARATIONS = """
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
     torch::Tensor block_table, torch::Tensor seq_lens, double scale, int64_t sliding_window,
     c10::optional<torch::Tensor> sinks);
+torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value,
+    torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor block_table, torch::Tensor query_ends,
+    torch::Tensor seq_lens, double scale, int64_t sliding_window, c10::optional<torch::Tensor> sinks);
 torch::Tensor fused_rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 std::vector<torch::Tensor> fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
     double eps);
@@ -35,6 +40,7 @@ std::vector<torch::Tensor> fused_apply_rotary(torch::Tensor query, torch::Tensor
 """
 FUNCTIONS = (
     "paged_decode_attention",
+    "paged_prefill_attention",
     "fused_rms_norm",
     "fused_add_rms_norm",
     "fused_silu_and_mul",
@@ -77,6 +83,16 @@ def paged_decode_attention() -> Callable[..., torch.Tensor] | None:
     return None if extension is None else extension.paged_decode_attention
 
 
+def paged_prefill_attention() -> Callable[..., torch.Tensor] | None:
+    """The built attention kernel of non-decode steps (same arguments as
+    torch_ref.per_request_prefill_attention, with the lengths as int64 tensors), or None; None too
+    while a compiler traces, which cannot see into a pybind call."""
+    extension = None if torch.compiler.is_compiling() else _extension()
+    if extension is None:
+        return None
+    return _named("infer_recipes::paged_prefill_attention", extension.paged_prefill_attention)
+
+
 def fused(name: str, *tensors: torch.Tensor) -> Callable[..., Any] | None:
     """The fused fp32 kernel `fused_<name>` where every one of `tensors` is an fp32 CPU tensor and
     no compiler is tracing (inductor fuses the reference's ops itself), else None."""
@@ -85,10 +101,12 @@ def fused(name: str, *tensors: torch.Tensor) -> Callable[..., Any] | None:
     extension = _extension()
     if extension is None:
         return None
-    kernel = getattr(extension, f"fused_{name}")
-    if torch.autograd._profiler_enabled():  # a pybind call is no aten op: name it in the trace
-        return functools.partial(_recorded, f"infer_recipes::fused_{name}", kernel)
-    return kernel
+    return _named(f"infer_recipes::fused_{name}", getattr(extension, f"fused_{name}"))
+
+
+def _named(label: str, kernel: Callable[..., Any]) -> Callable[..., Any]:
+    """`kernel`, recorded under `label` while the profiler runs: a pybind call is no aten op."""
+    return functools.partial(_recorded, label, kernel) if torch.autograd._profiler_enabled() else kernel
 
 
 def _recorded(label: str, kernel: Callable[..., Any], *args: Any) -> Any:
