@@ -5,8 +5,11 @@ gathered torch reference instead of the CPU decode attention kernel, `--baseline
 the plain linear weights instead of the packed copies (module/packed_weights.py), `--baseline
 onednn` oneDNN's blocked copies instead of the AVX2 panels, `--baseline fused` the torch
 reference's separate ops instead of the fused CPU kernels.
+`--baseline prefill_attention` times whole prefill steps instead (fresh requests each time), the
+per-request torch loop against the CPU prefill attention kernel, and the attention calls within them.
 
     python benchmarks/profile_decode_step.py --batch-size 32 --prompt-tokens 200 --baseline weights
+    python benchmarks/profile_decode_step.py --batch-size 32 --prompt-tokens 150 --baseline prefill_attention
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from executor.core.types_ import Batch, Request, SamplingParams
 from executor.model_loader.default_model import default_model_path
 from models.llama import LlamaForCausalLM
 from module.packed_weights import DECODE_ROWS_HINT, PackedWeight, PackedWeightMixin
-from ops import cpu_kernels
+from ops import cpu_kernels, torch_ref
 
 
 def build_engine(dtype: str, batch_size: int) -> ExecutionEngine:
@@ -68,6 +71,52 @@ def prefilled(engine: ExecutionEngine, batch_size: int, prompt_tokens: int) -> l
     return requests
 
 
+def prefill_step_ms(engine: ExecutionEngine, batch_size: int, prompt_tokens: int) -> float:
+    """Milliseconds of one prefill step of `batch_size` new requests, whose blocks are freed after."""
+    start = time.perf_counter()
+    requests = prefilled(engine, batch_size, prompt_tokens)
+    elapsed_ms = (time.perf_counter() - start) * 1e3
+    for request in requests:
+        engine.kv_cache_manager.free(request)
+    return elapsed_ms
+
+
+@contextlib.contextmanager
+def timed_attention(seconds: list[float]) -> Iterator[None]:
+    """Appends the wall time of every paged attention call (any layer, any step shape) to `seconds`."""
+    attend = torch_ref._paged_attention
+
+    def timed(*args: object) -> torch.Tensor:
+        start = time.perf_counter()
+        output = attend(*args)
+        seconds.append(time.perf_counter() - start)
+        return output
+
+    with mock.patch.object(torch_ref, "_paged_attention", timed):
+        yield
+
+
+def prefill_timings(engine: ExecutionEngine, args: argparse.Namespace) -> dict[str, object]:
+    """Prefill steps with the torch loop (baseline) and the CPU kernel (built), interleaved."""
+    step_ms: dict[str, list[float]] = {"baseline": [], "built": []}
+    attention_ms: dict[str, list[float]] = {"baseline": [], "built": []}
+    for variant in ("baseline", "built", "built", "baseline"):
+        for _ in range(args.steps):
+            seconds: list[float] = []
+            with baseline(engine, args.baseline) if variant == "baseline" else contextlib.nullcontext():
+                with timed_attention(seconds):
+                    step_ms[variant].append(prefill_step_ms(engine, args.batch_size, args.prompt_tokens))
+            attention_ms[variant].append(sum(seconds) * 1e3)
+    step = {variant: statistics.median(ms) for variant, ms in step_ms.items()}
+    attention = {variant: statistics.median(ms) for variant, ms in attention_ms.items()}
+    return {
+        "prefill_ms_per_step_median": step,
+        "attention_ms_per_step_median": attention,
+        "step_baseline_over_built": step["baseline"] / step["built"],
+        "attention_baseline_over_built": attention["baseline"] / attention["built"],
+    }
+
+
 def reference_attention() -> contextlib.AbstractContextManager:
     """Decode attention through the gathered torch reference (the CPU kernel hidden)."""
     return mock.patch.object(cpu_kernels, "paged_decode_attention", lambda: None)
@@ -94,6 +143,8 @@ def swapped_weights(model: torch.nn.Module, onednn: bool) -> Iterator[None]:
 def baseline(engine: ExecutionEngine, part: str) -> contextlib.AbstractContextManager:
     if part == "fused":
         return mock.patch.object(cpu_kernels, "fused", lambda *args: None)
+    if part == "prefill_attention":
+        return mock.patch.object(cpu_kernels, "paged_prefill_attention", lambda: None)
     if part == "attention":
         return reference_attention()
     return swapped_weights(engine.worker.model, onednn=part == "onednn")
@@ -106,7 +157,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=200)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rows", type=int, default=15, help="operators in the printed table")
-    parts = ["attention", "weights", "onednn", "fused"]
+    parts = ["attention", "weights", "onednn", "fused", "prefill_attention"]
     parser.add_argument("--baseline", default="attention", choices=parts, help="the part swapped for its baseline")
     parser.add_argument("--profile-baseline", action="store_true", help="profile decode with the baseline part")
     args = parser.parse_args()
@@ -118,6 +169,12 @@ def main() -> None:
         prefill_ms = (time.perf_counter() - start) * 1e3
     print(f"prefill of {args.batch_size} requests in one step: {prefill_ms:.0f} ms (profiled)")
     print(profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+    if args.baseline == "prefill_attention":
+        for request in requests:
+            engine.kv_cache_manager.free(request)
+        report = {"dtype": args.dtype, "batch_size": args.batch_size, "threads": torch.get_num_threads()}
+        print(json.dumps(report | {"prompt_tokens": args.prompt_tokens, **prefill_timings(engine, args)}))
+        return
     decode_ms(engine, requests, 2)  # warm
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:

@@ -74,12 +74,28 @@ class Attention(KVCacheLayer):
             raise RuntimeError("Attention has no KV cache: the worker must call bind_kv_cache before forward")
         tables = forward_metadata.groups[self.kv_cache_group_id]
         ops.write_kv_cache(key, value, self.key_cache, self.value_cache, tables.slot_mapping)
-        return self.attend(query, tables.block_table, forward_metadata)
+        return self.attend(query, key, value, tables.block_table, forward_metadata)
 
-    def attend(self, query: torch.Tensor, block_table: torch.Tensor, forward_metadata: ForwardMetaData) -> torch.Tensor:
-        """query [T, H, D] over the cache, this step's K/V already written -> [T, H, D]."""
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        block_table: torch.Tensor,
+        forward_metadata: ForwardMetaData,
+    ) -> torch.Tensor:
+        """query [T, H, D] over the cache, this step's K/V [T, Hkv, D] already written -> [T, H, D].
+        The op takes the step's K/V too, so that a prefill need not read them back from the cache."""
         return ops.paged_attention(
-            query, self.key_cache, self.value_cache, block_table, forward_metadata, self.scale, self.sliding_window
+            query,
+            key,
+            value,
+            self.key_cache,
+            self.value_cache,
+            block_table,
+            forward_metadata,
+            self.scale,
+            self.sliding_window,
         )
 
 
@@ -105,9 +121,18 @@ class SinkAttention(Attention):
     def weight_loader(self, param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: ShardId = None) -> None:
         load_shard(param.data, loaded_weight, 0, self.tp_rank, self.tp_size)
 
-    def attend(self, query: torch.Tensor, block_table: torch.Tensor, forward_metadata: ForwardMetaData) -> torch.Tensor:
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        block_table: torch.Tensor,
+        forward_metadata: ForwardMetaData,
+    ) -> torch.Tensor:
         return ops.paged_attention_with_sinks(
             query,
+            key,
+            value,
             self.key_cache,
             self.value_cache,
             block_table,

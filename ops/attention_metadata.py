@@ -63,19 +63,20 @@ class AttentionMetadataBuilder:
 @dataclass(slots=True)
 class TorchAttentionMetadata(ForwardMetaData):
     """The torch reference: decode reads the lengths as a tensor (inside one opaque op); other steps
-    loop over requests with host lists."""
+    read them as tensors too in the CPU prefill kernel, and as host lists in the per-request loop."""
 
-    seq_lens: torch.Tensor | None = None  # [rows] int64 KV lengths; decode-shaped steps only
-    query_ends_list: list[int] | None = None  # cumulative query ends; other steps only
+    seq_lens: torch.Tensor | None = None  # [rows] int64 KV lengths
+    query_ends: torch.Tensor | None = None  # [rows] int64 cumulative query ends; other steps only
+    query_ends_list: list[int] | None = None  # other steps only
     seq_lens_list: list[int] | None = None  # other steps only
 
 
 class TorchMetadataBuilder(AttentionMetadataBuilder):
     def build(self, layout: StepLayout) -> TorchAttentionMetadata:
         metadata = TorchAttentionMetadata(layout.max_query_len, self.cache_group_tables(layout))
-        if metadata.is_decode_shaped:
-            metadata.seq_lens = to_device(layout.seq_lens, torch.int64, self.device)
-        else:
+        metadata.seq_lens = to_device(layout.seq_lens, torch.int64, self.device)
+        if not metadata.is_decode_shaped:
+            metadata.query_ends = to_device(layout.query_ends, torch.int64, self.device)
             metadata.query_ends_list = list(layout.query_ends)
             metadata.seq_lens_list = list(layout.seq_lens)
         return metadata

@@ -1,7 +1,9 @@
 """C++ kernels for the CPU, built on first use with torch's extension loader (cached afterwards).
 
 The torch reference gathers each request's K/V into a padded copy before attending; on the CPU
-the decode kernel reads the paged cache in place (ops/csrc). The fused fp32 kernels (RMSNorm with
+the decode kernel reads the paged cache in place (ops/csrc), and the prefill kernel attends every
+request of a non-decode step in one call, taking the step's own K/V from the layer rather than back
+out of the cache. The fused fp32 kernels (RMSNorm with
 and without the residual add, SiLU-and-mul, the rotary embedding) make one pass over memory where
 the reference makes one per operator. The cache writes copy each new K/V row straight to its slot.
 Where no compiler is found or the build fails, the reference runs instead, and the log says why
@@ -22,11 +24,20 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("paged_decode_attention.cpp", "fused_elementwise.cpp", "kv_cache_write.cpp", "packed_linear.cpp")
+SOURCES = (
+    "paged_decode_attention.cpp",
+    "paged_prefill_attention.cpp",
+    "fused_elementwise.cpp",
+    "kv_cache_write.cpp",
+    "packed_linear.cpp",
+)
 _DECLARATIONS = """
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
     torch::Tensor block_table, torch::Tensor seq_lens, double scale, int64_t sliding_window,
     c10::optional<torch::Tensor> sinks);
+torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value,
+    torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor block_table, torch::Tensor query_ends,
+    torch::Tensor seq_lens, double scale, int64_t sliding_window, c10::optional<torch::Tensor> sinks);
 torch::Tensor fused_rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 std::vector<torch::Tensor> fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
     double eps);
@@ -42,6 +53,7 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional
 """
 FUNCTIONS = (
     "paged_decode_attention",
+    "paged_prefill_attention",
     "fused_rms_norm",
     "fused_add_rms_norm",
     "fused_silu_and_mul",
@@ -95,6 +107,16 @@ def packed_linear() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Te
     if extension is None or not _vector_flags():
         return None
     return extension.pack_linear_weight, _named("packed_linear", extension.packed_linear)
+
+
+def paged_prefill_attention() -> Callable[..., torch.Tensor] | None:
+    """The built attention kernel of non-decode steps (same arguments as
+    torch_ref.per_request_prefill_attention, with the lengths as int64 tensors), or None; None too
+    while a compiler traces, which cannot see into a pybind call."""
+    extension = None if torch.compiler.is_compiling() else _extension()
+    if extension is None:
+        return None
+    return _named("paged_prefill_attention", extension.paged_prefill_attention)
 
 
 def fused(name: str, *tensors: torch.Tensor) -> Callable[..., Any] | None:

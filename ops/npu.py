@@ -65,6 +65,8 @@ class NpuOps:
     def paged_attention(
         self,
         query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         block_table: torch.Tensor,
@@ -75,8 +77,9 @@ class NpuOps:
         """One fused call for every step shape (prefill, chunk, decode, verify), as vllm-ascend does.
 
         TND with paged KV takes cumulative query ends but per-request KV lengths, and the cache as
-        [num_blocks, block_size, Hkv * D]. The metadata's mask and sparse mode follow the step's
-        longest query. A sliding window uses the band mode (sparse_mode 4, pre_tokens = window,
+        [num_blocks, block_size, Hkv * D]; FIA reads the step's own K/V from there, where
+        write_kv_cache has put them, so `key` and `value` go unused. The metadata's mask and sparse
+        mode follow the step's longest query. A sliding window uses the band mode (sparse_mode 4, pre_tokens = window,
         next_tokens 0) on steps with a mask and only pre_tokens = window in decode, as vllm-ascend
         does; unverified on hardware.
         """

@@ -85,11 +85,11 @@ def write_kv_cache(
     value_cache.view(-1, *value.shape[1:]).index_copy_(0, slot_mapping, value)
 
 
-def _gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, first: int, kv_len: int) -> torch.Tensor:
-    """One request's cached tokens [first, kv_len) as [Hkv, kv_len - first, D]; `block_ids` is its
-    row from block first // block_size on."""
+def _gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, first: int, end: int) -> torch.Tensor:
+    """One request's cached tokens [first, end) as [Hkv, end - first, D]; `block_ids` is its row
+    from block first // block_size on."""
     offset = first % cache.shape[1]
-    return cache[block_ids].flatten(0, 1)[offset : offset + kv_len - first].transpose(0, 1)
+    return cache[block_ids].flatten(0, 1)[offset : offset + end - first].transpose(0, 1)
 
 
 def _gathered_length(seq_lens: torch.Tensor, table_capacity: int) -> int:
@@ -220,6 +220,8 @@ def _sdpa_per_request(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
 def paged_attention(
     query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     block_table: torch.Tensor,
@@ -229,19 +231,25 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of query [T, H, D] over each request's paged K/V -> [T, H, D].
 
-    K/V are read only through `block_table` (the layer's cache group) and the sequence lengths. A
-    request whose query is shorter than its KV (cached prefix, chunk, verify step) is causal from
-    the bottom-right corner. With `sliding_window` W a query token sees itself and the W - 1
-    tokens before it, as transformers' sliding-window layers do.
+    key/value [T, Hkv, D] are the step's own K/V, already written to the caches: a non-decode
+    step reads each request's last q_len positions from them and only the cached prefix before
+    those through `block_table` (the layer's cache group) and the sequence lengths. A request whose
+    query is shorter than its KV (cached prefix, chunk, verify step) is causal from the bottom-right
+    corner. With `sliding_window` W a query token sees itself and the W - 1 tokens before it, as
+    transformers' sliding-window layers do.
 
-    A decode-shaped step runs as one batched op; any other as one SDPA per request, which reads
-    only the request's slots a query can see (the window's, with a window), all of them written.
+    A decode-shaped step runs as one batched op over the cache; any other as one call of the CPU
+    prefill kernel, or elsewhere one SDPA per request (per_request_prefill_attention).
     """
-    return _paged_attention(query, key_cache, value_cache, block_table, forward_metadata, scale, sliding_window, None)
+    return _paged_attention(
+        query, key, value, key_cache, value_cache, block_table, forward_metadata, scale, sliding_window, None
+    )
 
 
 def paged_attention_with_sinks(
     query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     block_table: torch.Tensor,
@@ -254,11 +262,15 @@ def paged_attention_with_sinks(
     added to every softmax denominator, softmax([scores, sink]) with the sink's column dropped,
     so a head can attend to nothing. A separate op because the NPU's FIA takes sinks only in its
     v2 form (learnable_sink), which ops/npu.py does not call yet."""
-    return _paged_attention(query, key_cache, value_cache, block_table, forward_metadata, scale, sliding_window, sinks)
+    return _paged_attention(
+        query, key, value, key_cache, value_cache, block_table, forward_metadata, scale, sliding_window, sinks
+    )
 
 
 def _paged_attention(
     query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     block_table: torch.Tensor,
@@ -271,27 +283,58 @@ def _paged_attention(
         return paged_decode_attention(
             query, key_cache, value_cache, block_table, forward_metadata.seq_lens, scale, sliding_window or 0, sinks
         )
+    caches = (key_cache, value_cache, block_table)
+    if query.device.type == "cpu" and (kernel := cpu_kernels.paged_prefill_attention()) is not None:
+        lengths = (forward_metadata.query_ends, forward_metadata.seq_lens)
+        return kernel(query, key, value, *caches, *lengths, scale, sliding_window or 0, sinks)
+    lengths = (forward_metadata.query_ends_list, forward_metadata.seq_lens_list)
+    return per_request_prefill_attention(query, key, value, *caches, *lengths, scale, sliding_window, sinks)
+
+
+def per_request_prefill_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_ends: list[int],
+    seq_lens: list[int],
+    scale: float,
+    sliding_window: int | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """paged_attention of a non-decode step in torch ops, one SDPA per request: the definition of
+    the CPU prefill kernel and the other devices' path. Each request's keys are its cached prefix,
+    gathered from the slots a query can see (the window's, with a window), then its step's own."""
     block_size = key_cache.shape[1]
     outputs = []
     query_start = 0
-    for index, (query_end, kv_len) in enumerate(
-        zip(forward_metadata.query_ends_list, forward_metadata.seq_lens_list, strict=True)
-    ):
+    for index, (query_end, kv_len) in enumerate(zip(query_ends, seq_lens, strict=True)):
         q_len = query_end - query_start
-        # With a window, the first query sees nothing before kv_len - q_len - window + 1: those
-        # blocks may be gone (the null block in the row), so they are not read at all.
-        first = max(0, kv_len - q_len - sliding_window + 1) if sliding_window else 0
-        block_ids = block_table[index, first // block_size : -(-kv_len // block_size)]
-        request_query = query[query_start:query_end].transpose(0, 1)  # [H, q_len, D]
-        key = _gather_kv(key_cache, block_ids, first, kv_len)
-        value = _gather_kv(value_cache, block_ids, first, kv_len)
+        cached_len = kv_len - q_len
+        # With a window, the first query sees nothing before cached_len - window + 1: those blocks
+        # may be gone (the null block in the row), so they are not read at all.
+        first = max(0, cached_len - sliding_window + 1) if sliding_window else 0
+        request_key = key[query_start:query_end].transpose(0, 1)  # [Hkv, q_len, D]
+        request_value = value[query_start:query_end].transpose(0, 1)
+        if first < cached_len:
+            block_ids = block_table[index, first // block_size : -(-cached_len // block_size)]
+            request_key = torch.cat((_gather_kv(key_cache, block_ids, first, cached_len), request_key), dim=1)
+            request_value = torch.cat((_gather_kv(value_cache, block_ids, first, cached_len), request_value), dim=1)
         mask = _prefill_mask(q_len, kv_len, first, sliding_window, query.device)
         if sinks is not None:
             if mask is None:  # top-left causal, q_len == kv_len
                 mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril()
-            key, value, mask = _append_sink(key, value, mask[None], sinks)
+            request_key, request_value, mask = _append_sink(request_key, request_value, mask[None], sinks)
         out = _sdpa_per_request(
-            request_query, key, value, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+            query[query_start:query_end].transpose(0, 1),  # [H, q_len, D]
+            request_key,
+            request_value,
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=True,
         )
         outputs.append(out.transpose(0, 1))
         query_start = query_end

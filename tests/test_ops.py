@@ -98,16 +98,22 @@ def naive_attention(
 
 
 def run_paged(
-    query_lens: list[int], kv_lens: list[int], sliding_window: int | None = None, sinks: torch.Tensor | None = None
+    query_lens: list[int],
+    kv_lens: list[int],
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    poison_new_rows: bool = False,
 ) -> None:
     """Scatter each request's K/V over shuffled blocks (never the null block 0), fill every other
     slot with NaN, and compare paged attention with naive attention on the contiguous K/V. With a
     window, blocks wholly before it are replaced by the null block, as the sliding-window manager
-    does, and the null block holds NaN too."""
+    does, and the null block holds NaN too. The op gets the step's own K/V (each request's last
+    q_len positions) as the layer passes them; with `poison_new_rows` their cache slots then hold
+    NaN, as if the op had to do without them."""
     block_order = (torch.randperm(NUM_BLOCKS - 1) + 1).tolist()
     key_cache = torch.full((NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM), float("nan"))
     value_cache = torch.full_like(key_cache, float("nan"))
-    sequences, contiguous_kv = [], []
+    sequences, contiguous_kv, step_kv, new_slots = [], [], [], []
     for q_len, kv_len in zip(query_lens, kv_lens, strict=True):
         num_blocks = -(-kv_len // BLOCK_SIZE)
         blocks, block_order = block_order[:num_blocks], block_order[num_blocks:]
@@ -116,15 +122,20 @@ def run_paged(
         slots = torch.tensor([blocks[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE for pos in range(kv_len)])
         ops.write_kv_cache(key, value, key_cache, value_cache, slots)
         contiguous_kv.append((key, value))
+        step_kv.append((key[kv_len - q_len :], value[kv_len - q_len :]))
+        new_slots.append(slots[kv_len - q_len :])
         if sliding_window is not None:
             first_needed_block = max(0, kv_len - q_len - sliding_window + 1) // BLOCK_SIZE
             blocks[:first_needed_block] = [0] * first_needed_block
+    if poison_new_rows:
+        key_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[torch.cat(new_slots)] = float("nan")
     layout = build_step_layout(sequences, block_size=BLOCK_SIZE, max_blocks_per_request=NUM_BLOCKS)
     metadata = TorchMetadataBuilder(torch.device("cpu")).build(layout)
     query = torch.randn(sum(query_lens), NUM_HEADS, HEAD_DIM)
+    step_key, step_value = (torch.cat(tensors) for tensors in zip(*step_kv, strict=True))
     block_table = metadata.groups[0].block_table
 
-    args = (query, key_cache, value_cache, block_table, metadata, HEAD_DIM**-0.5)
+    args = (query, step_key, step_value, key_cache, value_cache, block_table, metadata, HEAD_DIM**-0.5)
     if sinks is None:
         output = ops.paged_attention(*args, sliding_window)
     else:
@@ -140,11 +151,23 @@ def run_paged(
     torch.testing.assert_close(output, expected)
 
 
-def test_paged_attention_prefill_is_causal_per_request():
+@pytest.fixture(params=["kernel", "loop"])
+def prefill_path(request, monkeypatch):
+    """Non-decode steps through the CPU prefill kernel, or through the per-request torch loop."""
+    if request.param == "loop":
+        monkeypatch.setattr(ops.cpu_kernels, "paged_prefill_attention", lambda: None)
+    elif shutil.which("c++") is None or shutil.which("ninja") is None:
+        pytest.skip("the CPU kernels build with c++ and ninja")
+    else:
+        assert ops.cpu_kernels.paged_prefill_attention() is not None, "the kernel builds where a compiler is present"
+    return request.param
+
+
+def test_paged_attention_prefill_is_causal_per_request(prefill_path):
     run_paged([5, 1, 9, 4], [5, 1, 9, 4])
 
 
-def test_paged_attention_prefill_with_cached_prefix_is_bottom_right_causal():
+def test_paged_attention_prefill_with_cached_prefix_is_bottom_right_causal(prefill_path):
     run_paged([3, 6, 2], [10, 6, 7])
 
 
@@ -152,13 +175,22 @@ def test_paged_attention_decode_batches_requests_and_ignores_garbage_slots():
     run_paged([1, 1, 1, 1], [1, 6, 13, 4])
 
 
-def test_paged_attention_verify_step_with_several_queries_per_request_is_causal():
+def test_paged_attention_verify_step_with_several_queries_per_request_is_causal(prefill_path):
     run_paged([3, 3, 3], [7, 3, 12])
 
 
 @pytest.mark.parametrize("query_lens, kv_lens", [([5, 9, 2], [5, 9, 10]), ([1, 1, 1], [2, 9, 14]), ([3, 2], [17, 22])])
-def test_paged_attention_sliding_window_sees_only_the_window(query_lens, kv_lens):
+def test_paged_attention_sliding_window_sees_only_the_window(query_lens, kv_lens, prefill_path):
     run_paged(query_lens, kv_lens, sliding_window=4)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 4])
+@pytest.mark.parametrize("query_lens, kv_lens", [([5, 1, 9], [5, 1, 9]), ([3, 6, 2], [10, 6, 7]), ([3, 3], [7, 12])])
+def test_paged_attention_takes_the_steps_key_value_from_the_layer_not_from_the_cache(
+    query_lens, kv_lens, sliding_window, prefill_path
+):
+    """Prefill, cached prefix, verify: the new positions' cache rows are never read back."""
+    run_paged(query_lens, kv_lens, sliding_window, poison_new_rows=True)
 
 
 # Prefill, cached prefix, decode, verify; with and without a window. Sinks of both signs and one
@@ -169,7 +201,7 @@ SINK_CASES = [([5, 1, 9], [5, 1, 9]), ([3, 6], [10, 7]), ([1, 1, 1], [1, 6, 13])
 @pytest.mark.parametrize("sliding_window", [None, 4])
 @pytest.mark.parametrize("query_lens, kv_lens", SINK_CASES)
 def test_paged_attention_with_sinks_adds_each_heads_sink_to_the_softmax_denominator(
-    query_lens, kv_lens, sliding_window
+    query_lens, kv_lens, sliding_window, prefill_path
 ):
     run_paged(query_lens, kv_lens, sliding_window, sinks=torch.tensor([-1.0, 0.0, 0.5, 3.0]))
 
@@ -389,3 +421,61 @@ def test_npu_backend_without_torch_npu_raises_clear_error():
 def test_every_op_has_an_npu_implementation():
     for name in ops.OPS:
         assert callable(getattr(ops.npu.NpuOps, name)), name
+
+
+# A prefill, a decode-like row, a chunk after a cached prefix, a long prefill and a verify step in one
+# step: several 32-key tiles and several query tiles per request, q_len < kv_len and q_len == kv_len.
+PREFILL_KERNEL_QUERY_LENS, PREFILL_KERNEL_KV_LENS = [37, 1, 5, 70, 3], [37, 20, 70, 70, 90]
+
+
+def scattered_prefill_step(
+    num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, ...]:
+    """query, the step's key/value and 16-slot caches for the requests above, each over shuffled blocks;
+    the cache rows of the step's own positions and of blocks a window has dropped (the null block 0
+    in the table) hold NaN, which the kernel must never read."""
+    block_size, width = 16, 8
+    key_cache = torch.randn(1 + len(PREFILL_KERNEL_KV_LENS) * width, block_size, num_kv_heads, head_dim, dtype=dtype)
+    value_cache = torch.randn_like(key_cache)
+    block_table = (torch.randperm(key_cache.shape[0] - 1) + 1)[: len(PREFILL_KERNEL_KV_LENS) * width]
+    block_table = block_table.view(-1, width).to(torch.int32)
+    for row, q_len, kv_len in zip(block_table, PREFILL_KERNEL_QUERY_LENS, PREFILL_KERNEL_KV_LENS, strict=True):
+        for position in range(kv_len - q_len, kv_len):
+            key_cache[row[position // block_size], position % block_size] = float("nan")
+        if sliding_window:
+            row[: max(0, kv_len - q_len - sliding_window + 1) // block_size] = 0
+    key_cache[0] = value_cache[0] = float("nan")
+    num_tokens = sum(PREFILL_KERNEL_QUERY_LENS)
+    query = 3 * torch.randn(num_tokens, num_heads, head_dim, dtype=dtype)  # peaked softmaxes too
+    key, value = (torch.randn(num_tokens, num_kv_heads, head_dim, dtype=dtype) for _ in range(2))
+    return query, key, value, key_cache, value_cache, block_table
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(4, 4, 64), (9, 3, 64), (8, 2, 128), (8, 2, 80)])
+@pytest.mark.parametrize("sliding_window, with_sinks", [(0, False), (3, False), (40, False), (0, True), (40, True)])
+def test_cpu_prefill_kernel_matches_the_per_request_reference(
+    dtype, num_heads, num_kv_heads, head_dim, sliding_window, with_sinks
+):
+    """The C++ kernel attends the whole step in one call; it must agree with the torch definition
+    (run in fp32 on the same inputs, as the kernel accumulates in fp32) for any grouping, head dim,
+    window (smaller than a query too), sinks and storage dtype."""
+    kernel = ops.cpu_kernels.paged_prefill_attention()
+    assert kernel is not None, "the kernel must build where a compiler is present"
+    tensors = scattered_prefill_step(num_heads, num_kv_heads, head_dim, sliding_window, dtype)
+    sinks = torch.randn(num_heads) if with_sinks else None
+    query_ends = torch.tensor(PREFILL_KERNEL_QUERY_LENS).cumsum(0)
+    seq_lens = torch.tensor(PREFILL_KERNEL_KV_LENS)
+    output = kernel(*tensors, query_ends, seq_lens, head_dim**-0.5, sliding_window, sinks)
+    expected = ops.torch_ref.per_request_prefill_attention(
+        *(t.float() if t.is_floating_point() else t for t in tensors),
+        query_ends.tolist(),
+        PREFILL_KERNEL_KV_LENS,
+        head_dim**-0.5,
+        sliding_window or None,
+        sinks,
+    )
+    assert output.dtype == dtype
+    tolerance = {"atol": 1e-2, "rtol": 1e-2} if dtype == torch.bfloat16 else {"atol": 1e-5, "rtol": 1e-5}
+    torch.testing.assert_close(output.float(), expected, **tolerance)

@@ -92,6 +92,12 @@ def caches() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.zeros(shape), torch.zeros(shape)
 
 
+def step_kv(num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's own key and value, which FIA does not read (it reads them from the cache)."""
+    shape = (num_tokens, NUM_KV_HEADS, HEAD_DIM)
+    return torch.zeros(shape), torch.zeros(shape)
+
+
 # Each step: (cached tokens, tokens fed, blocks) for two requests.
 PREFILL = [ScheduledSequence([1] * 3, 0, [[5]]), ScheduledSequence([1] * 5, 0, [[2]])]
 DECODE = [ScheduledSequence([1], 130, [[5, 6]]), ScheduledSequence([1], 4, [[2]])]
@@ -114,7 +120,7 @@ def attend(
     meta = inputs.forward_metadata
     block_table = meta.groups[0].block_table
     query = torch.zeros(len(inputs.input_ids), NUM_HEADS, HEAD_DIM)
-    npu_ops.paged_attention(query, *caches(), block_table, meta, SCALE, **kwargs)
+    npu_ops.paged_attention(query, *step_kv(len(query)), *caches(), block_table, meta, SCALE, **kwargs)
     return meta, block_table
 
 
@@ -123,7 +129,7 @@ def test_prefill_attention_is_tnd_paged_with_cumulative_q_and_per_request_kv():
     meta = model_inputs(PREFILL).forward_metadata
     block_table = meta.groups[0].block_table
     query = torch.zeros(8, NUM_HEADS, HEAD_DIM)
-    NpuOps(torch_npu).paged_attention(query, *caches(), block_table, meta, SCALE)
+    NpuOps(torch_npu).paged_attention(query, *step_kv(8), *caches(), block_table, meta, SCALE)
     (q, k, v), kwargs = torch_npu.last("fia")
     assert q is query and k.shape == v.shape == (NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS * HEAD_DIM)
     assert kwargs["input_layout"] == "TND" and kwargs["block_size"] == BLOCK_SIZE

@@ -26,7 +26,8 @@ def test_prefill_packs_prompts_without_padding():
     assert meta.groups[0].block_table.tolist() == [[5, 0, 0], [2, 7, 0]]
     assert meta.groups[0].block_table.dtype == torch.int32
     assert inputs.logits_indices.tolist() == [2, 7]
-    assert meta.max_query_len == 5 and not meta.is_decode_shaped and meta.seq_lens is None
+    assert meta.query_ends.tolist() == [3, 8] and meta.seq_lens.tolist() == [3, 5]
+    assert meta.max_query_len == 5 and not meta.is_decode_shaped
 
 
 def test_decode_places_each_token_after_its_cached_prefix():

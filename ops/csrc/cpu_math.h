@@ -55,3 +55,22 @@ inline float silu(float x) {
 }
 
 }  // namespace infer_recipes
+
+namespace infer_recipes {
+
+// Eight floats in one AVX register (two SSE ones without AVX), through the GCC/Clang vector extension:
+// register-blocked matrix products name their accumulators, which plain loops leave the compiler to
+// spill to memory.
+typedef float float8 __attribute__((vector_size(32)));
+
+inline float8 load8(const float* source) {
+  float8 v;
+  std::memcpy(&v, source, sizeof v);
+  return v;
+}
+
+inline void store8(float* target, float8 v) { std::memcpy(target, &v, sizeof v); }
+
+inline float8 broadcast8(float x) { return float8{x, x, x, x, x, x, x, x}; }
+
+}  // namespace infer_recipes
