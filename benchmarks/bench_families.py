@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import models
-from executor.utils.model_registry import available_models
+from executor.core.config.model_registry import available_models
 
 BENCH_GRAPH_MODES = Path(__file__).with_name("bench_graph_modes.py")
 

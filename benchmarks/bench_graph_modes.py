@@ -25,10 +25,10 @@ import time
 import torch
 
 from executor.core.config import build_config
+from executor.core.config.model_registry import resolve_model
 from executor.core.engine.engine import ExecutionEngine
-from executor.core.types_ import Batch, Request, SamplingParams
 from executor.model_loader.default_model import default_model_path
-from executor.utils.model_registry import resolve_model
+from executor.types_ import Batch, Request, SamplingParams
 
 PROMPT_TOKENS = 100
 GRAPH_MODES = ("ge_graph", "npugraph_ex")

@@ -29,8 +29,8 @@ from transformers import LlamaConfig
 
 from executor.core.config import build_config
 from executor.core.engine.engine import ExecutionEngine
-from executor.core.types_ import Batch, Request, SamplingParams
 from executor.model_loader.default_model import default_model_path
+from executor.types_ import Batch, Request, SamplingParams
 from models.llama import LlamaForCausalLM
 from module.packed_weights import DECODE_ROWS_HINT, PackedWeight, PackedWeightMixin
 from ops import cpu_kernels, torch_ref

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import ops
-from executor.core.types_.forward_metadata import ForwardMetaData
-from executor.core.types_.kv_cache_spec import KVCacheSpec, attention_spec
+from executor.types_.forward_metadata import ForwardMetaData
+from executor.types_.kv_cache_spec import KVCacheSpec, attention_spec
 from module.parallel_group import SINGLE, ParallelGroup
 from module.weights import LoadedWeight, ShardId, load_shard
 

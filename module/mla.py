@@ -14,8 +14,8 @@ from transformers import PretrainedConfig
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
 
 import ops
-from executor.core.types_.forward_metadata import ForwardMetaData
-from executor.core.types_.kv_cache_spec import KVCacheSpec, mla_spec
+from executor.types_.forward_metadata import ForwardMetaData
+from executor.types_.kv_cache_spec import KVCacheSpec, mla_spec
 from module.attention import KVCacheLayer
 from module.linear import ColumnParallelLinear, RowParallelLinear, divide
 from module.norm import RMSNorm

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ops
-from executor.model_loader.errors import WeightLoadError
+from executor.types_.errors import WeightLoadError
 from module.linear import divide
 from module.parallel_group import SINGLE, ParallelGroup
 from module.weights import load_shard

@@ -1,6 +1,6 @@
 """Copying checkpoint tensors into (sharded) parameters with shape checks that name both shapes.
 
-A loader may hand over a CheckpointTensor (executor/model_loader/checkpoint_tensor.py) instead of a
+A loader may hand over a CheckpointTensor (executor/types_/checkpoint_tensor.py) instead of a
 torch.Tensor: load_shard narrows it before reading, so a tensor-parallel rank reads only its shard of
 each tensor from the file, and an expert-parallel rank never reads another rank's experts.
 """
@@ -13,8 +13,8 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from executor.model_loader.checkpoint_tensor import LoadedWeight, materialize
-from executor.model_loader.errors import WeightLoadError
+from executor.types_.checkpoint_tensor import LoadedWeight, materialize
+from executor.types_.errors import WeightLoadError
 
 # Which part of a fused parameter a checkpoint tensor fills: "q"/"k"/"v", a merged index, or None.
 ShardId = int | str | None

@@ -10,11 +10,11 @@ from transformers import AutoModelForCausalLM
 import ops
 from executor.core.config import build_config
 from executor.core.engine.step_inputs import build_step_layout
-from executor.core.types_ import Batch, Request, SamplingParams
 from executor.offline.dataset import PromptRecord
 from executor.offline.offline_inference import OfflineInference, RunResult
 from executor.offline.results import ResultWriter
 from executor.offline.run_folder import plan_run
+from executor.types_ import Batch, Request, SamplingParams
 from ops.attention_metadata import build_model_inputs
 from tests.conftest import tiny_tokenizer
 from tests.paged_harness import random_prompts

@@ -18,7 +18,7 @@ from torch import nn
 from transformers import LlamaConfig
 
 from executor.model_loader import DefaultModelLoader, default_loader
-from executor.model_loader.checkpoint_tensor import CheckpointTensor, materialize
+from executor.types_.checkpoint_tensor import CheckpointTensor, materialize
 from models.gpt_oss.model import GptOssForCausalLM
 from models.llama import LlamaForCausalLM
 from models.qwen3_moe.model import Qwen3MoeForCausalLM

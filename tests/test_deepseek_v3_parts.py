@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 
 import ops
-from executor.core.types_.kv_cache_spec import AttentionKind, KVTensorSpec, mla_spec
 from executor.model_loader.default_loader import safetensors_weights
-from executor.model_loader.errors import WeightLoadError
+from executor.types_.errors import WeightLoadError
+from executor.types_.kv_cache_spec import AttentionKind, KVTensorSpec, mla_spec
 from models.deepseek_v3 import DeepseekV3ForCausalLM
 from module.moe import FusedExperts
 from module.parallel_group import ParallelGroup

@@ -23,7 +23,7 @@ import transformers
 
 import ops
 from executor.core.engine.step_inputs import ScheduledSequence, build_step_layout
-from executor.core.types_.model_inputs import ModelInputs
+from executor.types_.model_inputs import ModelInputs
 from models.llama import LlamaForCausalLM
 from module.attention import Attention
 from ops import dispatch

@@ -11,10 +11,10 @@ from torch import nn
 
 from executor.core.config import ConfigError
 from executor.core.model_worker.model_worker import ModelWorker
-from executor.core.types_ import AttentionKind, FinishReason, KVCacheSpec, KVTensorSpec
 from executor.offline import offline_inference
 from executor.offline.dataset import PromptRecord
 from executor.platform import create_platform
+from executor.types_ import AttentionKind, FinishReason, KVCacheSpec, KVTensorSpec
 from module.attention import KVCacheLayer
 from module.parallel_group import ModelParallel
 from tests.conftest import WINDOW, SlidingLlama

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from executor.core.types_ import FinishReason
+from executor.types_ import FinishReason
 from tests.engine_harness import hf_greedy, load_hf_model, run_engine, token_records
 
 PROMPT_LENGTHS = [1, 5, 17, 33, 8, 64, 3, 40, 12, 90]

@@ -19,9 +19,9 @@ import transformers
 from safetensors.torch import save_file
 
 import ops
-from executor.core.types_ import AttentionKind
 from executor.model_loader.default_loader import safetensors_weights
-from executor.model_loader.errors import WeightLoadError
+from executor.types_ import AttentionKind
+from executor.types_.errors import WeightLoadError
 from models.gpt_oss import GptOssForCausalLM
 from module.rotary import RotaryEmbedding
 from ops.dispatch import OpTable

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from executor.core.model_worker.graph_runner import DecodeStep
-from executor.core.types_.model_inputs import StepLayout
 from executor.platform import npu_runtime
 from executor.platform.compile_cache import CompileCache
 from executor.platform.graph_compilers import NpuGraphExCompiler, TorchairGeCompiler, make_graph_compiler
 from executor.platform.platform import Platform
+from executor.types_.model_inputs import StepLayout
 from ops.attention_metadata import build_model_inputs
 from tests.engine_harness import make_inference, token_records
 

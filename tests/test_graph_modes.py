@@ -16,10 +16,10 @@ import torch
 import transformers
 
 from executor.core.engine.step_inputs import build_step_layout
-from executor.core.types_ import Batch, Request, SamplingParams
 from executor.offline import offline_inference
 from executor.offline.dataset import PromptRecord
 from executor.offline.offline_inference import OfflineInference
+from executor.types_ import Batch, Request, SamplingParams
 from ops.attention_metadata import build_model_inputs
 from tests.conftest import SlidingLlama
 from tests.engine_harness import make_inference, token_records

@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from executor.core.kv_cache import NULL_BLOCK_ID, BlockPool, KVCacheManager, SlidingWindowManager
-from executor.core.types_ import KVCacheSpec, KVTensorSpec, Request, SamplingParams, attention_spec
-from executor.core.types_.kv_cache_spec import AttentionKind
+from executor.types_ import KVCacheSpec, KVTensorSpec, Request, SamplingParams, attention_spec
+from executor.types_.kv_cache_spec import AttentionKind
 
 FULL = attention_spec(2, 8, torch.float32)
 SLIDING = attention_spec(2, 8, torch.float32, sliding_window=8)

@@ -21,8 +21,8 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer as HFDeco
 import ops
 from executor.core.engine.step_inputs import ScheduledSequence, build_step_layout
 from executor.model_loader.default_loader import DefaultModelLoader
-from executor.model_loader.errors import WeightLoadError
 from executor.offline.dataset import load_prompts
+from executor.types_.errors import WeightLoadError
 from models.llama import LlamaForCausalLM
 from module.attention import Attention
 from ops.attention_metadata import TorchMetadataBuilder, build_model_inputs

@@ -11,7 +11,7 @@ import torch
 import transformers
 
 import ops
-from executor.model_loader.errors import WeightLoadError
+from executor.types_.errors import WeightLoadError
 from models.llama import LlamaForCausalLM
 from tests.conftest import llama_config
 from tests.paged_harness import (

@@ -4,8 +4,7 @@ import pytest
 
 from executor.core.engine.kv_cache_sizing import plan_num_blocks
 from executor.core.scheduler import StepRecord
-from executor.core.types_ import FinishReason, Request, SamplingParams
-from executor.utils.metrics import (
+from executor.offline.metrics import (
     breakdown_lines,
     cann_closing_lines,
     cann_decode_average_ms,
@@ -14,6 +13,7 @@ from executor.utils.metrics import (
     summarize,
     upper_fence,
 )
+from executor.types_ import FinishReason, Request, SamplingParams
 
 
 def test_percentile_interpolates():

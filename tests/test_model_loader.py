@@ -19,10 +19,8 @@ from torch import nn
 from executor.model_loader import (
     DefaultModelLoader,
     DummyModelLoader,
-    WeightLoadError,
     get_model_loader,
 )
-from executor.model_loader.checkpoint_tensor import materialize
 from executor.model_loader.default_model import (
     REQUIRED_FILES,
     default_model_path,
@@ -31,6 +29,8 @@ from executor.model_loader.default_model import (
 )
 from executor.model_loader.gguf_import import convert_gguf, partial_prefix
 from executor.model_loader.hf_config import load_hf_config
+from executor.types_.checkpoint_tensor import materialize
+from executor.types_.errors import WeightLoadError
 from models import DEFAULT_CHECKPOINT
 
 

@@ -9,7 +9,7 @@ import pytest
 
 import models
 from executor.core.config import ConfigError
-from executor.utils.model_registry import check_model_name, model_folder
+from executor.core.config.model_registry import check_model_name, model_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 

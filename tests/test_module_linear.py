@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor.model_loader.errors import WeightLoadError
+from executor.types_.errors import WeightLoadError
 from module.embedding import ParallelLMHead, VocabParallelEmbedding
 from module.linear import ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from module.parallel_group import ParallelGroup

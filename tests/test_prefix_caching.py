@@ -9,8 +9,8 @@ import pytest
 import torch
 import transformers
 
-from executor.core.types_ import FinishReason
 from executor.offline import offline_inference
+from executor.types_ import FinishReason
 from tests.conftest import SlidingLlama
 from tests.engine_harness import hf_greedy, load_hf_model, make_inference, run_engine, token_records
 

@@ -23,8 +23,8 @@ from transformers import (
 
 from executor.core.config import ConfigError, build_config
 from executor.core.sampler import Sampler, SamplingMetadata, request_seed
-from executor.core.types_ import Request, SamplingParams
 from executor.offline.dataset import PromptRecord
+from executor.types_ import Request, SamplingParams
 from tests.engine_harness import hf_greedy, hf_last_logits, load_hf_model, run_engine
 from tests.run_harness import outputs_by_id, run_into, write_run
 

@@ -7,7 +7,7 @@ import torch
 
 from executor.core.kv_cache import KVCacheManager
 from executor.core.scheduler import Scheduler, SchedulerLimits
-from executor.core.types_ import Batch, FinishReason, Request, RequestStatus, SamplingParams, attention_spec
+from executor.types_ import Batch, FinishReason, Request, RequestStatus, SamplingParams, attention_spec
 
 EOS = 0
 

@@ -3,7 +3,6 @@
 from executor.model_loader.base_loader import BaseModelLoader
 from executor.model_loader.default_loader import DefaultModelLoader
 from executor.model_loader.dummy_loader import DummyModelLoader
-from executor.model_loader.errors import WeightLoadError
 
 
 def get_model_loader(with_ckpt: bool, seed: int) -> BaseModelLoader:
@@ -11,4 +10,4 @@ def get_model_loader(with_ckpt: bool, seed: int) -> BaseModelLoader:
     return DefaultModelLoader() if with_ckpt else DummyModelLoader(seed)
 
 
-__all__ = ["BaseModelLoader", "DefaultModelLoader", "DummyModelLoader", "WeightLoadError", "get_model_loader"]
+__all__ = ["BaseModelLoader", "DefaultModelLoader", "DummyModelLoader", "get_model_loader"]

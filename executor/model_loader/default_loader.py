@@ -17,8 +17,8 @@ import torch
 from safetensors import safe_open
 
 from executor.model_loader.base_loader import BaseModelLoader
-from executor.model_loader.checkpoint_tensor import CheckpointTensor
-from executor.model_loader.errors import WeightLoadError
+from executor.types_.checkpoint_tensor import CheckpointTensor
+from executor.types_.errors import WeightLoadError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

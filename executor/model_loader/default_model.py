@@ -21,6 +21,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from executor.utils.paths import infer_recipes_home
 from models import DEFAULT_CHECKPOINT
 
 REQUIRED_FILES = (
@@ -31,11 +32,6 @@ REQUIRED_FILES = (
     "tokenizer_config.json",
     "chat_template.jinja",
 )
-
-
-def infer_recipes_home() -> Path:
-    """`$INFER_RECIPES_HOME`, else ~/.cache/infer-recipes: where models and downloads are kept."""
-    return Path(os.environ.get("INFER_RECIPES_HOME") or "~/.cache/infer-recipes").expanduser()
 
 
 def expand_home_vars(path: str) -> str:

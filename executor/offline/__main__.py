@@ -20,6 +20,7 @@ from typing import Any
 from executor.core.config import ConfigError, InferenceConfig, load_config
 from executor.core.config.comm_manager import DistEnv
 from executor.core.config.inference_config import not_applicable_keys
+from executor.core.config.model_registry import check_model_name, resolve_model
 from executor.model_loader.default_model import default_model_path, expand_home_vars
 from executor.offline.dataset import (
     DATASET_DIR,
@@ -44,7 +45,6 @@ from executor.offline.preflight import (
 from executor.offline.results import ResultWriter, default_output_dir, failed_record_result
 from executor.offline.run_folder import OUTPUTS_FILE, RunPlan, plan_run
 from executor.utils.logging_config import setup_logging
-from executor.utils.model_registry import check_model_name, resolve_model
 
 logger = logging.getLogger("executor.offline")
 

@@ -13,16 +13,16 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from executor.core.config import InferenceConfig
+from executor.core.config.model_registry import model_folder, resolve_model
 from executor.core.engine import ExecutionEngine
 from executor.core.sampler import request_seed
 from executor.core.scheduler import Scheduler, SchedulerLimits, StepOutput, StepRecord
-from executor.core.types_ import Request, SamplingParams
 from executor.offline.dataset import DatasetError, PromptRecord, tokenize_record
+from executor.offline.metrics import breakdown_lines, cann_closing_lines, step_breakdown, summarize
 from executor.offline.results import ReplicaWriter, ResultWriter, request_result
 from executor.offline.run_folder import RunPlan
 from executor.platform.profiler import StepProfiler
-from executor.utils.metrics import breakdown_lines, cann_closing_lines, step_breakdown, summarize
-from executor.utils.model_registry import model_folder, resolve_model
+from executor.types_ import Request, SamplingParams
 
 logger = logging.getLogger(__name__)
 

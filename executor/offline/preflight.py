@@ -14,9 +14,9 @@ from typing import Any
 from executor.core.config import ConfigError, InferenceConfig
 from executor.core.config.comm_manager import DistEnv, launch_problem
 from executor.core.config.parallel_layout import ParallelLayout, model_fit_problems
-from executor.model_loader import WeightLoadError
 from executor.model_loader.default_loader import INDEX_FILE, checkpoint_shards
 from executor.platform.platform import detect_device_type
+from executor.types_.errors import WeightLoadError
 
 # JSON files of a model folder that the loaders read when present; config.json must be there.
 MODEL_JSON_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", INDEX_FILE)

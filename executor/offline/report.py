@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from executor.offline.durable_io import CorruptLineError, read_jsonl
+from executor.offline.metrics import breakdown_lines, step_breakdown
 from executor.offline.run_folder import STEPS_FILE, SUMMARY_FILE
-from executor.utils.metrics import breakdown_lines, step_breakdown
 from executor.utils.step_timer import PARTS
 
 PLOT_FILE = "steps.png"

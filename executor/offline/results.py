@@ -15,8 +15,8 @@ from typing import Any
 import yaml
 
 from executor.core.config import InferenceConfig
+from executor.core.config.model_registry import model_dir
 from executor.core.scheduler import StepRecord
-from executor.core.types_ import Request, SamplingParams
 from executor.offline.dataset import PromptRecord
 from executor.offline.durable_io import (
     CorruptLineError,
@@ -40,7 +40,7 @@ from executor.offline.run_folder import (
     unmerged_replica_lines,
 )
 from executor.offline.run_summary import run_summary
-from executor.utils.model_registry import model_dir
+from executor.types_ import Request, SamplingParams
 
 logger = logging.getLogger(__name__)
 

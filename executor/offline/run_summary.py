@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from executor.utils.metrics import speculation_stats, step_breakdown, step_stats
+from executor.offline.metrics import speculation_stats, step_breakdown, step_stats
 
 
 def run_summary(

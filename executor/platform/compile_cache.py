@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from executor.model_loader.default_model import infer_recipes_home
+from executor.utils.paths import infer_recipes_home
 
 
 def default_compile_cache_dir() -> Path:

@@ -21,17 +21,22 @@ from pathlib import Path
 
 import torch
 
-from executor.core.types_.model_inputs import ModelInputs
 from executor.platform import npu_runtime
 from executor.platform.compile_cache import CompileCache, graph_key
 from executor.platform.platform import Platform
+from executor.types_.model_inputs import ModelInputs
 from executor.utils.tensor_tree import tensor_leaves, with_tensors
-from module.attention import KVCacheLayer
 
 logger = logging.getLogger(__name__)
 
 
 GraphOutput = tuple[torch.Tensor, torch.Tensor]  # hidden states [rows, hidden], logits [rows, vocab]
+
+
+def kv_cache_layers(step: torch.nn.Module) -> list[torch.nn.Module]:
+    """The layers of `step` that hold KV cache tensors (module.attention.KVCacheLayer and its kinds,
+    found by their `kv_caches()` so that this package, below module/, need not import it)."""
+    return [m for m in step.modules() if callable(getattr(m, "kv_caches", None))]
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +99,7 @@ class InductorCompiler(GraphCompiler):
 
         if self._compiled is None:
             self._compiled = torch.compile(step, backend="inductor", dynamic=False, fullgraph=True)
-        for layer in (m for m in step.modules() if isinstance(m, KVCacheLayer)):
+        for layer in kv_cache_layers(step):
             for cache in layer.kv_caches().values():
                 # The block count follows free memory from run to run; code generic in it keeps the
                 # compile cache valid across runs (only the cache write and attention index it).
@@ -136,7 +141,7 @@ class _FlatDecode(torch.nn.Module):
     torch.export wants it: the caches become inputs that the program writes in place, rather than
     constants baked into it."""
 
-    def __init__(self, step: torch.nn.Module, template: ModelInputs, layers: list[KVCacheLayer]) -> None:
+    def __init__(self, step: torch.nn.Module, template: ModelInputs, layers: list[torch.nn.Module]) -> None:
         super().__init__()
         self.step = step
         self.template = template.forward_args()
@@ -188,7 +193,7 @@ class AotInductorCompiler(GraphCompiler):
         import torch._inductor
         import torch._inductor.config
 
-        layers = [m for m in step.modules() if isinstance(m, KVCacheLayer)]
+        layers = kv_cache_layers(step)
         flat = _FlatDecode(step, buffers, layers)
         path = self.package_path(step, num_rows)
         origin = "loaded from the compile cache"

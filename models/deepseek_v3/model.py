@@ -17,8 +17,8 @@ from torch import nn
 from transformers import DeepseekV3Config
 
 import ops
-from executor.core.types_.forward_metadata import ForwardMetaData
-from executor.model_loader.errors import WeightLoadError
+from executor.types_.errors import WeightLoadError
+from executor.types_.forward_metadata import ForwardMetaData
 from module.causal_lm import CausalLM
 from module.decoder_layer import PreNormDecoderLayer
 from module.embedding import ParallelLMHead, VocabParallelEmbedding

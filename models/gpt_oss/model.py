@@ -20,8 +20,8 @@ from torch import nn
 from transformers import GptOssConfig
 
 import ops
-from executor.model_loader.checkpoint_tensor import LoadedWeight, materialize
-from executor.model_loader.errors import WeightLoadError
+from executor.types_.checkpoint_tensor import LoadedWeight, materialize
+from executor.types_.errors import WeightLoadError
 from models.llama.model import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from module.attention import SinkAttention
 from module.moe import FusedExperts

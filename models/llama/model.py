@@ -13,8 +13,8 @@ from torch import nn
 from transformers import PretrainedConfig
 
 import ops
-from executor.core.types_.forward_metadata import ForwardMetaData
-from executor.model_loader.errors import WeightLoadError
+from executor.types_.errors import WeightLoadError
+from executor.types_.forward_metadata import ForwardMetaData
 from module.attention import Attention
 from module.causal_lm import CausalLM
 from module.decoder_layer import PreNormDecoderLayer

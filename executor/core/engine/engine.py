@@ -28,12 +28,12 @@ from executor.core.sampler.noise import token_seed
 from executor.core.spec_decode.factory import make_proposer
 from executor.core.spec_decode.proposer import ProposalContext, Proposer
 from executor.core.spec_decode.verify import accept_greedy, rejection_sample
-from executor.core.types_ import Batch, Request, SamplingParams
-from executor.core.types_.model_inputs import StepLayout
 from executor.model_loader.hf_config import load_hf_config
 from executor.platform import create_platform, resolve_dtype
 from executor.platform.compile_cache import CompileCache
 from executor.platform.graph_compilers import make_graph_compiler
+from executor.types_ import Batch, Request, SamplingParams
+from executor.types_.model_inputs import StepLayout
 from executor.utils.graph_buckets import resolve_buckets
 from executor.utils.step_timer import StepTimer
 from ops.attention_metadata import to_device

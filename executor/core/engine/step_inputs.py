@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from executor.core.types_.model_inputs import StepLayout
+from executor.types_.model_inputs import StepLayout
 
 
 @dataclass(slots=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from executor.core.types_.block_hash import BlockHash
+from executor.types_.block_hash import BlockHash
 
 NULL_BLOCK_ID = 0
 

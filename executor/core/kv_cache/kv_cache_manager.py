@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 from executor.core.kv_cache.block_pool import BlockPool
 from executor.core.kv_cache.single_type_manager import SingleTypeKVCacheManager, manager_for
-from executor.core.types_.kv_cache_spec import KVCacheSpec
-from executor.core.types_.request import Request
+from executor.types_.kv_cache_spec import KVCacheSpec
+from executor.types_.request import Request
 
 
 @dataclass(slots=True)

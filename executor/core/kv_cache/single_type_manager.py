@@ -10,8 +10,8 @@ are still cached.
 from __future__ import annotations
 
 from executor.core.kv_cache.block_pool import NULL_BLOCK_ID, BlockPool
-from executor.core.types_.block_hash import BlockHash
-from executor.core.types_.kv_cache_spec import AttentionKind, KVCacheSpec
+from executor.types_.block_hash import BlockHash
+from executor.types_.kv_cache_spec import AttentionKind, KVCacheSpec
 
 
 def cdiv(a: int, b: int) -> int:

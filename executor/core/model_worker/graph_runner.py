@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from executor.core.types_.model_inputs import ModelInputs, StepLayout
 from executor.platform.graph_compilers import GraphCallable, GraphCompiler, GraphOutput
+from executor.types_.model_inputs import ModelInputs, StepLayout
 from executor.utils.graph_buckets import pick_bucket
 from executor.utils.step_timer import StepTimer
 from executor.utils.tensor_tree import map_tensors, same_structure, tensor_leaves

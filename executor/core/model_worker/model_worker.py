@@ -11,10 +11,10 @@ from typing import Any
 import torch
 
 from executor.core.model_worker.graph_runner import GraphRunner
-from executor.core.types_.kv_cache_spec import KVCacheSpec
-from executor.core.types_.model_inputs import ModelInputs, StepLayout
 from executor.model_loader import get_model_loader
 from executor.platform import Platform
+from executor.types_.kv_cache_spec import KVCacheSpec
+from executor.types_.model_inputs import ModelInputs, StepLayout
 from executor.utils.step_timer import StepTimer
 from module.attention import KVCacheLayer
 from module.packed_weights import pack_linear_weights

@@ -8,7 +8,7 @@ from itertools import chain
 
 import torch
 
-from executor.core.types_ import Request
+from executor.types_ import Request
 
 
 @dataclass(slots=True)

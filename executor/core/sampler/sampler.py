@@ -20,7 +20,7 @@ from executor.core.sampler.processors import (
     apply_temperature,
     apply_top_k_top_p,
 )
-from executor.core.types_ import TokenLogprobs
+from executor.types_ import TokenLogprobs
 
 
 @dataclass(slots=True)

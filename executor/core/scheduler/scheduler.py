@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from executor.core.kv_cache import KVCacheManager
-from executor.core.types_ import Batch, FinishReason, Request, RequestStatus
+from executor.types_ import Batch, FinishReason, Request, RequestStatus
 from executor.utils.step_timer import StepTimer
 
 logger = logging.getLogger(__name__)

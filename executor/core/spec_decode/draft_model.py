@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from executor.core.spec_decode.proposer import ProposalContext
-from executor.core.types_ import Batch, Request, SamplingParams
+from executor.types_ import Batch, Request, SamplingParams
 
 
 class DraftModelProposer:

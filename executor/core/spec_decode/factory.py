@@ -56,8 +56,8 @@ def _draft_engine(target: ExecutionEngine, config: InferenceConfig) -> Execution
     """An engine for the draft model with the target's limits and exe_mode (one ops table per process),
     no prefix caching (its shadow requests are rewritten each step), no speculation of its own, and
     none of the target's custom_params (a num_hidden_layers there cuts the target, not the draft)."""
+    from executor.core.config.model_registry import resolve_model
     from executor.core.engine.engine import ExecutionEngine
-    from executor.utils.model_registry import resolve_model
 
     draft_path = str(Path(expand_home_vars(config.speculative_config.draft_model_path)).expanduser())
     draft_config = dataclasses.replace(

@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 
 from executor.core.engine.step_inputs import ScheduledSequence
-from executor.core.types_ import Request
+from executor.types_ import Request
 
 
 @dataclass(slots=True)

@@ -6,7 +6,7 @@ import enum
 import math
 from dataclasses import dataclass, field
 
-from executor.core.types_.block_hash import BlockHash
+from executor.types_.block_hash import BlockHash
 
 
 class RequestStatus(enum.Enum):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from executor.core.types_.request import Request
+from executor.types_.request import Request
 
 
 @dataclass(slots=True)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from executor.core.types_.forward_metadata import ForwardMetaData
+from executor.types_.forward_metadata import ForwardMetaData
 
 
 @dataclass(slots=True)

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from executor.core.scheduler import StepRecord
-from executor.core.types_ import FinishReason, Request
+from executor.types_ import FinishReason, Request
 from executor.utils.step_timer import PARTS
 
 
