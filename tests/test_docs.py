@@ -1,5 +1,6 @@
 """docs/ stays true to the code it describes."""
 
+import re
 from pathlib import Path
 
 from executor.core.config.reference import render_key_tables
@@ -17,3 +18,17 @@ def test_adding_a_model_shows_qwen3_as_its_code_is():
     example = doc.split("```python\n", 1)[1].split("```", 1)[0]
     assert "class Qwen3ForCausalLM(Qwen2ForCausalLM)" in example
     assert example in (root / "models" / "qwen3" / "model.py").read_text()
+
+
+def test_every_project_path_the_docs_name_exists():
+    """A file or folder named in README.md or docs/ (other than benchmarks.md, a dated record of
+    measurements) is there: a renamed module cannot leave a page pointing at nothing."""
+    root = Path(__file__).resolve().parents[1]
+    pages = [root / "README.md", *(page for page in (root / "docs").glob("*.md") if page.name != "benchmarks.md")]
+    named = {
+        path
+        for page in pages
+        for path in re.findall(r"`((?:executor|module|ops|models|tests|benchmarks|scripts)/[\w./]*?)`", page.read_text())
+    }
+    missing = sorted(path for path in named if "<" not in path and not (root / path.rstrip("/")).exists())
+    assert not missing, f"docs name paths that do not exist: {missing}"
