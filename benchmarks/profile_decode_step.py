@@ -25,6 +25,7 @@ from unittest import mock
 
 import torch
 from bench_graph_modes import decode_ms
+from module.packed_weights import DECODE_ROWS_HINT, PackedWeight, PackedWeightMixin
 from transformers import LlamaConfig
 
 from executor.core.config import build_config
@@ -32,7 +33,6 @@ from executor.core.engine.engine import ExecutionEngine
 from executor.model_loader.default_model import default_model_path
 from executor.types_ import Batch, Request, SamplingParams
 from models.llama import LlamaForCausalLM
-from module.packed_weights import DECODE_ROWS_HINT, PackedWeight, PackedWeightMixin
 from ops import cpu_kernels, torch_ref
 
 

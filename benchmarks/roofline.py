@@ -21,10 +21,10 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from module.packed_weights import linear, pack_for_cpu
 from transformers import AutoConfig
 
 from executor.model_loader.default_model import default_model_path
-from module.packed_weights import linear, pack_for_cpu
 
 
 def best_seconds(call: Callable[[], object], repeats: int) -> float:

@@ -25,7 +25,6 @@ needs_compiler = pytest.mark.skipif(
 
 @pytest.fixture(autouse=True)
 def torch_backend():
-    ops.set_backend("torch")
     torch.manual_seed(0)
 
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from module.packed_weights import PANEL_ROWS_MAX, PackedWeight, linear, pack_for_cpu, pack_linear_weights
 
 from module import packed_weights
 from module.embedding import ParallelLMHead
 from module.linear import ColumnParallelLinear, RowParallelLinear
-from module.packed_weights import PANEL_ROWS_MAX, PackedWeight, linear, pack_for_cpu, pack_linear_weights
 from ops import cpu_kernels
 
 needs_panels = pytest.mark.skipif(cpu_kernels.packed_linear() is None, reason="the CPU has no AVX2/FMA")
