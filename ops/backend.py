@@ -10,6 +10,7 @@ record at construction and their layers call its fields directly; nothing is swi
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -18,7 +19,7 @@ import torch
 
 from executor.platform import npu_runtime
 from executor.platform.graph_compilers import GraphCompilerFactory, graph_compiler_factory
-from ops import cpu_kernels, cuda_graph, torch_ref
+from ops import cpu, cpu_kernels, cuda_graph, torch_ref
 from ops.attention_metadata import AttentionMetadataBuilder, NpuMetadataBuilder, TorchMetadataBuilder
 from ops.cpu import CpuOps
 from ops.cpu_linear import cpu_linear_method
@@ -105,10 +106,15 @@ def make_backend(
     return _npu_backend(exe_mode, common)
 
 
+def _with_decode(decode_attention: Op, names: tuple[str, ...]) -> dict[str, Op]:
+    """The reference's ops `names` with `decode_attention` as their decode step's attention."""
+    return {name: functools.partial(getattr(torch_ref, name), decode_attention=decode_attention) for name in names}
+
+
 def _cuda_graph_ops() -> dict[str, Op]:
     """A CUDA graph capture reads no lengths on the host (ops/cuda_graph.py)."""
     names = ("paged_attention", "paged_attention_with_sinks", "mla_attention")
-    return {name: getattr(cuda_graph, name) for name in names}
+    return _with_decode(cuda_graph.paged_decode_attention, names)
 
 
 def _cpu_backend(dtype: torch.dtype, prepack_weights: bool, use_extension: bool, common: dict) -> Backend:
@@ -118,8 +124,9 @@ def _cpu_backend(dtype: torch.dtype, prepack_weights: bool, use_extension: bool,
         cpu_ops = CpuOps(kernels)
         any_dtype = ("write_kv_cache", "write_latent_cache", "paged_attention", "paged_attention_with_sinks")
         fp32_only = ("rms_norm", "add_rms_norm", "apply_rotary", "silu_and_mul")
-        names = any_dtype + ("mla_attention",) + (fp32_only if dtype == torch.float32 else ())
+        names = any_dtype + (fp32_only if dtype == torch.float32 else ())
         ops.update({name: getattr(cpu_ops, name) for name in names})
+        ops.update(_with_decode(cpu.paged_decode_attention, ("mla_attention",)))
     packed = cpu_linear_method(dtype, kernels, cpu_kernels.cpu_flags()) if prepack_weights else None
     linear = PLAIN_LINEAR if packed is None else MappingProxyType({UNQUANTIZED: packed})
     return Backend("cpu", linear=linear, metadata_builder=TorchMetadataBuilder, **common, **ops)

@@ -4,7 +4,8 @@ to the reference (ops/torch_ref.py) where the guard fails.
 The backend takes these only where the extension built (and the fused elementwise ones only for
 fp32 models), decided once in ops/backend.py; so the guards here are about shapes, and about
 torch.compile, which cannot trace a pybind call and fuses the reference's ops itself. The decode
-attention is its own custom op, so that a compiled decode still sees one opaque call.
+attention is its own custom op, so that a compiled decode still sees one opaque call; the CPU's MLA
+is the reference's over it (ops/backend.py).
 """
 
 from __future__ import annotations
@@ -162,28 +163,6 @@ class CpuOps:
         kernel = named("paged_prefill_attention", self.kernels.paged_prefill_attention)
         return kernel(
             query, key, value, *caches, metadata.query_ends, metadata.seq_lens, scale, sliding_window or 0, sinks
-        )
-
-    def mla_attention(
-        self,
-        q_nope: torch.Tensor,
-        q_pe: torch.Tensor,
-        latent_cache: torch.Tensor,
-        kv_b_weight: torch.Tensor,
-        block_table: torch.Tensor,
-        forward_metadata: TorchAttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        """torch_ref.mla_attention with its absorbed decode over the decode kernel."""
-        return torch_ref.mla_attention(
-            q_nope,
-            q_pe,
-            latent_cache,
-            kv_b_weight,
-            block_table,
-            forward_metadata,
-            scale,
-            decode_attention=paged_decode_attention,
         )
 
 

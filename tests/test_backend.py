@@ -12,7 +12,7 @@ import torch
 
 from executor.platform.graph_compilers import GRAPH_COMPILERS
 from models.qwen3_moe.model import Qwen3MoeForCausalLM
-from ops import cpu_kernels, cuda_graph, torch_ref
+from ops import cpu, cpu_kernels, cuda_graph, torch_ref
 from ops.attention_metadata import TorchMetadataBuilder
 from ops.backend import OP_NAMES, make_backend
 from ops.cpu import CpuOps
@@ -30,11 +30,14 @@ def test_cpu_fp32_takes_every_cpu_kernel_and_bf16_only_the_dtype_free_ones():
         pytest.skip("the CPU kernels do not build here")
     fp32, bf16 = make_backend("cpu", "eager", torch.float32), make_backend("cpu", "eager", torch.bfloat16)
     kernels = {"rms_norm", "add_rms_norm", "apply_rotary", "silu_and_mul", "write_kv_cache", "write_latent_cache"}
-    kernels |= {"paged_attention", "paged_attention_with_sinks", "mla_attention"}
+    kernels |= {"paged_attention", "paged_attention_with_sinks"}
     assert {name for name in OP_NAMES if is_cpu_kernel(getattr(fp32, name))} == kernels
     fp32_only = {"rms_norm", "add_rms_norm", "apply_rotary", "silu_and_mul"}
     assert {name for name in OP_NAMES if is_cpu_kernel(getattr(bf16, name))} == kernels - fp32_only
     assert fp32.moe_experts is torch_ref.moe_experts and bf16.rms_norm is torch_ref.rms_norm
+    for backend in (fp32, bf16):  # MLA: the reference's, its absorbed decode over the C++ decode kernel
+        assert backend.mla_attention.func is torch_ref.mla_attention
+        assert backend.mla_attention.keywords == {"decode_attention": cpu.paged_decode_attention}
     assert fp32.name == "cpu" and fp32.graph_compiler is None
 
 
@@ -58,8 +61,10 @@ def test_each_exe_mode_gets_its_devices_graph_compiler(device_type, exe_mode):
 def test_cuda_graph_mode_takes_the_capacity_decode_and_eager_cuda_the_reference():
     eager, graph = make_backend("cuda", "eager"), make_backend("cuda", "npugraph_ex")
     assert eager.name == "cuda" and all(getattr(eager, name) is getattr(torch_ref, name) for name in OP_NAMES)
-    assert graph.name == "cuda_graph" and graph.paged_attention is cuda_graph.paged_attention
-    assert graph.mla_attention is cuda_graph.mla_attention and graph.rms_norm is torch_ref.rms_norm
+    assert graph.name == "cuda_graph" and graph.rms_norm is torch_ref.rms_norm
+    for name in ("paged_attention", "paged_attention_with_sinks", "mla_attention"):
+        assert getattr(graph, name).func is getattr(torch_ref, name)
+        assert getattr(graph, name).keywords == {"decode_attention": cuda_graph.paged_decode_attention}
     assert isinstance(eager.linear_method(), PlainLinear) and isinstance(graph.linear_method(), PlainLinear)
     assert make_backend("cuda", "ge_graph").name == "cuda"  # inductor: the custom op reads the lengths at run time
 
