@@ -35,7 +35,7 @@ def _op() -> object:
     return field(default=None, metadata={"op": True})
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)  # compared and hashed by identity: its fields are callables
 class Backend:
     name: str  # "cpu", "cuda", "cuda_graph", "npu" or "npu_graph"
     device_type: str
@@ -99,9 +99,9 @@ def make_backend(
     if device_type == "cpu":
         return _cpu_backend(dtype, prepack_weights, cpu_extension, common)
     if device_type == "cuda":
-        graph_ops = {} if exe_mode != "npugraph_ex" else _cuda_graph_ops()
-        name = "cuda_graph" if graph_ops else "cuda"
-        ops = {**REFERENCE_OPS, **graph_ops}
+        captured = exe_mode == "npugraph_ex"  # CUDA graphs (executor/platform/graph_compilers.py)
+        ops = {**REFERENCE_OPS, **(_cuda_graph_ops() if captured else {})}
+        name = "cuda_graph" if captured else "cuda"
         return Backend(name, linear=PLAIN_LINEAR, metadata_builder=TorchMetadataBuilder, **common, **ops)
     return _npu_backend(exe_mode, common)
 
@@ -132,8 +132,9 @@ def _cpu_backend(dtype: torch.dtype, prepack_weights: bool, use_extension: bool,
     return Backend("cpu", linear=linear, metadata_builder=TorchMetadataBuilder, **common, **ops)
 
 
-# Ops with a torch reference only so far (MLA and MoE for DeepSeek-V3; attention sinks and biased
-# clamped-SwiGLU experts for gpt-oss): the NPU record lacks them, and a model needing them is refused.
+# The ops ops/npu.py implements. The others have a torch reference only so far (MLA and MoE for
+# DeepSeek-V3; attention sinks and biased clamped-SwiGLU experts for gpt-oss): None in the NPU
+# record, so a model needing them is refused there when it is built.
 NPU_OPS = ("rms_norm", "add_rms_norm", "apply_rotary", "silu_and_mul", "write_kv_cache", "paged_attention")
 
 
@@ -141,10 +142,7 @@ def _npu_backend(exe_mode: str, common: dict) -> Backend:
     graph = exe_mode != "eager"
     torch_npu = npu_runtime.torch_npu()
     npu_ops = NpuGraphOps(torch_npu, npu_runtime.torchair()) if graph else NpuOps(torch_npu)
-
-    def metadata_builder(device: torch.device) -> NpuMetadataBuilder:
-        return NpuMetadataBuilder(device, lengths_as_tensors=graph)
-
+    metadata_builder = functools.partial(NpuMetadataBuilder, lengths_as_tensors=graph)
     ops = {name: getattr(npu_ops, name) for name in NPU_OPS}
     return Backend(
         "npu_graph" if graph else "npu", linear=PLAIN_LINEAR, metadata_builder=metadata_builder, **common, **ops
