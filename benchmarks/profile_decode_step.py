@@ -2,9 +2,10 @@
 decode steps of the default model; then the decode step time as built against one part swapped
 for its baseline, interleaved (baseline, built, built, baseline): `--baseline attention` runs the
 gathered torch reference instead of the CPU decode attention kernel, `--baseline weights` MKL on
-the plain linear weights instead of the packed copies (module/packed_weights.py), `--baseline
+the plain linear weights instead of the packed copies (ops/cpu_linear.py), `--baseline
 onednn` oneDNN's blocked copies instead of the AVX2 panels, `--baseline fused` the torch
-reference's separate ops instead of the fused CPU kernels.
+reference's separate ops instead of the fused CPU kernels. Each baseline swaps the layers' backend
+record (or their linear methods) for the time it runs.
 `--baseline prefill_attention` times whole prefill steps instead (fresh requests each time), the
 per-request torch loop against the CPU prefill attention kernel, and the attention calls within them.
 
@@ -16,12 +17,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import functools
 import json
 import logging
 import statistics
 import time
 from collections.abc import Iterator
-from unittest import mock
 
 import torch
 from bench_graph_modes import decode_ms
@@ -32,8 +34,10 @@ from executor.core.engine.engine import ExecutionEngine
 from executor.model_loader.default_model import default_model_path
 from executor.types_ import Batch, Request, SamplingParams
 from models.llama import LlamaForCausalLM
-from module.packed_weights import DECODE_ROWS_HINT, PackedWeight, PackedWeightMixin
-from ops import cpu_kernels, torch_ref
+from ops import cpu, torch_ref
+from ops.backend import Backend
+from ops.cpu_linear import OneDnnLinear
+from ops.linear_method import LinearMethod, PlainLinear
 
 
 def build_engine(dtype: str, batch_size: int) -> ExecutionEngine:
@@ -82,9 +86,23 @@ def prefill_step_ms(engine: ExecutionEngine, batch_size: int, prompt_tokens: int
 
 
 @contextlib.contextmanager
-def timed_attention(seconds: list[float]) -> Iterator[None]:
+def swapped_ops(model: torch.nn.Module, **ops: object) -> Iterator[None]:
+    """Every layer of `model` that calls its backend's ops on a copy of that record with `ops` replaced."""
+    layers = [module for module in model.modules() if isinstance(getattr(module, "ops", None), Backend)]
+    records = [layer.ops for layer in layers]
+    for layer, record in zip(layers, records, strict=True):
+        layer.ops = dataclasses.replace(record, **ops)
+    try:
+        yield
+    finally:
+        for layer, record in zip(layers, records, strict=True):
+            layer.ops = record
+
+
+def timed_attention(engine: ExecutionEngine, seconds: list[float]) -> contextlib.AbstractContextManager:
     """Appends the wall time of every paged attention call (any layer, any step shape) to `seconds`."""
-    attend = torch_ref._paged_attention
+    model = engine.worker.model
+    attend = next(m.ops for m in model.modules() if isinstance(getattr(m, "ops", None), Backend)).paged_attention
 
     def timed(*args: object) -> torch.Tensor:
         start = time.perf_counter()
@@ -92,8 +110,7 @@ def timed_attention(seconds: list[float]) -> Iterator[None]:
         seconds.append(time.perf_counter() - start)
         return output
 
-    with mock.patch.object(torch_ref, "_paged_attention", timed):
-        yield
+    return swapped_ops(model, paged_attention=timed)
 
 
 def prefill_timings(engine: ExecutionEngine, args: argparse.Namespace) -> dict[str, object]:
@@ -104,7 +121,7 @@ def prefill_timings(engine: ExecutionEngine, args: argparse.Namespace) -> dict[s
         for _ in range(args.steps):
             seconds: list[float] = []
             with baseline(engine, args.baseline) if variant == "baseline" else contextlib.nullcontext():
-                with timed_attention(seconds):
+                with timed_attention(engine, seconds):
                     step_ms[variant].append(prefill_step_ms(engine, args.batch_size, args.prompt_tokens))
             attention_ms[variant].append(sum(seconds) * 1e3)
     step = {variant: statistics.median(ms) for variant, ms in step_ms.items()}
@@ -117,37 +134,35 @@ def prefill_timings(engine: ExecutionEngine, args: argparse.Namespace) -> dict[s
     }
 
 
-def reference_attention() -> contextlib.AbstractContextManager:
-    """Decode attention through the gathered torch reference (the CPU kernel hidden)."""
-    return mock.patch.object(cpu_kernels, "paged_decode_attention", lambda: None)
-
-
 @contextlib.contextmanager
-def swapped_weights(model: torch.nn.Module, onednn: bool) -> Iterator[None]:
-    """Linear layers on their plain weights (MKL) or on oneDNN's blocked copies, the packed copies
-    set aside meanwhile."""
-    layers = [module for module in model.modules() if isinstance(module, PackedWeightMixin)]
-    packed = [layer.packed_weight for layer in layers]
+def swapped_weights(model: torch.nn.Module, method: LinearMethod) -> Iterator[None]:
+    """Linear layers through `method` (PlainLinear: MKL on the plain weights; OneDnnLinear: oneDNN's
+    blocked copies), their own methods and packed copies set aside meanwhile."""
+    layers = [module for module in model.modules() if isinstance(getattr(module, "linear_method", None), LinearMethod)]
+    previous = [(layer.linear_method, layer.packed_weight) for layer in layers]
     for layer in layers:
-        layer.packed_weight = None
-        if onednn:
-            blocked = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), DECODE_ROWS_HINT)
-            layer.packed_weight = PackedWeight(blocked, layer.weight.shape[0], "onednn")
+        layer.linear_method = method
+        method.process_weights(layer)
     try:
         yield
     finally:
-        for layer, weight in zip(layers, packed, strict=True):
-            layer.packed_weight = weight
+        for layer, (own_method, packed) in zip(layers, previous, strict=True):
+            layer.linear_method, layer.packed_weight = own_method, packed
 
 
 def baseline(engine: ExecutionEngine, part: str) -> contextlib.AbstractContextManager:
+    model = engine.worker.model
     if part == "fused":
-        return mock.patch.object(cpu_kernels, "fused", lambda *args: None)
-    if part == "prefill_attention":
-        return mock.patch.object(cpu_kernels, "paged_prefill_attention", lambda: None)
-    if part == "attention":
-        return reference_attention()
-    return swapped_weights(engine.worker.model, onednn=part == "onednn")
+        names = ("rms_norm", "add_rms_norm", "apply_rotary", "silu_and_mul")
+        return swapped_ops(model, **{name: getattr(torch_ref, name) for name in names})
+    if part == "prefill_attention":  # the per-request loop, decode still on its kernel
+        return swapped_ops(
+            model,
+            paged_attention=functools.partial(torch_ref.paged_attention, decode_attention=cpu.paged_decode_attention),
+        )
+    if part == "attention":  # decode through the gathered torch reference
+        return swapped_ops(model, paged_attention=torch_ref.paged_attention)
+    return swapped_weights(model, OneDnnLinear() if part == "onednn" else PlainLinear())
 
 
 def main() -> None:

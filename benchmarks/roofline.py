@@ -3,7 +3,7 @@ a given batch, from what the machine measures now, not from a datasheet.
 
 It measures the memory read bandwidth (torch sum over 1 GiB), the matmul rate at a large square
 shape and at each of the step's own shapes (`batch` rows against every projection and the LM head,
-the best of MKL on the plain weight and the packed copy of module/packed_weights.py), and prints one JSON line with
+the best of MKL on the plain weight and the packed copy of ops/cpu_linear.py), and prints one JSON line with
 the bound each gives: bytes (weights plus the K/V read at `--kv-tokens` per request) over the
 bandwidth, and FLOPs over the matmul rate. The roofline is the larger of the memory bound and the
 compute bound at the step's own shapes; a decode step's time over it is what issue 12's "within 2.5x
@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from transformers import AutoConfig
 
 from executor.model_loader.default_model import default_model_path
-from module.packed_weights import linear, pack_for_cpu
+from module.linear import ColumnParallelLinear
+from ops.backend import make_backend
 
 
 def best_seconds(call: Callable[[], object], repeats: int) -> float:
@@ -43,14 +44,14 @@ def read_bandwidth_gb_per_s(gib: float = 1.0) -> float:
 
 
 def matmul_seconds(rows: int, in_features: int, out_features: int, dtype: torch.dtype) -> float:
-    """The faster of MKL on the plain weight and the CPU's packed copy (module/packed_weights.py), for one call."""
+    """The faster of MKL on the plain weight and the CPU backend's packed copy (ops/cpu_linear.py), for one call."""
     x = torch.randn(rows, in_features, dtype=dtype)
-    weight = torch.randn(out_features, in_features, dtype=dtype)
-    plain = best_seconds(lambda: F.linear(x, weight), 10)
-    packed = pack_for_cpu(weight)
-    if packed is None:
-        return plain
-    return min(plain, best_seconds(lambda: linear(x, weight, None, packed), 10))
+    method = make_backend("cpu", "eager", dtype).linear_method()
+    layer = ColumnParallelLinear(in_features, out_features, linear_method=method)
+    layer.weight.data = torch.randn(out_features, in_features, dtype=dtype)
+    method.process_weights(layer)
+    plain = best_seconds(lambda: F.linear(x, layer.weight), 10)
+    return min(plain, best_seconds(lambda: method.apply(layer, x, None), 10))
 
 
 def step_shapes(config: object) -> list[tuple[int, int, int]]:

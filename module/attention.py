@@ -10,11 +10,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import ops
 from executor.types_.forward_metadata import ForwardMetaData
 from executor.types_.kv_cache_spec import KVCacheSpec, attention_spec
 from module.parallel_group import SINGLE, ParallelGroup
 from module.weights import LoadedWeight, ShardId, load_shard
+from ops.backend import Backend
 
 
 class KVCacheLayer(nn.Module):
@@ -36,9 +36,17 @@ class KVCacheLayer(nn.Module):
 
 class Attention(KVCacheLayer):
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None = None
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+        *,
+        backend: Backend,
     ) -> None:
         super().__init__()
+        self.ops = backend
         assert num_heads % num_kv_heads == 0, f"{num_heads} query heads do not group over {num_kv_heads} KV heads"
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -73,7 +81,7 @@ class Attention(KVCacheLayer):
         if self.kv_cache_group_id < 0:
             raise RuntimeError("Attention has no KV cache: the worker must call bind_kv_cache before forward")
         tables = forward_metadata.groups[self.kv_cache_group_id]
-        ops.write_kv_cache(key, value, self.key_cache, self.value_cache, tables.slot_mapping)
+        self.ops.write_kv_cache(key, value, self.key_cache, self.value_cache, tables.slot_mapping)
         return self.attend(query, key, value, tables.block_table, forward_metadata)
 
     def attend(
@@ -86,7 +94,7 @@ class Attention(KVCacheLayer):
     ) -> torch.Tensor:
         """query [T, H, D] over the cache, this step's K/V [T, Hkv, D] already written -> [T, H, D].
         The op takes the step's K/V too, so that a prefill need not read them back from the cache."""
-        return ops.paged_attention(
+        return self.ops.paged_attention(
             query,
             key,
             value,
@@ -111,8 +119,11 @@ class SinkAttention(Attention):
         scale: float,
         sliding_window: int | None = None,
         tp: ParallelGroup = SINGLE,
+        *,
+        backend: Backend,
     ) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window)
+        backend.require(("paged_attention_with_sinks",), "attention with sinks")
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window, backend=backend)
         self.tp_rank = tp.rank
         self.tp_size = tp.size
         self.sinks = nn.Parameter(torch.empty(num_heads), requires_grad=False)
@@ -129,7 +140,7 @@ class SinkAttention(Attention):
         block_table: torch.Tensor,
         forward_metadata: ForwardMetaData,
     ) -> torch.Tensor:
-        return ops.paged_attention_with_sinks(
+        return self.ops.paged_attention_with_sinks(
             query,
             key,
             value,

@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from module.linear import divide
-from module.packed_weights import PackedWeightMixin, linear
+from module.linear import PLAIN, divide
 from module.parallel_group import SINGLE, ParallelGroup
 from module.weights import ShardId, load_shard
+from ops.linear_method import LinearMethod
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -50,15 +50,25 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(embeddings)
 
 
-class ParallelLMHead(PackedWeightMixin, VocabParallelEmbedding):
+class ParallelLMHead(VocabParallelEmbedding):
     """hidden -> logits for the selected rows only; each rank computes its vocab slice, then the
-    slices are gathered so every rank holds full logits."""
+    slices are gathered so every rank holds full logits. The multiply is the layer's LinearMethod,
+    as in module/linear.py."""
+
+    def __init__(
+        self, num_embeddings: int, embedding_dim: int, tp: ParallelGroup = SINGLE, linear_method: LinearMethod = PLAIN
+    ) -> None:
+        super().__init__(num_embeddings, embedding_dim, tp)
+        self.linear_method = linear_method
+        self.packed_weight = None
 
     def forward(self, hidden_states: torch.Tensor, row_indices: torch.Tensor) -> torch.Tensor:
         rows = hidden_states[row_indices]
+        if self.tp_size == 1:
+            return self.linear_method.apply(self, rows, None)
         if not self.tp.spans_replicas:
-            return self.tp.all_gather(linear(rows, self.weight, None, self.packed_weight), dim=-1)
+            return self.tp.all_gather(self.linear_method.apply(self, rows, None), dim=-1)
         all_rows, own = self.tp.gather_rows(rows)  # every rank calls it each step, with 0 rows or more
         if all_rows.shape[0] == 0:  # no rank samples this step
             return rows.new_empty((0, self.num_embeddings_per_rank * self.tp_size))
-        return self.tp.all_gather(linear(all_rows, self.weight, None, self.packed_weight), dim=-1)[own]
+        return self.tp.all_gather(self.linear_method.apply(self, all_rows, None), dim=-1)[own]

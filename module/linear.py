@@ -13,9 +13,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from module.packed_weights import PackedWeightMixin, linear
 from module.parallel_group import SINGLE, ParallelGroup
 from module.weights import LoadedWeight, ShardId, load_shard
+from ops.linear_method import LinearMethod, PlainLinear
+
+PLAIN = PlainLinear()  # the default method: F.linear over the plain weight
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -24,12 +26,23 @@ def divide(numerator: int, denominator: int) -> int:
     return numerator // denominator
 
 
-class LinearBase(PackedWeightMixin, nn.Module):
-    """y = x W^T + b with W [output_size, input_size] already cut to this rank's shard (and, on the
-    CPU, a packed copy of it: module/packed_weights.py)."""
+class LinearBase(nn.Module):
+    """y = x W^T + b with W [output_size, input_size] already cut to this rank's shard, multiplied by
+    the layer's LinearMethod (its backend's for its weight scheme: ops/linear_method.py), which may
+    keep a copy of W laid out for its kernel in `packed_weight` (a plain attribute, in no state_dict)."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int, tp: ParallelGroup) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool,
+        tp_dim: int,
+        tp: ParallelGroup,
+        linear_method: LinearMethod = PLAIN,
+    ) -> None:
         super().__init__()
+        self.linear_method = linear_method
+        self.packed_weight = None
         self.tp_dim = tp_dim
         self.tp = tp
         self.tp_rank = tp.rank
@@ -48,24 +61,36 @@ class LinearBase(PackedWeightMixin, nn.Module):
         load_shard(param.data, loaded_weight, dim, self.tp_rank, self.tp_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight)
+        return self.linear_method.apply(self, x, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
     """Output features split over ranks; each rank's output is its own slice."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp: ParallelGroup = SINGLE) -> None:
-        super().__init__(input_size, divide(output_size, tp.size), bias, 0, tp)
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        tp: ParallelGroup = SINGLE,
+        linear_method: LinearMethod = PLAIN,
+    ) -> None:
+        super().__init__(input_size, divide(output_size, tp.size), bias, 0, tp, linear_method)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column layers fused along the output dim (gate_proj + up_proj), loaded one shard at a time."""
 
     def __init__(
-        self, input_size: int, output_sizes: list[int], bias: bool = False, tp: ParallelGroup = SINGLE
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        tp: ParallelGroup = SINGLE,
+        linear_method: LinearMethod = PLAIN,
     ) -> None:
         self.output_sizes = output_sizes
-        super().__init__(input_size, sum(output_sizes), bias, tp)
+        super().__init__(input_size, sum(output_sizes), bias, tp, linear_method)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: ShardId = None) -> None:
         assert isinstance(shard_id, int), "a merged layer is loaded one shard (by index) at a time"
@@ -85,11 +110,12 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         total_num_kv_heads: int,
         bias: bool = False,
         tp: ParallelGroup = SINGLE,
+        linear_method: LinearMethod = PLAIN,
     ) -> None:
         self.num_heads = divide(total_num_heads, tp.size)
         self.num_kv_heads = divide(total_num_kv_heads, tp.size)
         output_sizes = [total_num_heads * head_dim, total_num_kv_heads * head_dim, total_num_kv_heads * head_dim]
-        super().__init__(hidden_size, output_sizes, bias, tp)
+        super().__init__(hidden_size, output_sizes, bias, tp, linear_method)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: ShardId = None) -> None:
         assert shard_id in ("q", "k", "v"), f"QKV shard_id must be 'q', 'k' or 'v', got {shard_id!r}"
@@ -99,12 +125,22 @@ class QKVParallelLinear(MergedColumnParallelLinear):
 class RowParallelLinear(LinearBase):
     """Input features split over ranks; partial products are summed with an all-reduce.
 
-    The bias is replicated and added on rank 0 only, so the all-reduce adds it once.
+    The bias is replicated and added on rank 0 only, so the all-reduce adds it once. In one process
+    (tp_size 1) it makes no group call.
     """
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp: ParallelGroup = SINGLE) -> None:
-        super().__init__(divide(input_size, tp.size), output_size, bias, 1, tp)
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        tp: ParallelGroup = SINGLE,
+        linear_method: LinearMethod = PLAIN,
+    ) -> None:
+        super().__init__(divide(input_size, tp.size), output_size, bias, 1, tp, linear_method)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return self.linear_method.apply(self, x, self.bias)
         bias = self.bias if self.tp_rank == 0 else None
-        return self.tp.all_reduce(linear(x, self.weight, bias, self.packed_weight))
+        return self.tp.all_reduce(self.linear_method.apply(self, x, bias))

@@ -3,7 +3,7 @@
 Each token's K and V for every head come from one latent: kv_lora_rank values (normed) that
 kv_b_proj decompresses into per-head k_nope and v, plus one rope key of qk_rope_head_dim shared by
 all heads. The cache keeps only that latent (kv_lora_rank + qk_rope_head_dim per token, not per
-head); ops.mla_attention attends over it, decompressing per request in prefill and folding
+head); the backend's mla_attention attends over it, decompressing per request in prefill and folding
 kv_b_proj into the query and output in decode (see ops/torch_ref.py).
 """
 
@@ -13,13 +13,13 @@ import torch
 from transformers import PretrainedConfig
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
 
-import ops
 from executor.types_.forward_metadata import ForwardMetaData
 from executor.types_.kv_cache_spec import KVCacheSpec, mla_spec
 from module.attention import KVCacheLayer
 from module.linear import ColumnParallelLinear, RowParallelLinear, divide
 from module.norm import RMSNorm
 from module.parallel_group import SINGLE, ParallelGroup
+from ops.backend import Backend
 
 # transformers builds q_a_layernorm and kv_a_layernorm with RMSNorm's default eps, not rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
@@ -27,7 +27,7 @@ LATENT_NORM_EPS = 1e-6
 
 def deinterleave(x: torch.Tensor) -> torch.Tensor:
     """Rope dims stored as pairs (x0, x1), (x2, x3), ... -> (x0, x2, ..., x1, x3, ...), so that the
-    rotate-half rotary of ops.apply_rotary rotates each pair by its frequency. Applied to query and
+    rotate-half rotary of apply_rotary rotates each pair by its frequency. Applied to query and
     key alike, it gives exactly transformers' interleaved rotary output (rope_interleave)."""
     return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
 
@@ -36,8 +36,13 @@ class MLAAttention(KVCacheLayer):
     """Projections named as in DeepSeek checkpoints; heads split over tensor-parallel ranks (q_b_proj
     or q_proj, kv_b_proj, o_proj), the down-projections to the latents replicated."""
 
-    def __init__(self, config: PretrainedConfig, tp: ParallelGroup = SINGLE) -> None:
+    NEEDED_OPS = ("write_latent_cache", "mla_attention")
+
+    def __init__(self, config: PretrainedConfig, tp: ParallelGroup = SINGLE, *, backend: Backend) -> None:
         super().__init__()
+        backend.require(self.NEEDED_OPS, "multi-head latent attention")
+        self.ops = backend
+        method = backend.linear_method()
         hidden_size, total_heads = config.hidden_size, config.num_attention_heads
         self.num_heads = divide(total_heads, tp.size)
         self.qk_nope_head_dim = config.qk_nope_head_dim
@@ -48,19 +53,31 @@ class MLAAttention(KVCacheLayer):
         self.rope_interleave = config.rope_interleave
         qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
         if self.q_lora_rank is None:
-            self.q_proj = ColumnParallelLinear(hidden_size, total_heads * qk_head_dim, bias=False, tp=tp)
+            self.q_proj = ColumnParallelLinear(
+                hidden_size, total_heads * qk_head_dim, bias=False, tp=tp, linear_method=method
+            )
         else:
-            self.q_a_proj = ColumnParallelLinear(hidden_size, self.q_lora_rank, bias=config.attention_bias)
-            self.q_a_layernorm = RMSNorm(self.q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, total_heads * qk_head_dim, bias=False, tp=tp)
+            self.q_a_proj = ColumnParallelLinear(
+                hidden_size, self.q_lora_rank, bias=config.attention_bias, linear_method=method
+            )
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, LATENT_NORM_EPS, backend=backend)
+            self.q_b_proj = ColumnParallelLinear(
+                self.q_lora_rank, total_heads * qk_head_dim, bias=False, tp=tp, linear_method=method
+            )
         self.kv_a_proj_with_mqa = ColumnParallelLinear(
-            hidden_size, self.kv_lora_rank + self.qk_rope_head_dim, bias=config.attention_bias
+            hidden_size, self.kv_lora_rank + self.qk_rope_head_dim, bias=config.attention_bias, linear_method=method
         )
-        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS, backend=backend)
         self.kv_b_proj = ColumnParallelLinear(
-            self.kv_lora_rank, total_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False, tp=tp
+            self.kv_lora_rank,
+            total_heads * (self.qk_nope_head_dim + self.v_head_dim),
+            bias=False,
+            tp=tp,
+            linear_method=method,
         )
-        self.o_proj = RowParallelLinear(total_heads * self.v_head_dim, hidden_size, bias=config.attention_bias, tp=tp)
+        self.o_proj = RowParallelLinear(
+            total_heads * self.v_head_dim, hidden_size, bias=config.attention_bias, tp=tp, linear_method=method
+        )
         # yarn's mscale enters the softmax scale too, as in transformers (a no-op for other rope types).
         self.scale = yarn_apply_mscale(config.rope_parameters, qk_head_dim**-0.5)
         self.cache_dtype = torch.get_default_dtype()  # the worker builds the model under its dtype
@@ -98,12 +115,12 @@ class MLAAttention(KVCacheLayer):
         k_pe = k_pe.unsqueeze(1)  # [T, 1, R]: one rope key for every head
         if self.rope_interleave:
             q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
-        q_pe, k_pe = ops.apply_rotary(q_pe, k_pe, *rotary)
+        q_pe, k_pe = self.ops.apply_rotary(q_pe, k_pe, *rotary)
         tables = forward_metadata.groups[self.kv_cache_group_id]
-        ops.write_latent_cache(
+        self.ops.write_latent_cache(
             torch.cat((self.kv_a_layernorm(latent), k_pe.squeeze(1)), dim=-1), self.latent_cache, tables.slot_mapping
         )
-        output = ops.mla_attention(
+        output = self.ops.mla_attention(
             q_nope, q_pe, self.latent_cache, self.kv_b_proj.weight, tables.block_table, forward_metadata, self.scale
         )
         return self.o_proj(output.flatten(1))

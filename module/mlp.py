@@ -5,15 +5,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from module.activation import SiluAndMul
 from module.linear import MergedColumnParallelLinear, RowParallelLinear
 from module.parallel_group import SINGLE, ParallelGroup
+from ops.backend import Backend
 
 
 class GatedMLP(nn.Module):
     """Checkpoints name the halves gate_proj and up_proj; models map them onto gate_up_proj's
-    shards 0 and 1 (packed_modules_mapping). When its TP group spans data-parallel replicas, it runs
-    on every rank's rows of the group (gather_rows) and keeps its own."""
+    shards 0 and 1 (packed_modules_mapping), gate first, the order silu_and_mul reads them in. When
+    its TP group spans data-parallel replicas, it runs on every rank's rows of the group
+    (gather_rows) and keeps its own."""
 
     def __init__(
         self,
@@ -22,19 +23,22 @@ class GatedMLP(nn.Module):
         hidden_act: str = "silu",
         bias: bool = False,
         tp: ParallelGroup = SINGLE,
+        *,
+        backend: Backend,
     ) -> None:
         super().__init__()
         self.tp = tp
         if hidden_act != "silu":
             raise ValueError(f"GatedMLP supports hidden_act 'silu' only, got {hidden_act!r}")
+        method = backend.linear_method()
         self.gate_up_proj = MergedColumnParallelLinear(
-            hidden_size, [intermediate_size, intermediate_size], bias=bias, tp=tp
+            hidden_size, [intermediate_size, intermediate_size], bias=bias, tp=tp, linear_method=method
         )
-        self.act_fn = SiluAndMul()
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, tp=tp)
+        self.ops = backend
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, tp=tp, linear_method=method)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.spans_replicas:
             all_rows, own = self.tp.gather_rows(x)
-            return self.down_proj(self.act_fn(self.gate_up_proj(all_rows)))[own]
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+            return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(all_rows)))[own]
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))

@@ -5,7 +5,8 @@ Routers map hidden states to (top-k weights, expert ids) and follow their transf
 for op, so that ties between equal scores break the same way: TopkRouter is DeepSeek-V3's (sigmoid
 scores; a per-expert bias that steers the choice but not the weights; top-k within the best groups),
 SoftmaxTopkRouter Qwen-MoE's (softmax, top-k, optional renormalisation). The experts hold every
-expert's weights in two stacked tensors, as transformers does, and run through ops.moe_experts;
+expert's weights in two stacked tensors, as transformers does, and run through the backend's
+moe_experts;
 MoE tensor parallelism (moe_tp) splits each expert's intermediate dim, expert parallelism (moe_ep)
 splits the experts, and the partial sums are all-reduced over both groups.
 
@@ -33,11 +34,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import ops
 from executor.types_.errors import WeightLoadError
 from module.linear import divide
 from module.parallel_group import SINGLE, ParallelGroup
 from module.weights import load_shard
+from ops.backend import Backend
 
 
 def grouped_topk(
@@ -155,6 +156,7 @@ class FusedExperts(nn.Module):
     load_expert_weight puts each of this rank's in its place and skips the others'."""
 
     PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+    NEEDED_OPS: tuple[str, ...] = ("moe_experts",)
 
     def __init__(
         self,
@@ -163,14 +165,12 @@ class FusedExperts(nn.Module):
         intermediate_size: int,
         tp: ParallelGroup = SINGLE,
         ep: ParallelGroup = SINGLE,
+        *,
+        backend: Backend,
     ) -> None:
         super().__init__()
-        missing = ops.missing_ops(("moe_experts",))
-        if missing:
-            raise NotImplementedError(
-                f"routed experts need ops.moe_experts, which the {ops.current_table().backend} backend does not "
-                "have yet; run MoE models on cpu or cuda"
-            )
+        backend.require(self.NEEDED_OPS, "routed experts")
+        self.ops = backend
         self.num_experts = num_experts
         self.tp, self.ep = tp, ep
         self.tp_rank = tp.rank
@@ -234,7 +234,7 @@ class FusedExperts(nn.Module):
     ) -> torch.Tensor:
         """This rank's partial sum of each token's weighted experts; subclasses with other experts
         (biases, another activation) override only this."""
-        return ops.moe_experts(hidden_states, topk_weights, topk_ids, self.gate_up_proj, self.down_proj)
+        return self.ops.moe_experts(hidden_states, topk_weights, topk_ids, self.gate_up_proj, self.down_proj)
 
 
 def load_expert_tensor(

@@ -21,6 +21,8 @@ from torch import nn
 from executor.types_.forward_metadata import ForwardMetaData
 from module.linear import ColumnParallelLinear
 from module.norm import RMSNorm
+from module.parallel_group import ModelParallel
+from ops.backend import Backend
 
 # The MTP layers' copies of the embedding and LM head, which they share with the model.
 SHARED_MTP_TENSOR = re.compile(r"^model\.layers\.\d+\.(embed_tokens|shared_head\.head)\.weight$")
@@ -30,23 +32,26 @@ _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
 class SharedHead(nn.Module):
     """DeepSeek's name for the MTP's output norm; its `head` is the main model's LM head, not kept here."""
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, backend: Backend) -> None:
         super().__init__()
-        self.norm = RMSNorm(hidden_size, eps)
+        self.norm = RMSNorm(hidden_size, eps, backend=backend)
 
 
 class MTPLayerMixin:
     """Mixed in before a model's decoder layer class (`class XMTPLayer(MTPLayerMixin, XDecoderLayer)`, or
     mtp_layer_class(XDecoderLayer)), so the checkpoint's decoder-layer names map onto it unchanged. The
-    decoder layer takes the HF config first; its hidden_size and rms_norm_eps size the MTP's own parts."""
+    decoder layer takes (HF config, layer index, parallel, backend); the config's hidden_size and
+    rms_norm_eps size the MTP's own parts."""
 
-    def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
-        super().__init__(config, *args, **kwargs)
-        self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+    def __init__(self, config: Any, layer_index: int, parallel: ModelParallel, backend: Backend) -> None:
+        super().__init__(config, layer_index, parallel, backend)
+        self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend=backend)
+        self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend=backend)
         # tp_size 1: replicated, since every rank needs all of the mixed hidden state.
-        self.eh_proj = ColumnParallelLinear(2 * config.hidden_size, config.hidden_size, bias=False)
-        self.shared_head = SharedHead(config.hidden_size, config.rms_norm_eps)
+        self.eh_proj = ColumnParallelLinear(
+            2 * config.hidden_size, config.hidden_size, bias=False, linear_method=backend.linear_method()
+        )
+        self.shared_head = SharedHead(config.hidden_size, config.rms_norm_eps, backend)
 
     def predict(
         self,

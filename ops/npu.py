@@ -1,9 +1,10 @@
 """torch_npu implementations of the ops (Atlas A2/A3), as laid out in shared/npu-api-facts.md §3.
 
-The ops are methods of an object that holds the torch_npu module it was given: ops.set_backend
-imports torch_npu once (through executor.platform) and builds the table, so no forward pass calls
-an import helper and a dynamo trace sees plain attribute calls. Eager mode calls torch_npu's FIA
-with host lists; the graph modes call torchair's variant, which takes the lengths as tensors.
+The ops are methods of an object that holds the torch_npu module it was given: make_backend
+(ops/backend.py) imports torch_npu once (through executor.platform) and puts the methods in the NPU
+record, so no forward pass calls an import helper and a dynamo trace sees plain attribute calls.
+Eager mode calls torch_npu's FIA with host lists; the graph modes call torchair's variant, which
+takes the lengths as tensors.
 """
 
 from __future__ import annotations

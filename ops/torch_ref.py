@@ -1,4 +1,8 @@
-"""Torch reference for every op: the definition of what each op computes, and the CPU/CUDA path.
+"""Torch reference for every op: the definition of what each op computes, and CUDA's eager path.
+
+Pure definitions: no device, dtype, compiling or capture check. A backend (ops/backend.py) that has a
+faster form of an op (the CPU's C++ kernels, ops/cpu.py) or must differ (a CUDA graph capture,
+ops/cuda_graph.py) says so in its own record.
 
 Numerics follow Hugging Face (RMSNorm in fp32 then cast back, weight applied after the cast) so
 that fp32 parity tests hold to 1e-4; attention computes in the input dtype.
@@ -11,13 +15,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from ops import cpu_kernels
 from ops.attention_metadata import TorchAttentionMetadata
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if x.is_contiguous() and (kernel := cpu_kernels.fused("rms_norm", x, weight)) is not None:
-        return kernel(x, weight.contiguous(), eps)
     hidden = x.float()
     hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
     return weight * hidden.to(x.dtype)
@@ -27,10 +28,6 @@ def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (rms_norm(x + residual), x + residual): the new residual comes out of the same pass."""
-    contiguous = x.is_contiguous() and residual.is_contiguous() and x.shape == residual.shape
-    if contiguous and (kernel := cpu_kernels.fused("add_rms_norm", x, residual, weight)) is not None:
-        normed, new_residual = kernel(x, residual, weight.contiguous(), eps)
-        return normed, new_residual
     new_residual = x + residual
     return rms_norm(new_residual, weight, eps), new_residual
 
@@ -48,22 +45,12 @@ def apply_rotary(
     Use the returned tensors; an implementation may rotate its inputs in place (the CPU's fused
     kernel does).
     """
-    if (
-        query.dim() == key.dim() == 3
-        and query.stride(-1) == key.stride(-1) == cos.stride(-1) == 1
-        and cos.stride() == sin.stride()
-        and (kernel := cpu_kernels.fused("apply_rotary", query, key, cos, sin)) is not None
-    ):
-        rotated_query, rotated_key = kernel(query, key, cos, sin)
-        return rotated_query, rotated_key
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
     return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[T, 2I] -> [T, I]: silu(gate) * up, with the gate in the first half."""
-    if x.is_contiguous() and (kernel := cpu_kernels.fused("silu_and_mul", x)) is not None:
-        return kernel(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -77,9 +64,6 @@ def write_kv_cache(
 ) -> None:
     """Store key/value [T, Hkv, D] into caches [num_blocks, block_size, Hkv, D] in place, token i
     at slot_mapping[i] = block_id * block_size + offset."""
-    if (kernel := cpu_kernels.cache_write("write_kv_cache", slot_mapping, key_cache, value_cache)) is not None:
-        kernel(key, value, key_cache, value_cache, slot_mapping)  # one memcpy per row; raises on a bad slot
-        return
     # The caches viewed as [num_slots, Hkv, D]: slot ids index rows directly.
     key_cache.view(-1, *key.shape[1:]).index_copy_(0, slot_mapping, key)
     value_cache.view(-1, *value.shape[1:]).index_copy_(0, slot_mapping, value)
@@ -92,13 +76,7 @@ def _gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, first: int, end: in
     return cache[block_ids].flatten(0, 1)[offset : offset + end - first].transpose(0, 1)
 
 
-def _gathered_length(seq_lens: torch.Tensor, table_capacity: int) -> int:
-    """How many positions decode attention gathers: the step's longest sequence, which needs a host
-    read of the lengths; inside a CUDA graph capture (no host reads, and the graph is replayed for
-    every later length) the block table's whole capacity."""
-    if seq_lens.is_cuda and torch.cuda.is_current_stream_capturing():
-        return table_capacity
-    return int(seq_lens.max())
+DecodeAttention = Callable[..., torch.Tensor]  # paged_decode_attention's signature
 
 
 @torch.library.custom_op("infer_recipes::paged_decode_attention", mutates_args=())
@@ -121,12 +99,13 @@ def paged_decode_attention(
     and are masked off: unwritten slots may hold anything (NaN included) and are never read.
     With `sinks` [H], each head's softmax denominator has one more term (see _append_sink).
 
-    On the CPU a C++ kernel (ops/cpu_kernels.py) computes the same without the gathered copy,
-    reading each request's slots in place; the body below is the definition and the other devices' path.
+    The CPU backend's C++ kernel computes the same without the gathered copy (ops/cpu.py), and the
+    CUDA graph backend gathers the table's whole capacity instead of reading the lengths (ops/cuda_graph.py).
     """
-    if query.device.type == "cpu" and (kernel := cpu_kernels.paged_decode_attention()) is not None:
-        return kernel(query, key_cache, value_cache, block_table, seq_lens, scale, sliding_window, sinks)
-    return gathered_decode_attention(query, key_cache, value_cache, block_table, seq_lens, scale, sliding_window, sinks)
+    max_len = int(seq_lens.max())  # a host read of the lengths
+    return gathered_decode_attention(
+        query, key_cache, value_cache, block_table, seq_lens, scale, sliding_window, sinks, max_len
+    )
 
 
 def gathered_decode_attention(
@@ -137,12 +116,13 @@ def gathered_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int,
-    sinks: torch.Tensor | None = None,
+    sinks: torch.Tensor | None,
+    max_len: int,
 ) -> torch.Tensor:
-    """paged_decode_attention in torch ops: every request's K/V gathered up to the step's longest."""
+    """paged_decode_attention in torch ops: every request's K/V gathered over its first `max_len`
+    positions (the step's longest sequence, or any bound above it)."""
     batch_size = query.shape[0]
     block_size, num_kv_heads, head_dim = key_cache.shape[1:]
-    max_len = _gathered_length(seq_lens, block_table.shape[1] * block_size)
     positions = torch.arange(max_len, device=query.device)
     slots = block_table[:, positions // block_size].long() * block_size + positions % block_size
     mask = positions[None, :] < seq_lens[:, None]
@@ -228,6 +208,8 @@ def paged_attention(
     forward_metadata: TorchAttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    *,
+    decode_attention: DecodeAttention = paged_decode_attention,
 ) -> torch.Tensor:
     """Causal attention of query [T, H, D] over each request's paged K/V -> [T, H, D].
 
@@ -238,11 +220,21 @@ def paged_attention(
     corner. With `sliding_window` W a query token sees itself and the W - 1 tokens before it, as
     transformers' sliding-window layers do.
 
-    A decode-shaped step runs as one batched op over the cache; any other as one call of the CPU
-    prefill kernel, or elsewhere one SDPA per request (per_request_prefill_attention).
+    A decode-shaped step runs as one batched op over the cache (`decode_attention`, which a backend
+    may replace), any other as one SDPA per request (per_request_prefill_attention).
     """
     return _paged_attention(
-        query, key, value, key_cache, value_cache, block_table, forward_metadata, scale, sliding_window, None
+        query,
+        key,
+        value,
+        key_cache,
+        value_cache,
+        block_table,
+        forward_metadata,
+        scale,
+        sliding_window,
+        None,
+        decode_attention,
     )
 
 
@@ -257,13 +249,25 @@ def paged_attention_with_sinks(
     scale: float,
     sinks: torch.Tensor,
     sliding_window: int | None = None,
+    *,
+    decode_attention: DecodeAttention = paged_decode_attention,
 ) -> torch.Tensor:
     """paged_attention with attention sinks (gpt-oss): a learned logit per query head, sinks [H],
     added to every softmax denominator, softmax([scores, sink]) with the sink's column dropped,
     so a head can attend to nothing. A separate op because the NPU's FIA takes sinks only in its
     v2 form (learnable_sink), which ops/npu.py does not call yet."""
     return _paged_attention(
-        query, key, value, key_cache, value_cache, block_table, forward_metadata, scale, sliding_window, sinks
+        query,
+        key,
+        value,
+        key_cache,
+        value_cache,
+        block_table,
+        forward_metadata,
+        scale,
+        sliding_window,
+        sinks,
+        decode_attention,
     )
 
 
@@ -278,15 +282,13 @@ def _paged_attention(
     scale: float,
     sliding_window: int | None,
     sinks: torch.Tensor | None,
+    decode_attention: DecodeAttention,
 ) -> torch.Tensor:
     if forward_metadata.is_decode_shaped:
-        return paged_decode_attention(
+        return decode_attention(
             query, key_cache, value_cache, block_table, forward_metadata.seq_lens, scale, sliding_window or 0, sinks
         )
     caches = (key_cache, value_cache, block_table)
-    if query.device.type == "cpu" and (kernel := cpu_kernels.paged_prefill_attention()) is not None:
-        lengths = (forward_metadata.query_ends, forward_metadata.seq_lens)
-        return kernel(query, key, value, *caches, *lengths, scale, sliding_window or 0, sinks)
     lengths = (forward_metadata.query_ends_list, forward_metadata.seq_lens_list)
     return per_request_prefill_attention(query, key, value, *caches, *lengths, scale, sliding_window, sinks)
 
@@ -343,9 +345,6 @@ def per_request_prefill_attention(
 
 def write_latent_cache(latent: torch.Tensor, latent_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store latent [T, D] into latent_cache [num_blocks, block_size, D] in place, token i at slot_mapping[i]."""
-    if (kernel := cpu_kernels.cache_write("write_latent_cache", slot_mapping, latent_cache)) is not None:
-        kernel(latent, latent_cache, slot_mapping)
-        return
     latent_cache.view(-1, latent.shape[-1]).index_copy_(0, slot_mapping, latent)
 
 
@@ -410,6 +409,7 @@ def mla_decode_absorbed(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    decode_attention: DecodeAttention = paged_decode_attention,
 ) -> torch.Tensor:
     """MLA decode in latent space: W_UK folded into the query (q_nope W_UK -> [B, H, L]) and W_UV into
     the output, so attention runs as one-KV-head attention over the cached latents themselves (keys:
@@ -424,7 +424,7 @@ def mla_decode_absorbed(
     w_uk, w_uv = _split_kv_b(kv_b_weight, q_nope.shape[1], q_nope.shape[2])
     q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [H, B, nope] @ [H, nope, L]
     cache = latent_cache.unsqueeze(2)  # [num_blocks, block_size, 1, L + R]
-    out = paged_decode_attention(torch.cat((q_latent, q_pe), dim=-1), cache, cache, block_table, seq_lens, scale, 0)
+    out = decode_attention(torch.cat((q_latent, q_pe), dim=-1), cache, cache, block_table, seq_lens, scale, 0, None)
     return torch.bmm(out[..., :kv_lora_rank].transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
 
@@ -436,6 +436,8 @@ def mla_attention(
     block_table: torch.Tensor,
     forward_metadata: TorchAttentionMetadata,
     scale: float,
+    *,
+    decode_attention: DecodeAttention = paged_decode_attention,
 ) -> torch.Tensor:
     """Causal multi-head latent attention over the paged latent cache -> [T, H, v].
 
@@ -445,7 +447,7 @@ def mla_attention(
     """
     if forward_metadata.is_decode_shaped:
         return mla_decode_absorbed(
-            q_nope, q_pe, latent_cache, kv_b_weight, block_table, forward_metadata.seq_lens, scale
+            q_nope, q_pe, latent_cache, kv_b_weight, block_table, forward_metadata.seq_lens, scale, decode_attention
         )
     return mla_attention_naive(
         q_nope,

@@ -7,7 +7,6 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-import ops
 from executor.core.config import build_config
 from executor.core.engine.step_inputs import build_step_layout
 from executor.offline.dataset import PromptRecord
@@ -98,7 +97,6 @@ def generate_random_prompts(
     """The whole engine (scheduler, KV cache manager, worker) on the torch backend, on model folder
     `model_dir` given tiny_tokenizer, with random prompts of `prompt_lens` in one batch:
     -> (the inference, the prompts, its result)."""
-    ops.set_backend("torch")
     tiny_tokenizer().save_pretrained(model_dir)
     inference = make_inference(model_dir, model_config={"model_name": model_name}, batch_size=len(prompt_lens))
     prompts = random_prompts(prompt_lens, seed)

@@ -14,12 +14,12 @@ import torch
 import torch._dynamo.testing
 import transformers
 
-import ops
 from executor.core.engine.step_inputs import ScheduledSequence, build_step_layout
 from executor.model_loader.default_loader import safetensors_weights
 from executor.types_.model_inputs import ModelInputs
 from module.attention import KVCacheLayer
 from ops.attention_metadata import TorchMetadataBuilder, build_model_inputs
+from tests.backends import cpu_backend
 
 VOCAB = 256
 # What every family's tiny parity config shares: random weights that give peaked logits (greedy
@@ -81,7 +81,7 @@ def save_random_model(
 
 def load_ours(model_cls: type[torch.nn.Module], path: Path, config: object) -> torch.nn.Module:
     """Our model for `config` with the weights of model folder `path`; every parameter must be filled."""
-    model = model_cls(config)
+    model = model_cls(config, backend=cpu_backend(torch.get_default_dtype()))
     filled = model.load_weights(safetensors_weights(path))
     assert filled == {name for name, _ in model.named_parameters()}
     return model.eval()
@@ -153,9 +153,8 @@ def parity_models(
     load_ours: Callable[[Path, transformers.PretrainedConfig], torch.nn.Module],
     block_size: int,
 ) -> tuple[torch.nn.Module, PagedModel]:
-    """On the torch backend: transformers' model that save_checkpoint writes to `path` for `config`,
+    """On the CPU backend: transformers' model that save_checkpoint writes to `path` for `config`,
     and ours loaded from that folder over a PagedModel with blocks of `block_size`."""
-    ops.set_backend("torch")
     hf_model = save_checkpoint(path, config)
     return hf_model, PagedModel(load_ours(path, config), block_size)
 

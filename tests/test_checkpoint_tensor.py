@@ -23,6 +23,7 @@ from models.gpt_oss.model import GptOssForCausalLM
 from models.llama import LlamaForCausalLM
 from models.qwen3_moe.model import Qwen3MoeForCausalLM
 from module.parallel_group import ModelParallel, ParallelGroup
+from tests.backends import cpu_backend
 from tests.test_gpt_oss_parity import gpt_oss_config
 from tests.test_gpt_oss_parity import save_checkpoint as save_gpt_oss_checkpoint
 from tests.test_qwen_parity import qwen_config
@@ -130,7 +131,7 @@ def test_a_tp_rank_reads_only_its_shard_of_each_split_tensor_and_gets_the_same_w
     config = LlamaConfig.from_pretrained(tiny_llama_dir)
     group = ParallelGroup("tp", tp_rank, 2)
     parallel = ModelParallel(attn_tp=group, dense_tp=group, embed_tp=group, lmhead_tp=group)
-    lazy = load_lazily(LlamaForCausalLM(config, parallel=parallel), tiny_llama_dir)
+    lazy = load_lazily(LlamaForCausalLM(config, parallel=parallel, backend=cpu_backend()), tiny_llama_dir)
 
     full_bytes = tensor_bytes(tiny_llama_dir)
     assert sorted(read.name for read in reads) == sorted(full_bytes)
@@ -142,7 +143,9 @@ def test_a_tp_rank_reads_only_its_shard_of_each_split_tensor_and_gets_the_same_w
         slice(tp_rank * rows, (tp_rank + 1) * rows),
         slice(0, config.hidden_size),
     )
-    assert_same_parameters(lazy, load_whole_tensors(LlamaForCausalLM(config, parallel=parallel), tiny_llama_dir))
+    assert_same_parameters(
+        lazy, load_whole_tensors(LlamaForCausalLM(config, parallel=parallel, backend=cpu_backend()), tiny_llama_dir)
+    )
 
 
 @pytest.mark.parametrize("ep_rank", [0, 1])
@@ -151,12 +154,14 @@ def test_an_ep_rank_never_reads_another_ranks_experts(tmp_path, reads, ep_rank):
     config = qwen_config("qwen3_moe")
     save_qwen_checkpoint(tmp_path, config)
     parallel = ModelParallel(moe_ep=ParallelGroup("moe_ep", ep_rank, 2))
-    lazy = load_lazily(Qwen3MoeForCausalLM(config, parallel=parallel), tmp_path)
+    lazy = load_lazily(Qwen3MoeForCausalLM(config, parallel=parallel, backend=cpu_backend()), tmp_path)
 
     local = range(4 * ep_rank, 4 * ep_rank + 4)
     experts_read = {int(read.name.split(".experts.")[1].split(".")[0]) for read in reads if ".experts." in read.name}
     assert experts_read == set(local)
-    assert_same_parameters(lazy, load_whole_tensors(Qwen3MoeForCausalLM(config, parallel=parallel), tmp_path))
+    assert_same_parameters(
+        lazy, load_whole_tensors(Qwen3MoeForCausalLM(config, parallel=parallel, backend=cpu_backend()), tmp_path)
+    )
 
 
 @pytest.mark.parametrize("ep_rank", [0, 1])
@@ -166,11 +171,13 @@ def test_gpt_oss_stacked_experts_are_read_for_this_ep_ranks_experts_only(tmp_pat
     save_gpt_oss_checkpoint(tmp_path, config)
     local_experts = config.num_local_experts // 2
     parallel = ModelParallel(moe_ep=ParallelGroup("moe_ep", ep_rank, 2))
-    lazy = load_lazily(GptOssForCausalLM(config, parallel=parallel), tmp_path)
+    lazy = load_lazily(GptOssForCausalLM(config, parallel=parallel, backend=cpu_backend()), tmp_path)
 
     first = ep_rank * local_experts
     stacked_reads = [read for read in reads if ".mlp.experts." in read.name]
     assert stacked_reads
     for read in stacked_reads:
         assert first <= read.index[0].start and read.index[0].stop <= first + local_experts, read
-    assert_same_parameters(lazy, load_whole_tensors(GptOssForCausalLM(config, parallel=parallel), tmp_path))
+    assert_same_parameters(
+        lazy, load_whole_tensors(GptOssForCausalLM(config, parallel=parallel, backend=cpu_backend()), tmp_path)
+    )

@@ -18,6 +18,7 @@ from module.embedding import ParallelLMHead, VocabParallelEmbedding
 from module.mlp import GatedMLP
 from module.moe import FusedExperts, SoftmaxTopkRouter, SparseMoeBlock
 from module.parallel_group import ModelParallel
+from tests.backends import cpu_backend
 
 WORLD_SIZE = 4
 LAYOUT = ParallelLayout(world_size=WORLD_SIZE, attn_tp_size=1, moe_tp_size=2, embed_tp_size=4, lmhead_tp_size=4)
@@ -27,8 +28,8 @@ HIDDEN, EXPERTS, TOP_K, EXPERT_WIDTH, SHARED_WIDTH, VOCAB = 16, 4, 2, 8, 12, 32
 
 def moe_block(parallel: ModelParallel) -> SparseMoeBlock:
     router = SoftmaxTopkRouter(HIDDEN, EXPERTS, TOP_K, norm_topk_prob=True)
-    experts = FusedExperts(EXPERTS, HIDDEN, EXPERT_WIDTH, parallel.moe_tp, parallel.moe_ep)
-    return SparseMoeBlock(router, experts, GatedMLP(HIDDEN, SHARED_WIDTH, tp=parallel.moe_tp))
+    experts = FusedExperts(EXPERTS, HIDDEN, EXPERT_WIDTH, parallel.moe_tp, parallel.moe_ep, backend=cpu_backend())
+    return SparseMoeBlock(router, experts, GatedMLP(HIDDEN, SHARED_WIDTH, tp=parallel.moe_tp, backend=cpu_backend()))
 
 
 def load_moe_shards(block: SparseMoeBlock, whole: SparseMoeBlock) -> None:

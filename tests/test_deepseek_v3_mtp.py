@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-import ops
 from executor.core.engine.step_inputs import ScheduledSequence
 from tests.deepseek_v3_harness import deepseek_config, load_ours, save_checkpoint
 from tests.paged_harness import (
@@ -31,7 +30,6 @@ TOLERANCE = 1e-4
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    ops.set_backend("torch")
     config = deepseek_config(num_nextn_predict_layers=NUM_MTP)
     path = tmp_path_factory.mktemp("deepseek_v3_mtp")
     hf_model = save_checkpoint(path, config)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import ops
 from tests.deepseek_v3_harness import deepseek_config, load_ours, save_checkpoint
 from tests.engine_harness import ENGINE_CONFIG, check_engine_greedy, generate_random_prompts
 from tests.paged_harness import (
@@ -81,7 +80,6 @@ EXPERTS_PER_GROUP = 2
 
 @pytest.fixture(scope="module")
 def tied_routing_models(tmp_path_factory) -> tuple[torch.nn.Module, PagedModel]:
-    ops.set_backend("torch")
     config = deepseek_config(num_hidden_layers=2)  # layer 1 is the MoE layer
     path = tmp_path_factory.mktemp("tied_routing")
     hf_model = save_checkpoint(path, config)

@@ -4,22 +4,21 @@ its tensor-parallel weights, weight loading errors, and the refusal of backends 
 from __future__ import annotations
 
 import random
-import types
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-import ops
 from executor.model_loader.default_loader import safetensors_weights
 from executor.types_.errors import WeightLoadError
 from executor.types_.kv_cache_spec import AttentionKind, KVTensorSpec, mla_spec
 from models.deepseek_v3 import DeepseekV3ForCausalLM
 from module.moe import FusedExperts
 from module.parallel_group import ParallelGroup
-from ops.dispatch import OpTable
-from ops.npu import NpuOps
+from ops import torch_ref
+from tests.backends import cpu_backend
 from tests.deepseek_v3_harness import deepseek_config, load_ours, save_checkpoint
+from tests.npu_stand_ins import RecordingTorchNpu, npu_backend
 from tests.paged_harness import PagedModel, check_decode_traces_as_one_graph, random_prompts
 
 NUM_HEADS, NOPE, ROPE, RANK, V_DIM = 4, 16, 8, 32, 12
@@ -46,11 +45,11 @@ def test_absorbed_decode_equals_naive_decompression():
     q_pe = torch.randn(len(seq_lens), NUM_HEADS, ROPE, generator=generator)
     kv_b_weight = torch.randn(NUM_HEADS * (NOPE + V_DIM), RANK, generator=generator) * 0.2
     scale = (NOPE + ROPE) ** -0.5
-    absorbed = ops.torch_ref.mla_decode_absorbed(
+    absorbed = torch_ref.mla_decode_absorbed(
         q_nope, q_pe, latent_cache, kv_b_weight, block_table, torch.tensor(seq_lens), scale
     )
     query_ends = list(range(1, len(seq_lens) + 1))
-    naive = ops.torch_ref.mla_attention_naive(
+    naive = torch_ref.mla_attention_naive(
         q_nope, q_pe, latent_cache, kv_b_weight, block_table, query_ends, seq_lens, scale
     )
     assert absorbed.shape == (len(seq_lens), NUM_HEADS, V_DIM)
@@ -70,7 +69,7 @@ def test_layers_declare_the_latent_spec_in_the_models_dtype():
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
-        model = DeepseekV3ForCausalLM(config)
+        model = DeepseekV3ForCausalLM(config, backend=cpu_backend())
     finally:
         torch.set_default_dtype(previous)
     specs = {layer.self_attn.kv_cache_spec() for layer in model.model.layers}
@@ -92,13 +91,13 @@ def test_moe_experts_sum_each_tokens_chosen_experts_by_weight():
             expert = topk_ids[token, slot]
             gate, up = (gate_up[expert] @ hidden_states[token]).chunk(2)
             expected[token] += topk_weights[token, slot] * (down[expert] @ (F.silu(gate) * up))
-    actual = ops.torch_ref.moe_experts(hidden_states, topk_weights, topk_ids, gate_up, down)
+    actual = torch_ref.moe_experts(hidden_states, topk_weights, topk_ids, gate_up, down)
     torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-5)
 
 
 def test_expert_weights_split_the_intermediate_dim_over_tp_ranks():
     gate, up, down = torch.randn(8, 16), torch.randn(8, 16), torch.randn(16, 8)
-    ranks = [FusedExperts(3, 16, 8, tp=ParallelGroup("moe_tp", rank, 2)) for rank in range(2)]
+    ranks = [FusedExperts(3, 16, 8, tp=ParallelGroup("moe_tp", rank, 2), backend=cpu_backend()) for rank in range(2)]
     for layer in ranks:
         assert layer.load_expert_weight(gate, 1, "gate_proj") == "gate_up_proj"
         layer.load_expert_weight(up, 1, "up_proj")
@@ -121,14 +120,14 @@ def test_mtp_copies_of_embedding_and_head_are_shared_not_loaded(checkpoint):
     config, tensors = checkpoint
     names = {name for name, _ in tensors}
     assert {"model.layers.3.embed_tokens.weight", "model.layers.3.shared_head.head.weight"} <= names
-    model = DeepseekV3ForCausalLM(config)
+    model = DeepseekV3ForCausalLM(config, backend=cpu_backend())
     assert model.load_weights(tensors) == {name for name, _ in model.named_parameters()}
     assert model.num_mtp_layers == 1
 
 
 def test_a_missing_expert_projection_leaves_its_stacked_parameter_unfilled(checkpoint):
     config, tensors = checkpoint
-    model = DeepseekV3ForCausalLM(config)
+    model = DeepseekV3ForCausalLM(config, backend=cpu_backend())
     filled = model.load_weights((n, t) for n, t in tensors if n != "model.layers.2.mlp.experts.5.up_proj.weight")
     assert {name for name, _ in model.named_parameters()} - filled == {"model.layers.2.mlp.experts.gate_up_proj"}
 
@@ -144,20 +143,20 @@ def test_a_missing_expert_projection_leaves_its_stacked_parameter_unfilled(check
     ],
 )
 def test_bad_checkpoint_tensor_is_named_with_the_reason(name, shape, message):
-    model = DeepseekV3ForCausalLM(deepseek_config())
+    model = DeepseekV3ForCausalLM(deepseek_config(), backend=cpu_backend())
     with pytest.raises(WeightLoadError, match=rf"'{name}'.*{message}"):
         model.load_weights([(name, torch.zeros(shape))])
 
 
 def test_v2_style_routing_is_refused():
     with pytest.raises(ValueError, match="scoring_func 'softmax'"):
-        DeepseekV3ForCausalLM(deepseek_config(scoring_func="softmax", topk_method="greedy"))
+        DeepseekV3ForCausalLM(deepseek_config(scoring_func="softmax", topk_method="greedy"), backend=cpu_backend())
 
 
 def test_model_refuses_a_backend_without_mla_ops_at_construction(monkeypatch):
-    monkeypatch.setattr(ops.dispatch, "_current", OpTable("npu", "eager", NpuOps(types.ModuleType("torch_npu"))))
+    backend = npu_backend(monkeypatch, "eager", RecordingTorchNpu())
     with pytest.raises(NotImplementedError, match="mla_attention.*npu backend does not have") as error:
-        DeepseekV3ForCausalLM(deepseek_config())
+        DeepseekV3ForCausalLM(deepseek_config(), backend=backend)
     assert "sinks" not in str(error.value)  # only the ops it calls
 
 

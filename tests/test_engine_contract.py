@@ -17,6 +17,8 @@ from executor.platform import create_platform
 from executor.types_ import AttentionKind, FinishReason, KVCacheSpec, KVTensorSpec
 from module.attention import KVCacheLayer
 from module.parallel_group import ModelParallel
+from ops.backend import Backend
+from tests.backends import cpu_backend
 from tests.conftest import WINDOW, SlidingLlama
 from tests.engine_harness import hf_greedy, load_hf_model, make_inference, run_engine, token_records
 
@@ -104,14 +106,16 @@ class MLAShapedCache(KVCacheLayer):
 
 
 class ToyMLAModel(nn.Module):
-    def __init__(self, hf_config: object, parallel: ModelParallel) -> None:
+    def __init__(self, hf_config: object, parallel: ModelParallel, backend: Backend) -> None:
         super().__init__()
         self.layers = nn.ModuleList([MLAShapedCache(512, 64) for _ in range(3)])
         self.proj = nn.Linear(4, 4)
 
 
 def test_an_mla_shaped_layer_is_sized_and_allocated_by_its_latent():
-    worker = ModelWorker(create_platform("cpu"), torch.bfloat16, with_ckpt=False, seed=0)
+    worker = ModelWorker(
+        create_platform("cpu"), torch.bfloat16, with_ckpt=False, seed=0, backend=cpu_backend(torch.bfloat16)
+    )
     worker.init(ToyMLAModel, None, "unused")
     assert len(worker.kv_cache_groups) == 1
     assert worker.kv_cache_bytes_per_block(16) == 3 * 16 * (512 + 64) * 2  # not 2 x heads x head_dim

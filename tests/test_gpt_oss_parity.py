@@ -10,7 +10,6 @@ engine with one cache group per attention kind.
 
 from __future__ import annotations
 
-import types
 from pathlib import Path
 
 import pytest
@@ -18,16 +17,15 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-import ops
 from executor.model_loader.default_loader import safetensors_weights
 from executor.types_ import AttentionKind
 from executor.types_.errors import WeightLoadError
 from models.gpt_oss import GptOssForCausalLM
 from module.rotary import RotaryEmbedding
-from ops.dispatch import OpTable
-from ops.npu import NpuOps
 from tests import paged_harness
+from tests.backends import cpu_backend
 from tests.engine_harness import ENGINE_CONFIG, check_engine_greedy, generate_random_prompts
+from tests.npu_stand_ins import RecordingTorchNpu, npu_backend
 from tests.paged_harness import (
     PagedModel,
     PagedParityTests,
@@ -143,7 +141,6 @@ TIED_EXPERTS = [0, 1, 2]
 
 @pytest.fixture(scope="module")
 def tied_routing_models(tmp_path_factory) -> tuple[transformers.GptOssForCausalLM, PagedModel]:
-    ops.set_backend("torch")
     config = gpt_oss_config(num_hidden_layers=2)
     path = tmp_path_factory.mktemp("tied_routing")
     hf_model = save_checkpoint(path, config)
@@ -194,13 +191,13 @@ def test_an_mxfp4_checkpoint_is_refused_by_name(tmp_path):
     name = "model.layers.0.mlp.experts.gate_up_proj_blocks"
     save_file({name: torch.zeros(4, 32, 2, 16, dtype=torch.uint8)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(WeightLoadError, match=rf"{name}.*MXFP4.*bf16 checkpoint"):
-        GptOssForCausalLM(config).load_weights(safetensors_weights(tmp_path))
+        GptOssForCausalLM(config, backend=cpu_backend()).load_weights(safetensors_weights(tmp_path))
 
 
 def test_model_refuses_a_backend_without_its_ops_at_construction(monkeypatch):
-    monkeypatch.setattr(ops.dispatch, "_current", OpTable("npu", "eager", NpuOps(types.ModuleType("torch_npu"))))
+    backend = npu_backend(monkeypatch, "eager", RecordingTorchNpu())
     with pytest.raises(NotImplementedError, match="paged_attention_with_sinks.*npu backend does not have"):
-        GptOssForCausalLM(gpt_oss_config())
+        GptOssForCausalLM(gpt_oss_config(), backend=backend)
 
 
 @pytest.mark.parametrize(
@@ -213,7 +210,7 @@ def test_model_refuses_a_backend_without_its_ops_at_construction(monkeypatch):
 )
 def test_a_config_that_is_not_gpt_oss_as_built_here_is_refused(overrides, message):
     with pytest.raises(ValueError, match=message):
-        GptOssForCausalLM(gpt_oss_config(**overrides))
+        GptOssForCausalLM(gpt_oss_config(**overrides), backend=cpu_backend())
 
 
 def test_decode_forward_traces_as_one_graph_and_matches_eager(tmp_path):

@@ -10,7 +10,6 @@ the model. The CUDA test runs where torch sees a GPU.
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,59 +17,23 @@ import torch
 from executor.core.model_worker.graph_runner import DecodeStep
 from executor.platform import npu_runtime
 from executor.platform.compile_cache import CompileCache
-from executor.platform.graph_compilers import NpuGraphExCompiler, TorchairGeCompiler, make_graph_compiler
+from executor.platform.graph_compilers import NpuGraphExCompiler, TorchairGeCompiler, graph_compiler_factory
 from executor.platform.platform import Platform
 from executor.types_.model_inputs import StepLayout
 from ops.attention_metadata import build_model_inputs
 from tests.engine_harness import make_inference, token_records
+from tests.npu_stand_ins import Recorder, compiling_torchair, npugraph_ex_npu
 
 NPU_ON_CPU = Platform("npu", torch.device("cpu"), ops_backend="torch")
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, dict]] = []
-
-    def record(self, name: str, **kwargs: object) -> None:
-        self.calls.append((name, kwargs))
-
-
-def fake_torchair(recorder: Recorder) -> SimpleNamespace:
-    def compiler_config() -> SimpleNamespace:
-        return SimpleNamespace(mode=None, experimental_config=SimpleNamespace())
-
-    def get_npu_backend(*, compiler_config: SimpleNamespace) -> str:
-        recorder.record("get_npu_backend", compiler_config=compiler_config)
-        return "eager"
-
-    def cache_compile(func, **kwargs):
-        recorder.record("cache_compile", **kwargs)
-        return torch.compile(func, backend="eager", dynamic=kwargs["dynamic"], fullgraph=True)
-
-    return SimpleNamespace(
-        CompilerConfig=compiler_config,
-        get_npu_backend=get_npu_backend,
-        inference=SimpleNamespace(cache_compile=cache_compile),
-    )
 
 
 @pytest.fixture
 def recorder(monkeypatch) -> Recorder:
     recorder = Recorder()
-    monkeypatch.setattr(npu_runtime, "torchair", lambda: fake_torchair(recorder))
+    monkeypatch.setattr(npu_runtime, "torchair", lambda: compiling_torchair(recorder))
     monkeypatch.setattr(npu_runtime, "torch_npu", lambda: None)
     pool = object()
-
-    def npugraph_ex_cache_compile(func, **kwargs):
-        recorder.record("npugraph_ex.cache_compile", **kwargs)
-        return torch.compile(func, backend="eager", fullgraph=True, dynamic=False)
-
-    fake_npu = SimpleNamespace(
-        graph_pool_handle=lambda: pool,
-        synchronize=lambda device=None: None,
-        npugraph_ex=SimpleNamespace(inference=SimpleNamespace(cache_compile=npugraph_ex_cache_compile)),
-    )
-    monkeypatch.setattr(torch, "npu", fake_npu, raising=False)
+    monkeypatch.setattr(torch, "npu", npugraph_ex_npu(recorder, pool), raising=False)
     recorder.pool = pool  # type: ignore[attr-defined]
     return recorder
 
@@ -93,7 +56,7 @@ def expected(step, buffers) -> torch.Tensor:
 
 def test_ge_graph_on_npu_uses_torchair_ge_with_cann_recipes_settings(recorder, model_and_buffers):
     model, buffers = model_and_buffers
-    compiler = make_graph_compiler(NPU_ON_CPU, "ge_graph", CompileCache(None), num_buckets=1, settings={})
+    compiler = graph_compiler_factory("npu", "ge_graph")(NPU_ON_CPU, CompileCache(None), num_buckets=1, settings={})
     assert isinstance(compiler, TorchairGeCompiler)
     with torch.inference_mode():
         out = torch.cat([t.flatten() for t in compiler.compile(model, buffers, 2)(buffers)])
@@ -109,7 +72,7 @@ def test_ge_graph_cache_compile_goes_to_the_torchair_folder_with_ge_cache_and_st
     recorder, model_and_buffers, tmp_path
 ):
     model, buffers = model_and_buffers
-    compiler = make_graph_compiler(NPU_ON_CPU, "ge_graph", CompileCache(tmp_path), num_buckets=1, settings={})
+    compiler = graph_compiler_factory("npu", "ge_graph")(NPU_ON_CPU, CompileCache(tmp_path), num_buckets=1, settings={})
     with torch.inference_mode():
         compiler.compile(model, buffers, 2)(buffers)
     (_, kwargs) = next(call for call in recorder.calls if call[0] == "cache_compile")
@@ -126,8 +89,8 @@ def test_npugraph_ex_on_npu_compiles_with_its_backend_options_and_one_pool(recor
         return real_compile(target, backend="eager", **kwargs)
 
     monkeypatch.setattr(torch, "compile", compile_spy)
-    compiler = make_graph_compiler(
-        NPU_ON_CPU, "npugraph_ex", CompileCache(None), num_buckets=1, settings={}, static_kernel=True
+    compiler = graph_compiler_factory("npu", "npugraph_ex")(
+        NPU_ON_CPU, CompileCache(None), num_buckets=1, settings={}, static_kernel=True
     )
     assert isinstance(compiler, NpuGraphExCompiler)
     with torch.inference_mode():

@@ -18,6 +18,7 @@ from executor.types_.model_inputs import ModelInputs, StepLayout
 from executor.utils.graph_buckets import default_buckets, pick_bucket, resolve_buckets
 from executor.utils.tensor_tree import map_tensors, tensor_leaves, with_tensors
 from ops.attention_metadata import TorchMetadataBuilder, build_model_inputs
+from tests.backends import cpu_backend
 from tests.conftest import llama_config
 
 CPU = torch.device("cpu")
@@ -162,8 +163,8 @@ def test_the_compile_cache_is_off_unless_enabled_and_keys_change_with_settings(t
     assert CompileCache.from_config(True, str(tmp_path / "c")).folder("inductor") == tmp_path / "c" / "inductor"
     from models.llama import LlamaForCausalLM
 
-    model = LlamaForCausalLM(llama_config(num_hidden_layers=1))
+    model = LlamaForCausalLM(llama_config(num_hidden_layers=1), backend=cpu_backend())
     assert graph_key(model, dtype="float32") == graph_key(model, dtype="float32")
     assert graph_key(model, dtype="float32") != graph_key(model, dtype="bfloat16")
-    other = LlamaForCausalLM(llama_config(num_hidden_layers=2))
+    other = LlamaForCausalLM(llama_config(num_hidden_layers=2), backend=cpu_backend())
     assert graph_key(model, dtype="float32") != graph_key(other, dtype="float32")

@@ -18,7 +18,6 @@ import transformers
 from safetensors import safe_open
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer as HFDecoderLayer
 
-import ops
 from executor.core.engine.step_inputs import ScheduledSequence, build_step_layout
 from executor.model_loader.default_loader import DefaultModelLoader
 from executor.offline.dataset import load_prompts
@@ -28,6 +27,7 @@ from module.attention import Attention
 from ops.attention_metadata import TorchMetadataBuilder, build_model_inputs
 from scripts import train_mtp_head
 from scripts.train_mtp_head import Sequence, TrainableMTPLayer, generate_sequences, load_frozen_model, mtp_hidden_states
+from tests.backends import cpu_backend
 from tests.conftest import TINY_VOCAB, llama_config
 from tests.engine_harness import run_engine
 from tests.paged_harness import random_prompts, single_thread  # noqa: F401 (single_thread: an autouse fixture)
@@ -98,7 +98,7 @@ class PagedMTPLlama:
     """Our model with an MTP layer, every layer on its own NaN-filled paged cache, driven step by step."""
 
     def __init__(self, config: transformers.LlamaConfig, hf_model: torch.nn.Module, mtp: dict[str, torch.Tensor]):
-        self.model = LlamaForCausalLM(config)
+        self.model = LlamaForCausalLM(config, backend=cpu_backend())
         filled = self.model.load_weights([*hf_model.state_dict().items(), *mtp.items()])
         assert filled == {name for name, _ in self.model.named_parameters()}
         head_dim = config.hidden_size // config.num_attention_heads
@@ -145,7 +145,6 @@ class PagedMTPLlama:
 
 @pytest.fixture(scope="module")
 def models() -> tuple[torch.nn.Module, dict[str, torch.Tensor], PagedMTPLlama]:
-    ops.set_backend("torch")
     config = mtp_config()
     torch.manual_seed(0)
     hf_model = transformers.LlamaForCausalLM(config).eval()
@@ -187,7 +186,7 @@ def test_mtp_rows_after_cached_rows_match_reference(models):
 
 def test_copies_of_shared_tensors_in_mtp_layers_are_skipped(models):
     hf_model, mtp, _ = models
-    model = LlamaForCausalLM(mtp_config())
+    model = LlamaForCausalLM(mtp_config(), backend=cpu_backend())
     copies = {
         f"model.layers.{NUM_LAYERS}.embed_tokens.weight": torch.zeros(TINY_VOCAB, 64),
         f"model.layers.{NUM_LAYERS}.shared_head.head.weight": torch.zeros(TINY_VOCAB, 64),
@@ -198,7 +197,7 @@ def test_copies_of_shared_tensors_in_mtp_layers_are_skipped(models):
 
 
 def test_mtp_layer_needs_its_checkpoint_tensors():
-    model = LlamaForCausalLM(mtp_config())
+    model = LlamaForCausalLM(mtp_config(), backend=cpu_backend())
     state = transformers.LlamaForCausalLM(mtp_config()).state_dict()
     missing = {name for name, _ in model.named_parameters()} - model.load_weights(state.items())
     assert missing and all(name.startswith("mtp_layers.0.") for name in missing)
@@ -206,14 +205,16 @@ def test_mtp_layer_needs_its_checkpoint_tensors():
 
 
 def test_without_the_config_key_there_is_no_mtp_layer_and_parameters_are_unchanged():
-    plain = LlamaForCausalLM(llama_config())
+    plain = LlamaForCausalLM(llama_config(), backend=cpu_backend())
     assert plain.num_mtp_layers == 0
-    assert list(plain.state_dict()) == list(LlamaForCausalLM(llama_config(num_nextn_predict_layers=0)).state_dict())
+    assert list(plain.state_dict()) == list(
+        LlamaForCausalLM(llama_config(num_nextn_predict_layers=0), backend=cpu_backend()).state_dict()
+    )
     assert not any("mtp" in name for name, _ in plain.named_parameters())
 
 
 def test_mtp_tensor_without_an_mtp_layer_is_named():
-    model = LlamaForCausalLM(llama_config())
+    model = LlamaForCausalLM(llama_config(), backend=cpu_backend())
     with pytest.raises(WeightLoadError, match=f"model.layers.{NUM_LAYERS}.enorm.weight"):
         model.load_weights([(f"model.layers.{NUM_LAYERS}.enorm.weight", torch.ones(64))])
 
@@ -221,7 +222,7 @@ def test_mtp_tensor_without_an_mtp_layer_is_named():
 @pytest.mark.parametrize("value", [-1, 1.5, "1"])
 def test_bad_num_nextn_predict_layers_is_refused(value):
     with pytest.raises(ValueError, match="num_nextn_predict_layers"):
-        LlamaForCausalLM(llama_config(num_nextn_predict_layers=value))
+        LlamaForCausalLM(llama_config(num_nextn_predict_layers=value), backend=cpu_backend())
 
 
 def test_training_module_exports_what_the_reference_computes():
@@ -272,7 +273,7 @@ def test_script_saves_a_model_folder_that_loads_and_runs_as_before(tiny_llama_di
     assert json.loads((output / "config.json").read_text())["num_nextn_predict_layers"] == 1
     assert {"tokenizer.json", "tokenizer_config.json", "mtp_training.json"} <= {p.name for p in output.iterdir()}
     assert (output / "model.safetensors").stat().st_ino == (tiny_llama_dir / "model.safetensors").stat().st_ino
-    model = LlamaForCausalLM(transformers.LlamaConfig.from_pretrained(output))
+    model = LlamaForCausalLM(transformers.LlamaConfig.from_pretrained(output), backend=cpu_backend())
     DefaultModelLoader().load_weights(model, str(output))  # raises if any parameter is left unfilled
     num_layers = model.config.num_hidden_layers
     with safe_open(str(output / "mtp.safetensors"), framework="pt") as file:

@@ -10,9 +10,9 @@ import pytest
 import torch
 import transformers
 
-import ops
 from executor.types_.errors import WeightLoadError
 from models.llama import LlamaForCausalLM
+from tests.backends import cpu_backend
 from tests.conftest import llama_config
 from tests.paged_harness import (
     PagedModel,
@@ -45,7 +45,7 @@ CONFIGS = {
 
 def paged_llama(config: transformers.LlamaConfig, hf_model: torch.nn.Module, block_size: int) -> PagedModel:
     """Our model with HF's weights, over NaN-filled caches and scattered blocks."""
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config, backend=cpu_backend())
     filled = model.load_weights(hf_model.state_dict().items())
     assert filled == {name for name, _ in model.named_parameters()}
     return PagedModel(model, block_size, max_model_len=config.max_position_embeddings)
@@ -53,7 +53,6 @@ def paged_llama(config: transformers.LlamaConfig, hf_model: torch.nn.Module, blo
 
 @pytest.fixture(params=list(CONFIGS), scope="module")
 def models(request) -> tuple[torch.nn.Module, PagedModel]:
-    ops.set_backend("torch")
     overrides, block_size = CONFIGS[request.param]
     config = llama_config(**overrides)
     torch.manual_seed(0)
@@ -70,7 +69,7 @@ class TestPagedParity(PagedParityTests):
 
 
 def test_tied_model_ignores_lm_head_in_checkpoint_and_loads_without_it():
-    model = LlamaForCausalLM(llama_config(tie_word_embeddings=True, num_key_value_heads=2))
+    model = LlamaForCausalLM(llama_config(tie_word_embeddings=True, num_key_value_heads=2), backend=cpu_backend())
     state = transformers.LlamaForCausalLM(llama_config(tie_word_embeddings=False, num_key_value_heads=2)).state_dict()
     with_head = model.load_weights(state.items())
     without_head = model.load_weights((k, v) for k, v in state.items() if k != "lm_head.weight")
@@ -79,20 +78,20 @@ def test_tied_model_ignores_lm_head_in_checkpoint_and_loads_without_it():
 
 
 def test_merged_parameter_counts_as_filled_only_with_all_shards():
-    model = LlamaForCausalLM(llama_config(num_key_value_heads=2))
+    model = LlamaForCausalLM(llama_config(num_key_value_heads=2), backend=cpu_backend())
     state = transformers.LlamaForCausalLM(llama_config(num_key_value_heads=2)).state_dict()
     filled = model.load_weights((k, v) for k, v in state.items() if k != "model.layers.1.self_attn.v_proj.weight")
     assert {name for name, _ in model.named_parameters()} - filled == {"model.layers.1.self_attn.qkv_proj.weight"}
 
 
 def test_unexpected_checkpoint_tensor_is_named():
-    model = LlamaForCausalLM(llama_config())
+    model = LlamaForCausalLM(llama_config(), backend=cpu_backend())
     with pytest.raises(WeightLoadError, match="model.layers.0.self_attn.q_norm.weight"):
         model.load_weights([("model.layers.0.self_attn.q_norm.weight", torch.zeros(16))])
 
 
 def test_shape_mismatch_names_tensor_and_both_shapes():
-    model = LlamaForCausalLM(llama_config(num_key_value_heads=2))
+    model = LlamaForCausalLM(llama_config(num_key_value_heads=2), backend=cpu_backend())
     with pytest.raises(WeightLoadError, match=r"k_proj.weight.*expected \(32, 64\), got \(64, 64\)"):
         model.load_weights([("model.layers.2.self_attn.k_proj.weight", torch.zeros(64, 64))])
 
@@ -103,4 +102,4 @@ def test_sequence_dependent_rope_is_rejected(rope_type):
     if rope_type == "longrope":
         rope.update(short_factor=[1.0] * 8, long_factor=[1.0] * 8, original_max_position_embeddings=64)
     with pytest.raises(ValueError, match=rope_type):
-        LlamaForCausalLM(llama_config(rope_parameters=rope))
+        LlamaForCausalLM(llama_config(rope_parameters=rope), backend=cpu_backend())

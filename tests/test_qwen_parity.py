@@ -17,13 +17,13 @@ import pytest
 import torch
 import transformers
 
-import ops
 from executor.offline.__main__ import main as offline_main
 from models.qwen2 import Qwen2ForCausalLM
 from models.qwen3 import Qwen3ForCausalLM
 from models.qwen3_moe import Qwen3MoeForCausalLM
 from module.mlp import GatedMLP
 from module.moe import SparseMoeBlock
+from tests.backends import cpu_backend
 from tests.engine_harness import ENGINE_CONFIG, check_engine_greedy, generate_random_prompts
 from tests.paged_harness import (
     PagedModel,
@@ -114,7 +114,7 @@ class TestPagedParity(PagedParityTests):
 
 def test_qwen2_sliding_layers_are_those_transformers_slides():
     config = qwen_config("qwen2", **CONFIGS["qwen2_tied_mqa_sliding"][1])
-    model = Qwen2ForCausalLM(config)
+    model = Qwen2ForCausalLM(config, backend=cpu_backend())
     assert [layer.self_attn.attn.sliding_window for layer in model.model.layers] == [None, WINDOW, WINDOW]
     assert [layer.self_attn.qkv_proj.bias is not None for layer in model.model.layers] == [True] * 3
     assert all(layer.self_attn.o_proj.bias is None for layer in model.model.layers)
@@ -122,7 +122,7 @@ def test_qwen2_sliding_layers_are_those_transformers_slides():
 
 def test_qwen3_moe_sparse_layers_are_those_transformers_builds():
     config = qwen_config("qwen3_moe", **CONFIGS["qwen3_moe_dense_and_sparse_tied"][1])
-    ours = Qwen3MoeForCausalLM(config)
+    ours = Qwen3MoeForCausalLM(config, backend=cpu_backend())
     hf_model = transformers.Qwen3MoeForCausalLM(config)
     hf_sparse = [type(layer.mlp).__name__ == "Qwen3MoeSparseMoeBlock" for layer in hf_model.model.layers]
     assert hf_sparse == [False, True, False, True]
@@ -141,7 +141,6 @@ TIED_EXPERTS = [0, 1, 2]
 
 @pytest.fixture(scope="module")
 def tied_routing_models(tmp_path_factory) -> tuple[torch.nn.Module, PagedModel]:
-    ops.set_backend("torch")
     config = qwen_config("qwen3_moe", num_hidden_layers=2, norm_topk_prob=True)
     path = tmp_path_factory.mktemp("tied_routing")
     hf_model = save_checkpoint(path, config)

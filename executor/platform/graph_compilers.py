@@ -18,6 +18,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -326,27 +327,56 @@ class NpuGraphExCompiler(GraphCompiler):
         self.platform.synchronize()
 
 
-def make_graph_compiler(
-    platform: Platform,
-    exe_mode: str,
-    cache: CompileCache,
-    *,
-    num_buckets: int,
-    settings: dict[str, object],
-    static_kernel: bool = False,
-) -> GraphCompiler | None:
-    """The compiler for `exe_mode` on `platform`; None for eager."""
-    if exe_mode == "eager":
-        return None
-    kind = platform.device_type
-    if exe_mode == "ge_graph":
-        if kind == "npu":
-            return TorchairGeCompiler(platform, cache)
-        return InductorCompiler(platform, cache, num_buckets)
-    if exe_mode == "npugraph_ex":
-        if kind == "npu":
-            return NpuGraphExCompiler(platform, cache, static_kernel=static_kernel)
-        if kind == "cuda":
-            return CudaGraphCompiler(platform)
-        return AotInductorCompiler(cache, {"exe_mode": exe_mode, **settings})
-    raise ValueError(f"exe_mode must be eager, ge_graph or npugraph_ex, got {exe_mode!r}")
+class GraphCompilerFactory(Protocol):
+    def __call__(
+        self,
+        platform: Platform,
+        cache: CompileCache,
+        *,
+        num_buckets: int,
+        settings: dict[str, object],
+        static_kernel: bool = False,
+    ) -> GraphCompiler: ...
+
+
+def _cuda_graphs(platform: Platform, cache: CompileCache, **options: object) -> GraphCompiler:
+    return CudaGraphCompiler(platform)
+
+
+def _inductor(platform: Platform, cache: CompileCache, *, num_buckets: int, **options: object) -> GraphCompiler:
+    return InductorCompiler(platform, cache, num_buckets)
+
+
+def _aot_inductor(
+    platform: Platform, cache: CompileCache, *, settings: dict[str, object], **options: object
+) -> GraphCompiler:
+    return AotInductorCompiler(cache, {"exe_mode": "npugraph_ex", **settings})
+
+
+def _torchair_ge(platform: Platform, cache: CompileCache, **options: object) -> GraphCompiler:
+    return TorchairGeCompiler(platform, cache)
+
+
+def _npugraph_ex(
+    platform: Platform, cache: CompileCache, *, static_kernel: bool = False, **options: object
+) -> GraphCompiler:
+    return NpuGraphExCompiler(platform, cache, static_kernel=static_kernel)
+
+
+# (device type, exe_mode) -> the compiler's factory; eager has none.
+GRAPH_COMPILERS: dict[tuple[str, str], GraphCompilerFactory] = {
+    ("cpu", "ge_graph"): _inductor,
+    ("cuda", "ge_graph"): _inductor,
+    ("npu", "ge_graph"): _torchair_ge,
+    ("cpu", "npugraph_ex"): _aot_inductor,
+    ("cuda", "npugraph_ex"): _cuda_graphs,
+    ("npu", "npugraph_ex"): _npugraph_ex,
+}
+EXE_MODES = ("eager", "ge_graph", "npugraph_ex")
+
+
+def graph_compiler_factory(device_type: str, exe_mode: str) -> GraphCompilerFactory | None:
+    """The factory of `exe_mode`'s compiler on `device_type`; None for eager."""
+    if exe_mode not in EXE_MODES:
+        raise ValueError(f"exe_mode must be eager, ge_graph or npugraph_ex, got {exe_mode!r}")
+    return GRAPH_COMPILERS.get((device_type, exe_mode))

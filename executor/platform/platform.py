@@ -20,7 +20,8 @@ FAST_BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 class Platform:
     device_type: str  # "cpu" | "cuda" | "npu"
     device: torch.device
-    ops_backend: str  # which ops/ implementation runs: "torch" or "npu"
+    # The device's family of ops, "torch" or "npu", for the log; ops.backend.make_backend decides what runs.
+    ops_backend: str
 
     @property
     def dist_backend(self) -> str:

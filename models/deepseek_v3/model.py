@@ -16,7 +16,6 @@ import torch
 from torch import nn
 from transformers import DeepseekV3Config
 
-import ops
 from executor.types_.errors import WeightLoadError
 from executor.types_.forward_metadata import ForwardMetaData
 from module.causal_lm import CausalLM
@@ -30,6 +29,7 @@ from module.norm import RMSNorm
 from module.parallel_group import ONE_PROCESS, ModelParallel
 from module.rotary import RotaryEmbedding
 from module.weights import ShardId, fused_shards_needed, load_fused_tensor
+from ops.backend import Backend
 
 # Which part of a parameter a checkpoint tensor filled: a merged layer's shard, or (expert, projection).
 ShardKey = ShardId | tuple[int, str]
@@ -49,7 +49,7 @@ def check_routing(config: DeepseekV3Config) -> None:
 class DeepseekV3MoE(SparseMoeBlock):
     """V3's grouped sigmoid router over the routed experts, plus n_shared_experts as one wide MLP."""
 
-    def __init__(self, config: DeepseekV3Config, parallel: ModelParallel) -> None:
+    def __init__(self, config: DeepseekV3Config, parallel: ModelParallel, backend: Backend) -> None:
         super().__init__(
             TopkRouter(
                 config.hidden_size,
@@ -66,12 +66,14 @@ class DeepseekV3MoE(SparseMoeBlock):
                 config.moe_intermediate_size,
                 parallel.moe_tp,
                 parallel.moe_ep,
+                backend=backend,
             ),
             GatedMLP(
                 config.hidden_size,
                 config.moe_intermediate_size * config.n_shared_experts,
                 config.hidden_act,
                 tp=parallel.moe_tp,
+                backend=backend,
             )
             if config.n_shared_experts
             else None,
@@ -79,15 +81,17 @@ class DeepseekV3MoE(SparseMoeBlock):
 
 
 class DeepseekV3DecoderLayer(PreNormDecoderLayer):
-    def __init__(self, config: DeepseekV3Config, layer_index: int, parallel: ModelParallel) -> None:
+    def __init__(self, config: DeepseekV3Config, layer_index: int, parallel: ModelParallel, backend: Backend) -> None:
         super().__init__()
-        self.self_attn = MLAAttention(config, parallel.attn_tp)
+        self.self_attn = MLAAttention(config, parallel.attn_tp, backend=backend)
         if layer_index >= config.first_k_dense_replace:
-            self.mlp = DeepseekV3MoE(config, parallel)
+            self.mlp = DeepseekV3MoE(config, parallel, backend)
         else:
-            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, tp=parallel.dense_tp)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.mlp = GatedMLP(
+                config.hidden_size, config.intermediate_size, config.hidden_act, tp=parallel.dense_tp, backend=backend
+            )
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend=backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend=backend)
 
 
 class DeepseekV3MTPLayer(MTPLayerMixin, DeepseekV3DecoderLayer):
@@ -96,19 +100,19 @@ class DeepseekV3MTPLayer(MTPLayerMixin, DeepseekV3DecoderLayer):
 
 
 class DeepseekV3Model(nn.Module):
-    def __init__(self, config: DeepseekV3Config, parallel: ModelParallel) -> None:
+    def __init__(self, config: DeepseekV3Config, parallel: ModelParallel, backend: Backend) -> None:
         super().__init__()
         self.num_hidden_layers = config.num_hidden_layers
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel.embed_tp)
         # The MTP modules follow the decoder layers in one list, indexed as in the checkpoints.
         self.layers = nn.ModuleList(
-            [DeepseekV3DecoderLayer(config, index, parallel) for index in range(config.num_hidden_layers)]
+            [DeepseekV3DecoderLayer(config, index, parallel, backend) for index in range(config.num_hidden_layers)]
             + [
-                DeepseekV3MTPLayer(config, config.num_hidden_layers + index, parallel)
+                DeepseekV3MTPLayer(config, config.num_hidden_layers + index, parallel, backend)
                 for index in range(config.num_nextn_predict_layers or 0)
             ]
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend=backend)
         # One cos/sin table of the rope dims for all layers, looked up once per step.
         self.rotary_emb = RotaryEmbedding(config, config.qk_rope_head_dim)
 
@@ -131,18 +135,15 @@ class DeepseekV3ForCausalLM(CausalLM):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, hf_config: DeepseekV3Config, *, parallel: ModelParallel = ONE_PROCESS) -> None:
+    def __init__(self, hf_config: DeepseekV3Config, *, parallel: ModelParallel = ONE_PROCESS, backend: Backend) -> None:
         super().__init__()
-        missing = ops.missing_ops(("write_latent_cache", "mla_attention", "moe_experts"))
-        if missing:
-            raise NotImplementedError(
-                f"DeepSeek-V3 needs ops {', '.join(missing)}, which the {ops.current_table().backend} backend does "
-                "not have yet (MLA and MoE kernels there are left for later); run it on cpu or cuda"
-            )
+        backend.require((*MLAAttention.NEEDED_OPS, *FusedExperts.NEEDED_OPS), "DeepSeek-V3")
         check_routing(hf_config)
         self.config = hf_config
-        self.model = DeepseekV3Model(hf_config, parallel)
-        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, parallel.lmhead_tp)
+        self.model = DeepseekV3Model(hf_config, parallel, backend)
+        self.lm_head = ParallelLMHead(
+            hf_config.vocab_size, hf_config.hidden_size, parallel.lmhead_tp, backend.linear_method()
+        )
         if hf_config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.num_mtp_layers = len(self.model.layers) - hf_config.num_hidden_layers

@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import GptOssConfig
 
-import ops
 from executor.types_.checkpoint_tensor import LoadedWeight, materialize
 from executor.types_.errors import WeightLoadError
 from models.llama.model import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
@@ -28,6 +27,7 @@ from module.moe import FusedExperts
 from module.mtp import num_mtp_layers_of
 from module.parallel_group import ONE_PROCESS, ModelParallel, ParallelGroup
 from module.weights import ShardId, load_shard
+from ops.backend import Backend
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 NEEDED_OPS = ("paged_attention_with_sinks", "moe_experts_clamped_swiglu")
@@ -51,6 +51,7 @@ class GptOssAttention(LlamaAttention):
             scale=self.head_dim**-0.5,
             sliding_window=sliding_window,
             tp=parallel.attn_tp,
+            backend=self.ops,
         )
 
 
@@ -80,6 +81,8 @@ class GptOssExperts(FusedExperts):
     [E, I, H]; the loaders de-interleave and transpose them into place, one expert at a time
     through FusedExperts.load_expert_weight."""
 
+    NEEDED_OPS = ("moe_experts_clamped_swiglu",)
+
     def __init__(
         self,
         num_experts: int,
@@ -89,8 +92,9 @@ class GptOssExperts(FusedExperts):
         limit: float,
         tp: ParallelGroup,
         ep: ParallelGroup,
+        backend: Backend,
     ) -> None:
-        super().__init__(num_experts, hidden_size, intermediate_size, tp, ep)
+        super().__init__(num_experts, hidden_size, intermediate_size, tp, ep, backend=backend)
         self.alpha = alpha
         self.limit = limit
         size = self.intermediate_per_rank
@@ -147,7 +151,7 @@ class GptOssExperts(FusedExperts):
     def run_experts(
         self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
-        return ops.moe_experts_clamped_swiglu(
+        return self.ops.moe_experts_clamped_swiglu(
             hidden_states,
             topk_weights,
             topk_ids,
@@ -161,7 +165,7 @@ class GptOssExperts(FusedExperts):
 
 
 class GptOssMoE(nn.Module):
-    def __init__(self, config: GptOssConfig, parallel: ModelParallel) -> None:
+    def __init__(self, config: GptOssConfig, parallel: ModelParallel, backend: Backend) -> None:
         super().__init__()
         self.router = GptOssRouter(config.hidden_size, config.num_local_experts, config.num_experts_per_tok)
         self.experts = GptOssExperts(
@@ -172,6 +176,7 @@ class GptOssMoE(nn.Module):
             config.swiglu_limit,
             parallel.moe_tp,
             parallel.moe_ep,
+            backend,
         )
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -182,9 +187,9 @@ class GptOssMoE(nn.Module):
 class GptOssDecoderLayer(LlamaDecoderLayer):
     attention_cls = GptOssAttention
 
-    def build_mlp(self, config: GptOssConfig, layer_index: int, parallel: ModelParallel) -> nn.Module:
+    def build_mlp(self, config: GptOssConfig, layer_index: int, parallel: ModelParallel, backend: Backend) -> nn.Module:
         """An MoE block in every layer."""
-        return GptOssMoE(config, parallel)
+        return GptOssMoE(config, parallel, backend)
 
 
 def check_config(config: GptOssConfig) -> None:
@@ -205,15 +210,10 @@ def check_config(config: GptOssConfig) -> None:
 class GptOssForCausalLM(LlamaForCausalLM):
     decoder_layer_cls = GptOssDecoderLayer
 
-    def __init__(self, hf_config: GptOssConfig, *, parallel: ModelParallel = ONE_PROCESS) -> None:
-        missing = ops.missing_ops(NEEDED_OPS)
-        if missing:
-            raise NotImplementedError(
-                f"gpt-oss needs ops {', '.join(missing)}, which the {ops.current_table().backend} backend does not "
-                "have yet (attention sinks and its MoE experts are left for later there); run it on cpu or cuda"
-            )
+    def __init__(self, hf_config: GptOssConfig, *, parallel: ModelParallel = ONE_PROCESS, backend: Backend) -> None:
+        backend.require(NEEDED_OPS, "gpt-oss")
         check_config(hf_config)
-        super().__init__(hf_config, parallel=parallel)
+        super().__init__(hf_config, parallel=parallel, backend=backend)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors (gpt-oss's stacked experts; sinks under self_attn, ours under

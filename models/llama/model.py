@@ -1,6 +1,6 @@
 """Llama (and every checkpoint that loads as transformers' LlamaForCausalLM) on the packed TND path.
 
-Built from module/ layers so that tensor parallelism (over the groups in ModelParallel), the ops dispatch
+Built from module/ layers so that tensor parallelism (over the groups in ModelParallel), the backend's ops
 and the paged KV cache come for free; parity with transformers is checked in tests/test_llama_parity.py.
 """
 
@@ -12,7 +12,6 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-import ops
 from executor.types_.errors import WeightLoadError
 from executor.types_.forward_metadata import ForwardMetaData
 from module.attention import Attention
@@ -26,6 +25,7 @@ from module.norm import RMSNorm
 from module.parallel_group import ONE_PROCESS, ModelParallel
 from module.rotary import RotaryEmbedding
 from module.weights import fused_shards_needed, load_fused_tensor
+from ops.backend import Backend
 
 
 def head_dim_of(config: PretrainedConfig) -> int:
@@ -37,8 +37,10 @@ class LlamaAttention(nn.Module):
     biases, a layer's sliding window, the attention op's layer (build_attention), and q/k/v before rope
     (project_qkv)."""
 
-    def __init__(self, config: PretrainedConfig, layer_index: int, parallel: ModelParallel) -> None:
+    def __init__(self, config: PretrainedConfig, layer_index: int, parallel: ModelParallel, backend: Backend) -> None:
         super().__init__()
+        self.ops = backend
+        method = backend.linear_method()
         qkv_bias, output_bias = self.projection_biases(config)
         self.head_dim = head_dim_of(config)
         self.qkv_proj = QKVParallelLinear(
@@ -48,6 +50,7 @@ class LlamaAttention(nn.Module):
             config.num_key_value_heads,
             bias=qkv_bias,
             tp=parallel.attn_tp,
+            linear_method=method,
         )
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
@@ -56,6 +59,7 @@ class LlamaAttention(nn.Module):
             config.hidden_size,
             bias=output_bias,
             tp=parallel.attn_tp,
+            linear_method=method,
         )
         self.attn = self.build_attention(config, self.layer_sliding_window(config, layer_index), parallel)
 
@@ -64,7 +68,12 @@ class LlamaAttention(nn.Module):
     ) -> Attention:
         """The paged attention over this rank's heads (after the projections are built)."""
         return Attention(
-            self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5, sliding_window=sliding_window
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            scale=self.head_dim**-0.5,
+            sliding_window=sliding_window,
+            backend=self.ops,
         )
 
     @staticmethod
@@ -91,7 +100,7 @@ class LlamaAttention(nn.Module):
         self, hidden_states: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], forward_metadata: ForwardMetaData
     ) -> torch.Tensor:
         query, key, value = self.project_qkv(hidden_states)
-        query, key = ops.apply_rotary(query, key, *rotary)
+        query, key = self.ops.apply_rotary(query, key, *rotary)
         output = self.attn(query, key, value, forward_metadata)
         return self.o_proj(output.flatten(1))
 
@@ -99,14 +108,16 @@ class LlamaAttention(nn.Module):
 class LlamaDecoderLayer(PreNormDecoderLayer):
     attention_cls: type[LlamaAttention] = LlamaAttention
 
-    def __init__(self, config: PretrainedConfig, layer_index: int, parallel: ModelParallel) -> None:
+    def __init__(self, config: PretrainedConfig, layer_index: int, parallel: ModelParallel, backend: Backend) -> None:
         super().__init__()
-        self.self_attn = self.attention_cls(config, layer_index, parallel)
-        self.mlp = self.build_mlp(config, layer_index, parallel)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = self.attention_cls(config, layer_index, parallel, backend)
+        self.mlp = self.build_mlp(config, layer_index, parallel, backend)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend=backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend=backend)
 
-    def build_mlp(self, config: PretrainedConfig, layer_index: int, parallel: ModelParallel) -> nn.Module:
+    def build_mlp(
+        self, config: PretrainedConfig, layer_index: int, parallel: ModelParallel, backend: Backend
+    ) -> nn.Module:
         """The layer's feed-forward block: Llama's is a SwiGLU MLP with optional biases in every layer."""
         return GatedMLP(
             config.hidden_size,
@@ -114,19 +125,24 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
             config.hidden_act,
             bias=config.mlp_bias,
             tp=parallel.dense_tp,
+            backend=backend,
         )
 
 
 class LlamaModel(nn.Module):
     def __init__(
-        self, config: PretrainedConfig, parallel: ModelParallel, decoder_layer_cls: type[LlamaDecoderLayer]
+        self,
+        config: PretrainedConfig,
+        parallel: ModelParallel,
+        decoder_layer_cls: type[LlamaDecoderLayer],
+        backend: Backend,
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel.embed_tp)
         self.layers = nn.ModuleList(
-            [decoder_layer_cls(config, index, parallel) for index in range(config.num_hidden_layers)]
+            [decoder_layer_cls(config, index, parallel, backend) for index in range(config.num_hidden_layers)]
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend=backend)
         # One cos/sin table for all layers, looked up once per step.
         self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
 
@@ -156,18 +172,20 @@ class LlamaForCausalLM(CausalLM):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, hf_config: PretrainedConfig, *, parallel: ModelParallel = ONE_PROCESS) -> None:
+    def __init__(self, hf_config: PretrainedConfig, *, parallel: ModelParallel = ONE_PROCESS, backend: Backend) -> None:
         super().__init__()
         self.config = hf_config
-        self.model = LlamaModel(hf_config, parallel, self.decoder_layer_cls)
-        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, parallel.lmhead_tp)
+        self.model = LlamaModel(hf_config, parallel, self.decoder_layer_cls, backend)
+        self.lm_head = ParallelLMHead(
+            hf_config.vocab_size, hf_config.hidden_size, parallel.lmhead_tp, backend.linear_method()
+        )
         if hf_config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         # config.num_nextn_predict_layers of them; none (an empty list, no parameters) without the key.
         self.num_mtp_layers = num_mtp_layers_of(hf_config)
         self.mtp_layers = nn.ModuleList(
             [
-                mtp_layer_class(self.decoder_layer_cls)(hf_config, hf_config.num_hidden_layers - 1, parallel)
+                mtp_layer_class(self.decoder_layer_cls)(hf_config, hf_config.num_hidden_layers - 1, parallel, backend)
                 for _ in range(self.num_mtp_layers)
             ]
         )

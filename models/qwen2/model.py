@@ -13,6 +13,7 @@ from transformers import PretrainedConfig
 from models.llama.model import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from module.mlp import GatedMLP
 from module.parallel_group import ModelParallel
+from ops.backend import Backend
 
 
 class Qwen2Attention(LlamaAttention):
@@ -31,9 +32,13 @@ class Qwen2Attention(LlamaAttention):
 class Qwen2DecoderLayer(LlamaDecoderLayer):
     attention_cls = Qwen2Attention
 
-    def build_mlp(self, config: PretrainedConfig, layer_index: int, parallel: ModelParallel) -> nn.Module:
+    def build_mlp(
+        self, config: PretrainedConfig, layer_index: int, parallel: ModelParallel, backend: Backend
+    ) -> nn.Module:
         """A SwiGLU MLP without biases (Qwen2's config has no mlp_bias)."""
-        return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, tp=parallel.dense_tp)
+        return GatedMLP(
+            config.hidden_size, config.intermediate_size, config.hidden_act, tp=parallel.dense_tp, backend=backend
+        )
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -15,6 +15,7 @@ from models.llama.model import LlamaAttention
 from models.qwen2.model import Qwen2Attention, Qwen2DecoderLayer, Qwen2ForCausalLM
 from module.norm import RMSNorm
 from module.parallel_group import ModelParallel
+from ops.backend import Backend
 
 
 class Qwen3Attention(Qwen2Attention):
@@ -23,10 +24,10 @@ class Qwen3Attention(Qwen2Attention):
         """attention_bias on q/k/v and o_proj alike, as in Llama."""
         return LlamaAttention.projection_biases(config)
 
-    def __init__(self, config: PretrainedConfig, layer_index: int, parallel: ModelParallel) -> None:
-        super().__init__(config, layer_index, parallel)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+    def __init__(self, config: PretrainedConfig, layer_index: int, parallel: ModelParallel, backend: Backend) -> None:
+        super().__init__(config, layer_index, parallel, backend)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, backend=backend)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, backend=backend)
 
     def project_qkv(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         query, key, value = super().project_qkv(hidden_states)

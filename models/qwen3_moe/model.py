@@ -18,6 +18,7 @@ from transformers import PretrainedConfig
 from models.qwen3.model import Qwen3Attention, Qwen3DecoderLayer, Qwen3ForCausalLM
 from module.moe import FusedExperts, SoftmaxTopkRouter, SparseMoeBlock, load_expert_tensor
 from module.parallel_group import ModelParallel
+from ops.backend import Backend
 
 
 class Qwen3MoeAttention(Qwen3Attention):
@@ -28,13 +29,18 @@ class Qwen3MoeAttention(Qwen3Attention):
 
 
 class Qwen3MoeSparseMoeBlock(SparseMoeBlock):
-    def __init__(self, config: PretrainedConfig, parallel: ModelParallel) -> None:
+    def __init__(self, config: PretrainedConfig, parallel: ModelParallel, backend: Backend) -> None:
         super().__init__(
             SoftmaxTopkRouter(
                 config.hidden_size, config.num_experts, config.num_experts_per_tok, config.norm_topk_prob
             ),
             FusedExperts(
-                config.num_experts, config.hidden_size, config.moe_intermediate_size, parallel.moe_tp, parallel.moe_ep
+                config.num_experts,
+                config.hidden_size,
+                config.moe_intermediate_size,
+                parallel.moe_tp,
+                parallel.moe_ep,
+                backend=backend,
             ),
         )
 
@@ -51,10 +57,12 @@ def is_sparse_layer(config: PretrainedConfig, layer_index: int) -> bool:
 class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
     attention_cls = Qwen3MoeAttention
 
-    def build_mlp(self, config: PretrainedConfig, layer_index: int, parallel: ModelParallel) -> nn.Module:
+    def build_mlp(
+        self, config: PretrainedConfig, layer_index: int, parallel: ModelParallel, backend: Backend
+    ) -> nn.Module:
         if is_sparse_layer(config, layer_index):
-            return Qwen3MoeSparseMoeBlock(config, parallel)
-        return super().build_mlp(config, layer_index, parallel)
+            return Qwen3MoeSparseMoeBlock(config, parallel, backend)
+        return super().build_mlp(config, layer_index, parallel, backend)
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):

@@ -13,7 +13,6 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
-import ops
 from executor.core.config import ConfigError, InferenceConfig
 from executor.core.config.comm_manager import CommManager, DistEnv
 from executor.core.config.inference_config import check_device_rules
@@ -31,12 +30,12 @@ from executor.core.spec_decode.verify import accept_greedy, rejection_sample
 from executor.model_loader.hf_config import load_hf_config
 from executor.platform import create_platform, resolve_dtype
 from executor.platform.compile_cache import CompileCache
-from executor.platform.graph_compilers import make_graph_compiler
 from executor.types_ import Batch, Request, SamplingParams
 from executor.types_.model_inputs import StepLayout
 from executor.utils.graph_buckets import resolve_buckets
 from executor.utils.step_timer import StepTimer
 from ops.attention_metadata import to_device
+from ops.backend import make_backend
 
 logger = logging.getLogger(__name__)
 
@@ -54,10 +53,13 @@ class ExecutionEngine:
         self.comm = comm or CommManager(
             ParallelLayout.from_config(parallel), env, self.platform.dist_backend, parallel.collective_timeout_s
         )
-        op_table = ops.set_backend(self.platform.ops_backend, config.model_config.exe_mode)
-        self.metadata_builder = op_table.metadata_builder(self.platform.device)
-        self.host_metadata_builder = op_table.metadata_builder(torch.device("cpu"))  # graph steps stage here
         self.dtype = resolve_dtype(config.model_config.dtype, self.platform.device_type)
+        model_config = config.model_config
+        self.backend = make_backend(
+            self.platform.device_type, model_config.exe_mode, self.dtype, prepack_weights=model_config.prepack_weights
+        )
+        self.metadata_builder = self.backend.metadata_builder(self.platform.device)
+        self.host_metadata_builder = self.backend.metadata_builder(torch.device("cpu"))  # graph steps stage here
         self.step_timer = self._make_step_timer()
         self.worker = ModelWorker(
             self.platform,
@@ -66,7 +68,7 @@ class ExecutionEngine:
             seed=config.data_config.seed,
             step_timer=self.step_timer,
             parallel=self.comm.model_parallel(),
-            prepack_weights=config.model_config.prepack_weights,
+            backend=self.backend,
         )
         self.sampler = Sampler(config.data_config.seed, self.platform.device)
         self.tokenizer: Any = None
@@ -209,9 +211,10 @@ class ExecutionEngine:
         or None in eager mode."""
         model_config, sched = self.config.model_config, self.config.scheduler_config
         buckets = buckets or resolve_buckets(sched.graph_buckets, sched.batch_size)
-        compiler = make_graph_compiler(
+        if self.backend.graph_compiler is None:
+            return None
+        compiler = self.backend.graph_compiler(
             self.platform,
-            model_config.exe_mode,
             CompileCache.from_config(model_config.enable_cache_compile, model_config.compile_cache_dir),
             num_buckets=len(buckets),
             settings={
@@ -222,8 +225,6 @@ class ExecutionEngine:
             },
             static_kernel=model_config.enable_static_kernel,
         )
-        if compiler is None:
-            return None
         assert self.worker.model is not None
         return GraphRunner(
             self.worker.model,

@@ -17,9 +17,10 @@ from executor.types_.kv_cache_spec import KVCacheSpec
 from executor.types_.model_inputs import ModelInputs, StepLayout
 from executor.utils.step_timer import StepTimer
 from module.attention import KVCacheLayer
-from module.packed_weights import pack_linear_weights
 from module.parallel_group import ONE_PROCESS, ModelParallel
 from ops.attention_metadata import AttentionMetadataBuilder, build_model_inputs
+from ops.backend import Backend
+from ops.linear_method import process_linear_weights
 
 logger = logging.getLogger(__name__)
 
@@ -59,10 +60,11 @@ class ModelWorker:
         seed: int,
         step_timer: StepTimer | None = None,
         parallel: ModelParallel = ONE_PROCESS,
-        prepack_weights: bool = False,
+        *,
+        backend: Backend,
     ) -> None:
         self.platform = platform
-        self.prepack_weights = prepack_weights
+        self.backend = backend
         self.parallel = parallel
         self.dtype = dtype
         self.with_ckpt = with_ckpt
@@ -76,13 +78,13 @@ class ModelWorker:
     def init(self, model_cls: type[torch.nn.Module], hf_config: Any, model_path: str) -> None:
         """Build the model from its HF config on the device with this rank's groups, load its shard of
         the folder's weights (each layer cuts its part out of each checkpoint tensor as it streams by),
-        and group its KV cache layers by spec."""
+        let each linear layer's method process its weights once (the CPU packs them), and group its KV
+        cache layers by spec."""
         with _default_dtype(self.dtype), self.platform.device:
-            model = model_cls(hf_config, parallel=self.parallel)
+            model = model_cls(hf_config, parallel=self.parallel, backend=self.backend)
         get_model_loader(self.with_ckpt, self.seed).load_weights(model, model_path)
-        if self.prepack_weights and self.platform.device_type == "cpu":
-            layout = pack_linear_weights(model)
-            logger.info("linear weights packed for the CPU: %s", layout or "no (the plain layout serves)")
+        methods = process_linear_weights(model)
+        logger.info("%s backend; linear weights by %s", self.backend.name, ", ".join(methods) or "none")
         self.model = model.eval()
         self.kv_cache_layers = {name: m for name, m in model.named_modules() if isinstance(m, KVCacheLayer)}
         if not self.kv_cache_layers:

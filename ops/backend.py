@@ -1,0 +1,149 @@
+"""The backend record: per (device, exe_mode), the one place that says what runs.
+
+Every op is a field (None where the backend has no form of it), beside the linear methods by weight
+scheme, the attention metadata builder and the graph compiler. make_backend picks the record and
+decides, once, what the machine allows: whether the CPU's C++ extension built, which linear layout
+the CPU's flags call for, whether the model's dtype suits the fused fp32 kernels. Models get the
+record at construction and their layers call its fields directly; nothing is switched globally.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+import torch
+
+from executor.platform import npu_runtime
+from executor.platform.graph_compilers import GraphCompilerFactory, graph_compiler_factory
+from ops import cpu, cpu_kernels, cuda_graph, torch_ref
+from ops.attention_metadata import AttentionMetadataBuilder, NpuMetadataBuilder, TorchMetadataBuilder
+from ops.cpu import CpuOps
+from ops.cpu_linear import cpu_linear_method
+from ops.linear_method import UNQUANTIZED, LinearMethod, PlainLinear
+from ops.npu import NpuGraphOps, NpuOps
+
+DEVICE_TYPES = ("cpu", "cuda", "npu")
+Op = Callable[..., object]
+
+
+def _op() -> object:
+    """A field that holds one op (None: the backend has no form of it)."""
+    return field(default=None, metadata={"op": True})
+
+
+@dataclass(frozen=True, slots=True, eq=False)  # compared and hashed by identity: its fields are callables
+class Backend:
+    name: str  # "cpu", "cuda", "cuda_graph", "npu" or "npu_graph"
+    device_type: str
+    exe_mode: str
+    linear: Mapping[str, LinearMethod]  # weight scheme -> its method
+    metadata_builder: Callable[[torch.device], AttentionMetadataBuilder]
+    graph_compiler: GraphCompilerFactory | None  # None: eager
+    rms_norm: Op | None = _op()
+    add_rms_norm: Op | None = _op()
+    apply_rotary: Op | None = _op()
+    silu_and_mul: Op | None = _op()
+    write_kv_cache: Op | None = _op()
+    paged_attention: Op | None = _op()
+    paged_attention_with_sinks: Op | None = _op()
+    write_latent_cache: Op | None = _op()
+    mla_attention: Op | None = _op()
+    moe_experts: Op | None = _op()
+    moe_experts_clamped_swiglu: Op | None = _op()
+
+    def missing(self, op_names: tuple[str, ...]) -> list[str]:
+        """Which of `op_names` this backend has no form of."""
+        return [name for name in op_names if getattr(self, name) is None]
+
+    def require(self, op_names: tuple[str, ...], who: str) -> None:
+        """Refuse `who` (a model or layer being built) if it needs an op this backend lacks."""
+        missing = self.missing(op_names)
+        if missing:
+            raise NotImplementedError(
+                f"{who} needs ops {', '.join(missing)}, which the {self.name} backend does not have yet; "
+                "run it on cpu or cuda"
+            )
+
+    def linear_method(self, scheme: str = UNQUANTIZED) -> LinearMethod:
+        try:
+            return self.linear[scheme]
+        except KeyError:
+            raise NotImplementedError(f"the {self.name} backend has no linear method for {scheme!r} weights") from None
+
+
+OP_NAMES = tuple(f.name for f in dataclasses.fields(Backend) if f.metadata.get("op"))
+PLAIN_LINEAR = MappingProxyType({UNQUANTIZED: PlainLinear()})
+REFERENCE_OPS = {name: getattr(torch_ref, name) for name in OP_NAMES}
+
+
+def make_backend(
+    device_type: str,
+    exe_mode: str = "eager",
+    dtype: torch.dtype = torch.float32,
+    *,
+    prepack_weights: bool = True,
+    cpu_extension: bool = True,
+) -> Backend:
+    """The record for (device_type, exe_mode) with a model of `dtype`. `prepack_weights` (CPU only)
+    lays linear weights out for the CPU's kernels; `cpu_extension` False keeps the C++ kernels out
+    (the reference runs). NPU records import torch_npu (and torchair for graph modes) now, so a bad
+    install fails here with the reason, not mid-run."""
+    if device_type not in DEVICE_TYPES:
+        raise ValueError(f"device type must be one of {list(DEVICE_TYPES)}, got {device_type!r}")
+    compiler = graph_compiler_factory(device_type, exe_mode)
+    common = {"device_type": device_type, "exe_mode": exe_mode, "graph_compiler": compiler}
+    if device_type == "cpu":
+        return _cpu_backend(dtype, prepack_weights, cpu_extension, common)
+    if device_type == "cuda":
+        captured = exe_mode == "npugraph_ex"  # CUDA graphs (executor/platform/graph_compilers.py)
+        ops = {**REFERENCE_OPS, **(_cuda_graph_ops() if captured else {})}
+        name = "cuda_graph" if captured else "cuda"
+        return Backend(name, linear=PLAIN_LINEAR, metadata_builder=TorchMetadataBuilder, **common, **ops)
+    return _npu_backend(exe_mode, common)
+
+
+def _with_decode(decode_attention: Op, names: tuple[str, ...]) -> dict[str, Op]:
+    """The reference's ops `names` with `decode_attention` as their decode step's attention."""
+    return {name: functools.partial(getattr(torch_ref, name), decode_attention=decode_attention) for name in names}
+
+
+def _cuda_graph_ops() -> dict[str, Op]:
+    """A CUDA graph capture reads no lengths on the host (ops/cuda_graph.py)."""
+    names = ("paged_attention", "paged_attention_with_sinks", "mla_attention")
+    return _with_decode(cuda_graph.paged_decode_attention, names)
+
+
+def _cpu_backend(dtype: torch.dtype, prepack_weights: bool, use_extension: bool, common: dict) -> Backend:
+    kernels = cpu_kernels.extension() if use_extension else None
+    ops = dict(REFERENCE_OPS)
+    if kernels is not None:
+        cpu_ops = CpuOps(kernels)
+        any_dtype = ("write_kv_cache", "write_latent_cache", "paged_attention", "paged_attention_with_sinks")
+        fp32_only = ("rms_norm", "add_rms_norm", "apply_rotary", "silu_and_mul")
+        names = any_dtype + (fp32_only if dtype == torch.float32 else ())
+        ops.update({name: getattr(cpu_ops, name) for name in names})
+        ops.update(_with_decode(cpu.paged_decode_attention, ("mla_attention",)))
+    packed = cpu_linear_method(dtype, kernels, cpu_kernels.cpu_flags()) if prepack_weights else None
+    linear = PLAIN_LINEAR if packed is None else MappingProxyType({UNQUANTIZED: packed})
+    return Backend("cpu", linear=linear, metadata_builder=TorchMetadataBuilder, **common, **ops)
+
+
+# The ops ops/npu.py implements. The others have a torch reference only so far (MLA and MoE for
+# DeepSeek-V3; attention sinks and biased clamped-SwiGLU experts for gpt-oss): None in the NPU
+# record, so a model needing them is refused there when it is built.
+NPU_OPS = ("rms_norm", "add_rms_norm", "apply_rotary", "silu_and_mul", "write_kv_cache", "paged_attention")
+
+
+def _npu_backend(exe_mode: str, common: dict) -> Backend:
+    graph = exe_mode != "eager"
+    torch_npu = npu_runtime.torch_npu()
+    npu_ops = NpuGraphOps(torch_npu, npu_runtime.torchair()) if graph else NpuOps(torch_npu)
+    metadata_builder = functools.partial(NpuMetadataBuilder, lengths_as_tensors=graph)
+    ops = {name: getattr(npu_ops, name) for name in NPU_OPS}
+    return Backend(
+        "npu_graph" if graph else "npu", linear=PLAIN_LINEAR, metadata_builder=metadata_builder, **common, **ops
+    )

@@ -1,0 +1,42 @@
+"""How a linear layer multiplies: one LinearMethod per weight scheme, as vLLM's quantization methods.
+
+A layer holds the method its backend gave it for its scheme; the worker calls `process_weights`
+once after loading (to lay weights out for a kernel, or to quantize them), and the forward calls
+`apply`. Only the unquantized scheme exists so far; quantized schemes add a method each.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+UNQUANTIZED = "unquantized"
+
+
+class LinearMethod:
+    """x W^T + b for a layer whose `weight` is [out, in]."""
+
+    def process_weights(self, layer: nn.Module) -> None:
+        """Called once after the weights are loaded (and again whenever they change)."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class PlainLinear(LinearMethod):
+    """F.linear over the plain weight: every device's unquantized form, and the CPU's without packing."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)
+
+
+def process_linear_weights(model: nn.Module) -> list[str]:
+    """Run every layer's LinearMethod.process_weights once (after loading); the methods' names, for the log."""
+    names = []
+    for module in model.modules():
+        method = getattr(module, "linear_method", None)
+        if isinstance(method, LinearMethod):
+            method.process_weights(module)
+            names.append(type(method).__name__)
+    return sorted(set(names))
