@@ -22,8 +22,7 @@ import torch.nn.functional as F
 import transformers
 
 import ops
-from executor.core.engine.step_inputs import ScheduledSequence, build_step_layout
-from executor.types_.model_inputs import ModelInputs
+from executor.types_.model_inputs import ModelInputs, ScheduledSequence, build_step_layout
 from models.llama import LlamaForCausalLM
 from module.attention import Attention
 from ops import dispatch

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 import ops
-from executor.core.engine.step_inputs import ScheduledSequence, build_step_layout
 from executor.platform import npu_runtime
+from executor.types_.model_inputs import ScheduledSequence, build_step_layout
 from ops.attention_metadata import TorchMetadataBuilder
 
 BLOCK_SIZE = 4

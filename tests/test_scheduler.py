@@ -7,21 +7,22 @@ import torch
 
 from executor.core.kv_cache import KVCacheManager
 from executor.core.scheduler import Scheduler, SchedulerLimits
-from executor.types_ import Batch, FinishReason, Request, RequestStatus, SamplingParams, attention_spec
+from executor.types_ import Batch, FinishReason, Request, RequestStatus, SamplingParams, StepResult, attention_spec
+from tests.factories import make_request
 
 EOS = 0
 
 
 class FakeEngine:
-    """Returns next_token(request) for each request whose scheduled tokens reach the end of its
-    sequence (none for a prompt chunk short of it), and records every batch it saw."""
+    """A step runner whose step emits next_token(request) for each request whose scheduled tokens
+    reach the end of its sequence (none for a prompt chunk short of it), and records every batch it saw."""
 
     def __init__(self, next_token: Callable[[Request], int] = lambda r: 100 + r.num_tokens) -> None:
         self.next_token = next_token
         self.batches: list[tuple[bool, list[str], list[RequestStatus]]] = []
         self.scheduled: list[list[int]] = []
 
-    def forward_batch(self, batch: Batch) -> list[list[int]]:
+    def new_tokens(self, batch: Batch) -> list[list[int]]:
         self.batches.append(
             (batch.is_prefill, [r.request_id for r in batch.requests], [r.status for r in batch.requests])
         )
@@ -30,6 +31,10 @@ class FakeEngine:
             [self.next_token(r)] if r.num_computed_tokens + n >= r.num_tokens else []
             for r, n in zip(batch.requests, batch.num_scheduled_tokens, strict=True)
         ]
+
+    def execute(self, batch: Batch) -> StepResult:
+        new_token_ids = self.new_tokens(batch)
+        return StepResult(new_token_ids, [0] * len(new_token_ids), [[] for _ in new_token_ids])
 
 
 def make_scheduler(
@@ -50,7 +55,7 @@ def make_scheduler(
 def request(request_id: str, prompt_len: int, max_new_tokens: int = 3, **params) -> Request:
     """A request whose prompt shares no token with another id's, so prefix caching shares nothing."""
     first = 1 + 1000 * sum(map(ord, request_id))
-    return Request(request_id, None, list(range(first, first + prompt_len)), SamplingParams(max_new_tokens, **params))
+    return make_request(request_id, range(first, first + prompt_len), max_new_tokens=max_new_tokens, **params)
 
 
 def run_all(scheduler: Scheduler, engine: FakeEngine, requests: list[Request]) -> list[Request]:
@@ -233,9 +238,9 @@ def test_step_record_reports_phase_batch_tokens_and_the_time_of_the_forward_pass
     )
 
     class SlowEngine(FakeEngine):
-        def forward_batch(self, batch: Batch) -> list[list[int]]:
+        def new_tokens(self, batch: Batch) -> list[list[int]]:
             now[0] += 0.007
-            return super().forward_batch(batch)
+            return super().new_tokens(batch)
 
     scheduler.add_request(request("a", 5))
     scheduler.add_request(request("b", 7))
@@ -251,8 +256,8 @@ class MultiTokenEngine(FakeEngine):
         super().__init__()
         self.tokens = tokens
 
-    def forward_batch(self, batch: Batch) -> list[list[int]]:
-        super().forward_batch(batch)
+    def new_tokens(self, batch: Batch) -> list[list[int]]:
+        super().new_tokens(batch)
         return [self.tokens(r) for r in batch.requests]
 
 
@@ -290,7 +295,7 @@ def test_empty_prompt_fails_alone():
 
 
 def test_token_ids_between_spans_prompt_and_output():
-    r = Request("a", None, [1, 2, 3], SamplingParams(), output_token_ids=[4, 5])
+    r = make_request("a", [1, 2, 3], [4, 5])
     assert r.token_ids_between(0, 3) == [1, 2, 3]
     assert r.token_ids_between(4, 5) == [5]
     assert r.token_ids_between(2, 5) == [3, 4, 5]

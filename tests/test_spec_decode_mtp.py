@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import tiny_tokenizer
 from tests.deepseek_v3_harness import deepseek_config, save_checkpoint
 from tests.engine_harness import make_inference, token_records
+from tests.factories import tiny_tokenizer
 from tests.paged_harness import random_prompts
 
 
