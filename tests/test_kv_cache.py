@@ -244,3 +244,18 @@ def test_random_admit_append_finish_and_preempt_keep_the_pool_consistent(
     for held in list(running):
         manager.free(requests[held])
     assert pool.num_free_blocks == num_blocks - 1 and all(count == 0 for count in pool.ref_counts), "nothing leaks"
+
+
+def test_admitting_a_prefix_hit_leaves_the_request_to_the_scheduler():
+    """The manager hands the request its cached blocks and reports how many tokens they hold; it
+    does not write the request (the scheduler, its one writer, starts its computed tokens there)."""
+    manager = make_manager(num_blocks=20, block_size=4)
+    first = make_request("a", range(10))
+    manager.allocate_slots(first, 10)
+    first.num_computed_tokens = 10
+    manager.cache_computed_blocks(first)
+    second = make_request("b", range(10))
+    hit = manager.find_prefix_hit(second)
+    manager.admit(second, hit)
+    assert hit.num_tokens == 8 and second.num_computed_tokens == 0
+    assert manager.get_block_ids("b")[0] == manager.get_block_ids("a")[0][:2]

@@ -7,7 +7,16 @@ import torch
 
 from executor.core.kv_cache import KVCacheManager
 from executor.core.scheduler import Scheduler, SchedulerLimits
-from executor.types_ import Batch, FinishReason, Request, RequestStatus, SamplingParams, StepResult, attention_spec
+from executor.types_ import (
+    Batch,
+    FinishReason,
+    Request,
+    RequestStatus,
+    SamplingParams,
+    StepResult,
+    TokenLogprobs,
+    attention_spec,
+)
 from tests.factories import make_request
 
 EOS = 0
@@ -299,3 +308,67 @@ def test_token_ids_between_spans_prompt_and_output():
     assert r.token_ids_between(0, 3) == [1, 2, 3]
     assert r.token_ids_between(4, 5) == [5]
     assert r.token_ids_between(2, 5) == [3, 4, 5]
+
+
+class ScriptedRunner:
+    """Returns the StepResults it is given, one per step, and records every batch it saw."""
+
+    def __init__(self, results: list[StepResult]) -> None:
+        self.results = results
+        self.batches: list[Batch] = []
+
+    def execute(self, batch: Batch) -> StepResult:
+        self.batches.append(batch)
+        return self.results[len(self.batches) - 1]
+
+
+def test_the_scheduler_applies_a_step_result_accepted_drafts_logprobs_and_next_drafts():
+    """The runner only returns what a step computed; the scheduler writes it into the request."""
+    scheduler = make_scheduler(block_size=4)
+    r = request("a", 5, max_new_tokens=10, logprobs=0)
+    logprob = [TokenLogprobs(token_id, -0.5) for token_id in (11, 5, 9)]
+    runner = ScriptedRunner(
+        [
+            StepResult([[11]], [0], [[logprob[0]]], next_drafts=[[5, 6]]),  # prefill: one token, two drafts
+            StepResult([[5, 9]], [1], [logprob[1:]], next_drafts=[[]]),  # verify: draft 5 accepted, 6 rejected
+        ]
+    )
+    scheduler.add_request(r)
+    scheduler.run_step(runner)
+    assert (r.num_computed_tokens, r.output_token_ids, r.spec_token_ids) == (5, [11], [5, 6])
+    record = scheduler.run_step(runner).record
+    assert runner.batches[1].draft_token_ids == [[5, 6]] and runner.batches[1].num_scheduled_tokens == [3]
+    # fed 11, 5, 6: the K/V of the rejected 6 is void
+    assert (r.num_computed_tokens, r.output_token_ids, r.spec_token_ids) == (7, [11, 5, 9], [])
+    assert r.output_logprobs == logprob
+    assert (record.num_draft_tokens, record.num_accepted_tokens, record.num_verified_requests) == (2, 1, 1)
+
+
+def test_lookahead_slots_are_allocated_with_the_step_and_given_back_after_a_verify():
+    """num_lookahead_tokens (MTP's drafts after the first) are slots past the fed tokens, allocated
+    by the scheduler through allocate_slots; a verify step's unused ones are freed after it."""
+    scheduler = Scheduler(
+        SchedulerLimits(4, 1000, 100),
+        KVCacheManager(64, 4, [attention_spec(1, 8, torch.float32)]),
+        eos_token_ids={EOS},
+        num_lookahead_tokens=3,
+    )
+    r = request("a", 4, max_new_tokens=10)
+    runner = ScriptedRunner(
+        [StepResult([[11]], [0], [[]], next_drafts=[[5, 6]]), StepResult([[5, 9]], [1], [[]], next_drafts=[[]])]
+    )
+    scheduler.add_request(r)
+    scheduler.run_step(runner)
+    assert len(scheduler.kv_cache_manager.get_block_ids("a")[0]) == 2  # 4 prompt tokens + 3 lookahead
+    scheduler.run_step(runner)
+    assert r.num_tokens == 7 and len(scheduler.kv_cache_manager.get_block_ids("a")[0]) == 2  # tail freed
+
+
+def test_the_kv_cache_manager_reports_a_prefix_hit_and_the_scheduler_applies_it():
+    scheduler, engine = make_scheduler(block_size=4), FakeEngine()
+    first = request("a", 9)
+    run_all(scheduler, engine, [first])
+    second = make_request("b", first.prompt_token_ids)
+    scheduler.add_request(second)
+    scheduler.run_step(engine)
+    assert engine.scheduled[-1] == [1] and second.num_computed_tokens == 9  # 8 cached tokens, the last computed

@@ -77,6 +77,9 @@ class ExecutionEngine:
         self.eos_token_ids: set[int] = set()
         # Model groups spanning data-parallel replicas (set by init): non-empty, the replicas step in lock-step.
         self.lock_step_kinds: list[str] = []
+        # Whether every data-parallel replica must run a forward at every step (docs/distributed.md);
+        # a plain attribute, as the step loop reads it at every step.
+        self.lock_step = False
         logger.info("platform %s, dtype %s (%s)", self.platform.device, config.model_config.dtype, self.dtype)
 
     def _make_step_timer(self) -> StepTimer:
@@ -95,6 +98,7 @@ class ExecutionEngine:
         self.max_blocks_per_request = cdiv(self.max_model_len, self.config.scheduler_config.block_size)
         self.vocab_size = hf_config.vocab_size
         self.lock_step_kinds = self.comm.layout.lock_step_kinds(has_experts=num_experts_of(hf_config) > 0)
+        self.lock_step = bool(self.lock_step_kinds)
         if self.lock_step_kinds:
             logger.info(
                 "lock-step data parallelism: %s span the %d replicas, so every replica runs a forward at every step",
@@ -117,11 +121,6 @@ class ExecutionEngine:
         if graph_runner is not None:
             self.worker.init_graphs(graph_runner)
         self.runner = self._make_runner(self.kv_cache_manager, self._make_proposer())
-
-    @property
-    def lock_step(self) -> bool:
-        """Whether every data-parallel replica must run a forward at every step (docs/distributed.md)."""
-        return bool(self.lock_step_kinds)
 
     @property
     def num_lookahead_tokens(self) -> int:
