@@ -69,7 +69,7 @@ def prefilled(engine: ExecutionEngine, batch_size: int) -> list[Request]:
         prompt = [(7 * index + position) % 1000 + 10 for position in range(PROMPT_TOKENS + index % 7)]
         request = Request(f"r{index}", None, prompt, SamplingParams(max_new_tokens=1 << 20))
         assert engine.kv_cache_manager.allocate_slots(request, request.num_tokens) is not None
-        (tokens,) = engine.forward_batch(Batch([request], [request.num_tokens], is_prefill=True))
+        (tokens,) = engine.runner.execute(Batch([request], [request.num_tokens], is_prefill=True)).new_token_ids
         request.num_computed_tokens = request.num_tokens
         request.output_token_ids.extend(tokens)
         requests.append(request)
@@ -84,7 +84,7 @@ def decode_ms(engine: ExecutionEngine, requests: list[Request], steps: int) -> l
             assert engine.kv_cache_manager.allocate_slots(request, 1) is not None
         batch = Batch(requests, [1] * len(requests), is_prefill=False)
         start = time.perf_counter()
-        new_tokens = engine.forward_batch(batch)
+        new_tokens = engine.runner.execute(batch).new_token_ids
         times.append((time.perf_counter() - start) * 1e3)
         for request, tokens in zip(requests, new_tokens, strict=True):
             request.num_computed_tokens += 1

@@ -68,7 +68,7 @@ def prefilled(engine: ExecutionEngine, batch_size: int, prompt_tokens: int) -> l
         request = Request(f"r{index}", None, prompt, SamplingParams(max_new_tokens=1 << 20))
         assert engine.kv_cache_manager.allocate_slots(request, request.num_tokens) is not None
         requests.append(request)
-    new_tokens = engine.forward_batch(Batch(requests, [r.num_tokens for r in requests], is_prefill=True))
+    new_tokens = engine.runner.execute(Batch(requests, [r.num_tokens for r in requests], is_prefill=True)).new_token_ids
     for request, tokens in zip(requests, new_tokens, strict=True):
         request.num_computed_tokens = request.num_tokens
         request.output_token_ids.extend(tokens)

@@ -8,34 +8,19 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from tokenizers import Tokenizer
-from tokenizers.models import WordLevel
-from tokenizers.pre_tokenizers import WhitespaceSplit
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from models.llama import LlamaForCausalLM as OurLlamaForCausalLM
+from tests.factories import TINY_VOCAB, tiny_tokenizer
 from tests.paged_harness import VOCAB, parity_config, save_random_model
 
-TINY_VOCAB = VOCAB  # the tokenizer has a word for every token id of the parity models
-CHAT_TEMPLATE = "{% for m in messages %}<s> {{ m['content'] }} {% endfor %}{% if add_generation_prompt %}<s>{% endif %}"
+assert TINY_VOCAB == VOCAB  # the tokenizer has a word for every token id of the parity models
 
 
 def llama_config(**overrides: object) -> LlamaConfig:
     """A tiny random Llama config for parity tests (paged_harness.PARITY_SETTINGS, 3 layers);
     overrides change any field."""
     return parity_config(LlamaConfig, {"intermediate_size": 128, "num_hidden_layers": 3}, overrides)
-
-
-def tiny_tokenizer() -> PreTrainedTokenizerFast:
-    """Words w3..w255 plus <unk>, <s>, </s> (ids 0, 1, 2): enough to encode and decode offline."""
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, TINY_VOCAB)}
-    backend = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="</s>"
-    )
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
 
 
 def save_tiny_llama(path: Path, seed: int = 0) -> Path:

@@ -1,5 +1,5 @@
 """A torchrun entry for the failure tests: the offline entry, with rank FAULT_RANK raising at its
-FAULT_CALL-th forward_batch (the warm-up makes two; the fourth is the run's second step), or at the
+FAULT_CALL-th ModelRunner.execute (the warm-up makes two; the fourth is the run's second step), or at the
 call that the environment variable FAULT_CALL_ENV names."""
 
 from __future__ import annotations
@@ -7,8 +7,9 @@ from __future__ import annotations
 import os
 import sys
 
-from executor.core.engine.engine import ExecutionEngine
+from executor.core.engine.model_runner import ModelRunner
 from executor.offline.__main__ import main
+from executor.types_ import Batch, StepResult
 
 FAULT_RANK = 1
 FAULT_CALL = 4
@@ -19,18 +20,18 @@ FAULT_CALL_ENV = "INFER_RECIPES_TEST_FAULT_CALL"
 def install_fault() -> None:
     if int(os.environ["RANK"]) != FAULT_RANK:
         return
-    original = ExecutionEngine.forward_batch
+    original = ModelRunner.execute
     fault_call = int(os.environ.get(FAULT_CALL_ENV, FAULT_CALL))
     calls = 0
 
-    def failing(self: ExecutionEngine, batch: object) -> list[list[int]]:
+    def failing(self: ModelRunner, batch: Batch) -> StepResult:
         nonlocal calls
         calls += 1
         if calls == fault_call:
             raise RuntimeError(FAULT_MESSAGE)
         return original(self, batch)
 
-    ExecutionEngine.forward_batch = failing
+    ModelRunner.execute = failing
 
 
 if __name__ == "__main__":

@@ -8,14 +8,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from executor.core.config import build_config
-from executor.core.engine.step_inputs import build_step_layout
 from executor.offline.dataset import PromptRecord
 from executor.offline.offline_inference import OfflineInference, RunResult
 from executor.offline.results import ResultWriter
 from executor.offline.run_folder import plan_run
-from executor.types_ import Batch, Request, SamplingParams
+from executor.types_ import Batch
 from ops.attention_metadata import build_model_inputs
-from tests.conftest import tiny_tokenizer
+from tests.factories import make_request, tiny_tokenizer
 from tests.paged_harness import random_prompts
 
 # A tiny random model run by the whole engine: tiny_tokenizer's special token ids, and room for the
@@ -55,15 +54,11 @@ def load_hf_model(model_dir: Path, dtype: torch.dtype = torch.float32) -> torch.
 def engine_prefill_logits(inference: OfflineInference, prompts: list[list[int]]) -> torch.Tensor:
     """Our last-token logits for `prompts` prefilled together in one packed step, as fp32."""
     engine = inference.engine
-    requests = [Request(f"p{i}", None, ids, SamplingParams()) for i, ids in enumerate(prompts)]
+    requests = [make_request(f"p{i}", ids) for i, ids in enumerate(prompts)]
     for request in requests:
         assert engine.kv_cache_manager.allocate_slots(request, request.num_prompt_tokens) is not None
     batch = Batch(requests, [r.num_prompt_tokens for r in requests], is_prefill=True)
-    layout = build_step_layout(
-        engine._schedule_sequences(batch),
-        block_size=engine.kv_cache_manager.block_size,
-        max_blocks_per_request=engine.max_blocks_per_request,
-    )
+    _, layout = engine.runner.prepare_inputs(batch, [[] for _ in requests])
     inputs = build_model_inputs(layout, engine.metadata_builder)
     try:
         return engine.worker.compute_logits(engine.worker.forward(inputs), inputs.logits_indices).float()

@@ -14,9 +14,8 @@ import torch
 import torch._dynamo.testing
 import transformers
 
-from executor.core.engine.step_inputs import ScheduledSequence, build_step_layout
 from executor.model_loader.default_loader import safetensors_weights
-from executor.types_.model_inputs import ModelInputs
+from executor.types_.model_inputs import ModelInputs, ScheduledSequence, build_step_layout
 from module.attention import KVCacheLayer
 from ops.attention_metadata import TorchMetadataBuilder, build_model_inputs
 from tests.backends import cpu_backend

@@ -17,6 +17,7 @@ from executor.offline.dataset import (
     resolve_dataset_path,
     tokenize_record,
 )
+from tests.factories import word_tokenizer
 
 
 def write_jsonl(path: Path, *lines: object) -> Path:
@@ -251,22 +252,14 @@ ID = {word: index for index, word in enumerate(VOCAB)}
 
 def tiny_tokenizer(chat_template: str | None = CHAT_TEMPLATE):
     """A whitespace word-level tokenizer that prepends BOS on encode, as Llama's does; built offline."""
-    from tokenizers import Tokenizer, pre_tokenizers, processors
-    from tokenizers.models import WordLevel
-    from transformers import PreTrainedTokenizerFast
-
-    backend = Tokenizer(WordLevel(ID, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", ID["<s>"])])
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        unk_token="<unk>",
+    return word_tokenizer(
+        ID,
+        chat_template,
+        prepend_bos=True,
         bos_token="<s>",
         eos_token="</s>",
         additional_special_tokens=["<|user|>", "<|assistant|>", "<|end|>"],
     )
-    tokenizer.chat_template = chat_template
-    return tokenizer
 
 
 def test_prompt_token_ids_are_returned_as_given() -> None:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from executor.core.engine.step_inputs import ScheduledSequence
+from executor.types_.model_inputs import ScheduledSequence
 from tests.deepseek_v3_harness import deepseek_config, load_ours, save_checkpoint
 from tests.paged_harness import (
     PagedModel,

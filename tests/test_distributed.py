@@ -23,7 +23,6 @@ from executor.offline.dataset import DATASET_DIR, load_prompts, tokenize_record
 from executor.offline.durable_io import read_jsonl
 from executor.offline.exit_status import COULD_NOT_START
 from tests import deepseek_v3_harness
-from tests.conftest import TINY_VOCAB, tiny_tokenizer
 from tests.dist_fault_entry import FAULT_CALL_ENV, FAULT_MESSAGE
 from tests.dist_harness import (
     RUN_TIMEOUT_S,
@@ -36,6 +35,7 @@ from tests.dist_harness import (
     token_ids,
 )
 from tests.engine_harness import hf_greedy, load_hf_model
+from tests.factories import TINY_VOCAB, tiny_tokenizer
 from tests.run_harness import outputs_by_id, run_into, summary, write_run
 from tests.test_qwen_parity import qwen_config
 from tests.test_qwen_parity import save_checkpoint as save_qwen_checkpoint

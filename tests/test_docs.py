@@ -28,7 +28,9 @@ def test_every_project_path_the_docs_name_exists():
     named = {
         path
         for page in pages
-        for path in re.findall(r"`((?:executor|module|ops|models|tests|benchmarks|scripts)/[\w./]*?)`", page.read_text())
+        for path in re.findall(
+            r"`((?:executor|module|ops|models|tests|benchmarks|scripts)/[\w./]*?)`", page.read_text()
+        )
     }
     missing = sorted(path for path in named if "<" not in path and not (root / path.rstrip("/")).exists())
     assert not missing, f"docs name paths that do not exist: {missing}"

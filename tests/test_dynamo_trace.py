@@ -19,8 +19,7 @@ import torch._dynamo
 import torch._dynamo.testing
 import transformers
 
-from executor.core.engine.step_inputs import ScheduledSequence, build_step_layout
-from executor.types_.model_inputs import ModelInputs
+from executor.types_.model_inputs import ModelInputs, ScheduledSequence, build_step_layout
 from models.llama import LlamaForCausalLM
 from module.attention import Attention
 from ops.attention_metadata import (

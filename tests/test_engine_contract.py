@@ -10,6 +10,7 @@ import transformers
 from torch import nn
 
 from executor.core.config import ConfigError
+from executor.core.engine import engine as engine_module
 from executor.core.model_worker.model_worker import ModelWorker
 from executor.offline import offline_inference
 from executor.offline.dataset import PromptRecord
@@ -133,3 +134,19 @@ def test_a_tokenizer_id_outside_the_model_vocabulary_fails_its_request_alone(tin
     big, ok = inference.generate(records).requests
     assert big.finish_reason is FinishReason.ERROR and "token id 200, outside the model's vocabulary" in big.error
     assert ok.finish_reason is FinishReason.LENGTH
+
+
+def test_the_warm_up_runs_its_request_through_a_scheduler_of_its_own(tiny_llama_dir, monkeypatch):
+    """The warm-up request (a short prompt, two new tokens) is stepped by a throwaway scheduler
+    that logs nothing, so that the scheduler stays the one writer of a Request."""
+    schedulers: list[engine_module.Scheduler] = []
+
+    class RecordingScheduler(engine_module.Scheduler):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            schedulers.append(self)
+
+    monkeypatch.setattr(engine_module, "Scheduler", RecordingScheduler)
+    make_inference(tiny_llama_dir)
+    (warm_up,) = schedulers
+    assert not warm_up.log_steps and not warm_up.has_work() and warm_up._step == 2  # a prefill, then a decode

@@ -24,7 +24,7 @@ from ops.attention_metadata import build_model_inputs
 from tests.engine_harness import make_inference, token_records
 from tests.npu_stand_ins import Recorder, compiling_torchair, npugraph_ex_npu
 
-NPU_ON_CPU = Platform("npu", torch.device("cpu"), ops_backend="torch")
+NPU_ON_CPU = Platform("npu", torch.device("cpu"))
 
 
 @pytest.fixture

@@ -15,14 +15,14 @@ import pytest
 import torch
 import transformers
 
-from executor.core.engine.step_inputs import build_step_layout
 from executor.offline import offline_inference
 from executor.offline.dataset import PromptRecord
 from executor.offline.offline_inference import OfflineInference
-from executor.types_ import Batch, Request, SamplingParams
+from executor.types_ import Batch
 from ops.attention_metadata import build_model_inputs
 from tests.conftest import SlidingLlama
 from tests.engine_harness import make_inference, token_records
+from tests.factories import make_request
 
 BUCKETS = [1, 2, 4]
 # How a second run makes each bucket from a warm compile cache. ge_graph freezes the weights into
@@ -116,17 +116,13 @@ def test_a_graph_decode_step_gives_eager_logits(exe_mode, dtype, tolerance, tiny
         tiny_llama_dir, dtype, model_config={"exe_mode": exe_mode}, batch_size=4, graph_buckets=[4], num_blocks=32
     )
     engine = inference.engine
-    requests = [Request(f"r{i}", None, list(range(3, 9 + 5 * i)), SamplingParams()) for i in range(3)]
+    requests = [make_request(f"r{i}", range(3, 9 + 5 * i)) for i in range(3)]
     for request in requests:
         assert engine.kv_cache_manager.allocate_slots(request, request.num_tokens + 1) is not None
-        engine.forward_batch(Batch([request], [request.num_tokens], is_prefill=True))
+        engine.runner.execute(Batch([request], [request.num_tokens], is_prefill=True))
         request.num_computed_tokens = request.num_tokens
         request.output_token_ids.append(7)
-    layout = build_step_layout(
-        engine._schedule_sequences(Batch(requests, [1, 1, 1], is_prefill=False)),
-        block_size=engine.kv_cache_manager.block_size,
-        max_blocks_per_request=engine.max_blocks_per_request,
-    )
+    _, layout = engine.runner.prepare_inputs(Batch(requests, [1, 1, 1], is_prefill=False), [[], [], []])
     rows = torch.tensor(layout.logits_indices)
     worker = engine.worker
     with torch.inference_mode():

@@ -10,11 +10,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from executor.core.engine.step_inputs import ScheduledSequence, build_step_layout
 from executor.core.model_worker.graph_runner import GraphRunner, copy_step
 from executor.platform.compile_cache import CompileCache, graph_key
 from executor.platform.graph_compilers import GraphCallable, GraphCompiler
-from executor.types_.model_inputs import ModelInputs, StepLayout
+from executor.types_.model_inputs import ModelInputs, ScheduledSequence, StepLayout, build_step_layout
 from executor.utils.graph_buckets import default_buckets, pick_bucket, resolve_buckets
 from executor.utils.tensor_tree import map_tensors, tensor_leaves, with_tensors
 from ops.attention_metadata import TorchMetadataBuilder, build_model_inputs

@@ -12,7 +12,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_the_import_contracts_hold() -> None:
     result = subprocess.run(
-        [sys.executable, "-c", "from importlinter.cli import lint_imports; raise SystemExit(lint_imports(no_cache=True))"],
+        [
+            sys.executable,
+            "-c",
+            "from importlinter.cli import lint_imports; raise SystemExit(lint_imports(no_cache=True))",
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,

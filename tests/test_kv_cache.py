@@ -6,15 +6,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from executor.core.kv_cache import NULL_BLOCK_ID, BlockPool, KVCacheManager, SlidingWindowManager
-from executor.types_ import KVCacheSpec, KVTensorSpec, Request, SamplingParams, attention_spec
+from executor.types_ import KVCacheSpec, KVTensorSpec, Request, attention_spec
 from executor.types_.kv_cache_spec import AttentionKind
+from tests.factories import make_request
 
 FULL = attention_spec(2, 8, torch.float32)
 SLIDING = attention_spec(2, 8, torch.float32, sliding_window=8)
-
-
-def make_request(request_id: str, num_prompt_tokens: int) -> Request:
-    return Request(request_id, None, list(range(num_prompt_tokens)), SamplingParams())
 
 
 def make_manager(num_blocks: int, block_size: int, specs: list[KVCacheSpec] | None = None) -> KVCacheManager:
@@ -61,7 +58,7 @@ def test_pool_needs_a_block_beside_the_null_block():
 
 def test_allocate_slots_grows_the_block_table_only_at_block_boundaries():
     manager = make_manager(num_blocks=8, block_size=4)
-    request = make_request("r", 6)
+    request = make_request("r", range(6))
     assert [len(new) for new in manager.allocate_slots(request, 6)] == [2]
     request.num_computed_tokens = 6
     assert manager.allocate_slots(request, 2) == [[]]  # tokens 6, 7 fit block 2
@@ -74,22 +71,22 @@ def test_allocate_slots_grows_the_block_table_only_at_block_boundaries():
 
 def test_lookahead_tokens_get_slots_too():
     manager = make_manager(num_blocks=8, block_size=4)
-    request = make_request("r", 4)
+    request = make_request("r", range(4))
     request.num_computed_tokens = 3
     assert [len(new) for new in manager.allocate_slots(request, 1, num_lookahead_tokens=3)] == [2]
 
 
 def test_allocate_slots_returns_none_and_allocates_nothing_when_short():
     manager = make_manager(num_blocks=4, block_size=4)
-    assert manager.allocate_slots(make_request("a", 8), 8) is not None
-    big = make_request("b", 8)
+    assert manager.allocate_slots(make_request("a", range(8)), 8) is not None
+    big = make_request("b", range(8))
     assert manager.allocate_slots(big, 8) is None
     assert manager.get_block_ids("b") == [[]] and manager.num_free_blocks == 1
 
 
 def test_free_returns_every_block_of_the_request():
     manager = make_manager(num_blocks=5, block_size=2)
-    request = make_request("r", 7)
+    request = make_request("r", range(7))
     manager.allocate_slots(request, 7)
     assert manager.num_free_blocks == 0 and manager.usage == 1.0
     manager.free(request)
@@ -99,7 +96,7 @@ def test_free_returns_every_block_of_the_request():
 def test_requests_never_share_blocks():
     manager = make_manager(num_blocks=11, block_size=2)
     for i in range(5):
-        manager.allocate_slots(make_request(str(i), 3), 3)
+        manager.allocate_slots(make_request(str(i), range(3)), 3)
     all_blocks = [b for i in range(5) for b in manager.get_block_ids(str(i))[0]]
     assert len(all_blocks) == len(set(all_blocks)) == 10
 
@@ -107,7 +104,7 @@ def test_requests_never_share_blocks():
 def test_each_cache_group_gets_its_own_blocks_and_table_row():
     manager = make_manager(num_blocks=11, block_size=4, specs=[FULL, SLIDING])
     assert isinstance(manager.managers[1], SlidingWindowManager)
-    request = make_request("r", 9)
+    request = make_request("r", range(9))
     assert manager.num_blocks_for_tokens(9) == 6  # 3 blocks in each group
     assert [len(new) for new in manager.allocate_slots(request, 9)] == [3, 3]
     full_row, sliding_row = manager.get_block_ids("r")
@@ -116,7 +113,7 @@ def test_each_cache_group_gets_its_own_blocks_and_table_row():
 
 def test_the_sliding_window_group_frees_blocks_the_window_has_left_and_nulls_them_in_the_row():
     manager = make_manager(num_blocks=20, block_size=4, specs=[FULL, SLIDING])  # window 8
-    request = make_request("r", 20)
+    request = make_request("r", range(20))
     manager.allocate_slots(request, 20)
     request.num_computed_tokens = 20
     free_before = manager.num_free_blocks
@@ -131,14 +128,14 @@ def test_the_sliding_window_group_frees_blocks_the_window_has_left_and_nulls_the
 
 def test_a_sliding_window_hit_needs_only_the_window_cached():
     manager = make_manager(num_blocks=30, block_size=4, specs=[SLIDING])  # window 8
-    first = make_request("a", 26)
+    first = make_request("a", range(26))
     manager.admit(first, manager.find_prefix_hit(first))
     manager.allocate_slots(first, 26)
     first.num_computed_tokens = 26
     manager.cache_computed_blocks(first)
     manager.allocate_slots(first, 1)  # frees blocks 0..3, which stay cached in the free queue
     manager.block_pool.get_new_blocks(manager.num_free_blocks)  # ... until every free block is evicted
-    second = Request("b", None, list(range(26)) + [99], SamplingParams())
+    second = make_request("b", [*range(26), 99])
     hit = manager.find_prefix_hit(second)
     # 24 tokens = 6 full blocks, and a query at position 24 sees keys 17..24: blocks 4 and 5 suffice.
     assert hit.num_tokens == 24 and hit.block_ids[0][:4] == [NULL_BLOCK_ID] * 4
@@ -147,7 +144,7 @@ def test_a_sliding_window_hit_needs_only_the_window_cached():
 
 def test_two_requests_that_computed_the_same_prefix_in_one_step_then_share_one_copy():
     manager = make_manager(num_blocks=20, block_size=4)
-    first, second = make_request("a", 10), make_request("b", 10)  # tokens 0..9 both
+    first, second = make_request("a", range(10)), make_request("b", range(10))  # tokens 0..9 both
     for request in (first, second):
         manager.admit(request, manager.find_prefix_hit(request))  # nothing cached yet: no hit
         manager.allocate_slots(request, 10)
@@ -164,7 +161,7 @@ def test_two_requests_that_computed_the_same_prefix_in_one_step_then_share_one_c
 
 def test_a_group_short_of_blocks_stops_every_group_from_allocating():
     manager = make_manager(num_blocks=6, block_size=4, specs=[FULL, SLIDING])
-    assert manager.allocate_slots(make_request("r", 12), 12) is None  # 3 + 3 blocks needed, 5 usable
+    assert manager.allocate_slots(make_request("r", range(12)), 12) is None  # 3 + 3 blocks needed, 5 usable
     assert manager.num_free_blocks == 5
 
 
@@ -192,7 +189,7 @@ def test_random_admit_append_finish_and_preempt_keep_the_pool_consistent(
     specs = [FULL, KVCacheSpec(FULL.tensors, AttentionKind.SLIDING_WINDOW, sliding_window=3)] if two_groups else [FULL]
     manager = KVCacheManager(num_blocks, block_size, specs, enable_prefix_caching=caching)
     pool = manager.block_pool
-    requests = [Request(str(i), None, list(prompt), SamplingParams()) for i, prompt in enumerate(prompts)]
+    requests = [make_request(str(i), prompt) for i, prompt in enumerate(prompts)]
     running: set[int] = set()
 
     def compute(request: Request, num_tokens: int) -> bool:
@@ -210,6 +207,7 @@ def test_random_admit_append_finish_and_preempt_keep_the_pool_consistent(
             assert hit.num_tokens < request.num_tokens, "a hit never covers the last token"
             if manager.can_admit(request, hit):
                 manager.admit(request, hit)
+                request.num_computed_tokens = hit.num_tokens  # the scheduler's part
                 assert compute(request, request.num_tokens - request.num_computed_tokens), "admitted, so it fits"
                 running.add(rid)
         elif action == "append" and rid in running:
@@ -246,3 +244,18 @@ def test_random_admit_append_finish_and_preempt_keep_the_pool_consistent(
     for held in list(running):
         manager.free(requests[held])
     assert pool.num_free_blocks == num_blocks - 1 and all(count == 0 for count in pool.ref_counts), "nothing leaks"
+
+
+def test_admitting_a_prefix_hit_leaves_the_request_to_the_scheduler():
+    """The manager hands the request its cached blocks and reports how many tokens they hold; it
+    does not write the request (the scheduler, its one writer, starts its computed tokens there)."""
+    manager = make_manager(num_blocks=20, block_size=4)
+    first = make_request("a", range(10))
+    manager.allocate_slots(first, 10)
+    first.num_computed_tokens = 10
+    manager.cache_computed_blocks(first)
+    second = make_request("b", range(10))
+    hit = manager.find_prefix_hit(second)
+    manager.admit(second, hit)
+    assert hit.num_tokens == 8 and second.num_computed_tokens == 0
+    assert manager.get_block_ids("b")[0] == manager.get_block_ids("a")[0][:2]

@@ -18,18 +18,19 @@ import transformers
 from safetensors import safe_open
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer as HFDecoderLayer
 
-from executor.core.engine.step_inputs import ScheduledSequence, build_step_layout
 from executor.model_loader.default_loader import DefaultModelLoader
 from executor.offline.dataset import load_prompts
 from executor.types_.errors import WeightLoadError
+from executor.types_.model_inputs import ScheduledSequence, build_step_layout
 from models.llama import LlamaForCausalLM
 from module.attention import Attention
 from ops.attention_metadata import TorchMetadataBuilder, build_model_inputs
 from scripts import train_mtp_head
 from scripts.train_mtp_head import Sequence, TrainableMTPLayer, generate_sequences, load_frozen_model, mtp_hidden_states
 from tests.backends import cpu_backend
-from tests.conftest import TINY_VOCAB, llama_config
+from tests.conftest import llama_config
 from tests.engine_harness import run_engine
+from tests.factories import TINY_VOCAB
 from tests.paged_harness import random_prompts, single_thread  # noqa: F401 (single_thread: an autouse fixture)
 
 NUM_LAYERS = 3  # llama_config's; the MTP layer's checkpoint index

@@ -13,7 +13,8 @@ from executor.offline.metrics import (
     summarize,
     upper_fence,
 )
-from executor.types_ import FinishReason, Request, SamplingParams
+from executor.types_ import FinishReason
+from tests.factories import make_request
 
 
 def test_percentile_interpolates():
@@ -23,10 +24,10 @@ def test_percentile_interpolates():
 
 
 def test_summary_counts_tokens_and_times_and_skips_failed_requests():
-    ok = Request("ok", None, [1, 2, 3], SamplingParams(), output_token_ids=[4, 5, 6])
+    ok = make_request("ok", [1, 2, 3], [4, 5, 6])
     ok.arrival_time_s, ok.first_token_time_s, ok.finish_time_s = 0.0, 0.5, 1.5
     ok.finish_reason = FinishReason.LENGTH
-    bad = Request("bad", None, [1] * 50, SamplingParams())
+    bad = make_request("bad", [1] * 50)
     bad.fail("too long", 0.0)
     steps = [
         StepRecord(1, "prefill", 1, 3, 500.0, 0.1, 2, 0.0, 0, 0),

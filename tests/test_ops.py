@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from executor.core.engine.step_inputs import ScheduledSequence, build_step_layout
 from executor.platform import npu_runtime
+from executor.types_.model_inputs import ScheduledSequence, build_step_layout
 from ops import cpu_kernels, torch_ref
 from ops.attention_metadata import TorchMetadataBuilder
 from ops.backend import Backend, make_backend

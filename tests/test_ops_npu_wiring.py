@@ -17,10 +17,9 @@ from typing import Any
 import pytest
 import torch
 
-from executor.core.engine.step_inputs import ScheduledSequence, build_step_layout
 from executor.platform import npu_runtime
 from executor.platform.graph_compilers import EXE_MODES
-from executor.types_.model_inputs import ModelInputs
+from executor.types_.model_inputs import ModelInputs, ScheduledSequence, build_step_layout
 from models.llama import LlamaForCausalLM
 from module.attention import Attention
 from ops.attention_metadata import NpuAttentionMetadata, NpuMetadataBuilder, build_model_inputs

@@ -44,7 +44,7 @@ def no_accelerator(monkeypatch):
 def test_auto_falls_back_to_cpu_without_an_accelerator(no_accelerator):
     assert detect_device_type("auto") == "cpu"
     platform = create_platform("auto")
-    assert platform.device == torch.device("cpu") and platform.ops_backend == "torch"
+    assert platform.device == torch.device("cpu") and platform.device_type == "cpu"
     assert platform.memory_info_bytes() is None
     platform.synchronize()  # a no-op on the CPU, but callable
 

@@ -26,14 +26,11 @@ from executor.core.sampler import Sampler, SamplingMetadata, request_seed
 from executor.offline.dataset import PromptRecord
 from executor.types_ import Request, SamplingParams
 from tests.engine_harness import hf_greedy, hf_last_logits, load_hf_model, run_engine
+from tests.factories import make_request
 from tests.run_harness import outputs_by_id, run_into, write_run
 
 VOCAB = 40
 EXAMPLES = settings(max_examples=40, deadline=None)
-
-
-def make_request(request_id: str = "r", prompt=(1, 2, 3), output=(), **params) -> Request:
-    return Request(request_id, None, list(prompt), SamplingParams(**params), output_token_ids=list(output))
 
 
 def make_logits(rows: int, seed: int, vocab: int = VOCAB, scale: float = 3.0) -> torch.Tensor:

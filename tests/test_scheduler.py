@@ -7,21 +7,31 @@ import torch
 
 from executor.core.kv_cache import KVCacheManager
 from executor.core.scheduler import Scheduler, SchedulerLimits
-from executor.types_ import Batch, FinishReason, Request, RequestStatus, SamplingParams, attention_spec
+from executor.types_ import (
+    Batch,
+    FinishReason,
+    Request,
+    RequestStatus,
+    SamplingParams,
+    StepResult,
+    TokenLogprobs,
+    attention_spec,
+)
+from tests.factories import make_request
 
 EOS = 0
 
 
 class FakeEngine:
-    """Returns next_token(request) for each request whose scheduled tokens reach the end of its
-    sequence (none for a prompt chunk short of it), and records every batch it saw."""
+    """A step runner whose step emits next_token(request) for each request whose scheduled tokens
+    reach the end of its sequence (none for a prompt chunk short of it), and records every batch it saw."""
 
     def __init__(self, next_token: Callable[[Request], int] = lambda r: 100 + r.num_tokens) -> None:
         self.next_token = next_token
         self.batches: list[tuple[bool, list[str], list[RequestStatus]]] = []
         self.scheduled: list[list[int]] = []
 
-    def forward_batch(self, batch: Batch) -> list[list[int]]:
+    def new_tokens(self, batch: Batch) -> list[list[int]]:
         self.batches.append(
             (batch.is_prefill, [r.request_id for r in batch.requests], [r.status for r in batch.requests])
         )
@@ -30,6 +40,10 @@ class FakeEngine:
             [self.next_token(r)] if r.num_computed_tokens + n >= r.num_tokens else []
             for r, n in zip(batch.requests, batch.num_scheduled_tokens, strict=True)
         ]
+
+    def execute(self, batch: Batch) -> StepResult:
+        new_token_ids = self.new_tokens(batch)
+        return StepResult(new_token_ids, [0] * len(new_token_ids), [[] for _ in new_token_ids])
 
 
 def make_scheduler(
@@ -50,7 +64,7 @@ def make_scheduler(
 def request(request_id: str, prompt_len: int, max_new_tokens: int = 3, **params) -> Request:
     """A request whose prompt shares no token with another id's, so prefix caching shares nothing."""
     first = 1 + 1000 * sum(map(ord, request_id))
-    return Request(request_id, None, list(range(first, first + prompt_len)), SamplingParams(max_new_tokens, **params))
+    return make_request(request_id, range(first, first + prompt_len), max_new_tokens=max_new_tokens, **params)
 
 
 def run_all(scheduler: Scheduler, engine: FakeEngine, requests: list[Request]) -> list[Request]:
@@ -233,9 +247,9 @@ def test_step_record_reports_phase_batch_tokens_and_the_time_of_the_forward_pass
     )
 
     class SlowEngine(FakeEngine):
-        def forward_batch(self, batch: Batch) -> list[list[int]]:
+        def new_tokens(self, batch: Batch) -> list[list[int]]:
             now[0] += 0.007
-            return super().forward_batch(batch)
+            return super().new_tokens(batch)
 
     scheduler.add_request(request("a", 5))
     scheduler.add_request(request("b", 7))
@@ -251,8 +265,8 @@ class MultiTokenEngine(FakeEngine):
         super().__init__()
         self.tokens = tokens
 
-    def forward_batch(self, batch: Batch) -> list[list[int]]:
-        super().forward_batch(batch)
+    def new_tokens(self, batch: Batch) -> list[list[int]]:
+        super().new_tokens(batch)
         return [self.tokens(r) for r in batch.requests]
 
 
@@ -290,7 +304,71 @@ def test_empty_prompt_fails_alone():
 
 
 def test_token_ids_between_spans_prompt_and_output():
-    r = Request("a", None, [1, 2, 3], SamplingParams(), output_token_ids=[4, 5])
+    r = make_request("a", [1, 2, 3], [4, 5])
     assert r.token_ids_between(0, 3) == [1, 2, 3]
     assert r.token_ids_between(4, 5) == [5]
     assert r.token_ids_between(2, 5) == [3, 4, 5]
+
+
+class ScriptedRunner:
+    """Returns the StepResults it is given, one per step, and records every batch it saw."""
+
+    def __init__(self, results: list[StepResult]) -> None:
+        self.results = results
+        self.batches: list[Batch] = []
+
+    def execute(self, batch: Batch) -> StepResult:
+        self.batches.append(batch)
+        return self.results[len(self.batches) - 1]
+
+
+def test_the_scheduler_applies_a_step_result_accepted_drafts_logprobs_and_next_drafts():
+    """The runner only returns what a step computed; the scheduler writes it into the request."""
+    scheduler = make_scheduler(block_size=4)
+    r = request("a", 5, max_new_tokens=10, logprobs=0)
+    logprob = [TokenLogprobs(token_id, -0.5) for token_id in (11, 5, 9)]
+    runner = ScriptedRunner(
+        [
+            StepResult([[11]], [0], [[logprob[0]]], next_drafts=[[5, 6]]),  # prefill: one token, two drafts
+            StepResult([[5, 9]], [1], [logprob[1:]], next_drafts=[[]]),  # verify: draft 5 accepted, 6 rejected
+        ]
+    )
+    scheduler.add_request(r)
+    scheduler.run_step(runner)
+    assert (r.num_computed_tokens, r.output_token_ids, r.spec_token_ids) == (5, [11], [5, 6])
+    record = scheduler.run_step(runner).record
+    assert runner.batches[1].draft_token_ids == [[5, 6]] and runner.batches[1].num_scheduled_tokens == [3]
+    # fed 11, 5, 6: the K/V of the rejected 6 is void
+    assert (r.num_computed_tokens, r.output_token_ids, r.spec_token_ids) == (7, [11, 5, 9], [])
+    assert r.output_logprobs == logprob
+    assert (record.num_draft_tokens, record.num_accepted_tokens, record.num_verified_requests) == (2, 1, 1)
+
+
+def test_lookahead_slots_are_allocated_with_the_step_and_given_back_after_a_verify():
+    """num_lookahead_tokens (MTP's drafts after the first) are slots past the fed tokens, allocated
+    by the scheduler through allocate_slots; a verify step's unused ones are freed after it."""
+    scheduler = Scheduler(
+        SchedulerLimits(4, 1000, 100),
+        KVCacheManager(64, 4, [attention_spec(1, 8, torch.float32)]),
+        eos_token_ids={EOS},
+        num_lookahead_tokens=3,
+    )
+    r = request("a", 4, max_new_tokens=10)
+    runner = ScriptedRunner(
+        [StepResult([[11]], [0], [[]], next_drafts=[[5, 6]]), StepResult([[5, 9]], [1], [[]], next_drafts=[[]])]
+    )
+    scheduler.add_request(r)
+    scheduler.run_step(runner)
+    assert len(scheduler.kv_cache_manager.get_block_ids("a")[0]) == 2  # 4 prompt tokens + 3 lookahead
+    scheduler.run_step(runner)
+    assert r.num_tokens == 7 and len(scheduler.kv_cache_manager.get_block_ids("a")[0]) == 2  # tail freed
+
+
+def test_the_kv_cache_manager_reports_a_prefix_hit_and_the_scheduler_applies_it():
+    scheduler, engine = make_scheduler(block_size=4), FakeEngine()
+    first = request("a", 9)
+    run_all(scheduler, engine, [first])
+    second = make_request("b", first.prompt_token_ids)
+    scheduler.add_request(second)
+    scheduler.run_step(engine)
+    assert engine.scheduled[-1] == [1] and second.num_computed_tokens == 9  # 8 cached tokens, the last computed

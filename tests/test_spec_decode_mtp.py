@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import tiny_tokenizer
+from executor.core.kv_cache import KVCacheManager
+from executor.core.spec_decode.mtp import MTPProposer
 from tests.deepseek_v3_harness import deepseek_config, save_checkpoint
 from tests.engine_harness import make_inference, token_records
+from tests.factories import tiny_tokenizer
 from tests.paged_harness import random_prompts
 
 
@@ -44,3 +46,31 @@ def test_mtp_speculation_on_deepseek_gives_greedy_output(deepseek_dir, next_n):
     outputs, summary = greedy(deepseek_dir, next_n)
     assert outputs == expected
     assert summary["speculative"]["draft_tokens"] > 0
+
+
+def test_mtp_drafts_write_into_lookahead_slots_the_scheduler_allocated(deepseek_dir, monkeypatch):
+    """The MTP proposer allocates nothing in the target's KV cache: its drafts after the first go
+    into the num_lookahead_tokens (k - 1) slots the scheduler allocates with each step."""
+    calls: list[tuple[bool, int]] = []  # (during a proposal, num_lookahead_tokens) per allocate_slots
+    proposing = [False]
+    allocate_slots, propose = KVCacheManager.allocate_slots, MTPProposer.propose
+
+    def recording_allocate(self, request, num_new_tokens, num_lookahead_tokens=0):
+        calls.append((proposing[0], num_lookahead_tokens))
+        return allocate_slots(self, request, num_new_tokens, num_lookahead_tokens)
+
+    def recording_propose(self, context):
+        proposing[0] = True
+        try:
+            return propose(self, context)
+        finally:
+            proposing[0] = False
+
+    monkeypatch.setattr(KVCacheManager, "allocate_slots", recording_allocate)
+    monkeypatch.setattr(MTPProposer, "propose", recording_propose)
+    inference = make_inference(deepseek_dir, model_config={"model_name": "deepseek_v3", "next_n": 3}, max_new_tokens=8)
+    assert inference.scheduler.num_lookahead_tokens == 2
+    result = inference.generate(token_records(random_prompts([5, 9], seed=6)))
+    assert result.summary["speculative"]["draft_tokens"] > 0
+    assert not any(during for during, _ in calls)
+    assert (False, 2) in calls

@@ -4,7 +4,7 @@ backend's metadata, whose decode shapes depend only on the number of rows."""
 
 import torch
 
-from executor.core.engine.step_inputs import ScheduledSequence, build_step_layout
+from executor.types_.model_inputs import ScheduledSequence, build_step_layout
 from ops.attention_metadata import TorchMetadataBuilder, block_table_tensor, build_model_inputs
 
 CPU = torch.device("cpu")

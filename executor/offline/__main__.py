@@ -188,10 +188,10 @@ def run(args: argparse.Namespace, stop: StopSignals) -> int:
                     writer.write_request(failed_record_result(record))
         if inference is not None:
             with stop.deferred():
-                result = inference.serve(servable, writer, should_stop=stop.requested, plan=plan)
+                result = inference.serve(servable, writer, should_stop=stop.stop_requested.is_set, plan=plan)
             if result is not None:
                 print_results(result)
-        if stop.requested():
+        if stop.stop_requested.is_set():
             raise RunInterrupted(stop.signum or signal.SIGINT)
         if writer is None:  # a rank other than 0: rank 0 reports the run
             return 0

@@ -38,6 +38,8 @@ class StopSignals:
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        # Set by the first signal; the step loop polls is_set (a flag read, no call into this module).
+        self.stop_requested = threading.Event()
         self._deferred = False
         self._previous: dict[int, Any] = {}
 
@@ -52,13 +54,9 @@ class StopSignals:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
 
-    def requested(self) -> bool:
-        """Whether a signal asked the run to stop."""
-        return self.signum is not None
-
     @contextlib.contextmanager
     def deferred(self) -> Iterator[None]:
-        """Within this block the first signal only sets `requested()`; the loop polls it between steps."""
+        """Within this block the first signal only sets `stop_requested`; the loop polls it between steps."""
         self._deferred = True
         try:
             yield
@@ -69,6 +67,7 @@ class StopSignals:
         first = self.signum is None
         if first:
             self.signum = signum
+            self.stop_requested.set()
         if first and self._deferred:
             logger.warning(
                 "%s: finishing the current step, then stopping (again to stop at once)", signal.Signals(signum).name

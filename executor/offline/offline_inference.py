@@ -41,13 +41,15 @@ class OfflineInference:
         model_cls, config_cls = resolve_model(config.model_config.model_name)
         self.engine = ExecutionEngine(config)
         self.engine.init(model_cls, config_cls, model_path)
-        assert self.engine.kv_cache_manager is not None
+        assert self.engine.kv_cache_manager is not None and self.engine.runner is not None
+        self.runner = self.engine.runner
         sched = config.scheduler_config
         self.scheduler = Scheduler(
             SchedulerLimits(sched.batch_size, config.prefill_token_budget, self.engine.max_model_len),
             self.engine.kv_cache_manager,
             self.engine.eos_token_ids,
             timer=self.engine.step_timer,
+            num_lookahead_tokens=self.engine.num_lookahead_tokens,
         )
         data = config.data_config
         self.default_sampling_params = SamplingParams(
@@ -63,6 +65,7 @@ class OfflineInference:
             presence_penalty=data.presence_penalty,
             logprobs=data.logprobs,
         )
+        self._replica_of_one_rank = self.engine.comm.layout.attn_tp_size == 1
 
     @property
     def tokenizer(self) -> Any:
@@ -75,7 +78,8 @@ class OfflineInference:
         should_stop: Callable[[], bool] = lambda: False,
     ) -> RunResult:
         """Run every record to completion, or until should_stop() says so between steps (then the
-        unfinished requests are abandoned); a record that fails is reported alone."""
+        unfinished requests are abandoned); a record that fails is reported alone. should_stop is
+        polled before every step, so it should be cheap (StopSignals passes an Event's is_set)."""
         steps: list[StepRecord] = []
         results: dict[str, dict[str, Any]] = {}
         requests = [self._make_request(record) for record in records]
@@ -102,9 +106,9 @@ class OfflineInference:
                     self.scheduler.add_request(request)
             while self._step_agreed(should_stop):
                 has_work = self.scheduler.has_work()
-                output = self.scheduler.run_step(self.engine, profiler) if has_work else StepOutput(None, [])
+                output = self.scheduler.run_step(self.runner, profiler) if has_work else StepOutput(None, [])
                 if output.record is None and self.engine.lock_step:  # no forward ran here: the others need one
-                    self.engine.idle_forward()
+                    self.runner.idle_forward()
                     comm.stats.take()  # an idle step is no step of this replica's log
                     idle_steps += 1
                 if output.record is not None:
@@ -139,11 +143,14 @@ class OfflineInference:
     def _step_agreed(self, should_stop: Callable[[], bool]) -> bool:
         """Whether to run another step. The ranks of one attention TP group run the same steps, so
         they stop after the same one. In lock-step (model groups span the DP replicas) every rank
-        of the world steps while any has work, replicas without work running an idle forward."""
+        of the world steps while any has work, replicas without work running an idle forward. A
+        replica of one rank has no one to agree with, so it asks no collective."""
         comm = self.engine.comm
         if self.engine.lock_step:
             anyone_has_work, anyone_stops = comm.agree_over_world(self.scheduler.has_work(), should_stop())
             return anyone_has_work and not anyone_stops
+        if self._replica_of_one_rank:
+            return self.scheduler.has_work() and not should_stop()
         return self.scheduler.has_work() and not comm.any_in_replica(should_stop())
 
     def _make_profiler(self, writer: ResultWriter | ReplicaWriter | None) -> StepProfiler | None:

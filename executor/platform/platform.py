@@ -20,8 +20,6 @@ FAST_BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 class Platform:
     device_type: str  # "cpu" | "cuda" | "npu"
     device: torch.device
-    # The device's family of ops, "torch" or "npu", for the log; ops.backend.make_backend decides what runs.
-    ops_backend: str
 
     @property
     def dist_backend(self) -> str:
@@ -77,11 +75,11 @@ def create_platform(requested: str = "auto", local_rank: int = 0) -> Platform:
     device_type = detect_device_type(requested)
     if device_type == "npu":
         torch.npu.set_device(local_rank)
-        return Platform("npu", torch.device("npu", local_rank), ops_backend="npu")
+        return Platform("npu", torch.device("npu", local_rank))
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
-        return Platform("cuda", torch.device("cuda", local_rank), ops_backend="torch")
-    return Platform("cpu", torch.device("cpu"), ops_backend="torch")
+        return Platform("cuda", torch.device("cuda", local_rank))
+    return Platform("cpu", torch.device("cpu"))
 
 
 def resolve_dtype(name: str, device_type: str = "cpu") -> torch.dtype:

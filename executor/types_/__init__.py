@@ -1,10 +1,10 @@
 """Plain data shared by the scheduler, the engine, the worker and the models."""
 
-from executor.types_.batch import Batch
+from executor.types_.batch import Batch, StepResult, StepRunner
 from executor.types_.block_hash import BlockHash
 from executor.types_.forward_metadata import CacheGroupTables, ForwardMetaData
 from executor.types_.kv_cache_spec import AttentionKind, KVCacheSpec, KVTensorSpec, attention_spec
-from executor.types_.model_inputs import ModelInputs, StepLayout
+from executor.types_.model_inputs import ModelInputs, ScheduledSequence, StepLayout, build_step_layout
 from executor.types_.request import FinishReason, Request, RequestStatus, SamplingParams, TokenLogprobs
 
 __all__ = [
@@ -20,7 +20,11 @@ __all__ = [
     "Request",
     "RequestStatus",
     "SamplingParams",
+    "ScheduledSequence",
     "StepLayout",
+    "StepResult",
+    "StepRunner",
     "TokenLogprobs",
     "attention_spec",
+    "build_step_layout",
 ]

@@ -112,7 +112,7 @@ class Request:
     arrival_time_s: float = 0.0
     first_token_time_s: float | None = None
     finish_time_s: float | None = None
-    # One entry per sampled output token when sampling_params.logprobs is set (the engine appends).
+    # One entry per sampled output token when sampling_params.logprobs is set (the scheduler appends).
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @property

@@ -1,5 +1,7 @@
-"""ExecutionEngine: packed inputs, one forward pass, sampling."""
+"""ExecutionEngine builds a run's parts (platform, groups, op table, worker, KV cache, proposer);
+its ModelRunner turns each scheduled Batch into a StepResult."""
 
 from executor.core.engine.engine import ExecutionEngine
+from executor.core.engine.model_runner import ModelRunner
 
-__all__ = ["ExecutionEngine"]
+__all__ = ["ExecutionEngine", "ModelRunner"]

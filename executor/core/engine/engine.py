@@ -1,8 +1,9 @@
-"""ExecutionEngine: turns a scheduled Batch into packed inputs, runs the worker, samples.
+"""ExecutionEngine (cann-recipes' name): builds what a run steps with, and hands it the ModelRunner.
 
 Built in two phases, as in cann-recipes: the constructor readies the platform, the process groups
-(CommManager) and an empty ModelWorker; init() loads weights and the tokenizer, warms up and sizes
-the KV cache (the smallest pool any rank can hold, so that all ranks schedule alike).
+(CommManager), the backend record (ops/backend.py) and an empty ModelWorker; init() loads weights and the tokenizer,
+warms up and sizes the KV cache (kv_cache_sizing), builds the graphs and the proposer, and last
+the ModelRunner, whose execute(batch) is a step.
 """
 
 from __future__ import annotations
@@ -16,30 +17,26 @@ from transformers import AutoTokenizer, GenerationConfig
 from executor.core.config import ConfigError, InferenceConfig
 from executor.core.config.comm_manager import CommManager, DistEnv
 from executor.core.config.inference_config import check_device_rules
+from executor.core.config.model_registry import resolve_model
 from executor.core.config.parallel_layout import ParallelLayout, num_experts_of
-from executor.core.engine.kv_cache_sizing import host_available_bytes, plan_num_blocks
-from executor.core.engine.step_inputs import ScheduledSequence, build_step_layout
+from executor.core.engine.kv_cache_sizing import size_kv_cache
+from executor.core.engine.model_runner import ModelRunner
 from executor.core.kv_cache import KVCacheManager, cdiv
 from executor.core.model_worker import ModelWorker
 from executor.core.model_worker.graph_runner import GraphRunner
-from executor.core.sampler import Sampler, SamplingMetadata
-from executor.core.sampler.noise import token_seed
-from executor.core.spec_decode.factory import make_proposer
-from executor.core.spec_decode.proposer import ProposalContext, Proposer
-from executor.core.spec_decode.verify import accept_greedy, rejection_sample
+from executor.core.sampler import Sampler
+from executor.core.scheduler import Scheduler, SchedulerLimits
+from executor.core.spec_decode.factory import draft_model_config, make_proposer
+from executor.core.spec_decode.proposer import Proposer
 from executor.model_loader.hf_config import load_hf_config
 from executor.platform import create_platform, resolve_dtype
 from executor.platform.compile_cache import CompileCache
-from executor.types_ import Batch, Request, SamplingParams
-from executor.types_.model_inputs import StepLayout
+from executor.types_ import Request, SamplingParams
 from executor.utils.graph_buckets import resolve_buckets
 from executor.utils.step_timer import StepTimer
-from ops.attention_metadata import to_device
 from ops.backend import make_backend
 
 logger = logging.getLogger(__name__)
-
-WARM_UP_PROMPT_TOKENS = 16
 
 
 class ExecutionEngine:
@@ -73,13 +70,16 @@ class ExecutionEngine:
         self.sampler = Sampler(config.data_config.seed, self.platform.device)
         self.tokenizer: Any = None
         self.kv_cache_manager: KVCacheManager | None = None
+        self.runner: ModelRunner | None = None
         self.max_model_len = 0
         self.max_blocks_per_request = 0
         self.vocab_size = 0
         self.eos_token_ids: set[int] = set()
-        self.proposer: Proposer | None = None
         # Model groups spanning data-parallel replicas (set by init): non-empty, the replicas step in lock-step.
         self.lock_step_kinds: list[str] = []
+        # Whether every data-parallel replica must run a forward at every step (docs/distributed.md);
+        # a plain attribute, as the step loop reads it at every step.
+        self.lock_step = False
         logger.info("platform %s, dtype %s (%s)", self.platform.device, config.model_config.dtype, self.dtype)
 
     def _make_step_timer(self) -> StepTimer:
@@ -95,8 +95,10 @@ class ExecutionEngine:
     def init(self, model_cls: type[torch.nn.Module], config_cls: Any, model_path: str) -> None:
         hf_config = load_hf_config(config_cls, model_path, self.config.model_config.custom_params)
         self.max_model_len = self._resolve_max_model_len(hf_config.max_position_embeddings)  # before the weights
+        self.max_blocks_per_request = cdiv(self.max_model_len, self.config.scheduler_config.block_size)
         self.vocab_size = hf_config.vocab_size
         self.lock_step_kinds = self.comm.layout.lock_step_kinds(has_experts=num_experts_of(hf_config) > 0)
+        self.lock_step = bool(self.lock_step_kinds)
         if self.lock_step_kinds:
             logger.info(
                 "lock-step data parallelism: %s span the %d replicas, so every replica runs a forward at every step",
@@ -106,11 +108,24 @@ class ExecutionEngine:
         self.worker.init(model_cls, hf_config, model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.eos_token_ids = self._collect_eos_token_ids(model_path)
-        self._init_kv_cache()
+        self.kv_cache_manager = size_kv_cache(
+            self.config,
+            self.worker,
+            self.platform,
+            self.comm,
+            self.max_model_len,
+            warm_up=self._warm_up,
+            measure_graph_memory=self._measure_graph_memory,
+        )
         graph_runner = self._make_graph_runner()
         if graph_runner is not None:
             self.worker.init_graphs(graph_runner)
-        self.proposer = make_proposer(self)
+        self.runner = self._make_runner(self.kv_cache_manager, self._make_proposer())
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """The KV slots the proposer writes past each step's tokens, which the scheduler allocates."""
+        return self.runner.proposer.num_lookahead_tokens if self.runner and self.runner.proposer else 0
 
     def _resolve_max_model_len(self, model_limit: int) -> int:
         requested = self.config.scheduler_config.max_model_len
@@ -132,79 +147,50 @@ class ExecutionEngine:
             eos.update(generation_eos if isinstance(generation_eos, list) else [generation_eos])
         return eos
 
-    def _init_kv_cache(self) -> None:
-        """Warm up on a small probe cache, then size the real one from the memory left after the
-        weights and the warm-up (device memory on CUDA/NPU, MemAvailable on CPU), or from
-        scheduler_config.num_blocks."""
-        sched = self.config.scheduler_config
-        groups = self.worker.kv_cache_groups
-        self.max_blocks_per_request = cdiv(self.max_model_len, sched.block_size)
-        warm_up_tokens = min(WARM_UP_PROMPT_TOKENS, self.max_model_len - 1)
-        self._bind_kv_cache(len(groups) * cdiv(warm_up_tokens + 1, sched.block_size) + 1)
-        self._warm_up(warm_up_tokens)
-        graph_bytes = self._measure_graph_memory()
-        self._bind_kv_cache(0)  # drop the probe before measuring what the real cache may take
-        memory = self.platform.memory_info_bytes()
-        free_bytes = (memory[0] - graph_bytes) if memory is not None else host_available_bytes()
-        bytes_per_block = self.worker.kv_cache_bytes_per_block(sched.block_size)
-        num_blocks = plan_num_blocks(
-            num_blocks=sched.num_blocks,
-            bytes_per_block=bytes_per_block,
-            max_blocks_in_use=sched.batch_size * self.max_blocks_per_request * len(groups),
-            free_memory_bytes=free_bytes,
-            mem_fraction_static=sched.mem_fraction_static,
-        )
-        num_blocks = self.comm.min_over_world(num_blocks)
-        blocks_per_request = len(groups) * self.max_blocks_per_request
-        if num_blocks - 1 < blocks_per_request:
-            source = (
-                f"num_blocks {sched.num_blocks}"
-                if sched.num_blocks
-                else (f"{free_bytes / 2**30:.2f} GiB free x mem_fraction_static {sched.mem_fraction_static}")
-            )
-            raise ConfigError(
-                f"the KV cache budget ({source}: {num_blocks - 1} usable blocks of {sched.block_size} tokens) cannot "
-                f"hold one request of max_model_len {self.max_model_len}, which needs {blocks_per_request} blocks "
-                f"over {len(groups)} cache group(s); raise the budget or lower scheduler_config.max_model_len "
-                f"({self.config.source})"
-            )
-        self._bind_kv_cache(num_blocks)
-        self._log_kv_cache(num_blocks, blocks_per_request)
-
-    def _bind_kv_cache(self, num_blocks: int) -> None:
-        """Allocate and bind `num_blocks` blocks (none: release the cache) and a manager over them."""
-        sched = self.config.scheduler_config
-        self.worker.init_kv_cache(num_blocks, sched.block_size)
-        self.kv_cache_manager = (
-            KVCacheManager(
-                num_blocks,
-                sched.block_size,
-                [group.spec for group in self.worker.kv_cache_groups],
-                sched.enable_prefix_caching,
-            )
-            if num_blocks
-            else None
+    def _make_runner(self, kv_cache_manager: KVCacheManager, proposer: Proposer | None = None) -> ModelRunner:
+        return ModelRunner(
+            self.worker,
+            self.sampler,
+            kv_cache_manager,
+            self.metadata_builder,
+            self.step_timer,
+            device=self.platform.device,
+            max_blocks_per_request=self.max_blocks_per_request,
+            lock_step_kinds=self.lock_step_kinds,
+            proposer=proposer,
         )
 
-    def _log_kv_cache(self, num_blocks: int, blocks_per_request: int) -> None:
-        block_size = self.config.scheduler_config.block_size
-        per_group = ", ".join(
-            f"group {i} ({group.spec.kind.value}, {len(group.layer_names)} layers): "
-            f"{group.spec.bytes_per_token * len(group.layer_names)} B/token"
-            for i, group in enumerate(self.worker.kv_cache_groups)
+    def _make_proposer(self) -> Proposer | None:
+        """The run's proposer; a draft model gets an engine of its own, built here and handed in."""
+        assert self.kv_cache_manager is not None and self.worker.model is not None
+        draft = None
+        if self.config.speculation[0] == "draft_model":
+            engine = ExecutionEngine(draft_model_config(self.config), comm=self.comm)
+            engine.init(*resolve_model(self.config.model_config.model_name), engine.config.model_config.model_path)
+            if engine.vocab_size != self.vocab_size:
+                raise ConfigError(
+                    f"speculative_config.draft_model_path in {self.config.source}: the draft model's vocabulary "
+                    f"({engine.vocab_size}) differs from the target's ({self.vocab_size}); it needs the same tokenizer"
+                )
+            assert engine.runner is not None and engine.kv_cache_manager is not None
+            draft = (engine.runner, engine.kv_cache_manager)
+        return make_proposer(
+            self.config,
+            self.worker.model,
+            self.kv_cache_manager,
+            self.metadata_builder,
+            self.max_blocks_per_request,
+            draft,
         )
-        total_mib = num_blocks * self.worker.kv_cache_bytes_per_block(block_size) / 2**20
-        logger.info(
-            "KV cache: %d blocks of %d tokens (block 0 reserved), %.0f MiB; %s; holds %d tokens per group, "
-            "%d request(s) of max_model_len %d at once",
-            num_blocks,
-            block_size,
-            total_mib,
-            per_group,
-            (num_blocks - 1) // len(self.worker.kv_cache_groups) * block_size,
-            (num_blocks - 1) // blocks_per_request,
-            self.max_model_len,
-        )
+
+    def _warm_up(self, probe: KVCacheManager, num_tokens: int) -> None:
+        """One dummy prefill and one decode step on the probe cache, so first-call costs stay out of
+        the step log: a throwaway scheduler, which logs nothing, runs one request of two tokens."""
+        scheduler = Scheduler(SchedulerLimits(1, num_tokens, self.max_model_len), probe, set(), log_steps=False)
+        scheduler.add_request(Request("warm-up", None, [0] * num_tokens, SamplingParams(max_new_tokens=2)))
+        runner = self._make_runner(probe)
+        while scheduler.has_work():
+            scheduler.run_step(runner)
 
     def _make_graph_runner(self, buckets: list[int] | None = None) -> GraphRunner | None:
         """The graph runner of model_config.exe_mode over `buckets` (default: the configured ones),
@@ -255,157 +241,3 @@ class ExecutionEngine:
         self.platform.empty_cache()
         logger.info("graphs and activations at bucket %d take %.0f MiB", largest, graph_bytes / 2**20)
         return graph_bytes
-
-    def _warm_up(self, num_tokens: int) -> None:
-        """One dummy prefill and one decode step, so first-call costs stay out of the step log."""
-        assert self.kv_cache_manager is not None
-        request = Request("warm-up", None, [0] * num_tokens, SamplingParams(max_new_tokens=2))
-        for batch in (Batch([request], [num_tokens], is_prefill=True), Batch([request], [1], is_prefill=False)):
-            allocated = self.kv_cache_manager.allocate_slots(request, batch.total_tokens)
-            assert allocated is not None, "the probe cache is sized for the warm-up request"
-            (new_tokens,) = self.forward_batch(batch)
-            request.num_computed_tokens += batch.total_tokens
-            request.output_token_ids.extend(new_tokens)
-        self.kv_cache_manager.free(request)
-
-    def forward_batch(self, batch: Batch) -> list[list[int]]:
-        """Run one step for `batch`; the new token ids of each request (none for a prompt chunk
-        that does not reach the end of its prompt; with drafts, the accepted ones and one more).
-        With speculative decoding on, each request's drafts for its next step are left in
-        `request.spec_token_ids`."""
-        sequences = self._schedule_sequences(batch)
-        layout = build_step_layout(
-            sequences,
-            block_size=self.config.scheduler_config.block_size,
-            max_blocks_per_request=self.max_blocks_per_request,
-        )
-        timer = self.step_timer
-        timer.mark("prepare")
-        hidden_states, all_logits = self.worker.execute(layout, self.metadata_builder)  # marks h2d
-        if not layout.logits_indices:
-            self._join_lm_head_without_rows(hidden_states)
-            timer.mark("forward")
-            return [[] for _ in sequences]
-        logits_indices = to_device(layout.logits_indices, torch.int64, self.platform.device)
-        logits = (
-            all_logits[logits_indices]
-            if all_logits is not None
-            else self.worker.compute_logits(hidden_states, logits_indices)
-        )
-        timer.mark("forward")
-        requests_per_row = [
-            request for request, seq in zip(batch.requests, sequences, strict=True) for _ in range(seq.num_sampled_rows)
-        ]
-        row_token_ids = self._sample(logits, requests_per_row)
-        new_token_ids: list[list[int]] = []
-        row = 0
-        for index, seq in enumerate(sequences):
-            rows = row_token_ids[row : row + seq.num_sampled_rows]
-            drafts = batch.drafts_of(index)
-            if drafts:
-                rows = self._verify(batch.requests[index], drafts, rows, logits[row : row + seq.num_sampled_rows])
-            new_token_ids.append(rows)
-            row += seq.num_sampled_rows
-        timer.mark("sample")
-        if self.proposer is not None:
-            self._propose(batch, sequences, new_token_ids, hidden_states, layout)
-            timer.mark("propose")
-        return new_token_ids
-
-    @property
-    def lock_step(self) -> bool:
-        """Whether every data-parallel replica must run a forward at every step (docs/distributed.md)."""
-        return bool(self.lock_step_kinds)
-
-    def idle_forward(self) -> None:
-        """Lock-step data parallelism: the step of a replica with nothing to run, so that the groups it
-        shares with busy replicas meet in every collective. One padding token (id 0, position 0) whose
-        K/V goes to slot 0 of the null block 0, where padded rows write and which no request reads;
-        its hidden state and logits are dropped. Not a step of the run: nothing is scheduled."""
-        null_blocks = [[0]] * len(self.worker.kv_cache_groups)
-        layout = build_step_layout(
-            [ScheduledSequence(token_ids=[0], num_computed_tokens=0, block_ids=null_blocks, num_sampled_rows=0)],
-            block_size=self.config.scheduler_config.block_size,
-            max_blocks_per_request=self.max_blocks_per_request,
-        )
-        hidden_states, _ = self.worker.execute(layout, self.metadata_builder)
-        self._join_lm_head_without_rows(hidden_states)
-
-    def _join_lm_head_without_rows(self, hidden_states: torch.Tensor) -> None:
-        """A step that samples no row still joins the LM head's collectives when its group spans
-        replicas (another replica may sample in this step)."""
-        if "lmhead_tp" in self.lock_step_kinds:
-            self.worker.compute_logits(hidden_states, torch.empty(0, dtype=torch.int64, device=hidden_states.device))
-
-    def _verify(self, request: Request, drafts: list[int], row_token_ids: list[int], logits: torch.Tensor) -> list[int]:
-        """What a request emits from its verify rows: the greedy prefix match, or rejection sampling
-        for a random request (its generator seeded by its seed and output index, as its sampled
-        tokens are); logprobs of the rows past what it emits are dropped."""
-        if request.sampling_params.is_greedy:
-            emitted = accept_greedy(drafts, row_token_ids)
-        else:
-            probs = self.sampler.probabilities(logits, SamplingMetadata.build([request] * len(logits), logits.device))
-            seed = request.sampling_params.seed
-            generator = None
-            if seed is not None:
-                generator = torch.Generator(logits.device).manual_seed(token_seed(seed, len(request.output_token_ids)))
-            emitted = rejection_sample(probs, drafts, None, generator)
-        if request.sampling_params.logprobs is not None:
-            del request.output_logprobs[len(request.output_logprobs) - (len(row_token_ids) - len(emitted)) :]
-        return emitted
-
-    def _propose(
-        self,
-        batch: Batch,
-        sequences: list[ScheduledSequence],
-        new_token_ids: list[list[int]],
-        hidden_states: torch.Tensor,
-        layout: StepLayout,
-    ) -> None:
-        assert self.proposer is not None
-        num_valid = [
-            len(seq.token_ids) - (len(batch.drafts_of(i)) - (len(new) - 1) if batch.drafts_of(i) else 0)
-            for i, (seq, new) in enumerate(zip(sequences, new_token_ids, strict=True))
-        ]
-        context = ProposalContext(
-            requests=batch.requests,
-            sequences=sequences,
-            new_token_ids=new_token_ids,
-            num_valid_tokens=num_valid,
-            hidden_states=hidden_states,
-            row_starts=[0, *layout.query_ends[:-1]],
-        )
-        for request, drafts in zip(batch.requests, self.proposer.propose(context), strict=True):
-            request.spec_token_ids = drafts
-
-    def _schedule_sequences(self, batch: Batch) -> list[ScheduledSequence]:
-        assert self.kv_cache_manager is not None
-        sequences = []
-        for index, (request, num_tokens) in enumerate(zip(batch.requests, batch.num_scheduled_tokens, strict=True)):
-            drafts = batch.drafts_of(index)
-            start = request.num_computed_tokens
-            end = start + num_tokens - len(drafts)  # the request's own tokens; the drafts follow them
-            sequences.append(
-                ScheduledSequence(
-                    token_ids=request.token_ids_between(start, end) + drafts,
-                    num_computed_tokens=start,
-                    block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
-                    num_sampled_rows=1 + len(drafts) if end >= request.num_tokens else 0,
-                )
-            )
-        return sequences
-
-    def _sample(self, logits: torch.Tensor, requests_per_row: list[Request]) -> list[int]:
-        """One token per row of logits, each with its request's sampling parameters; the step's one
-        host read of the sampled ids (a second brings logprobs back when a request asks for them,
-        appended to its output_logprobs)."""
-        metadata = SamplingMetadata.build(requests_per_row, logits.device)
-        output = self.sampler.sample(logits, metadata)
-        token_ids = output.token_ids.tolist()
-        if output.logprobs is not None:
-            for request, token_logprobs in zip(
-                requests_per_row, output.logprobs.per_row(token_ids, metadata.num_logprobs), strict=True
-            ):
-                if token_logprobs is not None:
-                    request.output_logprobs.append(token_logprobs)
-        return token_ids

@@ -1,12 +1,26 @@
-"""How many KV blocks to allocate: an explicit count, or what the memory budget allows.
+"""How many KV blocks to allocate, and binding them: an explicit count, or what the memory left
+after the weights, a warm-up on a small probe cache and the graphs allows.
 
 There is no point holding more than the worst case of a full batch (batch_size requests of
-max_model_len tokens in every cache group), so the budget is capped there.
+max_model_len tokens in every cache group), so the budget is capped there. Every rank sizes the
+smallest pool any rank can hold, so that all ranks schedule alike.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from pathlib import Path
+
+from executor.core.config import ConfigError, InferenceConfig
+from executor.core.config.comm_manager import CommManager
+from executor.core.kv_cache import KVCacheManager, cdiv
+from executor.core.model_worker import ModelWorker
+from executor.platform import Platform
+
+logger = logging.getLogger(__name__)
+
+WARM_UP_PROMPT_TOKENS = 16
 
 
 def host_available_bytes() -> int:
@@ -39,3 +53,86 @@ def plan_num_blocks(
             f"{free_memory_bytes} bytes free x mem_fraction_static {mem_fraction_static}"
         )
     return min(max_blocks_in_use + 1, affordable)
+
+
+def bind_kv_cache(worker: ModelWorker, config: InferenceConfig, num_blocks: int) -> KVCacheManager | None:
+    """Allocate and bind `num_blocks` blocks (none: release the cache) and a manager over them."""
+    sched = config.scheduler_config
+    worker.init_kv_cache(num_blocks, sched.block_size)
+    if not num_blocks:
+        return None
+    specs = [group.spec for group in worker.kv_cache_groups]
+    return KVCacheManager(num_blocks, sched.block_size, specs, sched.enable_prefix_caching)
+
+
+def size_kv_cache(
+    config: InferenceConfig,
+    worker: ModelWorker,
+    platform: Platform,
+    comm: CommManager,
+    max_model_len: int,
+    warm_up: Callable[[KVCacheManager, int], None],
+    measure_graph_memory: Callable[[], int],
+) -> KVCacheManager:
+    """Warm up (`warm_up(probe manager, prompt tokens)`) on a small probe cache, then size the real
+    one from the memory left after the weights, the warm-up and the graphs (device memory on
+    CUDA/NPU, MemAvailable on CPU), or from scheduler_config.num_blocks."""
+    sched = config.scheduler_config
+    groups = worker.kv_cache_groups
+    max_blocks_per_request = cdiv(max_model_len, sched.block_size)
+    warm_up_tokens = min(WARM_UP_PROMPT_TOKENS, max_model_len - 1)
+    # room for the prompt and the two tokens the warm-up request generates
+    probe = bind_kv_cache(worker, config, len(groups) * cdiv(warm_up_tokens + 2, sched.block_size) + 1)
+    assert probe is not None
+    warm_up(probe, warm_up_tokens)
+    graph_bytes = measure_graph_memory()
+    bind_kv_cache(worker, config, 0)  # drop the probe before measuring what the real cache may take
+    memory = platform.memory_info_bytes()
+    free_bytes = (memory[0] - graph_bytes) if memory is not None else host_available_bytes()
+    num_blocks = plan_num_blocks(
+        num_blocks=sched.num_blocks,
+        bytes_per_block=worker.kv_cache_bytes_per_block(sched.block_size),
+        max_blocks_in_use=sched.batch_size * max_blocks_per_request * len(groups),
+        free_memory_bytes=free_bytes,
+        mem_fraction_static=sched.mem_fraction_static,
+    )
+    num_blocks = comm.min_over_world(num_blocks)
+    blocks_per_request = len(groups) * max_blocks_per_request
+    if num_blocks - 1 < blocks_per_request:
+        source = (
+            f"num_blocks {sched.num_blocks}"
+            if sched.num_blocks
+            else (f"{free_bytes / 2**30:.2f} GiB free x mem_fraction_static {sched.mem_fraction_static}")
+        )
+        raise ConfigError(
+            f"the KV cache budget ({source}: {num_blocks - 1} usable blocks of {sched.block_size} tokens) cannot "
+            f"hold one request of max_model_len {max_model_len}, which needs {blocks_per_request} blocks "
+            f"over {len(groups)} cache group(s); raise the budget or lower scheduler_config.max_model_len "
+            f"({config.source})"
+        )
+    manager = bind_kv_cache(worker, config, num_blocks)
+    assert manager is not None
+    _log_kv_cache(worker, sched.block_size, num_blocks, blocks_per_request, max_model_len)
+    return manager
+
+
+def _log_kv_cache(
+    worker: ModelWorker, block_size: int, num_blocks: int, blocks_per_request: int, max_model_len: int
+) -> None:
+    per_group = ", ".join(
+        f"group {i} ({group.spec.kind.value}, {len(group.layer_names)} layers): "
+        f"{group.spec.bytes_per_token * len(group.layer_names)} B/token"
+        for i, group in enumerate(worker.kv_cache_groups)
+    )
+    total_mib = num_blocks * worker.kv_cache_bytes_per_block(block_size) / 2**20
+    logger.info(
+        "KV cache: %d blocks of %d tokens (block 0 reserved), %.0f MiB; %s; holds %d tokens per group, "
+        "%d request(s) of max_model_len %d at once",
+        num_blocks,
+        block_size,
+        total_mib,
+        per_group,
+        (num_blocks - 1) // len(worker.kv_cache_groups) * block_size,
+        (num_blocks - 1) // blocks_per_request,
+        max_model_len,
+    )

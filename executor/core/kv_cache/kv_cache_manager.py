@@ -87,20 +87,20 @@ class KVCacheManager:
                 return PrefixHit(rows, num_blocks * self.block_size) if num_blocks else no_hit
             num_blocks = shortest
 
-    def can_admit(self, request: Request, hit: PrefixHit) -> bool:
-        """Whether the free blocks hold the request's tokens beyond its hit (cached blocks that no
-        one holds leave the free queue when taken, so they count too)."""
+    def can_admit(self, request: Request, hit: PrefixHit, num_lookahead_tokens: int = 0) -> bool:
+        """Whether the free blocks hold the request's tokens beyond its hit, and `num_lookahead_tokens`
+        more (cached blocks that no one holds leave the free queue when taken, so they count too)."""
         needed = 0
         for manager, row in zip(self.managers, hit.block_ids, strict=True):
-            needed += manager.num_blocks_for_tokens(request.num_tokens) - len(row)
+            needed += manager.num_blocks_for_tokens(request.num_tokens + num_lookahead_tokens) - len(row)
             needed += sum(1 for block_id in row if block_id and self.block_pool.ref_counts[block_id] == 0)
         return needed <= self.block_pool.num_free_blocks
 
     def admit(self, request: Request, hit: PrefixHit) -> None:
-        """Give the request its cached prefix; its computed tokens start after the hit."""
+        """Give the request its cached prefix. The request is left as it is: the scheduler, its one
+        writer, starts its computed tokens after the hit (hit.num_tokens)."""
         for manager, row in zip(self.managers, hit.block_ids, strict=True):
             manager.take_cached_blocks(request.request_id, row)
-        request.num_computed_tokens = hit.num_tokens
         if self.enable_prefix_caching:
             self.num_queried_tokens += request.num_tokens
             self.num_hit_tokens += hit.num_tokens

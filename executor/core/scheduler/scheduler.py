@@ -8,10 +8,16 @@ prefill step (admitted requests still prefilling, then waiting requests, while s
 last) or, when nothing needs prefilling, a decode step for every running request.
 
 A waiting request is admitted when its tokens beyond its cached prefix fit the free blocks; its
-computed tokens then start after the prefix. When a running request cannot
+computed tokens then start after the prefix. With num_lookahead_tokens (MTP), every request whose
+step samples also gets that many slots past its fed tokens, for the proposer to write its drafts'
+K/V into (a verify step's unaccepted slots are given back after it). When a running request cannot
 get a block, the most recently admitted running request is preempted: its blocks are freed and it
 goes back to the front of the waiting queue, to be recomputed later. A request that could not fit
 the whole pool even alone fails at once, so a lone request always progresses.
+
+The scheduler is the one writer of a Request: the KV cache manager reports a prefix hit without
+applying it, and each step's runner returns a StepResult (new tokens, accepted drafts, logprobs,
+next drafts) that the scheduler applies.
 """
 
 from __future__ import annotations
@@ -25,16 +31,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from executor.core.kv_cache import KVCacheManager
-from executor.types_ import Batch, FinishReason, Request, RequestStatus
+from executor.types_ import Batch, FinishReason, Request, RequestStatus, StepResult, StepRunner
 from executor.utils.step_timer import StepTimer
 
 logger = logging.getLogger(__name__)
-
-
-class BatchRunner(Protocol):
-    def forward_batch(self, batch: Batch) -> list[list[int]]:
-        """The new token ids of each request of the batch (zero or more each)."""
-        ...
 
 
 class PhaseProfiler(Protocol):
@@ -104,12 +104,19 @@ class Scheduler:
         eos_token_ids: set[int],
         clock: Callable[[], float] = time.perf_counter,
         timer: StepTimer | None = None,
+        *,
+        num_lookahead_tokens: int = 0,
+        log_steps: bool = True,
     ) -> None:
+        """`num_lookahead_tokens`: the slots a proposer writes past a step's tokens (MTP: k - 1);
+        `log_steps`: log each step's record (off for the engine's throwaway warm-up scheduler)."""
         self.limits = limits
         self.kv_cache_manager = kv_cache_manager
         self.eos_token_ids = eos_token_ids
         self.clock = clock
-        self.timer = timer if timer is not None else StepTimer(clock)  # the engine marks the same one
+        self.timer = timer if timer is not None else StepTimer(clock)  # the runner marks the same one
+        self.num_lookahead_tokens = num_lookahead_tokens
+        self.log_steps = log_steps
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admitted requests (they hold blocks), oldest first
         self.num_preemptions = 0
@@ -131,7 +138,7 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._newly_failed)
 
-    def run_step(self, engine: BatchRunner, profiler: PhaseProfiler | None = None) -> StepOutput:
+    def run_step(self, runner: StepRunner, profiler: PhaseProfiler | None = None) -> StepOutput:
         """Schedule one batch, run it (under `profiler` if given), and advance the requests' states.
         The step's time runs from scheduling to the requests' update (parts: StepTimer)."""
         finished, self._newly_failed = self._newly_failed, []
@@ -143,28 +150,29 @@ class Scheduler:
             raise RuntimeError("scheduler stalled: requests wait but none can be scheduled")
         phase = "prefill" if batch.is_prefill else "decode"
         with profiler.profile(phase) if profiler is not None else nullcontext(False) as profiled:
-            new_token_ids = engine.forward_batch(batch)
-        finished.extend(self._update_from_output(batch, new_token_ids))
+            result = runner.execute(batch)
+        finished.extend(self._update_from_output(batch, result))
         step_time_ms, parts_ms = self.timer.stop("output")
         self._step += 1
         record = StepRecord(
             step=self._step,
             phase=phase,
-            batch_size=batch.size,
-            num_tokens=batch.total_tokens,
+            batch_size=len(batch.requests),
+            num_tokens=sum(batch.num_scheduled_tokens),
             step_time_ms=step_time_ms,
             kv_usage=self.kv_cache_manager.usage,
             kv_blocks_used=self.kv_cache_manager.block_pool.num_used_blocks,
             prefix_hit_rate=self.kv_cache_manager.prefix_hit_rate,
             evictions=self.kv_cache_manager.block_pool.num_evictions,
             preemptions=self.num_preemptions,
-            **_speculation_counts(batch, new_token_ids),
+            **_speculation_counts(batch, result),
             parts_ms=parts_ms,
             profiled=profiled,
         )
         self.kv_blocks_peak = max(self.kv_blocks_peak, record.kv_blocks_used)
-        logger.info(record.log_line())
-        logger.info(record.cann_log_line())
+        if self.log_steps:
+            logger.info(record.log_line())
+            logger.info(record.cann_log_line())
         return StepOutput(record=record, finished=finished)
 
     # -- scheduling -------------------------------------------------------------------------
@@ -179,18 +187,19 @@ class Scheduler:
             if request.status is RequestStatus.WAITING:  # preempted for an older request this step
                 continue
             chunk = min(request.num_tokens - request.num_computed_tokens, budget)
-            if self._allocate_or_preempt(request, chunk):
+            if self._allocate_or_preempt(request, chunk, self._lookahead(request, chunk)):
                 requests.append(request)
                 num_tokens.append(chunk)
                 budget -= chunk
         while self.waiting and budget > 0 and len(self.running) < self.limits.batch_size:
             request = self.waiting[0]
             hit = self.kv_cache_manager.find_prefix_hit(request)
-            if not self.kv_cache_manager.can_admit(request, hit):
+            if not self.kv_cache_manager.can_admit(request, hit, self._lookahead(request, request.num_tokens)):
                 break  # wait for running requests to finish and free their blocks
             self.kv_cache_manager.admit(request, hit)
+            request.num_computed_tokens = hit.num_tokens
             chunk = min(request.num_tokens - request.num_computed_tokens, budget)
-            allocated = self.kv_cache_manager.allocate_slots(request, chunk)
+            allocated = self.kv_cache_manager.allocate_slots(request, chunk, self._lookahead(request, chunk))
             assert allocated is not None, "the request's tokens fit the free blocks, so its chunk does"
             self.waiting.popleft()
             request.status = RequestStatus.PREFILLING
@@ -211,9 +220,10 @@ class Scheduler:
                 continue
             num_new = request.num_tokens - request.num_computed_tokens
             request_drafts = self._drafts_to_verify(request)
-            if self._allocate_or_preempt(request, num_new + len(request_drafts)):
+            num_fed = num_new + len(request_drafts)
+            if self._allocate_or_preempt(request, num_fed, self._lookahead(request, num_fed)):
                 requests.append(request)
-                num_tokens.append(num_new + len(request_drafts))
+                num_tokens.append(num_fed)
                 drafts.append(request_drafts)
         if not requests:
             return None
@@ -228,10 +238,18 @@ class Scheduler:
         )
         return request.spec_token_ids[: max(room, 0)]
 
-    def _allocate_or_preempt(self, request: Request, num_new_tokens: int) -> bool:
+    def _lookahead(self, request: Request, num_fed: int) -> int:
+        """Slots past the `num_fed` tokens the request feeds next, for its proposer's drafts: none
+        for a prompt chunk short of the prompt's end (it samples nothing), none past max_model_len."""
+        end = request.num_computed_tokens + num_fed
+        if not self.num_lookahead_tokens or end < request.num_tokens:
+            return 0
+        return max(min(self.num_lookahead_tokens, self.limits.max_model_len - end), 0)
+
+    def _allocate_or_preempt(self, request: Request, num_new_tokens: int, num_lookahead_tokens: int) -> bool:
         """Blocks for the request's next tokens, preempting the newest running requests until they
         fit; False when the request itself had to be preempted."""
-        while self.kv_cache_manager.allocate_slots(request, num_new_tokens) is None:
+        while self.kv_cache_manager.allocate_slots(request, num_new_tokens, num_lookahead_tokens) is None:
             victim = self.running[-1]
             self._preempt(victim)
             if victim is request:
@@ -266,8 +284,10 @@ class Scheduler:
         }
 
     def worst_case_blocks(self, request: Request) -> int:
-        """Blocks the request holds at its longest (prompt + max_new_tokens, within max_model_len)."""
-        max_tokens = min(request.num_prompt_tokens + request.sampling_params.max_new_tokens, self.limits.max_model_len)
+        """Blocks the request holds at its longest (prompt + max_new_tokens and the lookahead slots,
+        within max_model_len)."""
+        longest = request.num_prompt_tokens + request.sampling_params.max_new_tokens + self.num_lookahead_tokens
+        max_tokens = min(longest, self.limits.max_model_len)
         return self.kv_cache_manager.num_blocks_for_tokens(max_tokens)
 
     def _rejection_reason(self, request: Request) -> str | None:
@@ -289,15 +309,26 @@ class Scheduler:
 
     # -- state machine ----------------------------------------------------------------------
 
-    def _update_from_output(self, batch: Batch, new_token_ids: list[list[int]]) -> list[Request]:
+    def _update_from_output(self, batch: Batch, result: StepResult) -> list[Request]:
+        """Apply the step's result to its requests: computed tokens (a rejected draft's K/V is
+        void), logprobs, next drafts, output tokens up to a stop; finish and free those that end."""
         now_s = self.clock()
         finished: list[Request] = []
-        for index, (request, num_tokens, token_ids) in enumerate(
-            zip(batch.requests, batch.num_scheduled_tokens, new_token_ids, strict=True)
+        next_drafts = result.next_drafts or [None] * len(batch.requests)
+        for request, num_tokens, drafts, token_ids, num_accepted, logprobs, request_next_drafts in zip(
+            batch.requests,
+            batch.num_scheduled_tokens,
+            batch.draft_token_ids or [[]] * len(batch.requests),
+            result.new_token_ids,
+            result.num_accepted_drafts,
+            result.logprobs,
+            next_drafts,
+            strict=True,
         ):
-            drafts = batch.drafts_of(index)
-            num_rejected = len(drafts) - (len(token_ids) - 1) if drafts else 0
-            request.num_computed_tokens += num_tokens - num_rejected  # a rejected draft's K/V is void
+            request.num_computed_tokens += num_tokens - (len(drafts) - num_accepted)
+            request.output_logprobs.extend(logprobs)
+            if request_next_drafts is not None:
+                request.spec_token_ids = request_next_drafts
             if not token_ids:
                 self.kv_cache_manager.cache_computed_blocks(request)
                 continue  # a prompt chunk short of the prompt's end
@@ -334,14 +365,15 @@ class Scheduler:
         return None
 
 
-def _speculation_counts(batch: Batch, new_token_ids: list[list[int]]) -> dict[str, int]:
-    """Drafts verified in the step, how many were accepted (each verify emits the accepted drafts
-    and one more token), and by how many requests."""
+def _speculation_counts(batch: Batch, result: StepResult) -> dict[str, int]:
+    """Drafts verified in the step, how many of them the runner accepted, and by how many requests."""
     verified = [
-        (drafts, tokens) for drafts, tokens in zip(batch.draft_token_ids, new_token_ids, strict=False) if drafts
+        (len(drafts), accepted)
+        for drafts, accepted in zip(batch.draft_token_ids, result.num_accepted_drafts, strict=False)
+        if drafts
     ]
     return {
-        "num_draft_tokens": sum(len(drafts) for drafts, _ in verified),
-        "num_accepted_tokens": sum(len(tokens) - 1 for _, tokens in verified),
+        "num_draft_tokens": sum(num_drafts for num_drafts, _ in verified),
+        "num_accepted_tokens": sum(accepted for _, accepted in verified),
         "num_verified_requests": len(verified),
     }

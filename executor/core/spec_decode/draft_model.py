@@ -1,29 +1,34 @@
 """Draft-model proposer: a smaller model with the target's tokenizer drafts k tokens greedily.
 
-It runs in an engine of its own (its own KV cache) on shadow requests that mirror the target's
-tokens. Each proposal first feeds the draft model the tokens it has not seen (the prompt the first
-time, then the step's accepted tokens), then k - 1 single-token steps; where the target rejected
-drafts, the shadow's computed tokens roll back to what the two agree on, so its K/V is reused up to
-there and overwritten after it.
+It runs in an engine of its own (its own runner and KV cache, built by the target's engine) on
+shadow requests that mirror the target's tokens: the proposer's private state, not requests of the
+run, so it keeps them in step with what its runner returns. Each proposal first feeds the draft
+model the tokens it has not seen (the prompt the first time, then the step's accepted tokens), then
+k - 1 single-token steps; where the target rejected drafts, the shadow's computed tokens roll back
+to what the two agree on, so its K/V is reused up to there and overwritten after it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from executor.core.kv_cache import KVCacheManager
 from executor.core.spec_decode.proposer import ProposalContext
-from executor.types_ import Batch, Request, SamplingParams
+from executor.types_ import Batch, Request, SamplingParams, StepRunner
 
 
 class DraftModelProposer:
-    def __init__(self, draft_engine, num_speculative_tokens: int) -> None:  # an initialised ExecutionEngine
-        self.engine = draft_engine
+    num_lookahead_tokens = 0  # the drafts' K/V goes to the draft model's own cache
+
+    def __init__(self, runner: StepRunner, kv_cache_manager: KVCacheManager, num_speculative_tokens: int) -> None:
+        self.runner = runner
+        self.kv_cache_manager = kv_cache_manager
         self.num_speculative_tokens = num_speculative_tokens
         self.shadows: dict[str, tuple[Request, Request]] = {}  # request id -> (target request, shadow)
 
     def propose(self, context: ProposalContext) -> list[list[int]]:
         self._release_finished()
-        kv = self.engine.kv_cache_manager
+        kv = self.kv_cache_manager
         drafts: list[list[int]] = [[] for _ in context.requests]
         active: list[tuple[int, Request]] = []
         for index, (request, new_tokens) in enumerate(zip(context.requests, context.new_token_ids, strict=True)):
@@ -41,7 +46,7 @@ class DraftModelProposer:
             [s for _, s in active], [s.num_tokens - s.num_computed_tokens for _, s in active], is_prefill=True
         )
         for depth in range(self.num_speculative_tokens):
-            new = self.engine.forward_batch(batch)
+            new = self.runner.execute(batch).new_token_ids
             for (index, shadow), scheduled, tokens in zip(active, batch.num_scheduled_tokens, new, strict=True):
                 shadow.num_computed_tokens += scheduled
                 shadow.output_token_ids.extend(tokens)
@@ -74,5 +79,5 @@ class DraftModelProposer:
         """Free the draft K/V of requests the scheduler has finished since the last step."""
         for request_id, (request, shadow) in list(self.shadows.items()):
             if request.is_finished:
-                self.engine.kv_cache_manager.free(shadow)
+                self.kv_cache_manager.free(shadow)
                 del self.shadows[request_id]

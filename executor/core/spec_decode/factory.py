@@ -1,38 +1,37 @@
-"""The proposer a run's config asks for (speculative_config, or model_config.next_n for MTP)."""
+"""The proposer a run's config asks for (speculative_config, or model_config.next_n for MTP).
+
+A draft model runs in an engine of its own, which the engine builds (draft_model_config) and hands
+in as its runner and KV cache manager, so that nothing here imports the engine.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from executor.core.config import ConfigError, InferenceConfig
+import torch
+
+from executor.core.config import InferenceConfig
+from executor.core.kv_cache import KVCacheManager
 from executor.core.spec_decode.draft_model import DraftModelProposer
 from executor.core.spec_decode.mtp import MTPProposer
-from executor.core.spec_decode.ngram import NgramProposer
-from executor.core.spec_decode.proposer import ProposalContext, Proposer
+from executor.core.spec_decode.ngram import NgramProposer, NgramStepProposer
+from executor.core.spec_decode.proposer import Proposer
 from executor.model_loader.default_model import expand_home_vars
-
-if TYPE_CHECKING:
-    from executor.core.engine.engine import ExecutionEngine
-
-
-class NgramStepProposer:
-    """Prompt lookup over each request's tokens, this step's included."""
-
-    def __init__(self, ngram: NgramProposer) -> None:
-        self.ngram = ngram
-
-    def propose(self, context: ProposalContext) -> list[list[int]]:
-        return [
-            self.ngram.propose_for([*request.prompt_token_ids, *request.output_token_ids, *new]) if new else []
-            for request, new in zip(context.requests, context.new_token_ids, strict=True)
-        ]
+from executor.types_ import StepRunner
+from ops.attention_metadata import AttentionMetadataBuilder
 
 
-def make_proposer(engine: ExecutionEngine) -> Proposer | None:
-    """None when speculative decoding is off; built after the target engine's weights and cache."""
-    config = engine.config
+def make_proposer(
+    config: InferenceConfig,
+    model: torch.nn.Module,
+    kv_cache_manager: KVCacheManager,
+    metadata_builder: AttentionMetadataBuilder,
+    max_blocks_per_request: int,
+    draft: tuple[StepRunner, KVCacheManager] | None = None,
+) -> Proposer | None:
+    """None when speculative decoding is off; built after the target's weights and cache. `draft`:
+    the draft model's runner and KV cache manager, for method draft_model."""
     method, num_tokens = config.speculation
     spec = config.speculative_config
     if not method:
@@ -40,38 +39,26 @@ def make_proposer(engine: ExecutionEngine) -> Proposer | None:
     if method == "ngram":
         return NgramStepProposer(NgramProposer(num_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max))
     if method == "mtp":
-        assert engine.kv_cache_manager is not None and engine.worker.model is not None
         return MTPProposer(
-            engine.worker.model,
-            engine.kv_cache_manager,
-            engine.metadata_builder,
+            model,
+            kv_cache_manager,
+            metadata_builder,
             num_speculative_tokens=num_tokens,
-            max_blocks_per_request=engine.max_blocks_per_request,
+            max_blocks_per_request=max_blocks_per_request,
             source=config.source,
         )
-    return DraftModelProposer(_draft_engine(engine, config), num_tokens)
+    assert draft is not None, "method draft_model needs the draft model's runner"
+    return DraftModelProposer(*draft, num_tokens)
 
 
-def _draft_engine(target: ExecutionEngine, config: InferenceConfig) -> ExecutionEngine:
-    """An engine for the draft model with the target's limits and exe_mode (one ops table per process),
-    no prefix caching (its shadow requests are rewritten each step), no speculation of its own, and
+def draft_model_config(config: InferenceConfig) -> InferenceConfig:
+    """The draft model's config: the target's limits and exe_mode (one ops table per process), no
+    prefix caching (its shadow requests are rewritten each step), no speculation of its own, and
     none of the target's custom_params (a num_hidden_layers there cuts the target, not the draft)."""
-    from executor.core.config.model_registry import resolve_model
-    from executor.core.engine.engine import ExecutionEngine
-
     draft_path = str(Path(expand_home_vars(config.speculative_config.draft_model_path)).expanduser())
-    draft_config = dataclasses.replace(
+    return dataclasses.replace(
         config,
         model_config=dataclasses.replace(config.model_config, model_path=draft_path, next_n=0, custom_params={}),
         scheduler_config=dataclasses.replace(config.scheduler_config, enable_prefix_caching=False),
         speculative_config=dataclasses.replace(config.speculative_config, method="", num_speculative_tokens=0),
     )
-    engine = ExecutionEngine(draft_config, comm=target.comm)
-    model_cls, config_cls = resolve_model(config.model_config.model_name)
-    engine.init(model_cls, config_cls, draft_path)
-    if engine.vocab_size != target.vocab_size:
-        raise ConfigError(
-            f"speculative_config.draft_model_path in {config.source}: the draft model's vocabulary "
-            f"({engine.vocab_size}) differs from the target's ({target.vocab_size}); it needs the same tokenizer"
-        )
-    return engine

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from executor.core.config import ConfigError
-from executor.core.engine.step_inputs import ScheduledSequence, build_step_layout
 from executor.core.kv_cache import KVCacheManager
 from executor.core.spec_decode.proposer import ProposalContext
+from executor.types_.model_inputs import ScheduledSequence, build_step_layout
 from ops.attention_metadata import AttentionMetadataBuilder, build_model_inputs
 
 
@@ -49,6 +49,7 @@ class MTPProposer:
         self.kv_cache_manager = kv_cache_manager
         self.builder = builder
         self.num_speculative_tokens = num_speculative_tokens
+        self.num_lookahead_tokens = num_speculative_tokens - 1  # drafts 2..k write one position on each
         self.max_blocks_per_request = max_blocks_per_request
 
     @torch.inference_mode()
@@ -107,17 +108,17 @@ class MTPProposer:
         self, context: ProposalContext, drafting: list[_Drafting], tokens: list[int]
     ) -> tuple[list[int], list[ScheduledSequence]]:
         """Which drafting requests go on (their index in `drafting`) and their next MTP row: the
-        last draft, one position on, for those whose K/V slot there can be allocated (the scheduler
-        gives such lookahead slots back after the next verify)."""
+        last draft, one position on, for those that hold a K/V slot there (the scheduler allocated
+        num_lookahead_tokens of them with the step, short of max_model_len, and gives them back
+        after the next verify)."""
         kept, sequences = [], []
+        block_size = self.kv_cache_manager.block_size
         for position, (item, token) in enumerate(zip(drafting, tokens, strict=True)):
-            request = context.requests[item.index]
             row_position = item.position + 1
-            # the request's computed count has not advanced past this step yet
-            if self.kv_cache_manager.allocate_slots(request, row_position + 1 - request.num_computed_tokens) is None:
+            block_ids = self.kv_cache_manager.get_block_ids(context.requests[item.index].request_id)
+            if any(len(group_blocks) * block_size <= row_position for group_blocks in block_ids):
                 continue
             item.position = row_position
             kept.append(position)
-            block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
             sequences.append(ScheduledSequence([token], row_position, block_ids, num_sampled_rows=1))
         return kept, sequences

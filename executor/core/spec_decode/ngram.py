@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from executor.core.spec_decode.proposer import ProposalContext
+
 
 @dataclass(frozen=True, slots=True)
 class NgramProposer:
@@ -28,3 +30,18 @@ class NgramProposer:
                 start = int(matches[-1]) + n  # what followed the latest earlier occurrence
                 return tokens[start : start + self.num_speculative_tokens].tolist()
         return []
+
+
+class NgramStepProposer:
+    """Prompt lookup over each request's tokens, this step's included."""
+
+    num_lookahead_tokens = 0  # drafts are looked up, not computed: no K/V written ahead
+
+    def __init__(self, ngram: NgramProposer) -> None:
+        self.ngram = ngram
+
+    def propose(self, context: ProposalContext) -> list[list[int]]:
+        return [
+            self.ngram.propose_for([*request.prompt_token_ids, *request.output_token_ids, *new]) if new else []
+            for request, new in zip(context.requests, context.new_token_ids, strict=True)
+        ]

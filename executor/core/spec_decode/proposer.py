@@ -1,6 +1,6 @@
 """One interface for every draft proposer, and the step context it proposes from.
 
-After each step the engine hands the proposer what it just computed; the proposer returns, for
+After each step the model runner hands the proposer what it just computed; the proposer returns, for
 each request, the draft tokens its next decode step will verify (possibly none). Drafts are
 chosen greedily by every proposer, so their distribution is one-hot and rejection sampling needs
 no draft probabilities.
@@ -13,8 +13,8 @@ from typing import Protocol
 
 import torch
 
-from executor.core.engine.step_inputs import ScheduledSequence
 from executor.types_ import Request
+from executor.types_.model_inputs import ScheduledSequence
 
 
 @dataclass(slots=True)
@@ -30,6 +30,10 @@ class ProposalContext:
 
 
 class Proposer(Protocol):
+    # KV slots the proposer writes past each step's tokens in the target's cache (MTP: its drafts
+    # after the first), which the scheduler allocates with the step's own
+    num_lookahead_tokens: int
+
     def propose(self, context: ProposalContext) -> list[list[int]]:
         """Draft tokens per request of the step, for its next decode step."""
         ...

@@ -1,0 +1,194 @@
+"""ModelRunner (vLLM's name): one step, from a scheduled Batch to its StepResult.
+
+A step reads as its parts: pack the requests' tokens and blocks into a StepLayout, run the
+worker's forward, take the logits of the rows the step samples, sample them, verify drafts, and
+propose the next drafts. The runner only reads requests: the scheduler applies the StepResult.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from executor.core.kv_cache import KVCacheManager
+from executor.core.model_worker import ModelWorker
+from executor.core.sampler import Sampler, SamplingMetadata
+from executor.core.sampler.noise import token_seed
+from executor.core.spec_decode.proposer import ProposalContext, Proposer
+from executor.core.spec_decode.verify import accept_greedy, rejection_sample
+from executor.types_ import Batch, Request, StepResult, TokenLogprobs
+from executor.types_.model_inputs import ScheduledSequence, StepLayout, build_step_layout
+from executor.utils.step_timer import StepTimer
+from ops.attention_metadata import AttentionMetadataBuilder, to_device
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        worker: ModelWorker,
+        sampler: Sampler,
+        kv_cache_manager: KVCacheManager,
+        metadata_builder: AttentionMetadataBuilder,
+        step_timer: StepTimer,
+        *,
+        device: torch.device,
+        max_blocks_per_request: int,
+        lock_step_kinds: list[str],
+        proposer: Proposer | None = None,
+    ) -> None:
+        """`lock_step_kinds`: the model groups spanning data-parallel replicas (docs/distributed.md)."""
+        self.worker = worker
+        self.sampler = sampler
+        self.kv_cache_manager = kv_cache_manager
+        self.metadata_builder = metadata_builder
+        self.step_timer = step_timer
+        self.max_blocks_per_request = max_blocks_per_request
+        self.lock_step_kinds = lock_step_kinds
+        self.proposer = proposer
+        self.device = device  # where the sampled rows' indices go
+
+    def execute(self, batch: Batch) -> StepResult:
+        """Run one step for `batch`: what each request emits, how many of its drafts were accepted,
+        its logprobs, and (with a proposer) its drafts for the next step."""
+        drafts = batch.draft_token_ids or [[]] * len(batch.requests)
+        sequences, layout = self.prepare_inputs(batch, drafts)
+        self.step_timer.mark("prepare")
+        hidden_states, all_logits = self.worker.execute(layout, self.metadata_builder)  # marks h2d
+        if not layout.logits_indices:
+            self._join_lm_head_without_rows(hidden_states)
+            self.step_timer.mark("forward")
+            return StepResult.empty(len(sequences))
+        logits = self._logits(hidden_states, all_logits, layout)
+        self.step_timer.mark("forward")
+        row_token_ids, row_logprobs = self._sample(logits, batch.requests, sequences)
+        result = self._verify(batch.requests, drafts, sequences, row_token_ids, row_logprobs, logits)
+        self.step_timer.mark("sample")
+        if self.proposer is not None:
+            result.next_drafts = self._propose(batch.requests, drafts, sequences, result, hidden_states, layout)
+            self.step_timer.mark("propose")
+        return result
+
+    def prepare_inputs(self, batch: Batch, drafts: list[list[int]]) -> tuple[list[ScheduledSequence], StepLayout]:
+        """Each request's share of the step (its tokens not yet computed, then its `drafts`), and
+        the step's packed inputs."""
+        sequences = []
+        for request, num_tokens, request_drafts in zip(batch.requests, batch.num_scheduled_tokens, drafts, strict=True):
+            start = request.num_computed_tokens
+            end = start + num_tokens - len(request_drafts)  # the request's own tokens; the drafts follow them
+            sequences.append(
+                ScheduledSequence(
+                    token_ids=request.token_ids_between(start, end) + request_drafts,
+                    num_computed_tokens=start,
+                    block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+                    num_sampled_rows=1 + len(request_drafts) if end >= request.num_tokens else 0,
+                )
+            )
+        return sequences, self._pack(sequences)
+
+    def _pack(self, sequences: list[ScheduledSequence]) -> StepLayout:
+        return build_step_layout(
+            sequences, block_size=self.kv_cache_manager.block_size, max_blocks_per_request=self.max_blocks_per_request
+        )
+
+    def _logits(self, hidden_states: torch.Tensor, all_logits: torch.Tensor | None, layout: StepLayout) -> torch.Tensor:
+        """The sampled rows' logits: picked from a graph's LM head output, or the LM head on those rows."""
+        logits_indices = to_device(layout.logits_indices, torch.int64, self.device)
+        if all_logits is not None:
+            return all_logits[logits_indices]
+        return self.worker.compute_logits(hidden_states, logits_indices)
+
+    def _sample(
+        self, logits: torch.Tensor, requests: list[Request], sequences: list[ScheduledSequence]
+    ) -> tuple[list[int], list[TokenLogprobs | None] | None]:
+        """One token per row of logits, each with its request's sampling parameters; the step's one
+        host read of the sampled ids (a second brings logprobs back when a request asks for them)."""
+        requests_per_row = [
+            request for request, seq in zip(requests, sequences, strict=True) for _ in range(seq.num_sampled_rows)
+        ]
+        metadata = SamplingMetadata.build(requests_per_row, logits.device)
+        output = self.sampler.sample(logits, metadata)
+        token_ids = output.token_ids.tolist()
+        if output.logprobs is None:
+            return token_ids, None
+        return token_ids, output.logprobs.per_row(token_ids, metadata.num_logprobs)
+
+    def _verify(
+        self,
+        requests: list[Request],
+        drafts: list[list[int]],
+        sequences: list[ScheduledSequence],
+        row_token_ids: list[int],
+        row_logprobs: list[TokenLogprobs | None] | None,
+        logits: torch.Tensor,
+    ) -> StepResult:
+        """Split the sampled rows by request; a request with drafts emits what its verify rows accept
+        (the logprobs of the rows past what it emits are dropped)."""
+        result = StepResult([], [], [])
+        row = 0
+        for request, request_drafts, seq in zip(requests, drafts, sequences, strict=True):
+            end = row + seq.num_sampled_rows
+            emitted = row_token_ids[row:end]
+            if request_drafts:
+                emitted = self._accepted(request, request_drafts, emitted, logits[row:end])
+            result.new_token_ids.append(emitted)
+            result.num_accepted_drafts.append(len(emitted) - 1 if request_drafts else 0)
+            kept = row_logprobs[row : row + len(emitted)] if row_logprobs is not None else []
+            result.logprobs.append([entry for entry in kept if entry is not None])
+            row = end
+        return result
+
+    def _accepted(
+        self, request: Request, drafts: list[int], row_token_ids: list[int], logits: torch.Tensor
+    ) -> list[int]:
+        """What a request emits from its verify rows: the greedy prefix match, or rejection sampling
+        for a random request (its generator seeded by its seed and output index, as its sampled
+        tokens are)."""
+        if request.sampling_params.is_greedy:
+            return accept_greedy(drafts, row_token_ids)
+        probs = self.sampler.probabilities(logits, SamplingMetadata.build([request] * len(logits), logits.device))
+        seed = request.sampling_params.seed
+        generator = None
+        if seed is not None:
+            generator = torch.Generator(logits.device).manual_seed(token_seed(seed, len(request.output_token_ids)))
+        return rejection_sample(probs, drafts, None, generator)
+
+    def _propose(
+        self,
+        requests: list[Request],
+        drafts: list[list[int]],
+        sequences: list[ScheduledSequence],
+        result: StepResult,
+        hidden_states: torch.Tensor,
+        layout: StepLayout,
+    ) -> list[list[int]]:
+        """Each request's drafts for its next step, from what this one computed."""
+        assert self.proposer is not None
+        context = ProposalContext(
+            requests=requests,
+            sequences=sequences,
+            new_token_ids=result.new_token_ids,
+            num_valid_tokens=[
+                len(seq.token_ids) - (len(request_drafts) - accepted)
+                for seq, request_drafts, accepted in zip(sequences, drafts, result.num_accepted_drafts, strict=True)
+            ],
+            hidden_states=hidden_states,
+            row_starts=[0, *layout.query_ends[:-1]],
+        )
+        return self.proposer.propose(context)
+
+    def idle_forward(self) -> None:
+        """Lock-step data parallelism: the step of a replica with nothing to run, so that the groups it
+        shares with busy replicas meet in every collective. One padding token (id 0, position 0) whose
+        K/V goes to slot 0 of the null block 0, where padded rows write and which no request reads;
+        its hidden state and logits are dropped. Not a step of the run: nothing is scheduled."""
+        null_blocks = [[0]] * self.kv_cache_manager.num_groups
+        layout = self._pack(
+            [ScheduledSequence(token_ids=[0], num_computed_tokens=0, block_ids=null_blocks, num_sampled_rows=0)]
+        )
+        hidden_states, _ = self.worker.execute(layout, self.metadata_builder)
+        self._join_lm_head_without_rows(hidden_states)
+
+    def _join_lm_head_without_rows(self, hidden_states: torch.Tensor) -> None:
+        """A step that samples no row still joins the LM head's collectives when its group spans
+        replicas (another replica may sample in this step)."""
+        if "lmhead_tp" in self.lock_step_kinds:
+            self.worker.compute_logits(hidden_states, torch.empty(0, dtype=torch.int64, device=hidden_states.device))
