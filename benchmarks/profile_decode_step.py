@@ -2,7 +2,7 @@
 decode steps of the default model; then the decode step time as built against one part swapped
 for its baseline, interleaved (baseline, built, built, baseline): `--baseline attention` runs the
 gathered torch reference instead of the CPU decode attention kernel, `--baseline weights` MKL on
-the plain linear weights instead of the packed copies (ops/cpu_linear.py), `--baseline
+the plain linear weights instead of the packed copies (ops/cpu.py), `--baseline
 onednn` oneDNN's blocked copies instead of the AVX2 panels, `--baseline fused` the torch
 reference's separate ops instead of the fused CPU kernels. Each baseline swaps the layers' backend
 record (or their linear methods) for the time it runs.
@@ -36,7 +36,7 @@ from executor.types_ import Batch, Request, SamplingParams
 from models.llama import LlamaForCausalLM
 from ops import cpu, torch_ref
 from ops.backend import Backend
-from ops.cpu_linear import OneDnnLinear
+from ops.cpu import OneDnnLinear
 from ops.linear_method import LinearMethod, PlainLinear
 
 

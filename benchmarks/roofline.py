@@ -3,7 +3,7 @@ a given batch, from what the machine measures now, not from a datasheet.
 
 It measures the memory read bandwidth (torch sum over 1 GiB), the matmul rate at a large square
 shape and at each of the step's own shapes (`batch` rows against every projection and the LM head,
-the best of MKL on the plain weight and the packed copy of ops/cpu_linear.py), and prints one JSON line with
+the best of MKL on the plain weight and the packed copy of ops/cpu.py), and prints one JSON line with
 the bound each gives: bytes (weights plus the K/V read at `--kv-tokens` per request) over the
 bandwidth, and FLOPs over the matmul rate. The roofline is the larger of the memory bound and the
 compute bound at the step's own shapes; a decode step's time over it is what issue 12's "within 2.5x
@@ -44,7 +44,7 @@ def read_bandwidth_gb_per_s(gib: float = 1.0) -> float:
 
 
 def matmul_seconds(rows: int, in_features: int, out_features: int, dtype: torch.dtype) -> float:
-    """The faster of MKL on the plain weight and the CPU backend's packed copy (ops/cpu_linear.py), for one call."""
+    """The faster of MKL on the plain weight and the CPU backend's packed copy (ops/cpu.py), for one call."""
     x = torch.randn(rows, in_features, dtype=dtype)
     method = make_backend("cpu", "eager", dtype).linear_method()
     layer = ColumnParallelLinear(in_features, out_features, linear_method=method)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from executor.types_.forward_metadata import ForwardMetaData
 from executor.types_.kv_cache_spec import KVCacheSpec, attention_spec
+from executor.types_.model_inputs import ForwardMetaData
 from module.parallel_group import SINGLE, ParallelGroup
 from module.weights import LoadedWeight, ShardId, load_shard
 from ops.backend import Backend

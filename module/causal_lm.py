@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from executor.types_.forward_metadata import ForwardMetaData
+from executor.types_.model_inputs import ForwardMetaData
 from module.embedding import ParallelLMHead
 from module.mtp import MTPLayerMixin
 

@@ -13,8 +13,8 @@ import torch
 from transformers import PretrainedConfig
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
 
-from executor.types_.forward_metadata import ForwardMetaData
 from executor.types_.kv_cache_spec import KVCacheSpec, mla_spec
+from executor.types_.model_inputs import ForwardMetaData
 from module.attention import KVCacheLayer
 from module.linear import ColumnParallelLinear, RowParallelLinear, divide
 from module.norm import RMSNorm

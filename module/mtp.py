@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from executor.types_.forward_metadata import ForwardMetaData
+from executor.types_.model_inputs import ForwardMetaData
 from module.linear import ColumnParallelLinear
 from module.norm import RMSNorm
 from module.parallel_group import ModelParallel

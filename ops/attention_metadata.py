@@ -11,8 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from executor.types_.forward_metadata import CacheGroupTables, ForwardMetaData
-from executor.types_.model_inputs import ModelInputs, StepLayout
+from executor.types_.model_inputs import CacheGroupTables, ForwardMetaData, ModelInputs, StepLayout
 
 # FIA's compressed causal mask for sparse_mode=3 (bottom-right causal): always 2048x2048, 1 = masked.
 NPU_CAUSAL_MASK_SIZE = 2048

@@ -21,8 +21,7 @@ from executor.platform import npu_runtime
 from executor.platform.graph_compilers import GraphCompilerFactory, graph_compiler_factory
 from ops import cpu, cpu_kernels, cuda_graph, torch_ref
 from ops.attention_metadata import AttentionMetadataBuilder, NpuMetadataBuilder, TorchMetadataBuilder
-from ops.cpu import CpuOps
-from ops.cpu_linear import cpu_linear_method
+from ops.cpu import CpuOps, cpu_linear_method
 from ops.linear_method import UNQUANTIZED, LinearMethod, PlainLinear
 from ops.npu import NpuGraphOps, NpuOps
 

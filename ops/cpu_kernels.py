@@ -16,11 +16,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-import torch
 
 logger = logging.getLogger(__name__)
 
@@ -99,15 +96,3 @@ def extension() -> Any | None:
     except Exception as exc:  # no compiler, missing headers: the reference still works
         logger.warning("CPU kernels unavailable (%s); using the torch reference", exc)
         return None
-
-
-def named(name: str, kernel: Callable[..., Any]) -> Callable[..., Any]:
-    """`kernel`, recorded as infer_recipes::`name` while a profiler runs (a pybind call is no aten op)."""
-    if torch.autograd._profiler_enabled():
-        return functools.partial(_recorded, f"infer_recipes::{name}", kernel)
-    return kernel
-
-
-def _recorded(label: str, kernel: Callable[..., Any], *args: Any) -> Any:
-    with torch.profiler.record_function(label):
-        return kernel(*args)

@@ -78,11 +78,12 @@ def test_layers_of_two_kinds_get_two_cache_groups_and_equal_transformers(ministr
     assert [len(g.layer_names) for g in groups] == [2, 2] and groups[0].spec.sliding_window == WINDOW
     assert inference.engine.kv_cache_manager.num_groups == 2
     seen_tables: list[int] = []
-    forward = inference.engine.worker.forward
+    model = inference.engine.worker.model
+    forward = model.forward
     monkeypatch.setattr(
-        inference.engine.worker,
+        model,
         "forward",
-        lambda inputs: seen_tables.append(len(inputs.forward_metadata.groups)) or forward(inputs),
+        lambda ids, positions, metadata: seen_tables.append(len(metadata.groups)) or forward(ids, positions, metadata),
     )
     result = inference.generate(token_records(prompts))
     hf = transformers.MinistralForCausalLM.from_pretrained(ministral_dir, dtype=torch.float32).eval()

@@ -1,4 +1,4 @@
-"""Linear layers over packed weights (the CPU backend's LinearMethods, ops/cpu_linear.py, and
+"""Linear layers over packed weights (the CPU backend's LinearMethods, ops/cpu.py, and
 ops/csrc/packed_linear.cpp): the same products as F.linear on the plain weight, at every row count,
 width and input layout a step produces."""
 
@@ -12,7 +12,7 @@ from module.embedding import ParallelLMHead
 from module.linear import ColumnParallelLinear, RowParallelLinear
 from ops import cpu_kernels
 from ops.backend import make_backend
-from ops.cpu_linear import PANEL_ROWS_MAX, OneDnnLinear, PanelLinear, cpu_linear_method
+from ops.cpu import PANEL_ROWS_MAX, OneDnnLinear, PanelLinear, cpu_linear_method
 from ops.linear_method import LinearMethod, PlainLinear, process_linear_weights
 
 AVX2 = frozenset({"avx2", "fma"})

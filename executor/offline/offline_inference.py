@@ -95,6 +95,7 @@ class OfflineInference:
         profiler = self._make_profiler(writer)
         comm = self.engine.comm
         comm.stats.take()  # warm-up's collectives are not the first step's
+        counts_collectives = comm.is_distributed  # one process has none to count
         idle_steps = 0
         start_s = time.perf_counter()
         progress_bar = tqdm(total=len(requests), unit="req", desc="requests", disable=comm.rank != 0)
@@ -112,7 +113,8 @@ class OfflineInference:
                     comm.stats.take()  # an idle step is no step of this replica's log
                     idle_steps += 1
                 if output.record is not None:
-                    output.record.comm_bytes = comm.stats.take()
+                    if counts_collectives:
+                        output.record.comm_bytes = comm.stats.take()
                     steps.append(output.record)
                     if writer is not None:
                         writer.write_step(output.record)

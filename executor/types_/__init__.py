@@ -2,9 +2,15 @@
 
 from executor.types_.batch import Batch, StepResult, StepRunner
 from executor.types_.block_hash import BlockHash
-from executor.types_.forward_metadata import CacheGroupTables, ForwardMetaData
 from executor.types_.kv_cache_spec import AttentionKind, KVCacheSpec, KVTensorSpec, attention_spec
-from executor.types_.model_inputs import ModelInputs, ScheduledSequence, StepLayout, build_step_layout
+from executor.types_.model_inputs import (
+    CacheGroupTables,
+    ForwardMetaData,
+    ModelInputs,
+    ScheduledSequence,
+    StepLayout,
+    build_step_layout,
+)
 from executor.types_.request import FinishReason, Request, RequestStatus, SamplingParams, TokenLogprobs
 
 __all__ = [

@@ -17,7 +17,7 @@ from torch import nn
 from transformers import DeepseekV3Config
 
 from executor.types_.errors import WeightLoadError
-from executor.types_.forward_metadata import ForwardMetaData
+from executor.types_.model_inputs import ForwardMetaData
 from module.causal_lm import CausalLM
 from module.decoder_layer import PreNormDecoderLayer
 from module.embedding import ParallelLMHead, VocabParallelEmbedding

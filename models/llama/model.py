@@ -13,7 +13,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from executor.types_.errors import WeightLoadError
-from executor.types_.forward_metadata import ForwardMetaData
+from executor.types_.model_inputs import ForwardMetaData
 from module.attention import Attention
 from module.causal_lm import CausalLM
 from module.decoder_layer import PreNormDecoderLayer

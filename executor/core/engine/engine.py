@@ -63,7 +63,6 @@ class ExecutionEngine:
             self.dtype,
             config.model_config.with_ckpt,
             seed=config.data_config.seed,
-            step_timer=self.step_timer,
             parallel=self.comm.model_parallel(),
             backend=self.backend,
         )

@@ -18,7 +18,7 @@ from executor.core.spec_decode.verify import accept_greedy, rejection_sample
 from executor.types_ import Batch, Request, StepResult, TokenLogprobs
 from executor.types_.model_inputs import ScheduledSequence, StepLayout, build_step_layout
 from executor.utils.step_timer import StepTimer
-from ops.attention_metadata import AttentionMetadataBuilder, to_device
+from ops.attention_metadata import AttentionMetadataBuilder, build_model_inputs, to_device
 
 
 class ModelRunner:
@@ -52,7 +52,7 @@ class ModelRunner:
         drafts = batch.draft_token_ids or [[]] * len(batch.requests)
         sequences, layout = self.prepare_inputs(batch, drafts)
         self.step_timer.mark("prepare")
-        hidden_states, all_logits = self.worker.execute(layout, self.metadata_builder)  # marks h2d
+        hidden_states, all_logits = self._forward(layout)  # marks h2d
         if not layout.logits_indices:
             self._join_lm_head_without_rows(hidden_states)
             self.step_timer.mark("forward")
@@ -89,12 +89,25 @@ class ModelRunner:
             sequences, block_size=self.kv_cache_manager.block_size, max_blocks_per_request=self.max_blocks_per_request
         )
 
+    @torch.inference_mode()
+    def _forward(self, layout: StepLayout) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The model on the step: through the bucket's graph where one serves it, else eagerly.
+        Hidden states [rows, hidden] (a graph's padding rows follow the layout's) and, from a graph,
+        the logits of every row; None where the LM head runs on the sampled rows after (_logits)."""
+        graph_runner = self.worker.graph_runner
+        if graph_runner is not None and (output := graph_runner.forward(layout)) is not None:
+            return output
+        inputs = build_model_inputs(layout, self.metadata_builder)
+        self.step_timer.mark("h2d")
+        return self.worker.model(inputs.input_ids, inputs.positions, inputs.forward_metadata), None
+
     def _logits(self, hidden_states: torch.Tensor, all_logits: torch.Tensor | None, layout: StepLayout) -> torch.Tensor:
         """The sampled rows' logits: picked from a graph's LM head output, or the LM head on those rows."""
         logits_indices = to_device(layout.logits_indices, torch.int64, self.device)
         if all_logits is not None:
             return all_logits[logits_indices]
-        return self.worker.compute_logits(hidden_states, logits_indices)
+        with torch.inference_mode():
+            return self.worker.model.compute_logits(hidden_states, logits_indices)
 
     def _sample(
         self, logits: torch.Tensor, requests: list[Request], sequences: list[ScheduledSequence]
@@ -184,7 +197,7 @@ class ModelRunner:
         layout = self._pack(
             [ScheduledSequence(token_ids=[0], num_computed_tokens=0, block_ids=null_blocks, num_sampled_rows=0)]
         )
-        hidden_states, _ = self.worker.execute(layout, self.metadata_builder)
+        hidden_states, _ = self._forward(layout)
         self._join_lm_head_without_rows(hidden_states)
 
     def _join_lm_head_without_rows(self, hidden_states: torch.Tensor) -> None:

@@ -1,4 +1,5 @@
-"""ModelWorker: owns the model on its device, its KV cache tensors, and runs one forward pass."""
+"""ModelWorker: builds and loads the model on its device with its backend, holds its KV cache tensors and its
+graph runner; the ModelRunner (executor/core/engine/model_runner.py) runs it each step."""
 
 from __future__ import annotations
 
@@ -14,11 +15,9 @@ from executor.core.model_worker.graph_runner import GraphRunner
 from executor.model_loader import get_model_loader
 from executor.platform import Platform
 from executor.types_.kv_cache_spec import KVCacheSpec
-from executor.types_.model_inputs import ModelInputs, StepLayout
-from executor.utils.step_timer import StepTimer
+from executor.types_.model_inputs import ModelInputs
 from module.attention import KVCacheLayer
 from module.parallel_group import ONE_PROCESS, ModelParallel
-from ops.attention_metadata import AttentionMetadataBuilder, build_model_inputs
 from ops.backend import Backend
 from ops.linear_method import process_linear_weights
 
@@ -58,7 +57,6 @@ class ModelWorker:
         dtype: torch.dtype,
         with_ckpt: bool,
         seed: int,
-        step_timer: StepTimer | None = None,
         parallel: ModelParallel = ONE_PROCESS,
         *,
         backend: Backend,
@@ -69,7 +67,6 @@ class ModelWorker:
         self.dtype = dtype
         self.with_ckpt = with_ckpt
         self.seed = seed
-        self.step_timer = step_timer if step_timer is not None else StepTimer()  # marks the end of h2d
         self.model: torch.nn.Module | None = None
         self.kv_cache_layers: dict[str, KVCacheLayer] = {}
         self.kv_cache_groups: list[KVCacheGroup] = []
@@ -117,21 +114,6 @@ class ModelWorker:
         cache tensors they were built on); returns the warm-up seconds."""
         self.graph_runner = runner
         return runner.warm_up()
-
-    @torch.inference_mode()
-    def execute(
-        self, layout: StepLayout, builder: AttentionMetadataBuilder
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One step: through the bucket's graph where one serves it, else eagerly. Hidden states
-        [rows, hidden] (a graph's padding rows follow the layout's) and, from a graph, the logits of
-        every row; None where the caller computes the sampled rows' logits itself."""
-        if self.graph_runner is not None:
-            output = self.graph_runner.forward(layout)
-            if output is not None:
-                return output
-        inputs = build_model_inputs(layout, builder)
-        self.step_timer.mark("h2d")
-        return self.forward(inputs), None
 
     @torch.inference_mode()
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
