@@ -12,15 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from models.llama import LlamaForCausalLM as OurLlamaForCausalLM
 from tests.factories import TINY_VOCAB, tiny_tokenizer
-from tests.paged_harness import VOCAB, parity_config, save_random_model
-
-assert TINY_VOCAB == VOCAB  # the tokenizer has a word for every token id of the parity models
-
-
-def llama_config(**overrides: object) -> LlamaConfig:
-    """A tiny random Llama config for parity tests (paged_harness.PARITY_SETTINGS, 3 layers);
-    overrides change any field."""
-    return parity_config(LlamaConfig, {"intermediate_size": 128, "num_hidden_layers": 3}, overrides)
+from tests.paged_harness import save_random_model
 
 
 def save_tiny_llama(path: Path, seed: int = 0) -> Path:

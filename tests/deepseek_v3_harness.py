@@ -1,5 +1,6 @@
-"""Tiny random DeepSeek-V3 configs and checkpoints for the DeepSeek-V3 tests (the paged driver, the
-random model and the checks they use are tests/paged_harness.py's)."""
+"""Tiny random DeepSeek-V3 checkpoints for the DeepSeek-V3 tests (their config is
+tests/factories.py's deepseek_config; the paged driver, the random model and the checks they use
+are tests/paged_harness.py's)."""
 
 from __future__ import annotations
 
@@ -12,31 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from models.deepseek_v3 import DeepseekV3ForCausalLM
 from tests import paged_harness
-from tests.paged_harness import parity_config, save_random_model
-
-
-def deepseek_config(**overrides: object) -> transformers.DeepseekV3Config:
-    """Three layers (the first dense), 8 routed experts in 4 groups, q_lora_rank set, no MTP module;
-    overrides change any field."""
-    settings = dict(
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_hidden_layers=3,
-        num_key_value_heads=4,  # transformers' eager attention repeats K/V by heads // this
-        n_shared_experts=1,
-        n_routed_experts=8,
-        num_experts_per_tok=3,
-        n_group=4,
-        topk_group=2,
-        first_k_dense_replace=1,
-        kv_lora_rank=32,
-        q_lora_rank=48,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=16,
-        v_head_dim=12,
-        num_nextn_predict_layers=0,
-    )
-    return parity_config(transformers.DeepseekV3Config, settings, overrides)
+from tests.paged_harness import save_random_model
 
 
 def save_checkpoint(path: Path, config: transformers.DeepseekV3Config, seed: int = 0) -> torch.nn.Module:

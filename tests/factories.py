@@ -1,9 +1,11 @@
-"""The one place tests make Requests and word-level tokenizers (tiny models: conftest and the harnesses)."""
+"""The one place tests make Requests, word-level tokenizers and tiny random model configs (one factory per family)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import functools
+from collections.abc import Callable, Iterable, Mapping
 
+import transformers
 from tokenizers import Tokenizer, processors
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
@@ -11,7 +13,7 @@ from transformers import PreTrainedTokenizerFast
 
 from executor.types_ import Request, SamplingParams
 
-TINY_VOCAB = 256  # the tiny tokenizer has a word for every token id of the parity models (paged_harness.VOCAB)
+TINY_VOCAB = 256  # the tiny tokenizer has a word for every token id of the parity models (PARITY_SETTINGS)
 TINY_CHAT_TEMPLATE = (
     "{% for m in messages %}<s> {{ m['content'] }} {% endfor %}{% if add_generation_prompt %}<s>{% endif %}"
 )
@@ -46,3 +48,103 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     """Words w3..w255 plus <unk>, <s>, </s> (ids 0, 1, 2): enough to encode and decode offline."""
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, TINY_VOCAB)}
     return word_tokenizer(vocab, TINY_CHAT_TEMPLATE, bos_token="<s>", eos_token="</s>", pad_token="</s>")
+
+
+# What every family's tiny parity config shares: random weights that give peaked logits (greedy
+# choices far from ties), no special tokens (transformers' generate must not stop early) and
+# transformers' eager attention.
+PARITY_SETTINGS: dict[str, object] = dict(
+    vocab_size=TINY_VOCAB,
+    hidden_size=64,
+    num_attention_heads=4,
+    max_position_embeddings=128,
+    initializer_range=0.1,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+    attn_implementation="eager",
+)
+
+
+def parity_config(
+    make_config: Callable[..., transformers.PretrainedConfig],
+    family_settings: Mapping[str, object],
+    overrides: Mapping[str, object],
+) -> transformers.PretrainedConfig:
+    """make_config (a config class) with PARITY_SETTINGS, then a family's own settings, then a test's overrides."""
+    return make_config(**(PARITY_SETTINGS | dict(family_settings) | dict(overrides)))
+
+
+def llama_config(**overrides: object) -> transformers.LlamaConfig:
+    """A tiny random Llama config for parity tests (PARITY_SETTINGS, 3 layers); overrides change any field."""
+    return parity_config(transformers.LlamaConfig, {"intermediate_size": 128, "num_hidden_layers": 3}, overrides)
+
+
+def mtp_config(**overrides: object) -> transformers.LlamaConfig:
+    """llama_config with GQA (4 heads over 2) and one MTP layer (num_nextn_predict_layers=1)."""
+    return llama_config(num_key_value_heads=2, num_nextn_predict_layers=1, **overrides)
+
+
+def qwen_config(family: str, **overrides: object) -> transformers.PretrainedConfig:
+    """Three tiny layers, GQA (4 heads over 2), 8 experts choosing 2 for MoE; overrides change any field."""
+    settings: dict[str, object] = dict(intermediate_size=96, num_hidden_layers=3, num_key_value_heads=2)
+    if family == "qwen3":
+        settings["head_dim"] = 16
+    if family == "qwen3_moe":
+        settings |= dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2)
+    return parity_config(functools.partial(transformers.AutoConfig.for_model, family), settings, overrides)
+
+
+GPT_OSS_WINDOW = 8  # gpt_oss_config's sliding window
+
+
+def gpt_oss_yarn(truncate: bool) -> dict:
+    """gpt-oss's released rope parameters (whose configs say truncate: false), or with truncate."""
+    return {
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": truncate,
+        "original_max_position_embeddings": 4096,
+        "rope_theta": 150000.0,
+    }
+
+
+def gpt_oss_config(**overrides: object) -> transformers.GptOssConfig:
+    """Four layers (sliding, full, sliding, full), GQA, 4 experts of which 2 per token; overrides change any field."""
+    settings = dict(
+        intermediate_size=32,
+        num_hidden_layers=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=GPT_OSS_WINDOW,
+        rope_parameters=gpt_oss_yarn(truncate=False),
+    )
+    return parity_config(transformers.GptOssConfig, settings, overrides)
+
+
+def deepseek_config(**overrides: object) -> transformers.DeepseekV3Config:
+    """Three layers (the first dense), 8 routed experts in 4 groups, q_lora_rank set, no MTP module;
+    overrides change any field."""
+    settings = dict(
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_key_value_heads=4,  # transformers' eager attention repeats K/V by heads // this
+        n_shared_experts=1,
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        n_group=4,
+        topk_group=2,
+        first_k_dense_replace=1,
+        kv_lora_rank=32,
+        q_lora_rank=48,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=12,
+        num_nextn_predict_layers=0,
+    )
+    return parity_config(transformers.DeepseekV3Config, settings, overrides)

@@ -1,7 +1,7 @@
 """Driving any of our models over a paged KV cache as the engine does, next to transformers, for the
 parity tests of every model family: NaN-filled caches built from each layer's spec, scattered
-blocks, packed (TND) steps, and transformers' outputs for each prompt alone; tiny random configs
-and checkpoints; and the checks every family runs (check_*), which assert."""
+blocks, packed (TND) steps, and transformers' outputs for each prompt alone; tiny random checkpoints
+(the configs are tests/factories.py's); and the checks every family runs (check_*), which assert."""
 
 from __future__ import annotations
 
@@ -19,22 +19,9 @@ from executor.types_.model_inputs import ModelInputs, ScheduledSequence, build_s
 from module.attention import KVCacheLayer
 from ops.attention_metadata import TorchMetadataBuilder, build_model_inputs
 from tests.backends import cpu_backend
+from tests.factories import TINY_VOCAB
 
-VOCAB = 256
-# What every family's tiny parity config shares: random weights that give peaked logits (greedy
-# choices far from ties), no special tokens (transformers' generate must not stop early) and
-# transformers' eager attention.
-PARITY_SETTINGS: dict[str, object] = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    num_attention_heads=4,
-    max_position_embeddings=128,
-    initializer_range=0.1,
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=None,
-    attn_implementation="eager",
-)
+VOCAB = TINY_VOCAB  # the parity models' vocabulary (factories.PARITY_SETTINGS): random prompts draw from it
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -44,15 +31,6 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(num_threads)
-
-
-def parity_config(
-    make_config: Callable[..., transformers.PretrainedConfig],
-    family_settings: Mapping[str, object],
-    overrides: Mapping[str, object],
-) -> transformers.PretrainedConfig:
-    """make_config (a config class) with PARITY_SETTINGS, then a family's own settings, then a test's overrides."""
-    return make_config(**(PARITY_SETTINGS | dict(family_settings) | dict(overrides)))
 
 
 def save_random_model(

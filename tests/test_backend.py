@@ -18,7 +18,7 @@ from ops.backend import OP_NAMES, make_backend
 from ops.cpu import CpuOps
 from ops.linear_method import PlainLinear
 from tests.backends import cpu_backend
-from tests.test_qwen_parity import qwen_config
+from tests.factories import qwen_config
 
 
 def is_cpu_kernel(op: object) -> bool:

@@ -24,9 +24,8 @@ from models.llama import LlamaForCausalLM
 from models.qwen3_moe.model import Qwen3MoeForCausalLM
 from module.parallel_group import ModelParallel, ParallelGroup
 from tests.backends import cpu_backend
-from tests.test_gpt_oss_parity import gpt_oss_config
+from tests.factories import gpt_oss_config, qwen_config
 from tests.test_gpt_oss_parity import save_checkpoint as save_gpt_oss_checkpoint
-from tests.test_qwen_parity import qwen_config
 from tests.test_qwen_parity import save_checkpoint as save_qwen_checkpoint
 
 

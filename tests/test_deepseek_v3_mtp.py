@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from executor.types_.model_inputs import ScheduledSequence
-from tests.deepseek_v3_harness import deepseek_config, load_ours, save_checkpoint
+from tests.deepseek_v3_harness import load_ours, save_checkpoint
+from tests.factories import deepseek_config
 from tests.paged_harness import (
     PagedModel,
     random_prompts,

@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.deepseek_v3_harness import deepseek_config, load_ours, save_checkpoint
+from tests.deepseek_v3_harness import load_ours, save_checkpoint
 from tests.engine_harness import ENGINE_CONFIG, check_engine_greedy, generate_random_prompts
+from tests.factories import deepseek_config
 from tests.paged_harness import (
     PagedModel,
     PagedParityTests,

@@ -17,7 +17,8 @@ from module.moe import FusedExperts
 from module.parallel_group import ParallelGroup
 from ops import torch_ref
 from tests.backends import cpu_backend
-from tests.deepseek_v3_harness import deepseek_config, load_ours, save_checkpoint
+from tests.deepseek_v3_harness import load_ours, save_checkpoint
+from tests.factories import deepseek_config
 from tests.npu_stand_ins import RecordingTorchNpu, npu_backend
 from tests.paged_harness import PagedModel, check_decode_traces_as_one_graph, random_prompts
 

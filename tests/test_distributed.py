@@ -35,9 +35,8 @@ from tests.dist_harness import (
     token_ids,
 )
 from tests.engine_harness import hf_greedy, load_hf_model
-from tests.factories import TINY_VOCAB, tiny_tokenizer
+from tests.factories import TINY_VOCAB, deepseek_config, qwen_config, tiny_tokenizer
 from tests.run_harness import outputs_by_id, run_into, summary, write_run
-from tests.test_qwen_parity import qwen_config
 from tests.test_qwen_parity import save_checkpoint as save_qwen_checkpoint
 
 NUM_PROMPTS = 6
@@ -129,7 +128,7 @@ def test_embedding_and_lm_head_tp_may_differ_from_attention_tp(llama_case, tmp_p
 
 def save_moe_folder(path: Path, family: str) -> Path:
     if family == "deepseek_v3":
-        deepseek_v3_harness.save_checkpoint(path, deepseek_v3_harness.deepseek_config())
+        deepseek_v3_harness.save_checkpoint(path, deepseek_config())
     else:
         save_qwen_checkpoint(path, qwen_config(family))
     tiny_tokenizer().save_pretrained(path)

@@ -30,7 +30,7 @@ from ops.attention_metadata import (
 )
 from ops.backend import Backend
 from tests.backends import cpu_backend
-from tests.conftest import llama_config
+from tests.factories import llama_config
 from tests.npu_stand_ins import npu_backend, traceable_torch_npu, traceable_torchair
 
 CPU = torch.device("cpu")

@@ -25,6 +25,7 @@ from module.rotary import RotaryEmbedding
 from tests import paged_harness
 from tests.backends import cpu_backend
 from tests.engine_harness import ENGINE_CONFIG, check_engine_greedy, generate_random_prompts
+from tests.factories import GPT_OSS_WINDOW, gpt_oss_config, gpt_oss_yarn
 from tests.npu_stand_ins import RecordingTorchNpu, npu_backend
 from tests.paged_harness import (
     PagedModel,
@@ -32,7 +33,6 @@ from tests.paged_harness import (
     RoutingTieTests,
     check_decode_traces_as_one_graph,
     hf_last_logits,
-    parity_config,
     parity_models,
     random_prompts,
     save_random_model,
@@ -40,35 +40,6 @@ from tests.paged_harness import (
 )
 
 TOLERANCE = 1e-4
-WINDOW = 8
-
-
-def yarn(truncate: bool) -> dict:
-    """gpt-oss's released rope parameters (whose configs say truncate: false), or with truncate."""
-    return {
-        "rope_type": "yarn",
-        "factor": 32.0,
-        "beta_fast": 32.0,
-        "beta_slow": 1.0,
-        "truncate": truncate,
-        "original_max_position_embeddings": 4096,
-        "rope_theta": 150000.0,
-    }
-
-
-def gpt_oss_config(**overrides: object) -> transformers.GptOssConfig:
-    """Four layers (sliding, full, sliding, full), GQA, 4 experts of which 2 per token; overrides change any field."""
-    settings = dict(
-        intermediate_size=32,
-        num_hidden_layers=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        sliding_window=WINDOW,
-        rope_parameters=yarn(truncate=False),
-    )
-    return parity_config(transformers.GptOssConfig, settings, overrides)
 
 
 def save_checkpoint(path: Path, config: transformers.GptOssConfig, seed: int = 0) -> transformers.GptOssForCausalLM:
@@ -85,7 +56,7 @@ def load_ours(path: Path, config: transformers.GptOssConfig) -> GptOssForCausalL
 def test_yarn_truncate_changes_the_rope_frequencies_at_this_head_dim():
     """So that the two yarn configs below test two different tables."""
     untruncated = RotaryEmbedding(gpt_oss_config(), 16).cos_sin_cache
-    truncated = RotaryEmbedding(gpt_oss_config(rope_parameters=yarn(truncate=True)), 16).cos_sin_cache
+    truncated = RotaryEmbedding(gpt_oss_config(rope_parameters=gpt_oss_yarn(truncate=True)), 16).cos_sin_cache
     assert (untruncated - truncated).abs().max() > 0.1
 
 
@@ -93,7 +64,7 @@ def test_yarn_truncate_changes_the_rope_frequencies_at_this_head_dim():
 CONFIGS = {
     "untied_yarn": ({}, 4),
     "tied_yarn_truncated_mha": (
-        {"tie_word_embeddings": True, "rope_parameters": yarn(truncate=True), "num_key_value_heads": 4},
+        {"tie_word_embeddings": True, "rope_parameters": gpt_oss_yarn(truncate=True), "num_key_value_heads": 4},
         8,
     ),
     "clamped_three_of_eight_experts": (
@@ -183,7 +154,7 @@ def test_sliding_and_full_layers_get_a_cache_group_each(engine_run):
     _, inference, _, _ = engine_run
     groups = inference.engine.worker.kv_cache_groups
     assert [g.spec.kind for g in groups] == [AttentionKind.SLIDING_WINDOW, AttentionKind.FULL]
-    assert [len(g.layer_names) for g in groups] == [2, 2] and groups[0].spec.sliding_window == WINDOW
+    assert [len(g.layer_names) for g in groups] == [2, 2] and groups[0].spec.sliding_window == GPT_OSS_WINDOW
 
 
 def test_an_mxfp4_checkpoint_is_refused_by_name(tmp_path):

@@ -18,7 +18,7 @@ from executor.utils.graph_buckets import default_buckets, pick_bucket, resolve_b
 from executor.utils.tensor_tree import map_tensors, tensor_leaves, with_tensors
 from ops.attention_metadata import TorchMetadataBuilder, build_model_inputs
 from tests.backends import cpu_backend
-from tests.conftest import llama_config
+from tests.factories import llama_config
 
 CPU = torch.device("cpu")
 BUILDER = TorchMetadataBuilder(CPU)

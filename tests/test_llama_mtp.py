@@ -28,19 +28,14 @@ from ops.attention_metadata import TorchMetadataBuilder, build_model_inputs
 from scripts import train_mtp_head
 from scripts.train_mtp_head import Sequence, TrainableMTPLayer, generate_sequences, load_frozen_model, mtp_hidden_states
 from tests.backends import cpu_backend
-from tests.conftest import llama_config
 from tests.engine_harness import run_engine
-from tests.factories import TINY_VOCAB
+from tests.factories import TINY_VOCAB, llama_config, mtp_config
 from tests.paged_harness import random_prompts, single_thread  # noqa: F401 (single_thread: an autouse fixture)
 
 NUM_LAYERS = 3  # llama_config's; the MTP layer's checkpoint index
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
 SEQUENCE_LENGTHS = [6, 13, 2, 9]
-
-
-def mtp_config(**overrides: object) -> transformers.LlamaConfig:
-    return llama_config(num_key_value_heads=2, num_nextn_predict_layers=1, **overrides)
 
 
 def random_mtp_tensors(config: transformers.LlamaConfig, seed: int) -> dict[str, torch.Tensor]:

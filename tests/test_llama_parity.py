@@ -13,7 +13,7 @@ import transformers
 from executor.types_.errors import WeightLoadError
 from models.llama import LlamaForCausalLM
 from tests.backends import cpu_backend
-from tests.conftest import llama_config
+from tests.factories import llama_config
 from tests.paged_harness import (
     PagedModel,
     PagedParityTests,

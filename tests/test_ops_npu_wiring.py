@@ -25,7 +25,7 @@ from module.attention import Attention
 from ops.attention_metadata import NpuAttentionMetadata, NpuMetadataBuilder, build_model_inputs
 from ops.backend import OP_NAMES, Backend, make_backend
 from ops.npu import NpuGraphOps, NpuOps
-from tests.conftest import llama_config
+from tests.factories import llama_config
 from tests.npu_stand_ins import CountingRuntime, RecordingTorchNpu, recording_torchair
 
 NUM_BLOCKS, BLOCK_SIZE, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 8, 128, 4, 2, 64

@@ -10,7 +10,6 @@ decoder_sparse_step), norm_topk_prob both ways, and routing ties at the top-k cu
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import pytest
@@ -25,13 +24,13 @@ from module.mlp import GatedMLP
 from module.moe import SparseMoeBlock
 from tests.backends import cpu_backend
 from tests.engine_harness import ENGINE_CONFIG, check_engine_greedy, generate_random_prompts
+from tests.factories import qwen_config
 from tests.paged_harness import (
     PagedModel,
     PagedParityTests,
     RoutingTieTests,
     hf_last_logits,
     load_ours,
-    parity_config,
     parity_models,
     random_prompts,
     save_random_model,
@@ -75,16 +74,6 @@ CONFIGS = {
         8,
     ),
 }
-
-
-def qwen_config(family: str, **overrides: object) -> transformers.PretrainedConfig:
-    """Three tiny layers, GQA (4 heads over 2), 8 experts choosing 2 for MoE; overrides change any field."""
-    settings: dict[str, object] = dict(intermediate_size=96, num_hidden_layers=3, num_key_value_heads=2)
-    if family == "qwen3":
-        settings["head_dim"] = 16
-    if family == "qwen3_moe":
-        settings |= dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2)
-    return parity_config(functools.partial(transformers.AutoConfig.for_model, family), settings, overrides)
 
 
 def save_checkpoint(path: Path, config: transformers.PretrainedConfig) -> torch.nn.Module:

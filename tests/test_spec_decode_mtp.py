@@ -8,9 +8,9 @@ import pytest
 
 from executor.core.kv_cache import KVCacheManager
 from executor.core.spec_decode.mtp import MTPProposer
-from tests.deepseek_v3_harness import deepseek_config, save_checkpoint
+from tests.deepseek_v3_harness import save_checkpoint
 from tests.engine_harness import make_inference, token_records
-from tests.factories import tiny_tokenizer
+from tests.factories import deepseek_config, tiny_tokenizer
 from tests.paged_harness import random_prompts
 
 
