@@ -3,6 +3,7 @@ greedy output identical to greedy decoding without speculation."""
 
 from __future__ import annotations
 
+import copy
 import random
 from pathlib import Path
 
@@ -10,12 +11,16 @@ import pytest
 import torch
 
 from executor.core.config import ConfigError, build_config
+from executor.core.spec_decode.draft_model import DraftModelProposer
 from executor.core.spec_decode.ngram import NgramProposer
+from executor.core.spec_decode.proposer import ProposalContext
 from executor.core.spec_decode.verify import accept_greedy, rejection_sample
 from executor.offline.dataset import PromptRecord
 from executor.offline.offline_inference import OfflineInference, RunResult
+from executor.types_ import Batch, StepResult
 from tests.conftest import save_tiny_llama
 from tests.engine_harness import token_records
+from tests.factories import make_request
 
 
 def test_greedy_verification_keeps_the_matching_prefix_then_the_targets_token():
@@ -169,3 +174,42 @@ def test_random_requests_under_speculation_are_reproducible_and_use_rejection_sa
     assert all(len(out) == 8 + 3 * index for index, out in enumerate(outputs(first)))  # EOS never drawn here
     stats = first.summary["speculative"]
     assert stats["draft_tokens"] > 0 and stats["accept_rate"] < 1
+
+
+class CountingDraftRunner:
+    """A draft model that always predicts its last fed token + 1, recording what each step fed."""
+
+    def __init__(self) -> None:
+        self.fed: list[list[tuple[int, int]]] = []  # per step: (computed tokens, fed count) per request
+
+    def execute(self, batch: Batch) -> StepResult:
+        scheduled = zip(batch.requests, batch.num_scheduled_tokens, strict=True)
+        self.fed.append([(request.num_computed_tokens, num_tokens) for request, num_tokens in scheduled])
+        new = [[r.token_ids_between(r.num_tokens - 1, r.num_tokens)[0] + 1] for r in batch.requests]
+        return StepResult(new, [0] * len(new), [[] for _ in new])
+
+
+class AlwaysRoomKV:
+    def allocate_slots(self, request, num_new_tokens, num_lookahead_tokens=0):
+        return [[1]]
+
+    def free(self, request) -> None:
+        pass
+
+
+def test_the_draft_model_proposer_changes_no_request_and_rolls_back_to_the_agreed_prefix():
+    runner = CountingDraftRunner()
+    proposer = DraftModelProposer(runner, AlwaysRoomKV(), num_speculative_tokens=2)
+    request = make_request("r", prompt=[10, 11, 12])
+
+    def context(new_tokens: list[int]) -> ProposalContext:
+        return ProposalContext([request], [], [new_tokens], [0], torch.empty(0), [0])
+
+    before = copy.deepcopy(request)
+    assert proposer.propose(context([13])) == [[14, 15]]  # fed the prompt and 13, then 14
+    assert runner.fed == [[(0, 4)], [(4, 1)]]
+    assert request == before  # only the scheduler changes a Request
+    request.output_token_ids.extend([13, 14, 20])  # as the scheduler would: draft 15 rejected for 20
+    assert proposer.propose(context([21])) == [[22, 23]]
+    # the mirror kept 10..14 (5 computed) and is fed 20 and 21 from there
+    assert runner.fed[2:] == [[(5, 2)], [(7, 1)]]

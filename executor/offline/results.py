@@ -85,9 +85,7 @@ def _logprobs_result(request: Request) -> list[dict[str, Any]] | None:
 def failed_record_result(record: PromptRecord) -> dict[str, Any]:
     """The outputs line of a dataset record that cannot be served (its error says why)."""
     assert record.error is not None
-    request = Request(record.id, None, [], SamplingParams())
-    request.fail(record.error, now_s=0.0)
-    return request_result(request, "")
+    return request_result(Request.failed(record.id, None, SamplingParams(), record.error, now_s=0.0), "")
 
 
 class ResultWriter:

@@ -1,20 +1,46 @@
 """Draft-model proposer: a smaller model with the target's tokenizer drafts k tokens greedily.
 
-It runs in an engine of its own (its own runner and KV cache, built by the target's engine) on
-shadow requests that mirror the target's tokens: the proposer's private state, not requests of the
-run, so it keeps them in step with what its runner returns. Each proposal first feeds the draft
-model the tokens it has not seen (the prompt the first time, then the step's accepted tokens), then
-k - 1 single-token steps; where the target rejected drafts, the shadow's computed tokens roll back
-to what the two agree on, so its K/V is reused up to there and overwritten after it.
+It runs in an engine of its own (its own runner and KV cache, built by the target's engine). What
+the draft model holds of each target request is the proposer's own state, a DraftMirror: the tokens
+it was fed and how many of them its cache holds. No Request is changed here (only the scheduler
+changes one): each draft forward reads fresh Requests made from the mirrors. Each proposal first
+feeds the draft model the tokens it has not seen (the prompt the first time, then the step's
+accepted tokens), then k - 1 single-token steps; where the target rejected drafts, the mirror's
+computed tokens roll back to what the two agree on, so its K/V is reused up to there and
+overwritten after it.
 """
 
 from __future__ import annotations
 
-import dataclasses
+from dataclasses import dataclass, field
 
 from executor.core.kv_cache import KVCacheManager
 from executor.core.spec_decode.proposer import ProposalContext
 from executor.types_ import Batch, Request, SamplingParams, StepRunner
+
+
+@dataclass(slots=True)
+class DraftMirror:
+    """The draft model's view of one target request."""
+
+    target: Request
+    token_ids: list[int]  # what the draft model was fed and drafted, in order
+    num_computed_tokens: int = 0  # of them, in the draft's KV cache
+    sampling_params: SamplingParams = field(default_factory=lambda: SamplingParams(max_new_tokens=1))
+
+    @property
+    def num_unseen_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    def as_request(self) -> Request:
+        """A throwaway Request over the mirror, for the draft's runner and KV manager to read."""
+        return Request(
+            self.target.request_id,
+            None,
+            self.token_ids,
+            self.sampling_params,
+            num_computed_tokens=self.num_computed_tokens,
+        )
 
 
 class DraftModelProposer:
@@ -24,60 +50,50 @@ class DraftModelProposer:
         self.runner = runner
         self.kv_cache_manager = kv_cache_manager
         self.num_speculative_tokens = num_speculative_tokens
-        self.shadows: dict[str, tuple[Request, Request]] = {}  # request id -> (target request, shadow)
+        self.mirrors: dict[str, DraftMirror] = {}  # by request id
 
     def propose(self, context: ProposalContext) -> list[list[int]]:
         self._release_finished()
-        kv = self.kv_cache_manager
         drafts: list[list[int]] = [[] for _ in context.requests]
-        active: list[tuple[int, Request]] = []
+        active: list[tuple[int, DraftMirror]] = []
         for index, (request, new_tokens) in enumerate(zip(context.requests, context.new_token_ids, strict=True)):
             if not new_tokens:
                 continue
-            shadow = self._sync_shadow(request, new_tokens)
+            mirror = self._sync_mirror(request, new_tokens)
             # room for the unseen tokens and the k - 1 drafts fed back
-            if kv.allocate_slots(
-                shadow, shadow.num_tokens - shadow.num_computed_tokens + self.num_speculative_tokens - 1
-            ):
-                active.append((index, shadow))
-        if not active:
-            return drafts
-        batch = Batch(
-            [s for _, s in active], [s.num_tokens - s.num_computed_tokens for _, s in active], is_prefill=True
-        )
-        for depth in range(self.num_speculative_tokens):
+            needed = mirror.num_unseen_tokens + self.num_speculative_tokens - 1
+            if self.kv_cache_manager.allocate_slots(mirror.as_request(), needed):
+                active.append((index, mirror))
+        num_scheduled = [mirror.num_unseen_tokens for _, mirror in active]
+        for depth in range(self.num_speculative_tokens if active else 0):
+            batch = Batch([mirror.as_request() for _, mirror in active], num_scheduled, is_prefill=depth == 0)
             new = self.runner.execute(batch).new_token_ids
-            for (index, shadow), scheduled, tokens in zip(active, batch.num_scheduled_tokens, new, strict=True):
-                shadow.num_computed_tokens += scheduled
-                shadow.output_token_ids.extend(tokens)
+            for (index, mirror), scheduled, tokens in zip(active, num_scheduled, new, strict=True):
+                mirror.num_computed_tokens += scheduled
+                mirror.token_ids.extend(tokens)
                 drafts[index].extend(tokens)
-            if depth + 1 < self.num_speculative_tokens:
-                batch = Batch([s for _, s in active], [1] * len(active), is_prefill=False)
+            num_scheduled = [1] * len(active)
         return drafts
 
-    def _sync_shadow(self, request: Request, new_tokens: list[int]) -> Request:
-        """The request's shadow holding the target's tokens so far (its own and this step's), with
+    def _sync_mirror(self, request: Request, new_tokens: list[int]) -> DraftMirror:
+        """The request's mirror holding the target's tokens so far (its own and this step's), with
         its computed tokens rolled back to the longest prefix it shares with them."""
         tokens = [*request.prompt_token_ids, *request.output_token_ids, *new_tokens]
-        entry = self.shadows.get(request.request_id)
-        if entry is None:
-            shadow = Request(request.request_id, None, tokens, dataclasses.replace(SamplingParams(), max_new_tokens=1))
-            self.shadows[request.request_id] = (request, shadow)
-            return shadow
-        _, shadow = entry
-        seen = shadow.prompt_token_ids + shadow.output_token_ids
+        mirror = self.mirrors.get(request.request_id)
+        if mirror is None:
+            mirror = self.mirrors[request.request_id] = DraftMirror(request, tokens)
+            return mirror
         agreed = 0
         # the last token is always fed again: its row gives the draft model's next prediction
-        limit = min(shadow.num_computed_tokens, len(tokens) - 1)
-        while agreed < limit and seen[agreed] == tokens[agreed]:
+        limit = min(mirror.num_computed_tokens, len(tokens) - 1)
+        while agreed < limit and mirror.token_ids[agreed] == tokens[agreed]:
             agreed += 1
-        shadow.prompt_token_ids, shadow.output_token_ids = tokens, []
-        shadow.num_computed_tokens = agreed
-        return shadow
+        mirror.token_ids, mirror.num_computed_tokens = tokens, agreed
+        return mirror
 
     def _release_finished(self) -> None:
         """Free the draft K/V of requests the scheduler has finished since the last step."""
-        for request_id, (request, shadow) in list(self.shadows.items()):
-            if request.is_finished:
-                self.kv_cache_manager.free(shadow)
-                del self.shadows[request_id]
+        for request_id, mirror in list(self.mirrors.items()):
+            if mirror.target.is_finished:
+                self.kv_cache_manager.free(mirror.as_request())
+                del self.mirrors[request_id]
