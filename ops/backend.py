@@ -122,7 +122,7 @@ def _cpu_backend(dtype: torch.dtype, prepack_weights: bool, use_extension: bool,
     if kernels is not None:
         cpu_ops = CpuOps(kernels)
         any_dtype = ("write_kv_cache", "write_latent_cache", "paged_attention", "paged_attention_with_sinks")
-        fp32_only = ("rms_norm", "add_rms_norm", "apply_rotary", "silu_and_mul")
+        fp32_only = ("rms_norm", "add_rms_norm", "apply_rotary", "silu_and_mul", "moe_experts")
         names = any_dtype + (fp32_only if dtype == torch.float32 else ())
         ops.update({name: getattr(cpu_ops, name) for name in names})
         ops.update(_with_decode(cpu.paged_decode_attention, ("mla_attention",)))

@@ -62,6 +62,28 @@ def _(query, key_cache, value_cache, block_table, seq_lens, scale, sliding_windo
     return torch.empty_like(query)
 
 
+@torch.library.custom_op("infer_recipes::cpu_moe_experts", mutates_args=())
+def moe_experts(
+    hidden_states: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+) -> torch.Tensor:
+    """torch_ref.moe_experts with each expert's SiLU-and-mul by the fused fp32 kernel (its input, a
+    linear's output, is contiguous). An op of its own, as the reference's is: it reads the counts on
+    the host. Registered only once the extension built (CpuOps, fp32 models)."""
+    fused = named("fused_silu_and_mul", extension().fused_silu_and_mul)
+    return torch_ref.experts_with_activation(
+        hidden_states, topk_weights, topk_ids, gate_up_proj, down_proj, None, None, fused
+    )
+
+
+@moe_experts.register_fake
+def _(hidden_states, topk_weights, topk_ids, gate_up_proj, down_proj):
+    return torch.empty_like(hidden_states)
+
+
 class CpuOps:
     """The C++ kernels of one built extension, as ops with the reference's signatures."""
 
@@ -104,6 +126,16 @@ class CpuOps:
         if x.is_contiguous() and not torch.compiler.is_compiling():
             return named("fused_silu_and_mul", self.kernels.fused_silu_and_mul)(x)
         return torch_ref.silu_and_mul(x)
+
+    def moe_experts(
+        self,
+        hidden_states: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        gate_up_proj: torch.Tensor,
+        down_proj: torch.Tensor,
+    ) -> torch.Tensor:
+        return moe_experts(hidden_states, topk_weights, topk_ids, gate_up_proj, down_proj)
 
     def write_kv_cache(
         self,

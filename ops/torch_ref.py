@@ -10,6 +10,7 @@ that fp32 parity tests hold to 1e-4; attention computes in the input dtype.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -545,14 +546,31 @@ def grouped_experts(
     """The body of moe_experts and moe_experts_clamped_swiglu: one matmul pair per expert over its
     tokens only (_run_grouped), adding the biases that are given, with silu(gate) * up or, given
     swiglu_alpha and swiglu_limit, clamped_swiglu(swiglu_alpha, swiglu_limit)."""
+    if swiglu_alpha is None or swiglu_limit is None:
+        activation = silu_and_mul
+    else:
+        activation = functools.partial(clamped_swiglu, alpha=swiglu_alpha, limit=swiglu_limit)
+    return experts_with_activation(
+        hidden_states, topk_weights, topk_ids, gate_up_proj, down_proj, gate_up_bias, down_bias, activation
+    )
+
+
+def experts_with_activation(
+    hidden_states: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    gate_up_bias: torch.Tensor | None,
+    down_bias: torch.Tensor | None,
+    activation: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """grouped_experts with the gated activation given: [n, 2I] -> [n, I] (a backend passes its
+    fused form of silu_and_mul)."""
 
     def expert_forward(expert: int, x: torch.Tensor) -> torch.Tensor:
         gate_up = F.linear(x, gate_up_proj[expert], None if gate_up_bias is None else gate_up_bias[expert])
-        if swiglu_alpha is None or swiglu_limit is None:
-            gated = silu_and_mul(gate_up)
-        else:
-            gated = clamped_swiglu(gate_up, swiglu_alpha, swiglu_limit)
-        return F.linear(gated, down_proj[expert], None if down_bias is None else down_bias[expert])
+        return F.linear(activation(gate_up), down_proj[expert], None if down_bias is None else down_bias[expert])
 
     return _run_grouped(hidden_states, topk_weights, topk_ids, gate_up_proj.shape[0], expert_forward)
 

@@ -31,10 +31,12 @@ def test_cpu_fp32_takes_every_cpu_kernel_and_bf16_only_the_dtype_free_ones():
     fp32, bf16 = make_backend("cpu", "eager", torch.float32), make_backend("cpu", "eager", torch.bfloat16)
     kernels = {"rms_norm", "add_rms_norm", "apply_rotary", "silu_and_mul", "write_kv_cache", "write_latent_cache"}
     kernels |= {"paged_attention", "paged_attention_with_sinks"}
+    fp32_only = {"rms_norm", "add_rms_norm", "apply_rotary", "silu_and_mul", "moe_experts"}
+    kernels |= {"moe_experts"}  # the reference's grouping with the fused SiLU-and-mul
     assert {name for name in OP_NAMES if is_cpu_kernel(getattr(fp32, name))} == kernels
-    fp32_only = {"rms_norm", "add_rms_norm", "apply_rotary", "silu_and_mul"}
     assert {name for name in OP_NAMES if is_cpu_kernel(getattr(bf16, name))} == kernels - fp32_only
-    assert fp32.moe_experts is torch_ref.moe_experts and bf16.rms_norm is torch_ref.rms_norm
+    assert bf16.moe_experts is torch_ref.moe_experts and bf16.rms_norm is torch_ref.rms_norm
+    assert fp32.moe_experts_clamped_swiglu is torch_ref.moe_experts_clamped_swiglu
     for backend in (fp32, bf16):  # MLA: the reference's, its absorbed decode over the C++ decode kernel
         assert backend.mla_attention.func is torch_ref.mla_attention
         assert backend.mla_attention.keywords == {"decode_attention": cpu.paged_decode_attention}
@@ -138,3 +140,17 @@ def test_a_scheme_without_a_linear_method_is_refused():
 def test_the_record_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         cpu_backend().rms_norm = SimpleNamespace()
+
+
+def test_the_cpu_experts_with_the_fused_activation_equal_the_reference():
+    if cpu_kernels.extension() is None:
+        pytest.skip("the CPU kernels do not build here")
+    generator = torch.Generator().manual_seed(0)
+    num_tokens, hidden, intermediate, num_experts, top_k = 9, 16, 12, 4, 2
+    hidden_states = torch.randn(num_tokens, hidden, generator=generator)
+    topk_ids = torch.stack([torch.randperm(num_experts, generator=generator)[:top_k] for _ in range(num_tokens)])
+    topk_weights = torch.rand(num_tokens, top_k, generator=generator)
+    gate_up = torch.randn(num_experts, 2 * intermediate, hidden, generator=generator)
+    down = torch.randn(num_experts, hidden, intermediate, generator=generator)
+    args = (hidden_states, topk_weights, topk_ids, gate_up, down)
+    torch.testing.assert_close(cpu_backend().moe_experts(*args), torch_ref.moe_experts(*args))
