@@ -16,10 +16,15 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
+
+# Seconds of building after which the console says the kernels are being compiled.
+BUILD_NOTICE_AFTER_S = 2.0
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (
@@ -84,8 +89,17 @@ def extension() -> Any | None:
     from torch.utils.cpp_extension import load_inline  # imports setuptools: only when a kernel is wanted
 
     flags = vector_flags()
+    start_s = time.perf_counter()
+    # A cached build loads in well under a second; a first build compiles for about a minute, which
+    # a silent console would pass off as a hang.
+    notice = threading.Timer(
+        BUILD_NOTICE_AFTER_S,
+        logger.info,
+        ("building the CPU kernels (ops/csrc, first use on this machine: about a minute; cached after)",),
+    )
+    notice.start()
     try:
-        return load_inline(
+        module = load_inline(
             name="infer_recipes_cpu_kernels" + ("_avx2" if flags else ""),
             cpp_sources=[_DECLARATIONS, *((CSRC / source).read_text() for source in SOURCES)],
             functions=list(FUNCTIONS),
@@ -96,3 +110,9 @@ def extension() -> Any | None:
     except Exception as exc:  # no compiler, missing headers: the reference still works
         logger.warning("CPU kernels unavailable (%s); using the torch reference", exc)
         return None
+    finally:
+        notice.cancel()
+    elapsed_s = time.perf_counter() - start_s
+    if elapsed_s >= BUILD_NOTICE_AFTER_S:  # the notice was given: say when it is over
+        logger.info("CPU kernels built in %.0f s", elapsed_s)
+    return module

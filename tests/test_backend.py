@@ -5,10 +5,12 @@ backend's decode attention, and the refusal of a model whose backend lacks an op
 from __future__ import annotations
 
 import dataclasses
+import time
 from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.utils import cpp_extension
 
 from executor.platform.graph_compilers import GRAPH_COMPILERS
 from models.qwen3_moe.model import Qwen3MoeForCausalLM
@@ -154,3 +156,18 @@ def test_the_cpu_experts_with_the_fused_activation_equal_the_reference():
     down = torch.randn(num_experts, hidden, intermediate, generator=generator)
     args = (hidden_states, topk_weights, topk_ids, gate_up, down)
     torch.testing.assert_close(cpu_backend().moe_experts(*args), torch_ref.moe_experts(*args))
+
+
+@pytest.mark.parametrize("build_s, announced", [(0.3, True), (0.0, False)])
+def test_a_slow_kernel_build_is_announced_and_a_cached_load_is_not(monkeypatch, caplog, build_s, announced):
+    def load_inline(**kwargs: object) -> object:
+        time.sleep(build_s)
+        return SimpleNamespace()
+
+    monkeypatch.setattr(cpp_extension, "load_inline", load_inline)
+    monkeypatch.setattr(cpu_kernels, "BUILD_NOTICE_AFTER_S", 0.1)
+    with caplog.at_level("INFO", logger=cpu_kernels.__name__):
+        assert cpu_kernels.extension.__wrapped__() is not None  # the uncached function
+    messages = [record.getMessage() for record in caplog.records]
+    assert any("building the CPU kernels" in message for message in messages) == announced
+    assert any(message.startswith("CPU kernels built in") for message in messages) == announced
