@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from module.linear import PLAIN, divide
+from module.linear import divide
 from module.parallel_group import SINGLE, ParallelGroup
 from module.weights import ShardId, load_shard
-from ops.linear_method import LinearMethod
+from ops.linear_method import PLAIN, LinearMethod
 
 
 class VocabParallelEmbedding(nn.Module):

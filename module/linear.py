@@ -15,9 +15,7 @@ from torch import nn
 
 from module.parallel_group import SINGLE, ParallelGroup
 from module.weights import LoadedWeight, ShardId, load_shard
-from ops.linear_method import LinearMethod, PlainLinear
-
-PLAIN = PlainLinear()  # the default method: F.linear over the plain weight
+from ops.linear_method import PLAIN, LinearMethod
 
 
 def divide(numerator: int, denominator: int) -> int:

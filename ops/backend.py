@@ -22,7 +22,7 @@ from executor.platform.graph_compilers import GraphCompilerFactory, graph_compil
 from ops import cpu, cpu_kernels, cuda_graph, torch_ref
 from ops.attention_metadata import AttentionMetadataBuilder, NpuMetadataBuilder, TorchMetadataBuilder
 from ops.cpu import CpuOps, cpu_linear_method
-from ops.linear_method import UNQUANTIZED, LinearMethod, PlainLinear
+from ops.linear_method import PLAIN, UNQUANTIZED, LinearMethod
 from ops.npu import NpuGraphOps, NpuOps
 
 DEVICE_TYPES = ("cpu", "cuda", "npu")
@@ -75,7 +75,7 @@ class Backend:
 
 
 OP_NAMES = tuple(f.name for f in dataclasses.fields(Backend) if f.metadata.get("op"))
-PLAIN_LINEAR = MappingProxyType({UNQUANTIZED: PlainLinear()})
+PLAIN_LINEAR = MappingProxyType({UNQUANTIZED: PLAIN})
 REFERENCE_OPS = {name: getattr(torch_ref, name) for name in OP_NAMES}
 
 

@@ -31,6 +31,9 @@ class PlainLinear(LinearMethod):
         return F.linear(x, layer.weight, bias)
 
 
+PLAIN = PlainLinear()  # stateless: one instance serves every layer and every record
+
+
 def process_linear_weights(model: nn.Module) -> list[str]:
     """Run every layer's LinearMethod.process_weights once (after loading); the methods' names, for the log."""
     names = []
