@@ -12,6 +12,7 @@ from torch import nn
 
 from module.linear import divide
 from module.parallel_group import SINGLE, ParallelGroup
+from module.quantized import QuantizableLinear, QuantParam, load_quant_tensor
 from module.weights import ShardId, load_shard
 from ops.linear_method import PLAIN, LinearMethod
 
@@ -50,10 +51,12 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(embeddings)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(QuantizableLinear, VocabParallelEmbedding):
     """hidden -> logits for the selected rows only; each rank computes its vocab slice, then the
     slices are gathered so every rank holds full logits. The multiply is the layer's LinearMethod,
-    as in module/linear.py."""
+    as in module/linear.py, quantized as a column layer is."""
+
+    tp_dim = 0
 
     def __init__(
         self, num_embeddings: int, embedding_dim: int, tp: ParallelGroup = SINGLE, linear_method: LinearMethod = PLAIN
@@ -61,6 +64,13 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(num_embeddings, embedding_dim, tp)
         self.linear_method = linear_method
         self.packed_weight = None
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
+        quant: QuantParam | None = getattr(param, "quant", None)
+        if quant is None:
+            super().weight_loader(param, loaded_weight, shard_id)
+        else:
+            load_quant_tensor(param.data, loaded_weight, quant, self.tp_rank, self.tp_size)
 
     def forward(self, hidden_states: torch.Tensor, row_indices: torch.Tensor) -> torch.Tensor:
         rows = hidden_states[row_indices]

@@ -13,7 +13,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from executor.types_.errors import WeightLoadError
 from module.parallel_group import SINGLE, ParallelGroup
+from module.quantized import QuantizableLinear, QuantParam, load_quant_tensor
 from module.weights import LoadedWeight, ShardId, load_shard
 from ops.linear_method import PLAIN, LinearMethod
 
@@ -24,10 +26,11 @@ def divide(numerator: int, denominator: int) -> int:
     return numerator // denominator
 
 
-class LinearBase(nn.Module):
+class LinearBase(QuantizableLinear, nn.Module):
     """y = x W^T + b with W [output_size, input_size] already cut to this rank's shard, multiplied by
     the layer's LinearMethod (its backend's for its weight scheme: ops/linear_method.py), which may
-    keep a copy of W laid out for its kernel in `packed_weight` (a plain attribute, in no state_dict)."""
+    keep a copy of W laid out for its kernel in `packed_weight` (a plain attribute, in no state_dict).
+    A quantized scheme (set_scheme, module/quantized.py) adds its scales beside W."""
 
     def __init__(
         self,
@@ -54,6 +57,10 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: ShardId = None) -> None:
+        quant: QuantParam | None = getattr(param, "quant", None)
+        if quant is not None:
+            load_quant_tensor(param.data, loaded_weight, quant, self.tp_rank, self.tp_size)
+            return
         # The bias follows the weight's split on the output dim and is replicated on the input dim.
         dim = None if param is self.bias and self.tp_dim == 1 else self.tp_dim
         load_shard(param.data, loaded_weight, dim, self.tp_rank, self.tp_size)
@@ -94,7 +101,17 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         assert isinstance(shard_id, int), "a merged layer is loaded one shard (by index) at a time"
         offset = divide(sum(self.output_sizes[:shard_id]), self.tp_size)
         size = divide(self.output_sizes[shard_id], self.tp_size)
-        load_shard(param.data.narrow(0, offset, size), loaded_weight, 0, self.tp_rank, self.tp_size)
+        quant: QuantParam | None = getattr(param, "quant", None)
+        if quant is None:
+            load_shard(param.data.narrow(0, offset, size), loaded_weight, 0, self.tp_rank, self.tp_size)
+        elif quant.shared:  # one input scale for every part
+            load_quant_tensor(param.data, loaded_weight, quant, self.tp_rank, self.tp_size)
+        else:  # the part's rows of the weight, its scales and zero points
+            rows = quant.rows_per_entry
+            if offset % rows or size % rows:
+                raise WeightLoadError(f"part {shard_id} of {self.output_sizes} does not hold whole {rows}-row blocks")
+            part = param.data.narrow(0, offset // rows, size // rows)
+            load_quant_tensor(part, loaded_weight, quant, self.tp_rank, self.tp_size)
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):

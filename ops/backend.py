@@ -19,11 +19,13 @@ import torch
 
 from executor.platform import npu_runtime
 from executor.platform.graph_compilers import GraphCompilerFactory, graph_compiler_factory
-from ops import cpu, cpu_kernels, cuda_graph, torch_ref
+from executor.types_.quant_scheme import QUANTIZED_KINDS, W8A8_INT8
+from ops import cpu, cpu_kernels, cuda_graph, cuda_quant, torch_ref
 from ops.attention_metadata import AttentionMetadataBuilder, NpuMetadataBuilder, TorchMetadataBuilder
 from ops.cpu import CpuOps, cpu_linear_method
 from ops.linear_method import PLAIN, UNQUANTIZED, LinearMethod
 from ops.npu import NpuGraphOps, NpuOps
+from ops.quantized_linear import DequantizedLinear, Int8ScaledLinear
 
 DEVICE_TYPES = ("cpu", "cuda", "npu")
 Op = Callable[..., object]
@@ -75,7 +77,17 @@ class Backend:
 
 
 OP_NAMES = tuple(f.name for f in dataclasses.fields(Backend) if f.metadata.get("op"))
-PLAIN_LINEAR = MappingProxyType({UNQUANTIZED: PLAIN})
+
+
+def linear_methods(dense: LinearMethod, native: Mapping[str, LinearMethod]) -> Mapping[str, LinearMethod]:
+    """Every weight kind's method: `dense` for unquantized weights, `native` kernels where the backend
+    has them, and elsewhere the scheme computed plainly over `dense` (weights dequantized at load)."""
+    plainly = DequantizedLinear(dense)
+    methods = {UNQUANTIZED: dense, **{kind: plainly for kind in QUANTIZED_KINDS}, **native}
+    return MappingProxyType(methods)
+
+
+PLAIN_LINEAR = linear_methods(PLAIN, {})
 REFERENCE_OPS = {name: getattr(torch_ref, name) for name in OP_NAMES}
 
 
@@ -101,7 +113,8 @@ def make_backend(
         captured = exe_mode == "npugraph_ex"  # CUDA graphs (executor/platform/graph_compilers.py)
         ops = {**REFERENCE_OPS, **(_cuda_graph_ops() if captured else {})}
         name = "cuda_graph" if captured else "cuda"
-        return Backend(name, linear=PLAIN_LINEAR, metadata_builder=TorchMetadataBuilder, **common, **ops)
+        linear = linear_methods(PLAIN, {W8A8_INT8: Int8ScaledLinear(cuda_quant.padded_int_mm)})
+        return Backend(name, linear=linear, metadata_builder=TorchMetadataBuilder, **common, **ops)
     return _npu_backend(exe_mode, common)
 
 
@@ -127,7 +140,7 @@ def _cpu_backend(dtype: torch.dtype, prepack_weights: bool, use_extension: bool,
         ops.update({name: getattr(cpu_ops, name) for name in names})
         ops.update(_with_decode(cpu.paged_decode_attention, ("mla_attention",)))
     packed = cpu_linear_method(dtype, kernels, cpu_kernels.cpu_flags()) if prepack_weights else None
-    linear = PLAIN_LINEAR if packed is None else MappingProxyType({UNQUANTIZED: packed})
+    linear = linear_methods(packed or PLAIN, {W8A8_INT8: Int8ScaledLinear(torch._int_mm)})
     return Backend("cpu", linear=linear, metadata_builder=TorchMetadataBuilder, **common, **ops)
 
 

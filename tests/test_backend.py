@@ -13,12 +13,14 @@ import torch
 from torch.utils import cpp_extension
 
 from executor.platform.graph_compilers import GRAPH_COMPILERS
+from executor.types_.quant_scheme import FP8, QUANTIZED_KINDS, W8A8_INT8
 from models.qwen3_moe.model import Qwen3MoeForCausalLM
 from ops import cpu, cpu_kernels, cuda_graph, torch_ref
 from ops.attention_metadata import TorchMetadataBuilder
 from ops.backend import OP_NAMES, make_backend
 from ops.cpu import CpuOps
 from ops.linear_method import PlainLinear
+from ops.quantized_linear import DequantizedLinear, Int8ScaledLinear
 from tests.backends import cpu_backend
 from tests.factories import qwen_config
 
@@ -135,8 +137,18 @@ def test_a_model_needing_an_op_its_backend_lacks_is_refused_when_built_naming_th
 
 
 def test_a_scheme_without_a_linear_method_is_refused():
-    with pytest.raises(NotImplementedError, match="no linear method for 'fp8'"):
-        cpu_backend().linear_method("fp8")
+    with pytest.raises(NotImplementedError, match="no linear method for 'nvfp4'"):
+        cpu_backend().linear_method("nvfp4")
+
+
+def test_every_record_has_a_method_for_every_quantized_kind_int8_natively_on_cpu_and_cuda():
+    cpu = cpu_backend()
+    assert set(QUANTIZED_KINDS) <= set(cpu.linear)
+    assert isinstance(cpu.linear_method(W8A8_INT8), Int8ScaledLinear)
+    assert isinstance(cpu.linear_method(FP8), DequantizedLinear)
+    assert cpu.linear_method(FP8).dense is cpu.linear_method()  # dequantized weights packed as plain ones are
+    cuda = make_backend("cuda")
+    assert isinstance(cuda.linear_method(W8A8_INT8), Int8ScaledLinear)
 
 
 def test_the_record_is_frozen():

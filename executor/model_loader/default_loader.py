@@ -19,6 +19,7 @@ from safetensors import safe_open
 from executor.model_loader.base_loader import BaseModelLoader
 from executor.types_.checkpoint_tensor import CheckpointTensor
 from executor.types_.errors import WeightLoadError
+from module.quantized import checkpoint_tensor_name
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -84,6 +85,28 @@ def safetensors_weights(model_path: str | Path) -> Iterator[tuple[str, Checkpoin
                 yield name, lazy_tensor(file, name)
 
 
+def checkpoint_header(model_path: str | Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every tensor's (shape, safetensors dtype name), read from the headers only."""
+    header = {}
+    for shard, names in checkpoint_shards(Path(model_path)).items():
+        with safe_open(str(shard), framework="pt") as file:
+            for name in names if names is not None else file.keys():
+                tensor_slice = file.get_slice(name)
+                header[name] = (tuple(tensor_slice.get_shape()), tensor_slice.get_dtype())
+    return header
+
+
+def parameter_named_weights(
+    weights: Iterator[tuple[str, CheckpointTensor]],
+) -> Iterator[tuple[str, CheckpointTensor]]:
+    """Checkpoint tensors under the names our parameters use: compressed-tensors' weight_packed is
+    the layer's weight (decoded as it loads), and weight_shape carries nothing a layer needs."""
+    for name, tensor in weights:
+        renamed = checkpoint_tensor_name(name)
+        if renamed is not None:
+            yield renamed, tensor
+
+
 def _name_list(names: list[str]) -> str:
     shown = ", ".join(names[:MAX_NAMES_SHOWN])
     more = len(names) - MAX_NAMES_SHOWN
@@ -92,7 +115,7 @@ def _name_list(names: list[str]) -> str:
 
 class DefaultModelLoader(BaseModelLoader):
     def load_weights(self, model: torch.nn.Module, model_path: str) -> None:
-        loaded = model.load_weights(safetensors_weights(model_path))
+        loaded = model.load_weights(parameter_named_weights(safetensors_weights(model_path)))
         missing = [name for name, _ in model.named_parameters() if name not in loaded]
         if missing:
             model_name = type(model).__name__

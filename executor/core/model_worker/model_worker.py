@@ -13,11 +13,15 @@ import torch
 
 from executor.core.model_worker.graph_runner import GraphRunner
 from executor.model_loader import get_model_loader
+from executor.model_loader.default_loader import checkpoint_header
+from executor.model_loader.quantized_checkpoint import check_quantized_tensors
 from executor.platform import Platform
 from executor.types_.kv_cache_spec import KVCacheSpec
 from executor.types_.model_inputs import ModelInputs
+from executor.types_.quant_scheme import QuantizationPlan
 from module.attention import KVCacheLayer
 from module.parallel_group import ONE_PROCESS, ModelParallel
+from module.quantization_pass import QuantizedLayer, quantize_model
 from ops.backend import Backend
 from ops.linear_method import process_linear_weights
 
@@ -71,14 +75,26 @@ class ModelWorker:
         self.kv_cache_layers: dict[str, KVCacheLayer] = {}
         self.kv_cache_groups: list[KVCacheGroup] = []
         self.graph_runner: GraphRunner | None = None
+        self.quantized_layers: list[QuantizedLayer] = []
 
-    def init(self, model_cls: type[torch.nn.Module], hf_config: Any, model_path: str) -> None:
-        """Build the model from its HF config on the device with this rank's groups, load its shard of
-        the folder's weights (each layer cuts its part out of each checkpoint tensor as it streams by),
-        let each linear layer's method process its weights once (the CPU packs them), and group its KV
-        cache layers by spec."""
+    def init(
+        self,
+        model_cls: type[torch.nn.Module],
+        hf_config: Any,
+        model_path: str,
+        quantization: QuantizationPlan | None = None,
+    ) -> None:
+        """Build the model from its HF config on the device with this rank's groups, give the layers
+        that `quantization` quantizes their scheme (and check the checkpoint holds their tensors),
+        load its shard of the folder's weights (each layer cuts its part out of each checkpoint
+        tensor as it streams by), let each linear layer's method process its weights once (the CPU
+        packs them; a scheme quantizes or dequantizes them), and group its KV cache layers by spec."""
         with _default_dtype(self.dtype), self.platform.device:
             model = model_cls(hf_config, parallel=self.parallel, backend=self.backend)
+            if quantization is not None:
+                self.quantized_layers = quantize_model(model, quantization, self.backend, self.dtype)
+        if quantization is not None and not quantization.at_load and self.with_ckpt:
+            check_quantized_tensors(self.quantized_layers, quantization, checkpoint_header(model_path))
         get_model_loader(self.with_ckpt, self.seed).load_weights(model, model_path)
         methods = process_linear_weights(model)
         logger.info("%s backend; linear weights by %s", self.backend.name, ", ".join(methods) or "none")

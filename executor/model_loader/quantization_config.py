@@ -1,0 +1,198 @@
+"""The run's quantization plan: config.json's compressed-tensors `quantization_config`, and/or
+`model_config.quantization` (schemes rounded to nearest at load).
+
+compressed-tensors parses and validates the checkpoint's config (its pydantic QuantizationConfig, as
+vLLM and transformers read it); this module keeps what runs here and refuses the rest in one line
+that names the group, the scheme and the file. `model_config.quantization` is one weight scheme
+and/or `c8`, joined by "+": w8a8, w8a16, w4a16, w4a16_asym, w4a8 (int4 groups of 128; a `_g<N>`
+suffix sets another group size), fp8 (per channel, dynamic per-token activations), fp8_block
+(128x128), mxfp4, mxfp8, and c8 (an int8 KV cache, dynamic per token and head). On a quantized
+checkpoint a weight scheme must be the checkpoint's own (anything else is a conflict); c8 adds an
+int8 KV cache where the checkpoint has no kv_cache_scheme.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from compressed_tensors.quantization import (
+    QuantizationArgs,
+    QuantizationConfig,
+    QuantizationScheme,
+    preset_name_to_scheme,
+)
+from compressed_tensors.quantization.utils.mxfp_utils import should_generate_mx_scales
+from pydantic import ValidationError
+
+from executor.types_.quant_scheme import (
+    CHANNEL,
+    ONLINE,
+    TENSOR,
+    TOKEN,
+    KVCacheScheme,
+    LinearScheme,
+    QuantArgs,
+    QuantizationPlan,
+    SchemeGroup,
+)
+from module.quantized import QuantizationError
+
+# compressed-tensors formats whose tensors module/quantized.py decodes
+FORMATS = (
+    "int-quantized",
+    "pack-quantized",
+    "float-quantized",
+    "naive-quantized",
+    "mxfp4-pack-quantized",
+    "mxfp8-quantized",
+)
+STRATEGIES = ("tensor", "channel", "group", "block", "token")
+# model_config.quantization's weight schemes -> compressed-tensors presets
+PRESETS = {
+    "w8a8": "W8A8",
+    "w8a16": "W8A16",
+    "w4a16": "W4A16",
+    "w4a16_asym": "W4A16_ASYM",
+    "w4a8": "W4A8",
+    "fp8": "FP8_DYNAMIC",
+    "fp8_block": "FP8_BLOCK",
+    "mxfp4": "MXFP4A16",
+    "mxfp8": "MXFP8",
+}
+C8 = "c8"
+GROUP_SUFFIX = re.compile(r"^(?P<preset>.+)_g(?P<group>\d+)$")
+ONLINE_IGNORE = ("lm_head",)  # as llm-compressor's recipes leave it
+
+
+def quant_args(args: QuantizationArgs, where: str) -> QuantArgs:
+    """Our QuantArgs from compressed-tensors'; what we do not run is a QuantizationError naming `where`."""
+    strategy = str(getattr(args.strategy, "value", args.strategy))
+    if strategy not in STRATEGIES:
+        raise QuantizationError(f"{where}: strategy {strategy!r} is not run here (runs: {', '.join(STRATEGIES)})")
+    if args.actorder is not None and str(getattr(args.actorder, "value", args.actorder)) == "group":
+        raise QuantizationError(f"{where}: activation ordering 'group' (a g_idx per column) is not run here")
+    kind = str(getattr(args.type, "value", args.type))
+    if (kind, args.num_bits) not in (("int", 4), ("int", 8), ("float", 8), ("float", 4)):
+        raise QuantizationError(f"{where}: {kind}{args.num_bits} is not run here (int4, int8, fp8, fp4)")
+    block = tuple(args.block_structure) if args.block_structure else None
+    return QuantArgs(
+        num_bits=args.num_bits,
+        type=kind,
+        strategy=strategy,
+        symmetric=bool(args.symmetric),
+        group_size=args.group_size,
+        block_structure=block,
+        dynamic=bool(args.dynamic),
+        mx=bool(should_generate_mx_scales(args)),
+    )
+
+
+def linear_scheme(weights: QuantizationArgs | None, inputs: QuantizationArgs | None, where: str) -> LinearScheme:
+    if weights is None:
+        raise QuantizationError(f"{where}: activation-only quantization (no weights args) is not run here")
+    scheme = LinearScheme(quant_args(weights, f"{where} weights"), inputs and quant_args(inputs, f"{where} inputs"))
+    try:
+        scheme.kind  # noqa: B018 - validates the combination
+    except ValueError as error:
+        raise QuantizationError(f"{where}: {error}") from None
+    return scheme
+
+
+def kv_cache_scheme(args: QuantizationArgs | None, where: str) -> KVCacheScheme | None:
+    if args is None:
+        return None
+    parsed = quant_args(args, where)
+    if parsed.type != "int" or parsed.num_bits != 8 or not parsed.symmetric:
+        raise QuantizationError(f"{where}: {parsed.describe()} KV cache is not run here; C8 is symmetric int8")
+    if parsed.dynamic:
+        return KVCacheScheme(TOKEN)
+    if parsed.strategy not in (TENSOR, CHANNEL):
+        raise QuantizationError(f"{where}: a static KV cache scale per {parsed.strategy} is not run here")
+    return KVCacheScheme(parsed.strategy)
+
+
+def checkpoint_plan(quantization_config: Mapping[str, Any], source: str) -> QuantizationPlan:
+    """The plan config.json's compressed-tensors quantization_config describes."""
+    method = quantization_config.get("quant_method")
+    if method != "compressed-tensors":
+        raise QuantizationError(
+            f"{source}: quantization_config.quant_method {method!r} is not read here; "
+            "the compressed-tensors format is (llm-compressor writes it)"
+        )
+    try:
+        config = QuantizationConfig.model_validate(dict(quantization_config))
+    except ValidationError as error:
+        first = error.errors()[0]
+        place = ".".join(str(part) for part in first["loc"])
+        raise QuantizationError(f"{source}: quantization_config.{place}: {first['msg']}") from None
+    groups = []
+    for name, group in config.config_groups.items():
+        where = f"{source}: quantization_config.config_groups.{name}"
+        group_format = str(group.format or config.format)
+        if group_format not in FORMATS:
+            raise QuantizationError(f"{where}: format {group_format!r} is not read here (reads: {', '.join(FORMATS)})")
+        groups.append(
+            SchemeGroup(name, tuple(group.targets), linear_scheme(group.weights, group.input_activations, where))
+        )
+    formats = {str(group.format or config.format) for group in config.config_groups.values()}
+    return QuantizationPlan(
+        groups=tuple(groups),
+        ignore=tuple(config.ignore or ()),
+        kv_cache=kv_cache_scheme(config.kv_cache_scheme, f"{source}: quantization_config.kv_cache_scheme"),
+        format="+".join(sorted(formats)),
+        source=source,
+    )
+
+
+def preset_scheme(token: str, key: str) -> QuantizationScheme:
+    """compressed-tensors' scheme for one of model_config.quantization's weight names (see the module docstring)."""
+    match = GROUP_SUFFIX.match(token)
+    name, group_size = (match["preset"], int(match["group"])) if match else (token, None)
+    preset = PRESETS.get(name)
+    if preset is None:
+        raise QuantizationError(f"{key}: unknown scheme {token!r}; choose from {', '.join([*PRESETS, C8])}")
+    scheme = preset_name_to_scheme(preset, ["Linear"])
+    if group_size is not None:
+        if scheme.weights.group_size is None or scheme.weights.block_structure:
+            raise QuantizationError(f"{key}: {name} has no groups to size (_g{group_size})")
+        scheme.weights.group_size = group_size
+    return scheme
+
+
+def online_scheme(token: str, key: str) -> LinearScheme:
+    """Our scheme for one of model_config.quantization's weight names."""
+    scheme = preset_scheme(token, key)
+    return linear_scheme(scheme.weights, scheme.input_activations, f"{key}: {token}")
+
+
+def read_quantization(hf_config: Any, requested: str, key: str, source: str) -> QuantizationPlan | None:
+    """The run's plan from the checkpoint's config (`hf_config.quantization_config`) and the
+    requested schemes (`requested`, model_config.quantization, named `key` in errors); None when
+    neither quantizes anything."""
+    tokens = [token.strip().lower() for token in requested.split("+") if token.strip()] if requested else []
+    weight_tokens = [token for token in tokens if token != C8]
+    if len(weight_tokens) > 1:
+        raise QuantizationError(f"{key}: {requested!r} names two weight schemes ({', '.join(weight_tokens)}); name one")
+    if len(tokens) != len(set(tokens)):
+        raise QuantizationError(f"{key}: {requested!r} names a scheme twice")
+    requested_kv = KVCacheScheme(TOKEN) if C8 in tokens else None
+    requested_weights = online_scheme(weight_tokens[0], key) if weight_tokens else None
+    checkpoint = getattr(hf_config, "quantization_config", None)
+    if checkpoint is not None:
+        if not isinstance(checkpoint, Mapping):
+            checkpoint = checkpoint.to_dict()
+        plan = checkpoint_plan(checkpoint, source)
+        schemes = {group.scheme for group in plan.groups}
+        if requested_weights is not None and schemes != {requested_weights}:
+            held = "; ".join(scheme.describe() for scheme in schemes)
+            raise QuantizationError(
+                f"{key}: {weight_tokens[0]} conflicts with the checkpoint's own scheme ({held}, {source}); "
+                "drop the key, or quantize an unquantized checkpoint"
+            )
+        return QuantizationPlan(plan.groups, plan.ignore, plan.kv_cache or requested_kv, plan.format, plan.source)
+    if requested_weights is None and requested_kv is None:
+        return None
+    groups = () if requested_weights is None else (SchemeGroup(weight_tokens[0], ("Linear",), requested_weights),)
+    return QuantizationPlan(groups, ONLINE_IGNORE, requested_kv, ONLINE, f"{key}: {requested}")

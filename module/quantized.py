@@ -1,0 +1,200 @@
+"""Quantized linear layers: the parameters a scheme gives a layer, how checkpoint tensors decode into
+them, and the pass that gives each layer of a model its scheme.
+
+A layer keeps its checkpoint's tensors in the layout compressed-tensors writes them, decoded at
+load into plain ones (so tensor parallelism cuts them like any other tensor):
+- `weight` [N, K]: int8 values (int-quantized; pack-quantized's int32 words unpacked), float8
+  values (float-quantized, mxfp8), or fp4 values as floats (mxfp4's packed bytes);
+- `weight_scale`: [N, 1] per tensor or channel (a per-tensor scale is spread over its rows, so that
+  fused q/k/v keep their own), [N, K/g] per group, [N/b0, K/b1] per block; e8m0 bytes decode to floats;
+- `weight_zero_point` like the scale (pack-quantized's int32 words along N unpacked), when asymmetric;
+- `input_scale` [1], static activations: fused projections see the same input, so they share the
+  largest of their parts' scales (calibration makes them equal).
+Column layers cut all of these along N; row layers cut the weight along K and group/block scales
+with it, and hold per-channel scales whole. ops/quantized_linear.py multiplies them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+from torch import nn
+
+from executor.types_.checkpoint_tensor import LoadedWeight, materialize
+from executor.types_.errors import WeightLoadError
+from executor.types_.quant_scheme import BLOCK, FLOAT, GROUP, INT, LinearScheme, QuantArgs
+from module.weights import load_shard
+
+logger = logging.getLogger(__name__)
+
+# Tensors a checkpoint's quantized layer may hold, by name suffix, besides `weight`.
+QUANT_TENSORS = ("weight_scale", "weight_zero_point", "input_scale")
+# compressed-tensors names that decode into `weight` / that carry no data we need.
+CHECKPOINT_ALIASES = {"weight_packed": "weight"}
+CHECKPOINT_IGNORED = ("weight_shape", "weight_global_scale", "input_zero_point")
+
+
+class QuantizationError(WeightLoadError):
+    """A quantization scheme that cannot run where it is asked for, named with the plan's source."""
+
+
+@dataclass(frozen=True, slots=True)
+class QuantParam:
+    """How one quantized parameter loads: which dim tensor parallelism cuts (None: whole on every
+    rank), how many weight rows one of its rows covers (block scales), how a checkpoint tensor of
+    another dtype decodes into it, and how fused parts combine (max for a shared input scale)."""
+
+    tp_dim: int | None
+    rows_per_entry: int = 1
+    decode: Callable[[torch.Tensor, tuple[int, ...]], torch.Tensor] | None = None
+    shared: bool = False
+
+
+def scale_shape(args: QuantArgs, rows: int, cols: int) -> tuple[int, int]:
+    """The [N, K] weight's scale shape under `args` (per tensor and per channel both [N, 1])."""
+    if args.strategy == GROUP:
+        return rows, -(-cols // args.group_size)
+    if args.strategy == BLOCK:
+        block_rows, block_cols = args.block_structure
+        return -(-rows // block_rows), -(-cols // block_cols)
+    return rows, 1
+
+
+def weight_dtype(args: QuantArgs) -> torch.dtype:
+    if args.type == INT:
+        return torch.int8
+    return torch.float8_e4m3fn if args.num_bits == 8 else torch.float32
+
+
+def decode_weight(args: QuantArgs) -> Callable[[torch.Tensor, tuple[int, ...]], torch.Tensor]:
+    """Checkpoint weight -> values [N, K]: int32 words (pack-quantized) unpacked, uint8 fp4 pairs
+    (mxfp4) unpacked, int values stored as floats (naive-quantized) cast."""
+
+    def decode(tensor: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        if tensor.dtype == torch.int32:
+            return unpack_from_int32(tensor, args.num_bits, torch.Size(shape), packed_dim=1)
+        if tensor.dtype == torch.uint8 and args.type == FLOAT and args.num_bits == 4:
+            return unpack_fp4_from_uint8(tensor, shape[0], shape[1], dtype=torch.float32)
+        if args.type == INT and tensor.is_floating_point():
+            return tensor.round().to(torch.int8)
+        return tensor
+
+    return decode
+
+
+def decode_zero_point(args: QuantArgs) -> Callable[[torch.Tensor, tuple[int, ...]], torch.Tensor]:
+    """pack-quantized packs zero points along N into int32 words; others store them as ints."""
+
+    def decode(tensor: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        if tensor.dtype == torch.int32 and args.num_bits < 8:
+            return unpack_from_int32(tensor, args.num_bits, torch.Size(shape), packed_dim=0)
+        return tensor.round().to(torch.int8) if tensor.is_floating_point() else tensor.to(torch.int8)
+
+    return decode
+
+
+def decode_scale(args: QuantArgs) -> Callable[[torch.Tensor, tuple[int, ...]], torch.Tensor]:
+    """e8m0 exponents (MX) -> 2 ** (e - 127); a per-tensor scalar -> spread over the rows."""
+
+    def decode(tensor: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        if args.mx and tensor.dtype == torch.uint8:
+            tensor = torch.exp2(tensor.float() - 127)
+        if tensor.numel() == 1 and tuple(shape) != (1,):
+            return tensor.float().reshape(1, 1).expand(shape)
+        return tensor.float().reshape(shape) if tensor.numel() == torch.Size(shape).numel() else tensor.float()
+
+    return decode
+
+
+def quant_parameters(
+    scheme: LinearScheme, rows: int, cols: int, tp_dim: int
+) -> dict[str, tuple[nn.Parameter, QuantParam]]:
+    """The checkpoint's tensors of a layer of scheme `scheme` whose shard is [rows, cols]."""
+    weights = scheme.weights
+    grouped = weights.strategy in (GROUP, BLOCK)
+    scale_tp_dim = 0 if tp_dim == 0 else (1 if grouped else None)
+    block_rows = weights.block_structure[0] if weights.strategy == BLOCK else 1
+    if tp_dim == 1 and grouped and cols % (weights.group_size or weights.block_structure[1]):
+        raise WeightLoadError(
+            f"a row-parallel shard of {cols} input features does not hold whole groups of {scheme.describe()}"
+        )
+    shape = scale_shape(weights, rows, cols)
+    params = {
+        "weight": (torch.empty(rows, cols, dtype=weight_dtype(weights)), QuantParam(tp_dim, 1, decode_weight(weights))),
+        "weight_scale": (torch.empty(shape), QuantParam(scale_tp_dim, block_rows, decode_scale(weights))),
+    }
+    if not weights.symmetric:
+        decode = decode_zero_point(weights)
+        params["weight_zero_point"] = (torch.empty(shape, dtype=torch.int8), QuantParam(scale_tp_dim, 1, decode))
+    inputs = scheme.input_activations
+    if inputs is not None and not inputs.dynamic:
+        params["input_scale"] = (torch.zeros(1), QuantParam(None, 1, decode_scale(inputs), shared=True))
+    return {name: (nn.Parameter(tensor, requires_grad=False), spec) for name, (tensor, spec) in params.items()}
+
+
+def load_quant_tensor(
+    destination: torch.Tensor, loaded: LoadedWeight, spec: QuantParam, tp_rank: int, tp_size: int
+) -> None:
+    """Decode one checkpoint tensor into (this rank's part of) a quantized parameter."""
+    if spec.shared:
+        value = spec.decode(materialize(loaded), tuple(destination.shape))
+        destination.copy_(torch.maximum(destination, value.reshape(destination.shape).to(destination.dtype)))
+        return
+    full = list(destination.shape)
+    if spec.tp_dim is not None:
+        full[spec.tp_dim] *= tp_size
+    if loaded.dtype != destination.dtype or loaded.shape.numel() != torch.Size(full).numel():
+        decoded = spec.decode(materialize(loaded), tuple(full))
+        if decoded.dtype != destination.dtype and destination.dtype == torch.int8:
+            decoded = decoded.to(torch.int8)
+        loaded = decoded
+    load_shard(destination, loaded, spec.tp_dim, tp_rank, tp_size)
+
+
+def checkpoint_tensor_name(name: str) -> str | None:
+    """A checkpoint tensor's name as our parameters know it: weight_packed -> weight; None for the
+    compressed-tensors tensors whose data nothing reads (weight_shape: the layer knows its shape)."""
+    module, _, tensor = name.rpartition(".")
+    if tensor in CHECKPOINT_IGNORED:
+        return None
+    return f"{module}.{CHECKPOINT_ALIASES.get(tensor, tensor)}"
+
+
+def fused_parts(module_name: str, packed_modules_mapping: Mapping[str, tuple[str, object]]) -> list[str]:
+    """The checkpoint module names one of our modules stands for: q_proj, k_proj, v_proj for qkv_proj."""
+    prefix, _, leaf = module_name.rpartition(".")
+    parts = [ckpt for ckpt, (fused, _) in packed_modules_mapping.items() if fused == leaf]
+    if not parts:
+        return [module_name]
+    return [f"{prefix}.{part}" if prefix else part for part in parts]
+
+
+class QuantizableLinear:
+    """What a layer of weight [N, K] (cut along `tp_dim`) needs to take a quantized scheme: mixed
+    into module/linear.py's LinearBase and module/embedding.py's ParallelLMHead."""
+
+    weight: nn.Parameter
+    tp_dim: int
+    tp_rank: int
+    tp_size: int
+    weight_loader: Callable[..., None]
+
+    def set_scheme(self, scheme: LinearScheme, method: object, compute_dtype: torch.dtype, at_load: bool) -> None:
+        """Run this layer by `method` under `scheme`: its parameters become the checkpoint's
+        quantized tensors, or (`at_load`) the float weight stays and is rounded after loading."""
+        self.scheme = scheme
+        self.linear_method = method
+        self.compute_dtype = compute_dtype
+        self.quantize_at_load = at_load
+        if at_load:
+            return
+        rows, cols = self.weight.shape
+        for name, (param, spec) in quant_parameters(scheme, rows, cols, self.tp_dim).items():
+            param.quant = spec
+            param.weight_loader = self.weight_loader
+            setattr(self, name, param)
