@@ -7,6 +7,7 @@ its parts, which must agree since they run as one matmul.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -58,3 +59,27 @@ def quantize_model(
         module.set_scheme(scheme, backend.linear_method(scheme.kind), compute_dtype, plan.at_load)
         layers.append(QuantizedLayer(name, tuple(parts), scheme))
     return layers
+
+
+def layer_kind_schemes(model: nn.Module) -> dict[str, str]:
+    """Each linear layer kind (qkv_proj, down_proj, lm_head, ...) -> its scheme and the method that
+    runs it, for the start-up log and summary.json; kinds whose layers differ list each variant."""
+    kinds: dict[str, set[str]] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, QuantizableLinear):
+            continue
+        scheme = getattr(module, "scheme", None)
+        method = type(module.linear_method).__name__
+        described = f"{scheme.describe()} ({method})" if scheme is not None else f"unquantized ({method})"
+        kinds.setdefault(name.rpartition(".")[2], set()).add(described)
+    return {kind: "; ".join(sorted(variants)) for kind, variants in kinds.items()}
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters (each shared one once) and of the copies its kernels laid out."""
+    tensors = list(model.parameters())
+    for module in model.modules():
+        copy = getattr(module, "packed_weight", None)
+        if dataclasses.is_dataclass(copy):
+            tensors += [getattr(copy, f.name) for f in dataclasses.fields(copy)]
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))

@@ -43,11 +43,16 @@ class QuantizedWeight:
 
 
 def quantized_weight(layer: nn.Module) -> QuantizedWeight:
-    """The layer's weight as its scheme holds it: its own tensors, or its float weight rounded to nearest."""
+    """The layer's weight as its scheme holds it: its own tensors, or its float weight rounded to
+    nearest, which then replace the float one (so it is not held twice; a tied LM head unties)."""
     scheme: LinearScheme = layer.scheme
     if getattr(layer, "quantize_at_load", False):
         values, scale, zero_point = quant_math.quantize_weight(layer.weight.detach(), scheme.weights)
-        return QuantizedWeight(values, scale, zero_point, None)
+        layer.weight = nn.Parameter(values, requires_grad=False)
+        layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+        if zero_point is not None:
+            layer.weight_zero_point = nn.Parameter(zero_point, requires_grad=False)
+        layer.quantize_at_load = False
     zero_point = getattr(layer, "weight_zero_point", None)
     input_scale = getattr(layer, "input_scale", None)
     return QuantizedWeight(
@@ -83,12 +88,11 @@ class Int8ScaledLinear(LinearMethod):
         out_features = weight.values.shape[0]
         if scale.numel() == 1:
             scale = scale.expand(out_features)
+        transposed = weight.values.to(torch.int8).t().contiguous()
         layer.packed_weight = Int8Weight(
-            weight.values.to(torch.int8).t().contiguous(),
-            scale.reshape(1, -1).contiguous(),
-            weight.input_scale,
-            out_features,
+            transposed, scale.reshape(1, -1).contiguous(), weight.input_scale, out_features
         )
+        layer.weight = nn.Parameter(transposed.t(), requires_grad=False)  # a view: the int8 values are held once
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         packed: Int8Weight = layer.packed_weight

@@ -22,7 +22,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from executor.model_loader.quantization_config import online_scheme, read_quantization
+from executor.core.config import ConfigError, build_config
+from executor.model_loader.quantization_config import QuantizationRequest, online_scheme, read_quantization
 from executor.offline.quantize_checkpoint import quantize_checkpoint, quantized_model
 from executor.types_.quant_scheme import CHANNEL, GROUP, INT, QuantArgs, QuantizationPlan, SchemeGroup
 from models.llama.model import LlamaForCausalLM as OurLlama
@@ -199,9 +200,40 @@ def test_fused_parts_with_different_schemes_are_refused_naming_the_layer(tiny_ll
     }
     config = LlamaConfig.from_pretrained(tiny_llama_dir)
     config.quantization_config = plan_config
-    plan = read_quantization(config, "", "model_config.quantization", "config.json")
+    plan = read_quantization(config, QuantizationRequest(), "config.json")
     backend = cpu_backend()
     with pytest.raises(
         QuantizationError, match="model.layers.0.self_attn.qkv_proj runs model.layers.0.self_attn.q_proj"
     ):
         quantize_model(OurLlama(config, backend=backend), plan, backend, torch.float32)
+
+
+def test_cann_recipes_online_mxfp8_keys_quantize_as_mxfp8_does_skipping_the_ignored_layers(tiny_llama_dir):
+    mxfp8 = make_inference(tiny_llama_dir, model_config={"quantization": "mxfp8"})
+    params = {"enable_online_mxfp8_quantization": True, "online_mxfp8_ignored_layers": ["model.layers.1"]}
+    cann = make_inference(tiny_llama_dir, model_config={"custom_params": params})
+    modules = dict(cann.engine.worker.model.named_modules())
+    assert modules["model.layers.0.mlp.down_proj"].scheme.kind == "mxfp8"
+    assert getattr(modules["model.layers.1.mlp.down_proj"], "scheme", None) is None
+    assert getattr(modules["lm_head"], "scheme", None) is None
+    everything = make_inference(
+        tiny_llama_dir, model_config={"custom_params": params | {"online_mxfp8_ignored_layers": []}}
+    )
+    torch.testing.assert_close(
+        engine_prefill_logits(everything, PROMPTS), engine_prefill_logits(mxfp8, PROMPTS), atol=0, rtol=0
+    )
+
+
+def test_the_summary_names_each_layer_kinds_scheme_and_the_weight_and_kv_bytes(tiny_llama_dir):
+    plain = make_inference(tiny_llama_dir).engine.worker
+    quantized = make_inference(tiny_llama_dir, model_config={"quantization": "w8a8"}).engine.worker
+    assert quantized.layer_schemes["down_proj"].startswith("weights int8 per channel, activations int8 per token")
+    assert quantized.layer_schemes["lm_head"].startswith("unquantized")
+    assert plain.layer_schemes["down_proj"].startswith("unquantized")
+    assert quantized.weight_bytes < plain.weight_bytes
+    assert quantized.kv_cache_bytes_per_token() == plain.kv_cache_bytes_per_token() == 2 * 2 * 2 * 16 * 4
+
+
+def test_enable_hadamard_is_refused_with_its_reason():
+    with pytest.raises(ConfigError, match="enable_hadamard.*online Hadamard transform of attention inputs"):
+        build_config({"model_config": {"enable_hadamard": True}}, source="run.yaml")

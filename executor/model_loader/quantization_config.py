@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from compressed_tensors.quantization import (
@@ -167,10 +168,42 @@ def online_scheme(token: str, key: str) -> LinearScheme:
     return linear_scheme(scheme.weights, scheme.input_activations, f"{key}: {token}")
 
 
-def read_quantization(hf_config: Any, requested: str, key: str, source: str) -> QuantizationPlan | None:
-    """The run's plan from the checkpoint's config (`hf_config.quantization_config`) and the
-    requested schemes (`requested`, model_config.quantization, named `key` in errors); None when
-    neither quantizes anything."""
+MXFP8_KEY = "model_config.custom_params.enable_online_mxfp8_quantization"
+GMM_NAMES = ("gmm", "moe", "moegmm", "fused_moe_gmm")  # cann-recipes' names for the routed experts
+EXPERTS = r"re:.*\.mlp\.experts\..*"
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizationRequest:
+    """What the YAML asks for: model_config.quantization's names, or cann-recipes' online MXFP8 keys."""
+
+    schemes: str = ""
+    key: str = "model_config.quantization"
+    ignore: tuple[str, ...] = ONLINE_IGNORE
+
+
+def quantization_request(model_config: Any) -> QuantizationRequest:
+    """model_config.quantization, or custom_params.enable_online_mxfp8_quantization (MXFP8 weights and
+    activations at load, on online_mxfp8_quant_layers' kinds: "linear" layers and/or "gmm" routed
+    experts, skipping online_mxfp8_ignored_layers and their children, as cann-recipes' qwen3_5 does)."""
+    params = model_config.custom_params
+    if not params.get("enable_online_mxfp8_quantization", False):
+        return QuantizationRequest(model_config.quantization)
+    if model_config.quantization:
+        raise QuantizationError(f"{MXFP8_KEY} and model_config.quantization both quantize the weights; set one")
+    kinds = [kind.lower() for kind in params.get("online_mxfp8_quant_layers", ["linear"])]
+    ignored = [rf"re:^{re.escape(name)}(\..*)?$" for name in params.get("online_mxfp8_ignored_layers", [])]
+    if "linear" not in kinds:
+        ignored.append(r"re:^(?!.*\.mlp\.experts\.).*$")  # everything but the experts
+    if not any(kind in GMM_NAMES for kind in kinds):
+        ignored.append(EXPERTS)
+    return QuantizationRequest("mxfp8", MXFP8_KEY, (*ONLINE_IGNORE, *ignored))
+
+
+def read_quantization(hf_config: Any, request: QuantizationRequest, source: str) -> QuantizationPlan | None:
+    """The run's plan from the checkpoint's config (`hf_config.quantization_config`) and what the
+    YAML requests; None when neither quantizes anything."""
+    requested, key = request.schemes, request.key
     tokens = [token.strip().lower() for token in requested.split("+") if token.strip()] if requested else []
     weight_tokens = [token for token in tokens if token != C8]
     if len(weight_tokens) > 1:
@@ -195,4 +228,4 @@ def read_quantization(hf_config: Any, requested: str, key: str, source: str) -> 
     if requested_weights is None and requested_kv is None:
         return None
     groups = () if requested_weights is None else (SchemeGroup(weight_tokens[0], ("Linear",), requested_weights),)
-    return QuantizationPlan(groups, ONLINE_IGNORE, requested_kv, ONLINE, f"{key}: {requested}")
+    return QuantizationPlan(groups, request.ignore, requested_kv, ONLINE, f"{key}: {requested}")

@@ -39,8 +39,8 @@ from executor.offline.preflight import (
     check_device,
     check_kv_pool,
     check_model_folder,
-    check_quantization,
     check_parallel_layout,
+    check_quantization,
     one_line,
 )
 from executor.offline.results import ResultWriter, default_output_dir, failed_record_result

@@ -135,6 +135,9 @@ class OfflineInference:
             "device": str(self.engine.platform.device),
             "dtype": self.config.model_config.dtype,
             "exe_mode": self.config.model_config.exe_mode,
+            "linear_layers": self.engine.worker.layer_schemes,
+            "weight_bytes": self.engine.worker.weight_bytes,
+            "kv_bytes_per_token": self.engine.worker.kv_cache_bytes_per_token(),
         }
         if self.engine.worker.graph_runner is not None:
             summary["graph"] = self.engine.worker.graph_runner.stats()

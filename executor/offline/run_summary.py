@@ -43,6 +43,9 @@ def run_summary(
         **speculation_stats(step_lines),
         "device": latest.get("device"),
         "dtype": latest.get("dtype"),
+        "linear_layers": latest.get("linear_layers"),
+        "weight_bytes": latest.get("weight_bytes"),
+        "kv_bytes_per_token": latest.get("kv_bytes_per_token"),
         "parts": list(parts),
     }
 

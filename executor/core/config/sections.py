@@ -125,13 +125,16 @@ class ModelConfig:
     enable_weight_nz: bool = not_applicable(
         True, "an NPU weight layout (FRACTAL_NZ); weights stay ND here", help="store weights in NZ format"
     )
-    enable_hadamard: bool = not_applicable(
+    enable_hadamard: bool = refused(
         False,
-        "Hadamard rotation of quantized weights; no quantized kernels here, weights run unrotated",
+        (False,),
+        "the online Hadamard transform of attention inputs and outputs (cann-recipes' A4W4 MXFP4 attention, "
+        "whose converted weights have it fused) is not built; such a checkpoint would run without it and give "
+        "wrong tokens",
         help="apply offline Hadamard transform weights",
     )
     hadamard_weight_path: str = not_applicable(
-        "", "goes with enable_hadamard", help="folder of the offline Hadamard transform weights"
+        "", "goes with enable_hadamard, which is refused", help="folder of the offline Hadamard transform weights"
     )
     packed_sequence: bool = not_applicable(
         False,
@@ -159,14 +162,19 @@ class CustomParams:
     ngram_embed_tp_size: int = refused(
         1, (1,), "n-gram embeddings are not built", min=1, help="n-gram embedding TP size"
     )
-    enable_online_mxfp8_quantization: bool = refused(
-        False, (False,), "MXFP8 quantization is not built: the run would not give the quantized model's results"
+    enable_online_mxfp8_quantization: bool = rule(
+        False,
+        help="MXFP8 weights and activations rounded to nearest at load (model_config.quantization: mxfp8 with "
+        "cann-recipes' layer choice; the LM head is never quantized); native on NPU, dequantized elsewhere",
     )
-    online_mxfp8_quant_layers: list[str] = not_applicable(
-        None, "goes with enable_online_mxfp8_quantization", default_factory=list, help="layer kinds to quantize"
+    online_mxfp8_quant_layers: list[str] = rule(
+        default_factory=lambda: ["linear"],
+        choices=("linear", "gmm", "moe", "moegmm", "fused_moe_gmm"),
+        help="with enable_online_mxfp8_quantization: linear layers and/or (gmm) routed experts",
     )
-    online_mxfp8_ignored_layers: list[str] = not_applicable(
-        None, "goes with enable_online_mxfp8_quantization", default_factory=list, help="layers left unquantized"
+    online_mxfp8_ignored_layers: list[str] = rule(
+        default_factory=list,
+        help="with enable_online_mxfp8_quantization: module names left unquantized, with their children",
     )
     enable_multi_streams: bool | int = not_applicable(
         False, "NPU multi-stream overlap; one stream here", help="overlap work on several NPU streams"

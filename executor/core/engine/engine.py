@@ -29,7 +29,7 @@ from executor.core.scheduler import Scheduler, SchedulerLimits
 from executor.core.spec_decode.factory import draft_model_config, make_proposer
 from executor.core.spec_decode.proposer import Proposer
 from executor.model_loader.hf_config import load_hf_config
-from executor.model_loader.quantization_config import read_quantization
+from executor.model_loader.quantization_config import quantization_request, read_quantization
 from executor.platform import create_platform, resolve_dtype
 from executor.platform.compile_cache import CompileCache
 from executor.types_ import Request, SamplingParams
@@ -105,9 +105,8 @@ class ExecutionEngine:
                 ", ".join(self.lock_step_kinds),
                 self.comm.layout.attn_dp_size,
             )
-        quantization = read_quantization(
-            hf_config, self.config.model_config.quantization, "model_config.quantization", f"{model_path}/config.json"
-        )
+        request = quantization_request(self.config.model_config)
+        quantization = read_quantization(hf_config, request, f"{model_path}/config.json")
         self.worker.init(model_cls, hf_config, model_path, quantization)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.eos_token_ids = self._collect_eos_token_ids(model_path)

@@ -21,7 +21,8 @@ from executor.types_.model_inputs import ModelInputs
 from executor.types_.quant_scheme import QuantizationPlan
 from module.attention import KVCacheLayer
 from module.parallel_group import ONE_PROCESS, ModelParallel
-from module.quantization_pass import QuantizedLayer, quantize_model
+from module.quantization_pass import QuantizedLayer, layer_kind_schemes, quantize_model, weight_bytes
+from module.quantized import QuantizationError
 from ops.backend import Backend
 from ops.linear_method import process_linear_weights
 
@@ -76,6 +77,8 @@ class ModelWorker:
         self.kv_cache_groups: list[KVCacheGroup] = []
         self.graph_runner: GraphRunner | None = None
         self.quantized_layers: list[QuantizedLayer] = []
+        self.layer_schemes: dict[str, str] = {}  # linear layer kind -> its scheme and method (set by init)
+        self.weight_bytes = 0
 
     def init(
         self,
@@ -89,6 +92,8 @@ class ModelWorker:
         load its shard of the folder's weights (each layer cuts its part out of each checkpoint
         tensor as it streams by), let each linear layer's method process its weights once (the CPU
         packs them; a scheme quantizes or dequantizes them), and group its KV cache layers by spec."""
+        if quantization is not None and quantization.kv_cache is not None:
+            raise QuantizationError(f"{quantization.source}: an int8 KV cache (C8) is not built yet")
         with _default_dtype(self.dtype), self.platform.device:
             model = model_cls(hf_config, parallel=self.parallel, backend=self.backend)
             if quantization is not None:
@@ -98,11 +103,20 @@ class ModelWorker:
         get_model_loader(self.with_ckpt, self.seed).load_weights(model, model_path)
         methods = process_linear_weights(model)
         logger.info("%s backend; linear weights by %s", self.backend.name, ", ".join(methods) or "none")
+        self.layer_schemes = layer_kind_schemes(model)
+        self.weight_bytes = weight_bytes(model)
+        for kind, scheme in self.layer_schemes.items():
+            logger.info("  %s: %s", kind, scheme)
+        logger.info("weights: %.1f MiB (parameters and the copies kernels laid out)", self.weight_bytes / 2**20)
         self.model = model.eval()
         self.kv_cache_layers = {name: m for name, m in model.named_modules() if isinstance(m, KVCacheLayer)}
         if not self.kv_cache_layers:
             raise ValueError(f"{model_cls.__name__} has no module.attention.KVCacheLayer to hold a KV cache")
         self.kv_cache_groups = group_kv_cache_layers(self.kv_cache_layers)
+
+    def kv_cache_bytes_per_token(self) -> int:
+        """KV bytes one token takes across every layer's cache tensors."""
+        return sum(layer.kv_cache_spec().bytes_per_token for layer in self.kv_cache_layers.values())
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         """Bytes one block id takes across every layer's cache tensors (a sum over the layers' specs)."""
