@@ -110,9 +110,12 @@ def test_graph_buckets_must_fit_the_batch():
         build_config({"scheduler_config": {"batch_size": 2, "graph_buckets": [1, 4]}}, source="run.yaml")
 
 
-def test_sampling_keys_take_their_ranges_and_logprobs_may_be_null():
+def test_sampling_keys_take_their_ranges_and_logprobs_may_be_null_or_capped():
     build_config({"data_config": {"temperature": 0.7, "top_p": 0.9, "min_p": 0.1, "logprobs": 5}})
     build_config({"data_config": {"logprobs": None, "frequency_penalty": -2.0, "repetition_penalty": 1.3}})
+    build_config({"data_config": {"prompt_logprobs": 0}})
+    with pytest.raises(ConfigError, match=r"data_config.prompt_logprobs in run.yaml must be <= 20, got 21"):
+        build_config({"data_config": {"prompt_logprobs": 21}}, source="run.yaml")
     with pytest.raises(ConfigError, match=r"data_config.top_p in run.yaml must be > 0.0, got 0"):
         build_config({"data_config": {"top_p": 0}}, source="run.yaml")
     with pytest.raises(ConfigError, match=r"data_config.temperature in run.yaml must be a finite number, got inf"):

@@ -316,7 +316,7 @@ def test_plain_text_works_with_a_tokenizer_that_has_no_chat_template() -> None:
 
 def test_a_line_overrides_sampling_parameters_with_values_of_their_type(tmp_path: Path) -> None:
     overrides = {"max_new_tokens": 4, "temperature": 0, "top_p": 1, "min_p": 0.1, "repetition_penalty": 1.2}
-    overrides |= {"frequency_penalty": -0.5, "presence_penalty": 1, "logprobs": 3, "seed": 9}
+    overrides |= {"frequency_penalty": -0.5, "presence_penalty": 1, "logprobs": 3, "prompt_logprobs": 0, "seed": 9}
     path = write_jsonl(tmp_path / "p.jsonl", {"prompt": "hi", "stop_token_ids": [13, 7], **overrides})
     (record,) = load_prompts(path)
     assert record.sampling_overrides == overrides | {"stop_token_ids": (13, 7)}
@@ -332,6 +332,7 @@ def test_a_line_overrides_sampling_parameters_with_values_of_their_type(tmp_path
         ({"min_p": "0.1"}, "'min_p' must be float"),
         ({"logprobs": 1.5}, "'logprobs' must be int"),
         ({"logprobs": None}, "'logprobs' must be int"),
+        ({"prompt_logprobs": 2.0}, "'prompt_logprobs' must be int"),
         ({"stop_token_ids": [1, "x"]}, "'stop_token_ids' must be a list of ints"),
     ],
 )

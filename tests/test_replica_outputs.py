@@ -31,6 +31,7 @@ def result(request_id: str) -> dict:
         "finish_reason": "length",
         "error": None,
         "logprobs": None,
+        "prompt_logprobs": None,
     }
 
 

@@ -392,6 +392,7 @@ RANGES = {
     "top_k": st.integers(-3, 10**6),
     "seed": st.integers(-3, 2**64) | st.sampled_from([2**63 - 1, 2**63]),
     "logprobs": st.integers(-3, 30) | st.sampled_from([0, 20, 21]),
+    "prompt_logprobs": st.integers(-3, 30) | st.sampled_from([0, 20, 21]),
 }
 
 

@@ -37,6 +37,7 @@ SAMPLING_FIELDS: dict[str, type] = {
     "frequency_penalty": float,
     "presence_penalty": float,
     "logprobs": int,
+    "prompt_logprobs": int,
     "ignore_eos": bool,
     "stop_token_ids": list,
 }

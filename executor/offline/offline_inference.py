@@ -64,6 +64,7 @@ class OfflineInference:
             frequency_penalty=data.frequency_penalty,
             presence_penalty=data.presence_penalty,
             logprobs=data.logprobs,
+            prompt_logprobs=data.prompt_logprobs,
         )
         self._replica_of_one_rank = self.engine.comm.layout.attn_tp_size == 1
 

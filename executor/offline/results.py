@@ -40,7 +40,7 @@ from executor.offline.run_folder import (
     unmerged_replica_lines,
 )
 from executor.offline.run_summary import run_summary
-from executor.types_ import Request, SamplingParams
+from executor.types_ import FinishReason, Request, SamplingParams, TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +63,7 @@ def request_result(request: Request, output_text: str) -> dict[str, Any]:
         "finish_reason": request.finish_reason.value if request.finish_reason else None,
         "error": request.error,
         "logprobs": _logprobs_result(request),
+        "prompt_logprobs": _prompt_logprobs_result(request),
     }
 
 
@@ -72,14 +73,26 @@ def _logprobs_result(request: Request) -> list[dict[str, Any]] | None:
     sample past a stop token, whose tokens are dropped: their logprobs are cut here alike."""
     if request.sampling_params.logprobs is None:
         return None
-    return [
-        {
-            "token_id": entry.token_id,
-            "logprob": entry.logprob,
-            "top": [list(pair) for pair in zip(entry.top_token_ids, entry.top_logprobs, strict=True)],
-        }
-        for entry in request.output_logprobs[: len(request.output_token_ids)]
-    ]
+    return [_logprobs_entry(entry) for entry in request.output_logprobs[: len(request.output_token_ids)]]
+
+
+def _prompt_logprobs_result(request: Request) -> list[dict[str, Any] | None] | None:
+    """Per prompt token, as vLLM's prompt_logprobs: None for the first (nothing precedes it), then
+    each token's logprob under the positions before it, in the logprobs entries' format; None when
+    the request asked for none, empty when it failed before its prompt ran."""
+    if request.sampling_params.prompt_logprobs is None:
+        return None
+    if request.finish_reason is FinishReason.ERROR:
+        return []
+    return [None, *(_logprobs_entry(entry) for entry in request.prompt_logprobs)]
+
+
+def _logprobs_entry(entry: TokenLogprobs) -> dict[str, Any]:
+    return {
+        "token_id": entry.token_id,
+        "logprob": entry.logprob,
+        "top": [list(pair) for pair in zip(entry.top_token_ids, entry.top_logprobs, strict=True)],
+    }
 
 
 def failed_record_result(record: PromptRecord) -> dict[str, Any]:

@@ -35,6 +35,9 @@ class StepResult:
     # Drafts each request's next decode step verifies; None when the step proposed none (speculation
     # off, or no row sampled), which leaves each request's drafts as they are.
     next_drafts: list[list[int]] | None = None
+    # Prompt tokens each request's step scored (SamplingParams.prompt_logprobs), in order, to append
+    # to Request.prompt_logprobs; None when no request of the step asked for them.
+    prompt_logprobs: list[list[TokenLogprobs]] | None = None
 
     @classmethod
     def empty(cls, num_requests: int) -> StepResult:

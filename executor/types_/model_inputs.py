@@ -11,7 +11,7 @@ one shape for life.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -49,6 +49,9 @@ class ScheduledSequence:
     # Rows at the end of this sequence whose logits the step samples: 1 normally, 0 for a prompt
     # chunk that does not reach the prompt's end, k + 1 for a verify step of k draft tokens.
     num_sampled_rows: int = 1
+    # Rows (offsets into token_ids) whose logits score the next prompt token, for a request that
+    # asks for prompt logprobs; empty for every other request, whose other rows get no logits.
+    prompt_logprob_rows: range = range(0)
 
 
 @dataclass(slots=True)
@@ -67,6 +70,8 @@ class StepLayout:
     slot_mappings: list[list[int]]  # [group][token]
     logits_indices: list[int]  # rows whose logits the step samples
     max_blocks_per_request: int  # the fixed width of every block table
+    # rows whose logits score a prompt token (ScheduledSequence.prompt_logprob_rows), never sampled
+    prompt_logprob_indices: list[int] = field(default_factory=list)
 
     @property
     def num_rows(self) -> int:
@@ -104,6 +109,7 @@ class StepLayout:
             slot_mappings=[slots + [0] * extra for slots in self.slot_mappings],
             logits_indices=list(self.logits_indices),
             max_blocks_per_request=self.max_blocks_per_request,
+            prompt_logprob_indices=list(self.prompt_logprob_indices),
         )
 
 
@@ -126,6 +132,10 @@ def build_step_layout(
     for seq in sequences:
         start = seq.num_computed_tokens
         end = start + len(seq.token_ids)
+        first_row = len(layout.input_ids)
+        layout.prompt_logprob_indices.extend(
+            range(first_row + seq.prompt_logprob_rows.start, first_row + seq.prompt_logprob_rows.stop)
+        )
         layout.input_ids.extend(seq.token_ids)
         layout.positions.extend(range(start, end))
         for group, block_ids in enumerate(seq.block_ids):

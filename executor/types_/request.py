@@ -47,6 +47,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # 0 = off; times each token's count in the output
     presence_penalty: float = 0.0  # 0 = off; once for each token present in the output
     logprobs: int | None = None  # None = off; 0 = the sampled token's; n = also the top n
+    # None = off; 0 = each prompt token's logprob (teacher forced); n = also the top n (vLLM's)
+    prompt_logprobs: int | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -77,15 +79,18 @@ class SamplingParams:
                 return f"{key} must be in [-{PENALTY_RANGE:g}, {PENALTY_RANGE:g}], got {value}"
         if self.seed is not None and not 0 <= self.seed < 2**63:
             return f"seed must be in [0, 2**63), got {self.seed}"
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            return f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"
+        for key in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, key)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                return f"{key} must be in [0, {MAX_LOGPROBS}], got {value}"
         return None
 
 
 @dataclass(slots=True)
 class TokenLogprobs:
-    """The logprobs of one output token (SamplingParams.logprobs): the sampled token's, and the
-    top n tokens' of the same distribution, most likely first."""
+    """The logprobs of one token (an output token's, SamplingParams.logprobs, or a prompt token's,
+    SamplingParams.prompt_logprobs): the token's own, and the top n tokens' of the same
+    distribution, most likely first."""
 
     token_id: int
     logprob: float
@@ -114,6 +119,9 @@ class Request:
     finish_time_s: float | None = None
     # One entry per sampled output token when sampling_params.logprobs is set (the scheduler appends).
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # When sampling_params.prompt_logprobs is set: one entry per prompt token from the second on
+    # (entry i scores prompt token i + 1), as prefill computes them (the scheduler appends).
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

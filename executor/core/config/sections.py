@@ -219,6 +219,9 @@ class DataConfig:
     logprobs: int | None = rule(
         None, min=0, max=20, help="ours: per output token, its logprob and the top N; null = off"
     )
+    prompt_logprobs: int | None = rule(
+        None, min=0, max=20, help="ours: per prompt token, its logprob (teacher forced) and the top N; null = off"
+    )
     apply_chat_template: bool = rule(True, help="ours: send text prompts through the chat template")
     num_prompts: int = rule(0, min=0, help="ours: use the first N prompts; 0 = all")
 

@@ -1,17 +1,20 @@
 """ModelRunner (vLLM's name): one step, from a scheduled Batch to its StepResult.
 
 A step reads as its parts: pack the requests' tokens and blocks into a StepLayout, run the
-worker's forward, take the logits of the rows the step samples, sample them, verify drafts, and
-propose the next drafts. The runner only reads requests: the scheduler applies the StepResult.
+worker's forward, take the logits of the rows the step samples (and of the prompt rows whose
+tokens a request asks to score: prompt logprobs), sample them, verify drafts, and propose the
+next drafts. The runner only reads requests: the scheduler applies the StepResult.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 
 from executor.core.kv_cache import KVCacheManager
 from executor.core.model_worker import ModelWorker
-from executor.core.sampler import Sampler, SamplingMetadata
+from executor.core.sampler import Sampler, SamplingMetadata, prompt_logprobs
 from executor.core.sampler.noise import token_seed
 from executor.core.spec_decode.proposer import ProposalContext, Proposer
 from executor.core.spec_decode.verify import accept_greedy, rejection_sample
@@ -48,21 +51,28 @@ class ModelRunner:
 
     def execute(self, batch: Batch) -> StepResult:
         """Run one step for `batch`: what each request emits, how many of its drafts were accepted,
-        its logprobs, and (with a proposer) its drafts for the next step."""
+        its logprobs and prompt logprobs, and (with a proposer) its drafts for the next step."""
         drafts = batch.draft_token_ids or [[]] * len(batch.requests)
         sequences, layout = self.prepare_inputs(batch, drafts)
         self.step_timer.mark("prepare")
         hidden_states, all_logits = self._forward(layout)  # marks h2d
-        if not layout.logits_indices:
+        if not layout.logits_indices and not layout.prompt_logprob_indices:
             self._join_lm_head_without_rows(hidden_states)
             self.step_timer.mark("forward")
             return StepResult.empty(len(sequences))
         logits = self._logits(hidden_states, all_logits, layout)
         self.step_timer.mark("forward")
-        row_token_ids, row_logprobs = self._sample(logits, batch.requests, sequences)
-        result = self._verify(batch.requests, drafts, sequences, row_token_ids, row_logprobs, logits)
+        num_sampled = len(layout.logits_indices)
+        if num_sampled:
+            sampled_logits = logits[:num_sampled]
+            row_token_ids, row_logprobs = self._sample(sampled_logits, batch.requests, sequences)
+            result = self._verify(batch.requests, drafts, sequences, row_token_ids, row_logprobs, sampled_logits)
+        else:
+            result = StepResult.empty(len(sequences))
+        if layout.prompt_logprob_indices:
+            result.prompt_logprobs = self._prompt_logprobs(logits[num_sampled:], batch.requests, sequences)
         self.step_timer.mark("sample")
-        if self.proposer is not None:
+        if self.proposer is not None and num_sampled:
             result.next_drafts = self._propose(batch.requests, drafts, sequences, result, hidden_states, layout)
             self.step_timer.mark("propose")
         return result
@@ -80,6 +90,7 @@ class ModelRunner:
                     num_computed_tokens=start,
                     block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
                     num_sampled_rows=1 + len(request_drafts) if end >= request.num_tokens else 0,
+                    prompt_logprob_rows=_prompt_logprob_rows(request, start, end),
                 )
             )
         return sequences, self._pack(sequences)
@@ -102,8 +113,11 @@ class ModelRunner:
         return self.worker.model(inputs.input_ids, inputs.positions, inputs.forward_metadata), None
 
     def _logits(self, hidden_states: torch.Tensor, all_logits: torch.Tensor | None, layout: StepLayout) -> torch.Tensor:
-        """The sampled rows' logits: picked from a graph's LM head output, or the LM head on those rows."""
-        logits_indices = to_device(layout.logits_indices, torch.int64, self.device)
+        """The sampled rows' logits, then the prompt logprob rows': picked from a graph's LM head
+        output, or one LM head call on those rows (one set of collectives per step, as every
+        replica of a lock-step group makes)."""
+        rows = layout.logits_indices + layout.prompt_logprob_indices
+        logits_indices = to_device(rows, torch.int64, self.device)
         if all_logits is not None:
             return all_logits[logits_indices]
         with torch.inference_mode():
@@ -123,6 +137,23 @@ class ModelRunner:
         if output.logprobs is None:
             return token_ids, None
         return token_ids, output.logprobs.per_row(token_ids, metadata.num_logprobs)
+
+    def _prompt_logprobs(
+        self, logits: torch.Tensor, requests: list[Request], sequences: list[ScheduledSequence]
+    ) -> list[list[TokenLogprobs]]:
+        """Each request's scored prompt tokens: the logits of the row at position p score prompt
+        token p + 1 (the next chunk's first token for a chunk's last row)."""
+        token_ids: list[int] = []
+        num_logprobs: list[int] = []
+        counts: list[int] = []
+        for request, seq in zip(requests, sequences, strict=True):
+            rows = seq.prompt_logprob_rows
+            first_scored = seq.num_computed_tokens + rows.start + 1
+            token_ids.extend(request.prompt_token_ids[first_scored : first_scored + len(rows)])
+            num_logprobs.extend([request.sampling_params.prompt_logprobs or 0] * len(rows))
+            counts.append(len(rows))
+        entries = iter(prompt_logprobs(logits, token_ids, num_logprobs))
+        return [list(itertools.islice(entries, count)) for count in counts]
 
     def _verify(
         self,
@@ -205,3 +236,15 @@ class ModelRunner:
         replicas (another replica may sample in this step)."""
         if "lmhead_tp" in self.lock_step_kinds:
             self.worker.compute_logits(hidden_states, torch.empty(0, dtype=torch.int64, device=hidden_states.device))
+
+
+def _prompt_logprob_rows(request: Request, start: int, end: int) -> range:
+    """The rows of the request's positions [start, end) that score a prompt token: from the first
+    position not yet scored (so a recompute after a preemption scores none twice) up to the
+    prompt's second last (the last one's logits pick the first output token)."""
+    if request.sampling_params.prompt_logprobs is None:
+        return range(0)
+    assert len(request.prompt_logprobs) >= min(start, request.num_prompt_tokens - 1), "unscored positions skipped"
+    first = max(start, len(request.prompt_logprobs))
+    last = min(end, request.num_prompt_tokens - 1)
+    return range(first - start, max(last, first) - start)

@@ -7,6 +7,8 @@ finds a new request's longest prefix cached in every group (never its last token
 logits must be computed) and caches each full block once its K/V are computed, that is after the
 step that computed it, so a request never reads a block another request of the same step has yet
 to write. Two requests of one step that computed the same block share one copy from then on.
+A request that asks for prompt logprobs takes no prefix hit (a cached position has no logits to
+score its next token with), as in vLLM; its blocks are still cached for others.
 
 Layout of one request's blocks in one group (block_size 4, 10 tokens computed, 3 new, 2 lookahead):
 
@@ -76,7 +78,7 @@ class KVCacheManager:
     def find_prefix_hit(self, request: Request) -> PrefixHit:
         """The longest prefix of the request cached in every group, short of its last token."""
         no_hit = PrefixHit([[] for _ in self.managers], 0)
-        if not self.enable_prefix_caching:
+        if not self._looks_up(request):
             return no_hit
         block_hashes = request.full_block_hashes(self.block_size)
         num_blocks = min(len(block_hashes), (request.num_tokens - 1) // self.block_size)
@@ -86,6 +88,10 @@ class KVCacheManager:
             if shortest == num_blocks:
                 return PrefixHit(rows, num_blocks * self.block_size) if num_blocks else no_hit
             num_blocks = shortest
+
+    def _looks_up(self, request: Request) -> bool:
+        """Whether the request may take a prefix hit: not one that scores its prompt's tokens."""
+        return self.enable_prefix_caching and request.sampling_params.prompt_logprobs is None
 
     def can_admit(self, request: Request, hit: PrefixHit, num_lookahead_tokens: int = 0) -> bool:
         """Whether the free blocks hold the request's tokens beyond its hit, and `num_lookahead_tokens`
@@ -101,7 +107,7 @@ class KVCacheManager:
         writer, starts its computed tokens after the hit (hit.num_tokens)."""
         for manager, row in zip(self.managers, hit.block_ids, strict=True):
             manager.take_cached_blocks(request.request_id, row)
-        if self.enable_prefix_caching:
+        if self._looks_up(request):
             self.num_queried_tokens += request.num_tokens
             self.num_hit_tokens += hit.num_tokens
 

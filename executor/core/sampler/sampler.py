@@ -113,6 +113,15 @@ class Sampler:
         return SamplerOutput(token_ids, logprobs)
 
 
+def prompt_logprobs(logits: torch.Tensor, token_ids: list[int], num_logprobs: list[int]) -> list[TokenLogprobs]:
+    """vLLM's prompt logprobs: per row, the fp32 log-softmax of its raw logits (no penalty,
+    temperature or filter applies to a prompt token nobody sampled) at the given token, and the
+    top `num_logprobs[row]`; one host read for the whole step."""
+    targets = torch.tensor(token_ids, dtype=torch.int64, device=logits.device)
+    rows = _logprobs(logits.float(), targets, max(num_logprobs)).per_row(token_ids, list(num_logprobs))
+    return [row for row in rows if row is not None]
+
+
 def _logprobs(processed: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> LogprobsTensors:
     logprobs = processed.log_softmax(dim=-1)
     top_logprobs, top_token_ids = logprobs.topk(num_top, dim=-1)

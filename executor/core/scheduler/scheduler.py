@@ -17,7 +17,7 @@ the whole pool even alone fails at once, so a lone request always progresses.
 
 The scheduler is the one writer of a Request: the KV cache manager reports a prefix hit without
 applying it, and each step's runner returns a StepResult (new tokens, accepted drafts, logprobs,
-next drafts) that the scheduler applies.
+prompt logprobs, next drafts) that the scheduler applies.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from executor.core.kv_cache import KVCacheManager
-from executor.types_ import Batch, FinishReason, Request, RequestStatus, StepResult, StepRunner
+from executor.types_ import Batch, FinishReason, Request, RequestStatus, StepResult, StepRunner, TokenLogprobs
 from executor.utils.step_timer import StepTimer
 
 logger = logging.getLogger(__name__)
@@ -311,9 +311,12 @@ class Scheduler:
 
     def _update_from_output(self, batch: Batch, result: StepResult) -> list[Request]:
         """Apply the step's result to its requests: computed tokens (a rejected draft's K/V is
-        void), logprobs, next drafts, output tokens up to a stop; finish and free those that end."""
+        void), logprobs, prompt logprobs, next drafts, output tokens up to a stop; finish and free
+        those that end."""
         now_s = self.clock()
         finished: list[Request] = []
+        if result.prompt_logprobs is not None:
+            self._append_prompt_logprobs(batch.requests, result.prompt_logprobs)
         next_drafts = result.next_drafts or [None] * len(batch.requests)
         for request, num_tokens, drafts, token_ids, num_accepted, logprobs, request_next_drafts in zip(
             batch.requests,
@@ -348,6 +351,14 @@ class Scheduler:
                 self.kv_cache_manager.free(request)
                 finished.append(request)
         return finished
+
+    @staticmethod
+    def _append_prompt_logprobs(requests: list[Request], prompt_logprobs: list[list[TokenLogprobs]]) -> None:
+        """Append the prompt tokens each request's step scored; the runner scores each position
+        once (a recompute after a preemption scores none again), so entries stay one per token."""
+        for request, entries in zip(requests, prompt_logprobs, strict=True):
+            request.prompt_logprobs.extend(entries)
+            assert len(request.prompt_logprobs) < request.num_prompt_tokens, "a prompt token was scored twice"
 
     def _append_output_tokens(self, request: Request, token_ids: list[int]) -> FinishReason | None:
         """Append tokens in order until one ends the request: EOS or a stop token (kept, and what
