@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from executor.core.config import ConfigError, build_config
 from executor.model_loader.quantization_config import QuantizationRequest, online_scheme, read_quantization
+from executor.offline.dataset import PromptRecord
 from executor.offline.quantize_checkpoint import quantize_checkpoint, quantized_model
 from executor.types_.quant_scheme import CHANNEL, GROUP, INT, QuantArgs, QuantizationPlan, SchemeGroup
 from models.llama.model import LlamaForCausalLM as OurLlama
@@ -237,3 +238,22 @@ def test_the_summary_names_each_layer_kinds_scheme_and_the_weight_and_kv_bytes(t
 def test_enable_hadamard_is_refused_with_its_reason():
     with pytest.raises(ConfigError, match="enable_hadamard.*online Hadamard transform of attention inputs"):
         build_config({"model_config": {"enable_hadamard": True}}, source="run.yaml")
+
+
+@pytest.mark.parametrize("scheme", ["w8a8", "w4a16_g32"])
+def test_every_prompt_position_scores_as_transformers_does_under_the_scheme(scheme, tiny_llama_dir, tmp_path):
+    """Teacher forced at every position (prompt logprobs): the given token's logprob within 1e-4 of
+    transformers' on the same checkpoint, and the same top-1 token at every position."""
+    checkpoint = quantize_checkpoint(tiny_llama_dir, tmp_path / "q", scheme)
+    hf_model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    records = [
+        PromptRecord(id=f"p{i}", prompt_token_ids=ids, sampling_overrides={"prompt_logprobs": 1})
+        for i, ids in enumerate(PROMPTS)
+    ]
+    result = make_inference(checkpoint).generate(records, None)
+    for request in result.requests:
+        with torch.no_grad():
+            expected = hf_model(torch.tensor([request.prompt_token_ids])).logits[0].float().log_softmax(-1)
+        for position, entry in enumerate(request.prompt_logprobs):
+            assert abs(entry.logprob - expected[position, entry.token_id].item()) < 1e-4
+            assert entry.top_token_ids[0] == expected[position].argmax().item()
