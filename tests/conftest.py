@@ -15,8 +15,9 @@ from tests.factories import TINY_VOCAB, tiny_tokenizer
 from tests.paged_harness import save_random_model
 
 
-def save_tiny_llama(path: Path, seed: int = 0) -> Path:
-    """A random HF Llama (GQA, untied) saved as safetensors with a tokenizer: a complete model folder."""
+def save_tiny_llama(path: Path, seed: int = 0, **overrides: object) -> Path:
+    """A random HF Llama (GQA, untied) saved as safetensors with a tokenizer: a complete model folder;
+    `overrides` replace config fields."""
     config = LlamaConfig(
         vocab_size=TINY_VOCAB,
         hidden_size=64,
@@ -30,6 +31,7 @@ def save_tiny_llama(path: Path, seed: int = 0) -> Path:
         pad_token_id=2,
         tie_word_embeddings=False,
     )
+    config.update(overrides)
     save_random_model(path, LlamaForCausalLM, config, seed)
     tiny_tokenizer().save_pretrained(path)
     return path

@@ -20,7 +20,7 @@ from compressed_tensors.quantization.lifecycle.forward import fake_quantize
 from compressed_tensors.quantization.utils import calculate_qparams
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig
 
 from executor.core.config import ConfigError, build_config
 from executor.model_loader.quantization_config import QuantizationRequest, online_scheme, read_quantization
@@ -33,9 +33,8 @@ from module.quantized import QuantizationError
 from ops import quant_math
 from ops.quantized_linear import Int8ScaledLinear
 from tests.backends import cpu_backend
-from tests.conftest import save_random_model
+from tests.conftest import save_tiny_llama
 from tests.engine_harness import engine_prefill_logits, make_inference
-from tests.factories import tiny_tokenizer
 
 PROMPTS = [[1, 5, 9, 20, 30, 40, 7], [1, 7, 3], [1, 100, 200, 3, 4, 5, 6, 7, 8, 9, 10, 11], [1, 250]]
 FP32_ATOL = 1e-5
@@ -45,22 +44,7 @@ FP32_ATOL = 1e-5
 def wide_llama_dir(tmp_path_factory) -> Path:
     """A random Llama whose every dim is a multiple of 128, for FP8's 128x128 blocks."""
     path = tmp_path_factory.mktemp("wide_llama")
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=256,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-        tie_word_embeddings=False,
-    )
-    save_random_model(path, LlamaForCausalLM, config, 0)
-    tiny_tokenizer().save_pretrained(path)
-    return path
+    return save_tiny_llama(path, hidden_size=128, intermediate_size=256, num_key_value_heads=4, head_dim=32)
 
 
 @torch.no_grad()
