@@ -185,7 +185,7 @@ class QuantizationRequest:
 def quantization_request(model_config: Any) -> QuantizationRequest:
     """model_config.quantization, or custom_params.enable_online_mxfp8_quantization (MXFP8 weights and
     activations at load, on online_mxfp8_quant_layers' kinds: "linear" layers and/or "gmm" routed
-    experts, skipping online_mxfp8_ignored_layers and their children, as cann-recipes' qwen3_5 does)."""
+    experts, skipping online_mxfp8_ignored_layers and their children, as cann-recipes' own code does)."""
     params = model_config.custom_params
     if not params.get("enable_online_mxfp8_quantization", False):
         return QuantizationRequest(model_config.quantization)
