@@ -10,8 +10,10 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from safetensors.torch import load_file, save_file
 
 from executor.offline import __main__ as cli
+from executor.offline.quantize_checkpoint import quantize_checkpoint
 from executor.platform import npu_runtime
 
 CASES_DIR = Path(__file__).resolve().parent / "bad_inputs"
@@ -36,7 +38,21 @@ def edited_model(source: Path, target: Path, edits: dict[str, Any]) -> Path:
     for name, values in edits.get("json_set", {}).items():
         data = json.loads((target / name).read_text())
         (target / name).write_text(json.dumps(data | values))
+    if "tensors" in edits:
+        edit_tensors(target / "model.safetensors", edits["tensors"])
     return target
+
+
+def edit_tensors(path: Path, edits: dict[str, Any]) -> None:
+    """`drop: [name]`, `dtype: {name: torch dtype name}`, `shape: {name: [new shape]}` on one safetensors file."""
+    tensors = load_file(path)
+    for name in edits.get("drop", []):
+        del tensors[name]
+    for name, dtype in edits.get("dtype", {}).items():
+        tensors[name] = tensors[name].to(getattr(torch, dtype))
+    for name, shape in edits.get("shape", {}).items():
+        tensors[name] = tensors[name].reshape(shape)
+    save_file(tensors, path, metadata={"format": "pt"})
 
 
 def case_file(case_dir: Path, name: str) -> Path:
@@ -50,8 +66,11 @@ def run_case(name: str, tmp_path: Path, tiny_llama_dir: Path, monkeypatch, capsy
     device = case.get("skip_if")
     if device and DEVICE_PRESENT[device]():
         pytest.skip(f"needs a machine without {device}")
+    source = tiny_llama_dir
+    if "quantized" in case:
+        source = quantize_checkpoint(tiny_llama_dir, tmp_path / "quantized", **case["quantized"])
     edits = case.get("model_edits")
-    model = edited_model(tiny_llama_dir, tmp_path / "model", edits) if edits else tiny_llama_dir
+    model = edited_model(source, tmp_path / "model", edits) if edits else source
     out = tmp_path / "out"
     places = {"model": str(model), "dataset": str(case_file(case_dir, "prompts.jsonl")), "out": str(out)}
     places["tmp"] = str(tmp_path)

@@ -39,6 +39,7 @@ from executor.offline.preflight import (
     check_device,
     check_kv_pool,
     check_model_folder,
+    check_quantization,
     check_parallel_layout,
     one_line,
 )
@@ -105,6 +106,7 @@ def prepare_run(yaml_path: str, overrides: list[str]) -> PreparedRun:
     model_path = resolve_model_path(config)
     _, config_cls = resolve_model(config.model_config.model_name)
     hf_config = check_model_folder(model_path, config_cls, config.model_config.with_ckpt)
+    check_quantization(config, hf_config, model_path)
     check_parallel_layout(config, hf_config)
     device_type = check_device(config)
     check_kv_pool(config, getattr(hf_config, "max_position_embeddings", 0))

@@ -15,6 +15,7 @@ from executor.core.config import ConfigError, InferenceConfig
 from executor.core.config.comm_manager import DistEnv, launch_problem
 from executor.core.config.parallel_layout import ParallelLayout, model_fit_problems
 from executor.model_loader.default_loader import INDEX_FILE, checkpoint_shards
+from executor.model_loader.quantization_config import read_quantization
 from executor.platform.platform import detect_device_type
 from executor.types_.errors import WeightLoadError
 
@@ -141,6 +142,17 @@ def check_kv_pool(config: InferenceConfig, model_max_len: int) -> None:
 def one_line(exc: BaseException) -> str:
     """An exception as one line, for messages to the user."""
     return " ".join(str(exc).split())[:300] or type(exc).__name__
+
+
+def check_quantization(config: InferenceConfig, hf_config: Any, model_path: Path) -> None:
+    """config.json's quantization_config and model_config.quantization describe schemes that run here
+    and do not conflict (the tensors themselves are checked once the layers are built, before any is read)."""
+    try:
+        read_quantization(
+            hf_config, config.model_config.quantization, "model_config.quantization", f"{model_path / 'config.json'}"
+        )
+    except WeightLoadError as exc:
+        raise ConfigError(f"{exc} ({config.source})") from None
 
 
 def check_parallel_layout(config: InferenceConfig, hf_config: Any) -> None:

@@ -95,27 +95,41 @@ def scheme_for(name: str, static: bool) -> QuantizationScheme:
     return scheme
 
 
-def quantize_checkpoint(
+def quantized_model(
     model_dir: Path,
-    output_dir: Path,
-    scheme_name: str,
+    scheme: str,
     *,
     static: bool = False,
     ignore: Sequence[str] = ("lm_head",),
     calibration: Sequence[Sequence[int]] | None = None,
-) -> Path:
-    """Write `model_dir` quantized by `scheme_name` to output_dir (see the module docstring)."""
-    if output_dir.exists():
-        raise FileExistsError(f"{output_dir} already exists; remove it or choose another folder")
+) -> torch.nn.Module:
+    """transformers' fp32 model of `model_dir` with compressed-tensors' scheme attached and every
+    layer's scales and zero points set (not compressed yet: its forward fake-quantizes)."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    scheme = scheme_for(scheme_name, static)
-    scheme.targets = ["Linear"]
-    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=list(ignore)))
+    quant_scheme = scheme_for(scheme, static)
+    quant_scheme.targets = ["Linear"]
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": quant_scheme}, ignore=list(ignore)))
     for module in model.modules():
         if getattr(module, "quantization_scheme", None) is not None:
             set_weight_qparams(module, module.quantization_scheme.weights)
     if static:
         calibrate_input_scales(model, calibration or default_calibration(model_dir))
+    return model
+
+
+def quantize_checkpoint(
+    model_dir: Path,
+    output_dir: Path,
+    scheme: str,
+    *,
+    static: bool = False,
+    ignore: Sequence[str] = ("lm_head",),
+    calibration: Sequence[Sequence[int]] | None = None,
+) -> Path:
+    """Write `model_dir` quantized by `scheme` to output_dir (see the module docstring)."""
+    if output_dir.exists():
+        raise FileExistsError(f"{output_dir} already exists; remove it or choose another folder")
+    model = quantized_model(model_dir, scheme, static=static, ignore=ignore, calibration=calibration)
     compressor = ModelCompressor.from_pretrained_model(model)
     compressor.compress_model(model)
     output_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,207 @@
+"""Quantized checkpoints and model_config.quantization against transformers + compressed-tensors on
+the same file, and the arithmetic against compressed-tensors' own.
+
+Each scheme is judged teacher-forced: the last-position logits of a batch of prompts (every prompt
+fed the same tokens to both), their top-1 agreement and the mean KL between the two distributions.
+Tolerances: fp32 logits within 1e-5 of transformers (the two differ by summation order only: the
+int8 matmul is exact, the rest is the same fp32 arithmetic), bf16 within 3e-2 (bf16 rounding).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from compressed_tensors.compressors import ModelCompressor
+from compressed_tensors.quantization import preset_name_to_scheme
+from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+from compressed_tensors.quantization.utils import calculate_qparams
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from executor.model_loader.quantization_config import online_scheme, read_quantization
+from executor.offline.quantize_checkpoint import quantize_checkpoint, quantized_model
+from executor.types_.quant_scheme import CHANNEL, GROUP, INT, QuantArgs, QuantizationPlan, SchemeGroup
+from models.llama.model import LlamaForCausalLM as OurLlama
+from module.quantization_pass import quantize_model
+from module.quantized import QuantizationError
+from ops import quant_math
+from ops.quantized_linear import Int8ScaledLinear
+from tests.backends import cpu_backend
+from tests.conftest import save_random_model
+from tests.engine_harness import engine_prefill_logits, make_inference
+from tests.factories import tiny_tokenizer
+
+PROMPTS = [[1, 5, 9, 20, 30, 40, 7], [1, 7, 3], [1, 100, 200, 3, 4, 5, 6, 7, 8, 9, 10, 11], [1, 250]]
+FP32_ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def wide_llama_dir(tmp_path_factory) -> Path:
+    """A random Llama whose every dim is a multiple of 128, for FP8's 128x128 blocks."""
+    path = tmp_path_factory.mktemp("wide_llama")
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        tie_word_embeddings=False,
+    )
+    save_random_model(path, LlamaForCausalLM, config, 0)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+@torch.no_grad()
+def hf_last_logits(model: torch.nn.Module) -> torch.Tensor:
+    return torch.stack([model(torch.tensor([ids])).logits[0, -1].float() for ids in PROMPTS])
+
+
+def ours_last_logits(model_dir: Path, dtype: str = "float32", **model_config) -> torch.Tensor:
+    return engine_prefill_logits(make_inference(model_dir, dtype, model_config), PROMPTS)
+
+
+def assert_teacher_forced_agreement(ours: torch.Tensor, reference: torch.Tensor, atol: float) -> None:
+    kl = F.kl_div(F.log_softmax(ours, -1), F.log_softmax(reference, -1), log_target=True, reduction="batchmean")
+    assert torch.equal(ours.argmax(-1), reference.argmax(-1))
+    assert kl.item() < 1e-4
+    torch.testing.assert_close(ours, reference, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("scheme", "static"),
+    [
+        ("w8a8", False),
+        ("w8a8", True),
+        ("w4a16_g32", False),
+        ("w8a16_g32", False),
+        ("w4a8_g32", False),
+        ("fp8", False),
+        ("fp8", True),
+    ],
+)
+def test_a_compressed_tensors_checkpoint_gives_transformers_logits(scheme, static, tiny_llama_dir, tmp_path):
+    checkpoint = quantize_checkpoint(tiny_llama_dir, tmp_path / "q", scheme, static=static, calibration=PROMPTS)
+    reference = hf_last_logits(AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval())
+    unquantized = hf_last_logits(AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval())
+    ours = ours_last_logits(checkpoint)
+    assert_teacher_forced_agreement(ours, reference, FP32_ATOL)
+    assert (ours - unquantized).abs().max() > 10 * FP32_ATOL  # the scheme did change the model
+
+
+@pytest.mark.parametrize(("scheme", "fixture"), [("w4a16_asym_g32", "tiny_llama_dir"), ("fp8_block", "wide_llama_dir")])
+def test_checkpoints_transformers_cannot_load_match_compressed_tensors_own_decompression(
+    scheme, fixture, request, tmp_path
+):
+    """transformers 5.24 refuses pack-quantized zero points (it expects them unpacked) and 128x128
+    blocks need dims it has no tiny model for: the reference is compressed-tensors compressing
+    and decompressing the same scheme in memory."""
+    base = request.getfixturevalue(fixture)
+    checkpoint = quantize_checkpoint(base, tmp_path / "q", scheme)
+    model = quantized_model(base, scheme)
+    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor.compress_model(model)
+    compressor.decompress_model(model)
+    assert_teacher_forced_agreement(ours_last_logits(checkpoint), hf_last_logits(model), FP32_ATOL)
+
+
+@pytest.mark.parametrize("scheme", ["mxfp4", "mxfp8"])
+def test_mx_checkpoints_give_transformers_bf16_logits(scheme, tiny_llama_dir, tmp_path):
+    """transformers decompresses MX weights into bf16 only, so both run in bf16."""
+    checkpoint = quantize_checkpoint(tiny_llama_dir, tmp_path / "q", scheme)
+    reference = hf_last_logits(AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).eval())
+    assert_teacher_forced_agreement(ours_last_logits(checkpoint, "bfloat16"), reference, 3e-2)
+
+
+@pytest.mark.parametrize("scheme", ["w8a8", "w4a16_g32", "w4a16_asym_g32", "fp8", "w4a8_g32"])
+def test_quantizing_at_load_equals_running_the_written_checkpoint(scheme, tiny_llama_dir, tmp_path):
+    """model_config.quantization rounds to nearest with ops/quant_math.py; the script writes with
+    compressed-tensors' calculate_qparams: the two give the same model."""
+    checkpoint = quantize_checkpoint(tiny_llama_dir, tmp_path / "q", scheme)
+    at_load = ours_last_logits(tiny_llama_dir, quantization=scheme)
+    torch.testing.assert_close(at_load, ours_last_logits(checkpoint), atol=1e-6, rtol=0)
+
+
+def test_int8_accumulation_is_exact_and_activations_quantize_as_compressed_tensors_does():
+    torch.manual_seed(0)
+    x = torch.randn(9, 64) * torch.logspace(-2, 1, 64)
+    weight = torch.randn(48, 64)
+    args = QuantArgs(8, INT, CHANNEL)
+    values, scale, _ = quant_math.quantize_weight(weight, args)
+    layer = torch.nn.Module()
+    layer.weight, layer.weight_scale, layer.scheme = values, scale, online_scheme("w8a8", "test")
+    method = Int8ScaledLinear()
+    method.process_weights(layer)
+    x_values, x_scale = quant_math.quantize_int8_per_token(x)
+    accumulated = torch._int_mm(x_values, layer.packed_weight.transposed)
+    assert torch.equal(accumulated.long(), x_values.long() @ values.long().t())
+    ct_args = preset_name_to_scheme("W8A8", ["Linear"]).input_activations
+    ct_scale, ct_zero = calculate_qparams(x.amin(-1, keepdim=True), x.amax(-1, keepdim=True), ct_args)
+    ct_dequantized = fake_quantize(x, ct_scale, ct_zero, ct_args)
+    torch.testing.assert_close(x_values.float() * x_scale, ct_dequantized, atol=0, rtol=0)
+    expected = quant_math.int8_scaled_mm_reference(x_values, x_scale, values, scale, None, torch.float32)
+    torch.testing.assert_close(method.apply(layer, x, None), expected, atol=1e-6, rtol=1e-6)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    rows=st.integers(1, 12),
+    groups=st.integers(1, 4),
+    group_size=st.sampled_from([8, 16, 32]),
+    num_bits=st.sampled_from([4, 8]),
+    symmetric=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_round_to_nearest_equals_compressed_tensors_qparams(rows, groups, group_size, num_bits, symmetric, seed):
+    weight = torch.randn(rows, groups * group_size, generator=torch.Generator().manual_seed(seed))
+    ours = QuantArgs(num_bits, INT, GROUP, symmetric, group_size)
+    preset = "W4A16" if num_bits == 4 else "W8A16"
+    theirs = preset_name_to_scheme(preset if symmetric else "W4A16_ASYM", ["Linear"]).weights
+    theirs.num_bits, theirs.group_size = num_bits, group_size
+    scale, zero_point = quant_math.qparams(*quant_math.weight_groups(weight, ours), ours)
+    ct_scale, ct_zero = calculate_qparams(*quant_math.weight_groups(weight, ours), theirs)
+    torch.testing.assert_close(scale, ct_scale, atol=0, rtol=0)
+    torch.testing.assert_close(zero_point.to(ct_zero.dtype), ct_zero, atol=0, rtol=0)
+
+
+def test_the_most_specific_target_wins_and_ignore_beats_every_target():
+    w8a8, w4a16 = online_scheme("w8a8", "k"), online_scheme("w4a16", "k")
+    plan = QuantizationPlan(
+        groups=(
+            SchemeGroup("by_class", ("Linear",), w8a8),
+            SchemeGroup("by_regex", (r"re:.*mlp\..*",), w4a16),
+        ),
+        ignore=("lm_head", r"re:.*layers\.3\..*"),
+        format="int-quantized",
+    )
+    assert plan.scheme_for("model.layers.0.self_attn.q_proj") == w8a8
+    assert plan.scheme_for("model.layers.0.mlp.down_proj") == w4a16
+    assert plan.scheme_for("model.layers.3.mlp.down_proj") is None
+    assert plan.scheme_for("lm_head") is None
+    assert plan.scheme_for("model.embed_tokens", class_name="Embedding") is None
+
+
+def test_fused_parts_with_different_schemes_are_refused_naming_the_layer(tiny_llama_dir):
+    plan_config = {
+        "quant_method": "compressed-tensors",
+        "format": "int-quantized",
+        "ignore": ["lm_head", r"re:.*k_proj$"],
+        "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 8, "strategy": "channel"}}},
+    }
+    config = LlamaConfig.from_pretrained(tiny_llama_dir)
+    config.quantization_config = plan_config
+    plan = read_quantization(config, "", "model_config.quantization", "config.json")
+    backend = cpu_backend()
+    with pytest.raises(
+        QuantizationError, match="model.layers.0.self_attn.qkv_proj runs model.layers.0.self_attn.q_proj"
+    ):
+        quantize_model(OurLlama(config, backend=backend), plan, backend, torch.float32)
