@@ -389,17 +389,18 @@ def per_request_prefill_attention(
     query_start = 0
     for index, (query_end, kv_len) in enumerate(zip(query_ends, seq_lens, strict=True)):
         q_len = query_end - query_start
-        cached_len = kv_len if quantized else kv_len - q_len
+        cached_len = kv_len - q_len
+        gathered_len = kv_len if quantized else cached_len
         # With a window, the first query sees nothing before cached_len - window + 1: those blocks
         # may be gone (the null block in the row), so they are not read at all.
         first = max(0, cached_len - sliding_window + 1) if sliding_window else 0
         fresh = slice(query_end, query_end) if quantized else slice(query_start, query_end)
         request_key = key[fresh].transpose(0, 1)  # [Hkv, q_len (none from an int8 cache), D]
         request_value = value[fresh].transpose(0, 1)
-        if first < cached_len:
-            block_ids = block_table[index, first // block_size : -(-cached_len // block_size)]
-            gathered_key = _gather_kv(key_cache, block_ids, first, cached_len, key_scale, query.dtype)
-            gathered_value = _gather_kv(value_cache, block_ids, first, cached_len, value_scale, query.dtype)
+        if first < gathered_len:
+            block_ids = block_table[index, first // block_size : -(-gathered_len // block_size)]
+            gathered_key = _gather_kv(key_cache, block_ids, first, gathered_len, key_scale, query.dtype)
+            gathered_value = _gather_kv(value_cache, block_ids, first, gathered_len, value_scale, query.dtype)
             request_key = torch.cat((gathered_key, request_key), dim=1)
             request_value = torch.cat((gathered_value, request_value), dim=1)
         mask = _prefill_mask(q_len, kv_len, first, sliding_window, query.device)
