@@ -14,12 +14,12 @@ import functools
 import torch
 from torch import nn
 
+from executor.types_.checkpoint_tensor import LoadedWeight, materialize
+from executor.types_.errors import WeightLoadError
 from executor.types_.kv_cache_spec import KVCacheSpec, attention_spec
 from executor.types_.model_inputs import ForwardMetaData
 from executor.types_.quant_scheme import TENSOR, KVCacheScheme
 from module.parallel_group import SINGLE, ParallelGroup
-from executor.types_.checkpoint_tensor import LoadedWeight, materialize
-from executor.types_.errors import WeightLoadError
 from module.weights import ShardId, load_shard
 from ops.backend import Backend
 
@@ -101,9 +101,7 @@ class Attention(KVCacheLayer):
         self.scale_caches: dict[str, torch.Tensor] = {}  # a dynamic C8 cache's key_scale and value_scale
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        return attention_spec(
-            self.num_kv_heads, self.head_dim, self.cache_dtype, self.sliding_window, self.kv_scheme
-        )
+        return attention_spec(self.num_kv_heads, self.head_dim, self.cache_dtype, self.sliding_window, self.kv_scheme)
 
     def static_scale_shape(self) -> tuple[int, int]:
         return (self.num_kv_heads, self.head_dim)

@@ -57,11 +57,24 @@ def paged_decode_attention(
     instead of gathering a padded copy (an int8 cache dequantized as read). Registered only once the
     extension built (CpuOps)."""
     kernel = extension().paged_decode_attention
-    return kernel(query, key_cache, value_cache, block_table, seq_lens, scale, sliding_window, sinks, key_scale, value_scale)
+    return kernel(
+        query, key_cache, value_cache, block_table, seq_lens, scale, sliding_window, sinks, key_scale, value_scale
+    )
 
 
 @paged_decode_attention.register_fake
-def _(query, key_cache, value_cache, block_table, seq_lens, scale, sliding_window, sinks=None, key_scale=None, value_scale=None):
+def _(
+    query,
+    key_cache,
+    value_cache,
+    block_table,
+    seq_lens,
+    scale,
+    sliding_window,
+    sinks=None,
+    key_scale=None,
+    value_scale=None,
+):
     return torch.empty_like(query)
 
 
@@ -224,7 +237,16 @@ class CpuOps:
         key_cache, value_cache, key_scale, value_scale = caches
         if metadata.is_decode_shaped:
             return paged_decode_attention(
-                query, key_cache, value_cache, block_table, metadata.seq_lens, scale, sliding_window or 0, sinks, key_scale, value_scale
+                query,
+                key_cache,
+                value_cache,
+                block_table,
+                metadata.seq_lens,
+                scale,
+                sliding_window or 0,
+                sinks,
+                key_scale,
+                value_scale,
             )
         paged = (key_cache, value_cache, block_table)
         if torch.compiler.is_compiling():

@@ -29,5 +29,15 @@ def paged_decode_attention(
     masked), an int8 cache dequantized as gathered."""
     capacity = block_table.shape[1] * key_cache.shape[1]
     return torch_ref.gathered_decode_attention(
-        query, key_cache, value_cache, block_table, seq_lens, scale, sliding_window, sinks, capacity, key_scale, value_scale
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        seq_lens,
+        scale,
+        sliding_window,
+        sinks,
+        capacity,
+        key_scale,
+        value_scale,
     )

@@ -28,7 +28,9 @@ _NO_LIMIT = 2147483647  # FIA's default pre_tokens / next_tokens
 _PER_CHANNEL = 0  # FIA's key/value_antiquant_mode for one scale per channel
 
 
-def _static_scales(key_scale: torch.Tensor | None, value_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _static_scales(
+    key_scale: torch.Tensor | None, value_scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """An int8 cache's static per-channel scales; dynamic ones are refused (see the module docstring)."""
     if key_scale is None or value_scale is None or key_scale.dim() != 2:
         raise NotImplementedError(
@@ -80,7 +82,10 @@ class NpuOps:
     ) -> None:
         if key_cache.dtype == torch.int8:
             key_scale, value_scale = _static_scales(key_scale, value_scale)
-            key, value = quant_math.quantize_kv_static(key, key_scale), quant_math.quantize_kv_static(value, value_scale)
+            key, value = (
+                quant_math.quantize_kv_static(key, key_scale),
+                quant_math.quantize_kv_static(value, value_scale),
+            )
         self.torch_npu.npu_scatter_pa_kv_cache(
             key.contiguous(), value.contiguous(), key_cache, value_cache, slot_mapping, cache_mode="Norm"
         )

@@ -78,7 +78,9 @@ def write_kv_cache(
     _write_rows(value, value_cache, slot_mapping, value_scale)
 
 
-def _write_rows(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, scale: torch.Tensor | None) -> None:
+def _write_rows(
+    rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, scale: torch.Tensor | None
+) -> None:
     """rows [T, H, D] into cache [num_blocks, block_size, H, D] at their slots: as they are, or as int8 by
     the static per-channel `scale`, or by per-token-head scales that are written into `scale` too."""
     if cache.dtype == torch.int8:
@@ -153,7 +155,17 @@ def paged_decode_attention(
     """
     max_len = int(seq_lens.max())  # a host read of the lengths
     return gathered_decode_attention(
-        query, key_cache, value_cache, block_table, seq_lens, scale, sliding_window, sinks, max_len, key_scale, value_scale
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        seq_lens,
+        scale,
+        sliding_window,
+        sinks,
+        max_len,
+        key_scale,
+        value_scale,
     )
 
 
@@ -205,7 +217,18 @@ def gathered_decode_attention(
 
 
 @paged_decode_attention.register_fake
-def _(query, key_cache, value_cache, block_table, seq_lens, scale, sliding_window, sinks=None, key_scale=None, value_scale=None):
+def _(
+    query,
+    key_cache,
+    value_cache,
+    block_table,
+    seq_lens,
+    scale,
+    sliding_window,
+    sinks=None,
+    key_scale=None,
+    value_scale=None,
+):
     return torch.empty_like(query)
 
 
@@ -423,7 +446,10 @@ def per_request_prefill_attention(
 
 
 def write_latent_cache(
-    latent: torch.Tensor, latent_cache: torch.Tensor, slot_mapping: torch.Tensor, latent_scale: torch.Tensor | None = None
+    latent: torch.Tensor,
+    latent_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    latent_scale: torch.Tensor | None = None,
 ) -> None:
     """Store latent [T, D] into latent_cache [num_blocks, block_size, D] in place, token i at
     slot_mapping[i]; an int8 cache quantizes it as one head, with `latent_scale` [num_blocks,

@@ -116,7 +116,10 @@ def run_step(ops: object, requests, dynamic: bool, dtype: torch.dtype, sliding_w
 
     c8 = attend(ops, key, value, caches.key, caches.value, **caches.scales)
     fake_key, fake_value = caches.fake_quantized()
-    step_key, step_value = fake_key.view(-1, NUM_KV_HEADS, HEAD_DIM)[slots], fake_value.view(-1, NUM_KV_HEADS, HEAD_DIM)[slots]
+    step_key, step_value = (
+        fake_key.view(-1, NUM_KV_HEADS, HEAD_DIM)[slots],
+        fake_value.view(-1, NUM_KV_HEADS, HEAD_DIM)[slots],
+    )
     reference = attend(torch_ref, step_key, step_value, fake_key, fake_value)
     plain = attend(torch_ref, key, value, caches.plain_key, caches.plain_value)
     return c8, reference, plain
@@ -172,7 +175,9 @@ def latent_step(ops: object, requests, dynamic: bool):
     kv_b = torch.randn(num_heads * (nope + v_dim), rank) * 0.1
     for cached, _, blocks in requests:
         if cached:
-            ops.write_latent_cache(torch.randn(cached, width), latent_cache, torch.tensor(slots_of(0, cached, blocks)), scale)
+            ops.write_latent_cache(
+                torch.randn(cached, width), latent_cache, torch.tensor(slots_of(0, cached, blocks)), scale
+            )
     metadata = step_metadata(requests)
     tokens = sum(fed for _, fed, _ in requests)
     ops.write_latent_cache(torch.randn(tokens, width), latent_cache, metadata.groups[0].slot_mapping, scale)

@@ -56,7 +56,9 @@ class KVCacheSpec:
         return block_size * self.bytes_per_token
 
 
-def _stored(name: str, shape: tuple[int, ...], dtype: torch.dtype, kv_scheme: KVCacheScheme | None) -> list[KVTensorSpec]:
+def _stored(
+    name: str, shape: tuple[int, ...], dtype: torch.dtype, kv_scheme: KVCacheScheme | None
+) -> list[KVTensorSpec]:
     """One cache tensor of `shape` per token in `dtype`, or in int8 with its per-token-head scales
     (shape[:-1], fp32) where `kv_scheme` is dynamic."""
     if kv_scheme is None:
