@@ -203,3 +203,44 @@ def test_mla_over_an_int8_latent_cache_equals_mla_over_the_dequantized_latents(b
     c8, reference = latent_step(record, requests, dynamic)
     assert not c8.isnan().any()
     torch.testing.assert_close(c8, reference, atol=C8_ATOL, rtol=0)
+
+
+def test_npu_writes_static_c8_as_int8_and_gives_fia_its_per_channel_antiquant_scales():
+    """Against the recording stand-in (tests/npu_stand_ins.py), as tests/test_ops_npu_wiring.py does."""
+    from ops.npu import NpuOps
+    from tests.npu_stand_ins import RecordingTorchNpu
+    from tests.test_ops_npu_wiring import DECODE as NPU_DECODE
+    from tests.test_ops_npu_wiring import model_inputs
+
+    torch_npu = RecordingTorchNpu()
+    ops = NpuOps(torch_npu)
+    shape = (8, 128, 2, 64)
+    key_cache, value_cache = torch.zeros(shape, dtype=torch.int8), torch.zeros(shape, dtype=torch.int8)
+    key_scale, value_scale = static_scales(torch.float32), static_scales(torch.float32)
+    key, value = torch.randn(2, 2, 2, 64)
+    ops.write_kv_cache(key, value, key_cache, value_cache, torch.tensor([3, 9]), key_scale, value_scale)
+    (written_key, written_value, *_), _ = torch_npu.last("scatter")
+    assert written_key.dtype == torch.int8
+    assert torch.equal(written_key, quant_math.quantize_kv_static(key, key_scale))
+    meta = model_inputs(NPU_DECODE).forward_metadata
+    query = torch.zeros(2, 4, 64, dtype=torch.bfloat16)
+    ops.paged_attention(
+        query, key, value, key_cache, value_cache, meta.groups[0].block_table, meta, 0.125, None, key_scale, value_scale
+    )
+    (_, cache_key, _), kwargs = torch_npu.last("fia")
+    assert cache_key.dtype == torch.int8 and cache_key.shape == (8, 128, 128)  # BnBsH
+    assert kwargs["key_antiquant_mode"] == kwargs["value_antiquant_mode"] == 0
+    assert torch.equal(kwargs["key_antiquant_scale"], key_scale.reshape(-1).to(torch.bfloat16))
+    assert kwargs["value_antiquant_scale"].shape == (128,)
+
+
+def test_npu_refuses_dynamic_c8_in_one_line():
+    from ops.npu import NpuOps
+    from tests.npu_stand_ins import RecordingTorchNpu
+
+    cache = torch.zeros(8, 128, 2, 64, dtype=torch.int8)
+    scales = torch.zeros(8, 128, 2)
+    with pytest.raises(NotImplementedError, match="static scales only"):
+        NpuOps(RecordingTorchNpu()).write_kv_cache(
+            torch.randn(1, 2, 64), torch.randn(1, 2, 64), cache, cache.clone(), torch.tensor([0]), scales, scales
+        )
