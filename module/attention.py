@@ -2,28 +2,57 @@
 
 Every layer that keeps K/V is a KVCacheLayer: it declares what it stores per token
 (`kv_cache_spec`), and the worker, after sizing the cache from all the specs, hands it its tensors
-and its cache group with `bind_kv_cache`. The tensors are not parameters.
+and its cache group with `bind_kv_cache`. The tensors are not parameters. With a C8 scheme
+(`set_kv_cache_scheme`, before the cache is sized) the layer stores int8 K/V: dynamic scales are
+cache tensors beside them, static ones parameters `k_scale` / `v_scale` loaded from the checkpoint.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
+from executor.types_.checkpoint_tensor import LoadedWeight, materialize
+from executor.types_.errors import WeightLoadError
 from executor.types_.kv_cache_spec import KVCacheSpec, attention_spec
 from executor.types_.model_inputs import ForwardMetaData
+from executor.types_.quant_scheme import TENSOR, KVCacheScheme
 from module.parallel_group import SINGLE, ParallelGroup
-from module.weights import LoadedWeight, ShardId, load_shard
+from module.weights import ShardId, load_shard
 from ops.backend import Backend
+
+STATIC_KV_SCALES = ("k_scale", "v_scale")  # compressed-tensors' names, on the checkpoint's attention module
 
 
 class KVCacheLayer(nn.Module):
     """A layer with a paged KV cache of its own (standard attention, MLA, ...)."""
 
     kv_cache_group_id: int = -1
+    kv_scheme: KVCacheScheme | None = None  # C8 where set: an int8 cache
 
     def kv_cache_spec(self) -> KVCacheSpec:
         raise NotImplementedError
+
+    def static_scale_shape(self) -> tuple[int, int]:
+        """A static scale's shape, [rows, channels] of one cached token (every channel its own scale)."""
+        raise NotImplementedError
+
+    def set_kv_cache_scheme(self, scheme: KVCacheScheme) -> list[nn.Parameter]:
+        """Store the cache in int8 by `scheme`; a static one adds the parameters k_scale and v_scale
+        (fp32, per channel: a per-tensor checkpoint scale fills every channel), returned for the
+        caller to register where the checkpoint names them."""
+        self.kv_scheme = scheme
+        if scheme.dynamic:
+            return []
+        params = []
+        for name in STATIC_KV_SCALES:
+            param = nn.Parameter(torch.ones(self.static_scale_shape(), dtype=torch.float32), requires_grad=False)
+            param.weight_loader = functools.partial(load_static_kv_scale, strategy=scheme.strategy)
+            self.register_parameter(name, param)
+            params.append(param)
+        return params
 
     def bind_kv_cache(self, caches: dict[str, torch.Tensor], group_id: int) -> None:
         """`caches` maps each spec tensor's name to [num_blocks, block_size, *per-token shape]."""
@@ -32,6 +61,19 @@ class KVCacheLayer(nn.Module):
     def kv_caches(self) -> dict[str, torch.Tensor]:
         """The tensors bound last, by spec tensor name (graph compilers pass them as inputs)."""
         raise NotImplementedError
+
+
+def load_static_kv_scale(
+    param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: ShardId = None, *, strategy: str
+) -> None:
+    """A checkpoint's k_scale / v_scale: one value (per tensor) or one per channel (Hkv * D, any shape)."""
+    scale = materialize(loaded_weight).float()
+    expected = 1 if strategy == TENSOR else param.numel()
+    if scale.numel() != expected:
+        raise WeightLoadError(
+            f"a static per-{strategy} KV scale holds {expected} values, got shape {tuple(scale.shape)}"
+        )
+    param.data.copy_(scale.reshape(-1).expand(param.numel()).view(param.shape))
 
 
 class Attention(KVCacheLayer):
@@ -56,12 +98,25 @@ class Attention(KVCacheLayer):
         self.cache_dtype = torch.get_default_dtype()  # the worker builds the model under its dtype
         self.key_cache = torch.empty(0)
         self.value_cache = torch.empty(0)
+        self.scale_caches: dict[str, torch.Tensor] = {}  # a dynamic C8 cache's key_scale and value_scale
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        return attention_spec(self.num_kv_heads, self.head_dim, self.cache_dtype, self.sliding_window)
+        return attention_spec(self.num_kv_heads, self.head_dim, self.cache_dtype, self.sliding_window, self.kv_scheme)
+
+    def static_scale_shape(self) -> tuple[int, int]:
+        return (self.num_kv_heads, self.head_dim)
+
+    def kv_scales(self) -> dict[str, torch.Tensor | None]:
+        """The ops' key_scale / value_scale: the scale caches (dynamic C8), the static scales, or None."""
+        if self.kv_scheme is None:
+            return {"key_scale": None, "value_scale": None}
+        if self.kv_scheme.dynamic:
+            return dict(self.scale_caches)
+        return {"key_scale": self.k_scale, "value_scale": self.v_scale}
 
     def bind_kv_cache(self, caches: dict[str, torch.Tensor], group_id: int) -> None:
         key_cache, value_cache = caches["key"], caches["value"]
+        self.scale_caches = {name: caches[name] for name in ("key_scale", "value_scale") if name in caches}
         expected = (self.num_kv_heads, self.head_dim)
         assert key_cache.shape[2:] == expected and value_cache.shape[2:] == expected, (
             f"KV cache must be [num_blocks, block_size, {self.num_kv_heads}, {self.head_dim}], "
@@ -72,7 +127,7 @@ class Attention(KVCacheLayer):
         self.kv_cache_group_id = group_id
 
     def kv_caches(self) -> dict[str, torch.Tensor]:
-        return {"key": self.key_cache, "value": self.value_cache}
+        return {"key": self.key_cache, "value": self.value_cache, **self.scale_caches}
 
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, forward_metadata: ForwardMetaData
@@ -81,7 +136,8 @@ class Attention(KVCacheLayer):
         if self.kv_cache_group_id < 0:
             raise RuntimeError("Attention has no KV cache: the worker must call bind_kv_cache before forward")
         tables = forward_metadata.groups[self.kv_cache_group_id]
-        self.ops.write_kv_cache(key, value, self.key_cache, self.value_cache, tables.slot_mapping)
+        caches = (self.key_cache, self.value_cache)
+        self.ops.write_kv_cache(key, value, *caches, tables.slot_mapping, **self.kv_scales())
         return self.attend(query, key, value, tables.block_table, forward_metadata)
 
     def attend(
@@ -104,6 +160,7 @@ class Attention(KVCacheLayer):
             forward_metadata,
             self.scale,
             self.sliding_window,
+            **self.kv_scales(),
         )
 
 
@@ -151,4 +208,5 @@ class SinkAttention(Attention):
             self.scale,
             self.sinks,
             self.sliding_window,
+            **self.kv_scales(),
         )

@@ -4,7 +4,9 @@ Each token's K and V for every head come from one latent: kv_lora_rank values (n
 kv_b_proj decompresses into per-head k_nope and v, plus one rope key of qk_rope_head_dim shared by
 all heads. The cache keeps only that latent (kv_lora_rank + qk_rope_head_dim per token, not per
 head); the backend's mla_attention attends over it, decompressing per request in prefill and folding
-kv_b_proj into the query and output in decode (see ops/torch_ref.py).
+kv_b_proj into the query and output in decode (see ops/torch_ref.py). A C8 cache holds the latent
+in int8 as one head: one scale per token (dynamic), or the checkpoint's k_scale (static, as vLLM's
+MLA reads it; v_scale is loaded and unused, the latent being the keys and the values both).
 """
 
 from __future__ import annotations
@@ -82,12 +84,24 @@ class MLAAttention(KVCacheLayer):
         self.scale = yarn_apply_mscale(config.rope_parameters, qk_head_dim**-0.5)
         self.cache_dtype = torch.get_default_dtype()  # the worker builds the model under its dtype
         self.latent_cache = torch.empty(0)
+        self.latent_scale_cache: torch.Tensor | None = None  # a dynamic C8 cache's scales [N, block, 1]
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        return mla_spec(self.kv_lora_rank, self.qk_rope_head_dim, self.cache_dtype)
+        return mla_spec(self.kv_lora_rank, self.qk_rope_head_dim, self.cache_dtype, self.kv_scheme)
+
+    def static_scale_shape(self) -> tuple[int, int]:
+        return (1, self.kv_lora_rank + self.qk_rope_head_dim)
+
+    def latent_scale(self) -> torch.Tensor | None:
+        """The ops' latent_scale: the scale cache (dynamic C8), the static k_scale, or None."""
+        if self.kv_scheme is None or self.kv_scheme.dynamic:
+            return self.latent_scale_cache
+        return self.k_scale
 
     def bind_kv_cache(self, caches: dict[str, torch.Tensor], group_id: int) -> None:
         latent_cache = caches["latent"]
+        scales = caches.get("latent_scale")
+        self.latent_scale_cache = None if scales is None else scales.unsqueeze(-1)
         width = self.kv_lora_rank + self.qk_rope_head_dim
         assert latent_cache.dim() == 3 and latent_cache.shape[2] == width, (
             f"MLA cache must be [num_blocks, block_size, {width}], got {tuple(latent_cache.shape)}"
@@ -96,7 +110,9 @@ class MLAAttention(KVCacheLayer):
         self.kv_cache_group_id = group_id
 
     def kv_caches(self) -> dict[str, torch.Tensor]:
-        return {"latent": self.latent_cache}
+        if self.latent_scale_cache is None:
+            return {"latent": self.latent_cache}
+        return {"latent": self.latent_cache, "latent_scale": self.latent_scale_cache.squeeze(-1)}
 
     def forward(
         self, hidden_states: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], forward_metadata: ForwardMetaData
@@ -117,10 +133,21 @@ class MLAAttention(KVCacheLayer):
             q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
         q_pe, k_pe = self.ops.apply_rotary(q_pe, k_pe, *rotary)
         tables = forward_metadata.groups[self.kv_cache_group_id]
+        latent_scale = self.latent_scale()
         self.ops.write_latent_cache(
-            torch.cat((self.kv_a_layernorm(latent), k_pe.squeeze(1)), dim=-1), self.latent_cache, tables.slot_mapping
+            torch.cat((self.kv_a_layernorm(latent), k_pe.squeeze(1)), dim=-1),
+            self.latent_cache,
+            tables.slot_mapping,
+            latent_scale,
         )
         output = self.ops.mla_attention(
-            q_nope, q_pe, self.latent_cache, self.kv_b_proj.weight, tables.block_table, forward_metadata, self.scale
+            q_nope,
+            q_pe,
+            self.latent_cache,
+            self.kv_b_proj.weight,
+            tables.block_table,
+            forward_metadata,
+            self.scale,
+            latent_scale,
         )
         return self.o_proj(output.flatten(1))

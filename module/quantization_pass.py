@@ -2,7 +2,8 @@
 
 Our fused layers stand for several checkpoint modules (qkv_proj for q_proj, k_proj and v_proj: the
 model's packed_modules_mapping); a plan names checkpoint modules, so each layer takes the scheme of
-its parts, which must agree since they run as one matmul.
+its parts, which must agree since they run as one matmul. A plan's KV cache scheme (C8) goes to every
+KVCacheLayer, before the cache is sized from their specs.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from executor.types_.quant_scheme import LinearScheme, QuantizationPlan
+from executor.types_.quant_scheme import KVCacheScheme, LinearScheme, QuantizationPlan
+from module.attention import STATIC_KV_SCALES, KVCacheLayer
 from module.moe import FusedExperts, Router
 from module.quantized import QuantizableLinear, QuantizationError, fused_parts
 from ops.backend import Backend
@@ -37,6 +39,8 @@ def quantize_model(
     """Give every linear layer that `plan` quantizes its scheme and its backend's method for it (before
     the weights load); a fused layer whose parts' schemes differ, or a layer kind that holds no
     quantized weights yet, is refused with its name."""
+    if plan.kv_cache is not None:
+        set_kv_cache_schemes(model, plan.kv_cache)
     mapping = getattr(model, "packed_modules_mapping", {})
     layers = []
     for name, module in model.named_modules():
@@ -83,3 +87,20 @@ def weight_bytes(model: nn.Module) -> int:
         if dataclasses.is_dataclass(copy):
             tensors += [getattr(copy, f.name) for f in dataclasses.fields(copy)]
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def set_kv_cache_schemes(model: nn.Module, scheme: KVCacheScheme) -> None:
+    """Give every KVCacheLayer the C8 `scheme`. Static scales are registered where compressed-tensors
+    names them, on the checkpoint's attention module (model.layers.0.self_attn.k_scale): the layer
+    itself (MLA) or, for an Attention held as `attn` by the model's own attention module (the Llama
+    family), that module."""
+    modules = dict(model.named_modules())
+    for name, module in modules.items():
+        if not isinstance(module, KVCacheLayer):
+            continue
+        parent, _, local_name = name.rpartition(".")
+        owner = modules[parent] if local_name == "attn" else module
+        params = module.set_kv_cache_scheme(scheme)
+        if params and owner is not module:
+            for param_name, param in zip(STATIC_KV_SCALES, params, strict=True):
+                owner.register_parameter(param_name, param)

@@ -50,15 +50,31 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int,
     sinks: torch.Tensor | None = None,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """torch_ref.paged_decode_attention by the C++ kernel, which reads each request's slots in place
-    instead of gathering a padded copy. Registered only once the extension built (CpuOps)."""
+    instead of gathering a padded copy (an int8 cache dequantized as read). Registered only once the
+    extension built (CpuOps)."""
     kernel = extension().paged_decode_attention
-    return kernel(query, key_cache, value_cache, block_table, seq_lens, scale, sliding_window, sinks)
+    return kernel(
+        query, key_cache, value_cache, block_table, seq_lens, scale, sliding_window, sinks, key_scale, value_scale
+    )
 
 
 @paged_decode_attention.register_fake
-def _(query, key_cache, value_cache, block_table, seq_lens, scale, sliding_window, sinks=None):
+def _(
+    query,
+    key_cache,
+    value_cache,
+    block_table,
+    seq_lens,
+    scale,
+    sliding_window,
+    sinks=None,
+    key_scale=None,
+    value_scale=None,
+):
     return torch.empty_like(query)
 
 
@@ -144,18 +160,29 @@ class CpuOps:
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        key_scale: torch.Tensor | None = None,
+        value_scale: torch.Tensor | None = None,
     ) -> None:
-        """One memcpy per row (any dtype); raises on a slot outside the cache."""
-        if _can_write(slot_mapping, key_cache, value_cache):
-            named("write_kv_cache", self.kernels.write_kv_cache)(key, value, key_cache, value_cache, slot_mapping)
+        """One memcpy per row (any dtype), or its quantization into an int8 cache; raises on a slot
+        outside the cache."""
+        caches = (key_cache, value_cache, key_scale, value_scale)
+        if _can_write(slot_mapping, *caches):
+            named("write_kv_cache", self.kernels.write_kv_cache)(key, value, *caches[:2], slot_mapping, *caches[2:])
             return
-        torch_ref.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+        torch_ref.write_kv_cache(key, value, *caches[:2], slot_mapping, *caches[2:])
 
-    def write_latent_cache(self, latent: torch.Tensor, latent_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        if _can_write(slot_mapping, latent_cache):
-            named("write_latent_cache", self.kernels.write_latent_cache)(latent, latent_cache, slot_mapping)
+    def write_latent_cache(
+        self,
+        latent: torch.Tensor,
+        latent_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        latent_scale: torch.Tensor | None = None,
+    ) -> None:
+        if _can_write(slot_mapping, latent_cache, latent_scale):
+            kernel = named("write_latent_cache", self.kernels.write_latent_cache)
+            kernel(latent, latent_cache, slot_mapping, latent_scale)
             return
-        torch_ref.write_latent_cache(latent, latent_cache, slot_mapping)
+        torch_ref.write_latent_cache(latent, latent_cache, slot_mapping, latent_scale)
 
     def paged_attention(
         self,
@@ -168,12 +195,13 @@ class CpuOps:
         forward_metadata: TorchAttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        key_scale: torch.Tensor | None = None,
+        value_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """torch_ref.paged_attention: decode by the decode kernel, any other step in one call of the
-        prefill kernel, which takes the step's own K/V from the layer."""
-        return self._attention(
-            query, key, value, key_cache, value_cache, block_table, forward_metadata, scale, sliding_window, None
-        )
+        prefill kernel, which takes the step's own K/V from the layer (from an int8 cache, the cache)."""
+        caches = (key_cache, value_cache, key_scale, value_scale)
+        return self._attention(query, key, value, caches, block_table, forward_metadata, scale, sliding_window, None)
 
     def paged_attention_with_sinks(
         self,
@@ -187,43 +215,56 @@ class CpuOps:
         scale: float,
         sinks: torch.Tensor,
         sliding_window: int | None = None,
+        key_scale: torch.Tensor | None = None,
+        value_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self._attention(
-            query, key, value, key_cache, value_cache, block_table, forward_metadata, scale, sliding_window, sinks
-        )
+        caches = (key_cache, value_cache, key_scale, value_scale)
+        return self._attention(query, key, value, caches, block_table, forward_metadata, scale, sliding_window, sinks)
 
     def _attention(
         self,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
+        caches: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None],
         block_table: torch.Tensor,
         metadata: TorchAttentionMetadata,
         scale: float,
         sliding_window: int | None,
         sinks: torch.Tensor | None,
     ) -> torch.Tensor:
-        caches = (key_cache, value_cache, block_table)
+        """`caches`: key_cache, value_cache, key_scale, value_scale (the scales None but for an int8 cache)."""
+        key_cache, value_cache, key_scale, value_scale = caches
         if metadata.is_decode_shaped:
-            return paged_decode_attention(query, *caches, metadata.seq_lens, scale, sliding_window or 0, sinks)
+            return paged_decode_attention(
+                query,
+                key_cache,
+                value_cache,
+                block_table,
+                metadata.seq_lens,
+                scale,
+                sliding_window or 0,
+                sinks,
+                key_scale,
+                value_scale,
+            )
+        paged = (key_cache, value_cache, block_table)
         if torch.compiler.is_compiling():
             lengths = (metadata.query_ends_list, metadata.seq_lens_list)
             return torch_ref.per_request_prefill_attention(
-                query, key, value, *caches, *lengths, scale, sliding_window, sinks
+                query, key, value, *paged, *lengths, scale, sliding_window, sinks, key_scale, value_scale
             )
         kernel = named("paged_prefill_attention", self.kernels.paged_prefill_attention)
-        return kernel(
-            query, key, value, *caches, metadata.query_ends, metadata.seq_lens, scale, sliding_window or 0, sinks
-        )
+        lengths = (metadata.query_ends, metadata.seq_lens)
+        return kernel(query, key, value, *paged, *lengths, scale, sliding_window or 0, sinks, key_scale, value_scale)
 
 
-def _can_write(slot_mapping: torch.Tensor, *caches: torch.Tensor) -> bool:
-    """The C++ cache writes take contiguous caches and int64 slots, and no compiler traces them."""
+def _can_write(slot_mapping: torch.Tensor, *caches: torch.Tensor | None) -> bool:
+    """The C++ cache writes take contiguous caches (and scales, where given) and int64 slots, and no
+    compiler traces them."""
     return (
         slot_mapping.dtype == torch.int64
-        and all(cache.is_contiguous() for cache in caches)
+        and all(cache is None or cache.is_contiguous() for cache in caches)
         and not torch.compiler.is_compiling()
     )
 

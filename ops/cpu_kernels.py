@@ -38,10 +38,12 @@ SOURCES = (
 _DECLARATIONS = """
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
     torch::Tensor block_table, torch::Tensor seq_lens, double scale, int64_t sliding_window,
-    c10::optional<torch::Tensor> sinks);
+    c10::optional<torch::Tensor> sinks, c10::optional<torch::Tensor> key_scale,
+    c10::optional<torch::Tensor> value_scale);
 torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value,
     torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor block_table, torch::Tensor query_ends,
-    torch::Tensor seq_lens, double scale, int64_t sliding_window, c10::optional<torch::Tensor> sinks);
+    torch::Tensor seq_lens, double scale, int64_t sliding_window, c10::optional<torch::Tensor> sinks,
+    c10::optional<torch::Tensor> key_scale, c10::optional<torch::Tensor> value_scale);
 torch::Tensor fused_rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 std::vector<torch::Tensor> fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
     double eps);
@@ -49,8 +51,9 @@ torch::Tensor fused_silu_and_mul(torch::Tensor x);
 std::vector<torch::Tensor> fused_apply_rotary(torch::Tensor query, torch::Tensor key, torch::Tensor cos,
     torch::Tensor sin);
 void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, torch::Tensor value_cache,
-    torch::Tensor slot_mapping);
-void write_latent_cache(torch::Tensor latent, torch::Tensor latent_cache, torch::Tensor slot_mapping);
+    torch::Tensor slot_mapping, c10::optional<torch::Tensor> key_scale, c10::optional<torch::Tensor> value_scale);
+void write_latent_cache(torch::Tensor latent, torch::Tensor latent_cache, torch::Tensor slot_mapping,
+    c10::optional<torch::Tensor> latent_scale);
 torch::Tensor pack_linear_weight(torch::Tensor weight);
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
     int64_t out_features);

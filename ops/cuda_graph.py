@@ -22,9 +22,22 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int,
     sinks: torch.Tensor | None = None,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """torch_ref.paged_decode_attention over the table's capacity (positions past each length are masked)."""
+    """torch_ref.paged_decode_attention over the table's capacity (positions past each length are
+    masked), an int8 cache dequantized as gathered."""
     capacity = block_table.shape[1] * key_cache.shape[1]
     return torch_ref.gathered_decode_attention(
-        query, key_cache, value_cache, block_table, seq_lens, scale, sliding_window, sinks, capacity
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        seq_lens,
+        scale,
+        sliding_window,
+        sinks,
+        capacity,
+        key_scale,
+        value_scale,
     )

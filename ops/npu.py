@@ -5,6 +5,11 @@ The ops are methods of an object that holds the torch_npu module it was given: m
 record, so no forward pass calls an import helper and a dynamo trace sees plain attribute calls.
 Eager mode calls torch_npu's FIA with host lists; the graph modes call torchair's variant, which
 takes the lengths as tensors.
+
+A C8 cache with static scales (per channel, [Hkv, D]) is written quantized in torch and read by FIA
+with its antiquant scales per channel (key/value_antiquant_scale [Hkv * D], antiquant mode 0, the
+BnBsH layout's channels); per-token-head scales (dynamic C8) are refused here: the FIA modes that take
+them are not in shared/npu-api-facts.md. Unverified on hardware.
 """
 
 from __future__ import annotations
@@ -14,11 +19,25 @@ from typing import Any
 
 import torch
 
+from ops import quant_math
 from ops.attention_metadata import NpuAttentionMetadata
 
 # npu_apply_rotary_pos_emb handles q and k in one kernel but only for these head dims.
 _FUSED_ROTARY_HEAD_DIMS = (64, 128)
 _NO_LIMIT = 2147483647  # FIA's default pre_tokens / next_tokens
+_PER_CHANNEL = 0  # FIA's key/value_antiquant_mode for one scale per channel
+
+
+def _static_scales(
+    key_scale: torch.Tensor | None, value_scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """An int8 cache's static per-channel scales; dynamic ones are refused (see the module docstring)."""
+    if key_scale is None or value_scale is None or key_scale.dim() != 2:
+        raise NotImplementedError(
+            "the NPU runs a C8 KV cache with static scales only (a kv_cache_scheme checkpoint); "
+            "dynamic per-token-head scales (model_config.quantization c8) run on cpu or cuda"
+        )
+    return key_scale, value_scale
 
 
 class NpuOps:
@@ -58,7 +77,15 @@ class NpuOps:
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        key_scale: torch.Tensor | None = None,
+        value_scale: torch.Tensor | None = None,
     ) -> None:
+        if key_cache.dtype == torch.int8:
+            key_scale, value_scale = _static_scales(key_scale, value_scale)
+            key, value = (
+                quant_math.quantize_kv_static(key, key_scale),
+                quant_math.quantize_kv_static(value, value_scale),
+            )
         self.torch_npu.npu_scatter_pa_kv_cache(
             key.contiguous(), value.contiguous(), key_cache, value_cache, slot_mapping, cache_mode="Norm"
         )
@@ -74,6 +101,8 @@ class NpuOps:
         forward_metadata: NpuAttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        key_scale: torch.Tensor | None = None,
+        value_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One fused call for every step shape (prefill, chunk, decode, verify), as vllm-ascend does.
 
@@ -82,9 +111,18 @@ class NpuOps:
         write_kv_cache has put them, so `key` and `value` go unused. The metadata's mask and sparse
         mode follow the step's longest query. A sliding window uses the band mode (sparse_mode 4, pre_tokens = window,
         next_tokens 0) on steps with a mask and only pre_tokens = window in decode, as vllm-ascend
-        does; unverified on hardware.
+        does; unverified on hardware. An int8 cache adds its antiquant scales (the module docstring).
         """
         num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+        antiquant: dict[str, Any] = {}
+        if key_cache.dtype == torch.int8:
+            key_scale, value_scale = _static_scales(key_scale, value_scale)
+            antiquant = {
+                "key_antiquant_scale": key_scale.reshape(-1).to(query.dtype),
+                "value_antiquant_scale": value_scale.reshape(-1).to(query.dtype),
+                "key_antiquant_mode": _PER_CHANNEL,
+                "value_antiquant_mode": _PER_CHANNEL,
+            }
         sparse_mode, pre_tokens, next_tokens = forward_metadata.sparse_mode, _NO_LIMIT, _NO_LIMIT
         if sliding_window is not None:
             pre_tokens = sliding_window
@@ -106,6 +144,7 @@ class NpuOps:
             input_layout="TND",
             sparse_mode=sparse_mode,
             block_size=block_size,
+            **antiquant,
         )
         return output
 

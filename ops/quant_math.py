@@ -128,6 +128,53 @@ def quantize_int8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return torch.clamp(torch.round(x32 / scale), -128, 127).to(torch.int8), scale
 
 
+# -- the int8 KV cache (C8) --------------------------------------------------------------------------
+# A C8 cache holds int8 values [..., Hkv, D] and their scales in one of two forms, told apart by
+# their rank where an op receives them: per slot and KV head, [num_blocks, block_size, Hkv] fp32
+# (dynamic: a scale per token and head, written beside the values), or per channel, [Hkv, D] fp32
+# (static: from the checkpoint's k_scale / v_scale, a per-tensor scale broadcast to every channel).
+
+KV_INT8 = QuantArgs(num_bits=8, type=INT, strategy=TOKEN, symmetric=True, dynamic=True)
+
+
+def quantize_kv_per_token_head(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K or V rows [T, Hkv, D] -> (int8 values [T, Hkv, D], fp32 scales [T, Hkv]): one symmetric
+    scale max|x| / 127.5 per token and head (compressed-tensors' formula), computed in fp32."""
+    x32 = x.float()
+    scale, _ = qparams(x32.amin(-1, keepdim=True), x32.amax(-1, keepdim=True), KV_INT8)
+    return quantize(x32, scale, None, KV_INT8).to(torch.int8), scale.squeeze(-1)
+
+
+def quantize_kv_static(x: torch.Tensor, channel_scale: torch.Tensor) -> torch.Tensor:
+    """K or V rows [T, Hkv, D] -> int8 values by the static per-channel scale [Hkv, D]."""
+    return quantize(x.float(), channel_scale, None, KV_INT8).to(torch.int8)
+
+
+def dequantize_kv(
+    values: torch.Tensor,
+    dtype: torch.dtype,
+    token_scale: torch.Tensor | None = None,
+    channel_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """int8 values [..., Hkv, D] as `dtype`: times their per-token-head scales [..., Hkv] and/or the
+    per-channel scale [Hkv, D], in fp32."""
+    dense = values.float()
+    if token_scale is not None:
+        dense = dense * token_scale.unsqueeze(-1)
+    if channel_scale is not None:
+        dense = dense * channel_scale
+    return dense.to(dtype)
+
+
+def fake_quantize_kv(x: torch.Tensor, channel_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """K or V rows [T, Hkv, D] quantized to int8 and back, dynamic (per token and head) without
+    `channel_scale`, static with it: what a C8 cache gives attention for them."""
+    if channel_scale is None:
+        values, scale = quantize_kv_per_token_head(x)
+        return dequantize_kv(values, x.dtype, token_scale=scale)
+    return dequantize_kv(quantize_kv_static(x, channel_scale), x.dtype, channel_scale=channel_scale)
+
+
 # -- weights ---------------------------------------------------------------------------------------
 
 
@@ -212,10 +259,14 @@ __all__ = [
     "TENSOR",
     "TOKEN",
     "activation_qparams",
+    "dequantize_kv",
     "dequantize_weight",
     "fake_quantize_activation",
+    "fake_quantize_kv",
     "int8_scaled_mm_reference",
     "quantize_activation",
     "quantize_int8_per_token",
+    "quantize_kv_per_token_head",
+    "quantize_kv_static",
     "quantize_weight",
 ]

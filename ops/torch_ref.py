@@ -6,6 +6,12 @@ ops/cuda_graph.py) says so in its own record.
 
 Numerics follow Hugging Face (RMSNorm in fp32 then cast back, weight applied after the cast) so
 that fp32 parity tests hold to 1e-4; attention computes in the input dtype.
+
+An int8 cache (C8) comes with its scales, `key_scale` / `value_scale` (or `latent_scale`): per slot
+and KV head, [num_blocks, block_size, Hkv] (dynamic), or per channel, [Hkv, D] (static; see
+ops/quant_math.py). The writes quantize; attention dequantizes what it gathers, and reads every key
+from the cache, the step's own too, so a token attends alike whether its keys came this step or from
+a cached prefix.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from ops import quant_math
 from ops.attention_metadata import TorchAttentionMetadata
 
 
@@ -62,19 +69,59 @@ def write_kv_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
 ) -> None:
     """Store key/value [T, Hkv, D] into caches [num_blocks, block_size, Hkv, D] in place, token i
-    at slot_mapping[i] = block_id * block_size + offset."""
-    # The caches viewed as [num_slots, Hkv, D]: slot ids index rows directly.
-    key_cache.view(-1, *key.shape[1:]).index_copy_(0, slot_mapping, key)
-    value_cache.view(-1, *value.shape[1:]).index_copy_(0, slot_mapping, value)
+    at slot_mapping[i] = block_id * block_size + offset (int8 caches: quantized, see the module docstring)."""
+    _write_rows(key, key_cache, slot_mapping, key_scale)
+    _write_rows(value, value_cache, slot_mapping, value_scale)
 
 
-def _gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, first: int, end: int) -> torch.Tensor:
-    """One request's cached tokens [first, end) as [Hkv, end - first, D]; `block_ids` is its row
-    from block first // block_size on."""
+def _write_rows(
+    rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, scale: torch.Tensor | None
+) -> None:
+    """rows [T, H, D] into cache [num_blocks, block_size, H, D] at their slots: as they are, or as int8 by
+    the static per-channel `scale`, or by per-token-head scales that are written into `scale` too."""
+    if cache.dtype == torch.int8:
+        assert scale is not None, "an int8 KV cache needs its scales"
+        if scale.dim() == 3:  # dynamic
+            rows, row_scales = quant_math.quantize_kv_per_token_head(rows)
+            scale.view(-1, rows.shape[1]).index_copy_(0, slot_mapping, row_scales)
+        else:
+            rows = quant_math.quantize_kv_static(rows, scale)
+    # The cache viewed as [num_slots, H, D]: slot ids index rows directly.
+    cache.view(-1, *rows.shape[1:]).index_copy_(0, slot_mapping, rows)
+
+
+def _dequantized(
+    values: torch.Tensor, scale: torch.Tensor | None, row_scales: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """Gathered cache rows [..., Hkv, D] as `dtype`: as they are from a float cache; from an int8 one
+    times their gathered per-token-head scales `row_scales` (dynamic) or the channels' `scale` (static)."""
+    if values.dtype != torch.int8:
+        return values
+    if scale is not None and scale.dim() == 3:
+        return quant_math.dequantize_kv(values, dtype, token_scale=row_scales)
+    return quant_math.dequantize_kv(values, dtype, channel_scale=scale)
+
+
+def _gather_kv(
+    cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    first: int,
+    end: int,
+    scale: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """One request's cached tokens [first, end) as [Hkv, end - first, D] (in `dtype` from an int8
+    cache); `block_ids` is its row from block first // block_size on."""
     offset = first % cache.shape[1]
-    return cache[block_ids].flatten(0, 1)[offset : offset + end - first].transpose(0, 1)
+    rows = cache[block_ids].flatten(0, 1)[offset : offset + end - first]
+    row_scales = None
+    if scale is not None and scale.dim() == 3:
+        row_scales = scale[block_ids].flatten(0, 1)[offset : offset + end - first]
+    return _dequantized(rows, scale, row_scales, dtype).transpose(0, 1)
 
 
 DecodeAttention = Callable[..., torch.Tensor]  # paged_decode_attention's signature
@@ -90,6 +137,8 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int,
     sinks: torch.Tensor | None = None,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per request [B, H, D] over its paged K/V -> [B, H, D], in one batched SDPA.
 
@@ -98,14 +147,25 @@ def paged_decode_attention(
     the longest sequence of the step, never the table's whole width. Positions past a request's
     length (and before its window, when `sliding_window` > 0) gather its last written slot instead
     and are masked off: unwritten slots may hold anything (NaN included) and are never read.
-    With `sinks` [H], each head's softmax denominator has one more term (see _append_sink).
+    With `sinks` [H], each head's softmax denominator has one more term (see _append_sink). An int8
+    cache is dequantized as gathered, by `key_scale` / `value_scale` (the module docstring).
 
     The CPU backend's C++ kernel computes the same without the gathered copy (ops/cpu.py), and the
     CUDA graph backend gathers the table's whole capacity instead of reading the lengths (ops/cuda_graph.py).
     """
     max_len = int(seq_lens.max())  # a host read of the lengths
     return gathered_decode_attention(
-        query, key_cache, value_cache, block_table, seq_lens, scale, sliding_window, sinks, max_len
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        seq_lens,
+        scale,
+        sliding_window,
+        sinks,
+        max_len,
+        key_scale,
+        value_scale,
     )
 
 
@@ -119,6 +179,8 @@ def gathered_decode_attention(
     sliding_window: int,
     sinks: torch.Tensor | None,
     max_len: int,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """paged_decode_attention in torch ops: every request's K/V gathered over its first `max_len`
     positions (the step's longest sequence, or any bound above it)."""
@@ -132,11 +194,15 @@ def gathered_decode_attention(
     last_written = slots.gather(1, (seq_lens - 1)[:, None])
     slots = torch.where(mask, slots, last_written).flatten()
 
-    def gather(cache: torch.Tensor) -> torch.Tensor:
+    def gather(cache: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         rows = cache.view(-1, num_kv_heads, head_dim).index_select(0, slots)
+        row_scales = None
+        if scale is not None and scale.dim() == 3:
+            row_scales = scale.view(-1, num_kv_heads).index_select(0, slots)
+        rows = _dequantized(rows, scale, row_scales, query.dtype)
         return rows.view(batch_size, max_len, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, S, D]
 
-    key, value, attn_mask = gather(key_cache), gather(value_cache), mask[:, None, None, :]
+    key, value, attn_mask = gather(key_cache, key_scale), gather(value_cache, value_scale), mask[:, None, None, :]
     if sinks is not None:
         key, value, attn_mask = _append_sink(key, value, attn_mask, sinks)
     out = F.scaled_dot_product_attention(
@@ -151,7 +217,18 @@ def gathered_decode_attention(
 
 
 @paged_decode_attention.register_fake
-def _(query, key_cache, value_cache, block_table, seq_lens, scale, sliding_window, sinks=None):
+def _(
+    query,
+    key_cache,
+    value_cache,
+    block_table,
+    seq_lens,
+    scale,
+    sliding_window,
+    sinks=None,
+    key_scale=None,
+    value_scale=None,
+):
     return torch.empty_like(query)
 
 
@@ -209,6 +286,8 @@ def paged_attention(
     forward_metadata: TorchAttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
     *,
     decode_attention: DecodeAttention = paged_decode_attention,
 ) -> torch.Tensor:
@@ -222,7 +301,8 @@ def paged_attention(
     transformers' sliding-window layers do.
 
     A decode-shaped step runs as one batched op over the cache (`decode_attention`, which a backend
-    may replace), any other as one SDPA per request (per_request_prefill_attention).
+    may replace), any other as one SDPA per request (per_request_prefill_attention). An int8 cache
+    comes with `key_scale` / `value_scale` (the module docstring).
     """
     return _paged_attention(
         query,
@@ -235,6 +315,7 @@ def paged_attention(
         scale,
         sliding_window,
         None,
+        (key_scale, value_scale),
         decode_attention,
     )
 
@@ -250,6 +331,8 @@ def paged_attention_with_sinks(
     scale: float,
     sinks: torch.Tensor,
     sliding_window: int | None = None,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
     *,
     decode_attention: DecodeAttention = paged_decode_attention,
 ) -> torch.Tensor:
@@ -268,6 +351,7 @@ def paged_attention_with_sinks(
         scale,
         sliding_window,
         sinks,
+        (key_scale, value_scale),
         decode_attention,
     )
 
@@ -283,15 +367,24 @@ def _paged_attention(
     scale: float,
     sliding_window: int | None,
     sinks: torch.Tensor | None,
+    scales: tuple[torch.Tensor | None, torch.Tensor | None],
     decode_attention: DecodeAttention,
 ) -> torch.Tensor:
     if forward_metadata.is_decode_shaped:
         return decode_attention(
-            query, key_cache, value_cache, block_table, forward_metadata.seq_lens, scale, sliding_window or 0, sinks
+            query,
+            key_cache,
+            value_cache,
+            block_table,
+            forward_metadata.seq_lens,
+            scale,
+            sliding_window or 0,
+            sinks,
+            *scales,
         )
     caches = (key_cache, value_cache, block_table)
     lengths = (forward_metadata.query_ends_list, forward_metadata.seq_lens_list)
-    return per_request_prefill_attention(query, key, value, *caches, *lengths, scale, sliding_window, sinks)
+    return per_request_prefill_attention(query, key, value, *caches, *lengths, scale, sliding_window, sinks, *scales)
 
 
 def per_request_prefill_attention(
@@ -306,25 +399,33 @@ def per_request_prefill_attention(
     scale: float,
     sliding_window: int | None,
     sinks: torch.Tensor | None,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """paged_attention of a non-decode step in torch ops, one SDPA per request: the definition of
     the CPU prefill kernel and the other devices' path. Each request's keys are its cached prefix,
-    gathered from the slots a query can see (the window's, with a window), then its step's own."""
+    gathered from the slots a query can see (the window's, with a window), then its step's own
+    (from an int8 cache: all of them gathered, dequantized)."""
     block_size = key_cache.shape[1]
+    quantized = key_cache.dtype == torch.int8
     outputs = []
     query_start = 0
     for index, (query_end, kv_len) in enumerate(zip(query_ends, seq_lens, strict=True)):
         q_len = query_end - query_start
         cached_len = kv_len - q_len
+        gathered_len = kv_len if quantized else cached_len
         # With a window, the first query sees nothing before cached_len - window + 1: those blocks
         # may be gone (the null block in the row), so they are not read at all.
         first = max(0, cached_len - sliding_window + 1) if sliding_window else 0
-        request_key = key[query_start:query_end].transpose(0, 1)  # [Hkv, q_len, D]
-        request_value = value[query_start:query_end].transpose(0, 1)
-        if first < cached_len:
-            block_ids = block_table[index, first // block_size : -(-cached_len // block_size)]
-            request_key = torch.cat((_gather_kv(key_cache, block_ids, first, cached_len), request_key), dim=1)
-            request_value = torch.cat((_gather_kv(value_cache, block_ids, first, cached_len), request_value), dim=1)
+        fresh = slice(query_end, query_end) if quantized else slice(query_start, query_end)
+        request_key = key[fresh].transpose(0, 1)  # [Hkv, q_len (none from an int8 cache), D]
+        request_value = value[fresh].transpose(0, 1)
+        if first < gathered_len:
+            block_ids = block_table[index, first // block_size : -(-gathered_len // block_size)]
+            gathered_key = _gather_kv(key_cache, block_ids, first, gathered_len, key_scale, query.dtype)
+            gathered_value = _gather_kv(value_cache, block_ids, first, gathered_len, value_scale, query.dtype)
+            request_key = torch.cat((gathered_key, request_key), dim=1)
+            request_value = torch.cat((gathered_value, request_value), dim=1)
         mask = _prefill_mask(q_len, kv_len, first, sliding_window, query.device)
         if sinks is not None:
             if mask is None:  # top-left causal, q_len == kv_len
@@ -344,9 +445,16 @@ def per_request_prefill_attention(
     return torch.cat(outputs)
 
 
-def write_latent_cache(latent: torch.Tensor, latent_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store latent [T, D] into latent_cache [num_blocks, block_size, D] in place, token i at slot_mapping[i]."""
-    latent_cache.view(-1, latent.shape[-1]).index_copy_(0, slot_mapping, latent)
+def write_latent_cache(
+    latent: torch.Tensor,
+    latent_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    latent_scale: torch.Tensor | None = None,
+) -> None:
+    """Store latent [T, D] into latent_cache [num_blocks, block_size, D] in place, token i at
+    slot_mapping[i]; an int8 cache quantizes it as one head, with `latent_scale` [num_blocks,
+    block_size, 1] (dynamic) or [1, D] (static)."""
+    _write_rows(latent.unsqueeze(1), latent_cache.unsqueeze(2), slot_mapping, latent_scale)
 
 
 def _split_kv_b(kv_b_weight: torch.Tensor, num_heads: int, qk_nope_head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -364,6 +472,7 @@ def mla_attention_naive(
     query_ends: list[int],
     seq_lens: list[int],
     scale: float,
+    latent_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """MLA with K/V decompressed per request: each request's latents [S, L] go through kv_b_proj into
     per-head k_nope and v, the shared rope key is appended to every head's key, then causal SDPA
@@ -380,7 +489,8 @@ def mla_attention_naive(
     query_start = 0
     for index, (query_end, kv_len) in enumerate(zip(query_ends, seq_lens, strict=True)):
         block_ids = block_table[index, : -(-kv_len // block_size)]
-        latent, k_pe = latent_cache[block_ids].flatten(0, 1)[:kv_len].split([kv_lora_rank, q_pe.shape[-1]], dim=-1)
+        cached = _gather_kv(latent_cache.unsqueeze(2), block_ids, 0, kv_len, latent_scale, query.dtype)[0]
+        latent, k_pe = cached.split([kv_lora_rank, q_pe.shape[-1]], dim=-1)
         k_nope, value = (
             F.linear(latent, kv_b_weight)
             .view(kv_len, num_heads, -1)
@@ -411,6 +521,7 @@ def mla_decode_absorbed(
     seq_lens: torch.Tensor,
     scale: float,
     decode_attention: DecodeAttention = paged_decode_attention,
+    latent_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """MLA decode in latent space: W_UK folded into the query (q_nope W_UK -> [B, H, L]) and W_UV into
     the output, so attention runs as one-KV-head attention over the cached latents themselves (keys:
@@ -425,7 +536,8 @@ def mla_decode_absorbed(
     w_uk, w_uv = _split_kv_b(kv_b_weight, q_nope.shape[1], q_nope.shape[2])
     q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [H, B, nope] @ [H, nope, L]
     cache = latent_cache.unsqueeze(2)  # [num_blocks, block_size, 1, L + R]
-    out = decode_attention(torch.cat((q_latent, q_pe), dim=-1), cache, cache, block_table, seq_lens, scale, 0, None)
+    query = torch.cat((q_latent, q_pe), dim=-1)
+    out = decode_attention(query, cache, cache, block_table, seq_lens, scale, 0, None, latent_scale, latent_scale)
     return torch.bmm(out[..., :kv_lora_rank].transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
 
@@ -437,18 +549,21 @@ def mla_attention(
     block_table: torch.Tensor,
     forward_metadata: TorchAttentionMetadata,
     scale: float,
+    latent_scale: torch.Tensor | None = None,
     *,
     decode_attention: DecodeAttention = paged_decode_attention,
 ) -> torch.Tensor:
-    """Causal multi-head latent attention over the paged latent cache -> [T, H, v].
+    """Causal multi-head latent attention over the paged latent cache -> [T, H, v] (an int8 cache
+    with its `latent_scale`: see write_latent_cache).
 
     A decode-shaped step takes the absorbed form (per token, H x (L + R) work per cached token and
     no decompression); any other step decompresses K/V per request (mla_attention_naive), where
     the decompression is shared by the request's many queries.
     """
     if forward_metadata.is_decode_shaped:
+        seq_lens = forward_metadata.seq_lens
         return mla_decode_absorbed(
-            q_nope, q_pe, latent_cache, kv_b_weight, block_table, forward_metadata.seq_lens, scale, decode_attention
+            q_nope, q_pe, latent_cache, kv_b_weight, block_table, seq_lens, scale, decode_attention, latent_scale
         )
     return mla_attention_naive(
         q_nope,
@@ -459,6 +574,7 @@ def mla_attention(
         forward_metadata.query_ends_list,
         forward_metadata.seq_lens_list,
         scale,
+        latent_scale,
     )
 
 

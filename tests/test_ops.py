@@ -291,7 +291,7 @@ def test_cpu_decode_kernel_matches_the_gathered_reference(dtype, sliding_window,
     args = (query, key_cache, value_cache, block_table, seq_lens, 0.35, sliding_window, sinks)
     expected = torch_ref.paged_decode_attention(*args)
     tolerance = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {}
-    torch.testing.assert_close(kernel(*args), expected, **tolerance)
+    torch.testing.assert_close(kernel(*args, None, None), expected, **tolerance)  # no C8 scales
 
 
 @needs_compiler
@@ -316,7 +316,7 @@ def test_cpu_decode_kernel_matches_the_reference_at_model_head_dims_and_block_si
     expected = torch_ref.paged_decode_attention(*args, sliding_window, sinks)
     tolerance = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {}
     kernel = cpu_kernels.extension().paged_decode_attention
-    torch.testing.assert_close(kernel(*args, sliding_window, sinks), expected, **tolerance)
+    torch.testing.assert_close(kernel(*args, sliding_window, sinks, None, None), expected, **tolerance)
 
 
 def reference_cache_write(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
@@ -465,7 +465,7 @@ def test_cpu_prefill_kernel_matches_the_per_request_reference(
     sinks = torch.randn(num_heads) if with_sinks else None
     query_ends = torch.tensor(PREFILL_KERNEL_QUERY_LENS).cumsum(0)
     seq_lens = torch.tensor(PREFILL_KERNEL_KV_LENS)
-    output = kernel(*tensors, query_ends, seq_lens, head_dim**-0.5, sliding_window, sinks)
+    output = kernel(*tensors, query_ends, seq_lens, head_dim**-0.5, sliding_window, sinks, None, None)
     expected = torch_ref.per_request_prefill_attention(
         *(t.float() if t.is_floating_point() else t for t in tensors),
         query_ends.tolist(),

@@ -3,7 +3,8 @@
 // K/V each request actually has. Parallel over (request, KV head); all query heads of a KV head share
 // each loaded key and value row, a tile of keys at a time, the next tile's rows prefetched meanwhile.
 // With AVX2 (head dims that are multiples of 8) the tile's scores and value sums run in intrinsics,
-// portable loops otherwise. Accumulates in fp32 whatever the storage dtype.
+// portable loops otherwise. Accumulates in fp32 whatever the storage dtype; an int8 cache (C8) is
+// dequantized row by row as it is read (kv_int8.h), so the kernel streams a quarter of fp32's bytes.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -12,6 +13,7 @@
 #endif
 
 #include "cpu_math.h"
+#include "kv_int8.h"
 
 #include <algorithm>
 #include <cmath>
@@ -21,17 +23,6 @@
 #include <vector>
 
 namespace {
-
-// A row as fp32: fp32 storage is read in place, other dtypes are converted into `buffer`.
-template <typename scalar_t>
-inline const float* as_float(const scalar_t* source, float* buffer, int64_t n) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    return source;
-  } else {
-    for (int64_t d = 0; d < n; ++d) buffer[d] = static_cast<float>(source[d]);
-    return buffer;
-  }
-}
 
 // Positions attended per tile: their scores are computed together, then their weights, then the
 // value rows are accumulated, so that no step waits on the one before (the one-key-at-a-time
@@ -131,18 +122,20 @@ inline void tile_values(const float* weights, int64_t group, int64_t head_dim, c
 }
 
 // kHeadDim > 0: the head dim known when compiling (64, 128), so the per-key loops unroll; 0: any.
-template <typename scalar_t, int64_t kHeadDim>
+// cache_t: the caches' storage, scalar_t or int8_t (then read with `key_scales` / `value_scales`).
+template <typename scalar_t, typename cache_t, int64_t kHeadDim>
 void decode_attention(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+                      const infer_recipes::CacheScales& key_scales, const infer_recipes::CacheScales& value_scales,
                       const torch::Tensor& block_table, const torch::Tensor& seq_lens, const float* sinks, double scale,
                       int64_t sliding_window, torch::Tensor& out) {
   const int64_t batch = query.size(0), num_heads = query.size(1);
   const int64_t head_dim = kHeadDim > 0 ? kHeadDim : query.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   const int64_t group = num_heads / num_kv_heads, table_width = block_table.size(1);
-  const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(cache_t));
   const scalar_t* q = query.data_ptr<scalar_t>();
-  const scalar_t* keys = key_cache.data_ptr<scalar_t>();
-  const scalar_t* values = value_cache.data_ptr<scalar_t>();
+  const cache_t* keys = key_cache.data_ptr<cache_t>();
+  const cache_t* values = value_cache.data_ptr<cache_t>();
   const int32_t* table = block_table.data_ptr<int32_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   scalar_t* o = out.data_ptr<scalar_t>();
@@ -187,9 +180,9 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& key_cache
                                                   : next_item < end ? first_position(next_item) : 0;
         const int64_t next_n = next_item < end ? std::min(kTile, lens[next_item / num_kv_heads] - next_start) : 0;
         for (int64_t t = 0; t < n; ++t) {
-          const int64_t offset = row_offset(item, tile_start + t);
-          k_tile[t] = as_float(keys + offset, k_rows.data() + t * head_dim, head_dim);
-          v_tile[t] = as_float(values + offset, v_rows.data() + t * head_dim, head_dim);
+          const int64_t row = row_offset(item, tile_start + t) / head_dim;
+          k_tile[t] = infer_recipes::cached_row(keys, row, head_dim, key_scales, k_rows.data() + t * head_dim);
+          v_tile[t] = infer_recipes::cached_row(values, row, head_dim, value_scales, v_rows.data() + t * head_dim);
         }
         for (int64_t t = 0; t < next_n; ++t) {
           const int64_t offset = row_offset(next_item, next_start + t);
@@ -228,9 +221,16 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& key_cache
 
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                      torch::Tensor block_table, torch::Tensor seq_lens, double scale,
-                                     int64_t sliding_window, c10::optional<torch::Tensor> sinks) {
+                                     int64_t sliding_window, c10::optional<torch::Tensor> sinks,
+                                     c10::optional<torch::Tensor> key_scale, c10::optional<torch::Tensor> value_scale) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [B, H, D] and caches [N, block, Hkv, D] expected");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "KV caches must be contiguous");
+  TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type() &&
+                  (key_cache.scalar_type() == torch::kChar || key_cache.scalar_type() == query.scalar_type()),
+              "KV caches must be int8 or the query's dtype");
+  const infer_recipes::CacheScales key_scales = infer_recipes::cache_scales(key_cache, key_scale);
+  const infer_recipes::CacheScales value_scales = infer_recipes::cache_scales(value_cache, value_scale);
+  const bool quantized = key_cache.scalar_type() == torch::kChar;
   TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt64,
               "block_table int32 and seq_lens int64 expected");
   TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "query heads must group over KV heads");
@@ -243,8 +243,14 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
     const float* sink_data = sinks.has_value() ? sink_logits.data_ptr<float>() : nullptr;
     const auto run = [&](auto head_dim) {
-      decode_attention<scalar_t, decltype(head_dim)::value>(query, key_cache, value_cache, block_table, seq_lens,
-                                                            sink_data, scale, sliding_window, out);
+      constexpr int64_t kHeadDim = decltype(head_dim)::value;
+      if (quantized) {
+        decode_attention<scalar_t, int8_t, kHeadDim>(query, key_cache, value_cache, key_scales, value_scales,
+                                                     block_table, seq_lens, sink_data, scale, sliding_window, out);
+      } else {
+        decode_attention<scalar_t, scalar_t, kHeadDim>(query, key_cache, value_cache, key_scales, value_scales,
+                                                       block_table, seq_lens, sink_data, scale, sliding_window, out);
+      }
     };
     switch (query.size(2)) {
       case 64: run(std::integral_constant<int64_t, 64>{}); break;

@@ -5,11 +5,14 @@
 // tile's rows (its tokens x the query heads of that KV head) run a blocked online softmax over tiles of
 // keys, so each key and value row serves every row of the tile. Rows lie along vector lanes (the queries
 // transposed once per item), so keys and values are read in place, and the softmax runs across rows.
-// Accumulates in fp32 whatever the storage dtype.
+// Accumulates in fp32 whatever the storage dtype. With an int8 cache (C8) every key is read from the cache,
+// the step's own too (dequantized as read, kv_int8.h), so that a token attends alike whether its keys came
+// this step or from a cached prefix.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include "cpu_math.h"
+#include "kv_int8.h"
 
 #include <algorithm>
 #include <atomic>
@@ -28,13 +31,14 @@ constexpr int64_t kRowBlock = 32;  // rows (query tokens x grouped heads) come i
 constexpr float kMasked = -1e30f;
 
 // Read-only description of the step, shared by every work item.
-template <typename scalar_t>
+template <typename scalar_t, typename cache_t>
 struct Step {
   const scalar_t* query;
   const scalar_t* key;
   const scalar_t* value;
-  const scalar_t* key_cache;
-  const scalar_t* value_cache;
+  const cache_t* key_cache;
+  const cache_t* value_cache;
+  CacheScales key_scales, value_scales;  // an int8 cache's (cache_t int8_t)
   const int32_t* block_table;
   const int64_t* query_ends;
   const int64_t* seq_lens;
@@ -43,6 +47,12 @@ struct Step {
   int64_t query_token_stride, query_head_stride, kv_token_stride, kv_head_stride;
   int64_t num_heads, num_kv_heads, group, head_dim, block_size, table_width, sliding_window;
   float scale;
+};
+
+// A cache's storage type as a value, to pick a kernel instance at run time.
+template <typename T>
+struct Storage {
+  using type = T;
 };
 
 // One work item: `num_tokens` query tokens of request `request` from its token `first_token` on.
@@ -80,28 +90,34 @@ struct Scratch {
 };
 
 // Points the scratch's key and value rows at positions [start, start + n) of one request and KV head: the
-// step's tensors for the positions it computed, the cache blocks for the prefix before them.
-template <typename scalar_t>
-void locate_kv(const Step<scalar_t>& step, int64_t request, int64_t kv_head, int64_t start, int64_t n,
+// step's tensors for the positions it computed, the cache blocks for the prefix before them (for all of
+// them with an int8 cache).
+template <typename scalar_t, typename cache_t>
+void locate_kv(const Step<scalar_t, cache_t>& step, int64_t request, int64_t kv_head, int64_t start, int64_t n,
                Scratch& scratch) {
   const int64_t query_start = request == 0 ? 0 : step.query_ends[request - 1];
-  const int64_t fresh_start = step.seq_lens[request] - (step.query_ends[request] - query_start);
+  constexpr bool quantized = std::is_same_v<cache_t, int8_t>;
+  const int64_t fresh_start = step.seq_lens[request] - (quantized ? 0 : step.query_ends[request] - query_start);
   const int32_t* blocks = step.block_table + request * step.table_width;
   for (int64_t t = 0; t < n; ++t) {
     const int64_t position = start + t;
     const bool fresh = position >= fresh_start;
-    int64_t offset;  // the same for keys and values, which share their layout
-    if (fresh) {
-      offset = (query_start + position - fresh_start) * step.kv_token_stride + kv_head * step.kv_head_stride;
+    float* key_buffer = scratch.key_buffer.data() + t * scratch.value_stride;
+    float* value_buffer = scratch.value_buffer.data() + t * scratch.value_stride;
+    if (fresh) {  // keys and values share their layout
+      const int64_t offset = (query_start + position - fresh_start) * step.kv_token_stride + kv_head * step.kv_head_stride;
+      scratch.key_rows[t] = as_float(step.key + offset, key_buffer, step.head_dim);
+      scratch.value_rows[t] = as_float(step.value + offset, value_buffer, step.head_dim);
     } else {
       const int64_t slot = static_cast<int64_t>(blocks[position / step.block_size]) * step.block_size +
                            position % step.block_size;
-      offset = (slot * step.num_kv_heads + kv_head) * step.head_dim;
+      const int64_t row = slot * step.num_kv_heads + kv_head;
+      // Rows are read as whole vectors: fp32 rows in place only where the head dim is a multiple of 8.
+      const bool in_place = step.head_dim % 8 == 0;
+      scratch.key_rows[t] = cached_row(step.key_cache, row, step.head_dim, step.key_scales, key_buffer, in_place);
+      scratch.value_rows[t] =
+          cached_row(step.value_cache, row, step.head_dim, step.value_scales, value_buffer, in_place);
     }
-    float* key_buffer = scratch.key_buffer.data() + t * scratch.value_stride;
-    float* value_buffer = scratch.value_buffer.data() + t * scratch.value_stride;
-    scratch.key_rows[t] = as_float((fresh ? step.key : step.key_cache) + offset, key_buffer, step.head_dim);
-    scratch.value_rows[t] = as_float((fresh ? step.value : step.value_cache) + offset, value_buffer, step.head_dim);
   }
 }
 
@@ -226,8 +242,8 @@ void accumulate_tile(const float* weights, int64_t n, Scratch& scratch) {
   }
 }
 
-template <typename scalar_t, int64_t kHeadDim>
-void attend_tile(const Step<scalar_t>& step, const Tile& tile, int64_t kv_head, Scratch& scratch) {
+template <typename scalar_t, typename cache_t, int64_t kHeadDim>
+void attend_tile(const Step<scalar_t, cache_t>& step, const Tile& tile, int64_t kv_head, Scratch& scratch) {
   const int64_t head_dim = kHeadDim > 0 ? kHeadDim : step.head_dim, group = step.group;
   const int64_t rows = tile.num_tokens * group, stride = scratch.row_stride;
   const int64_t query_start = tile.request == 0 ? 0 : step.query_ends[tile.request - 1];
@@ -292,8 +308,8 @@ std::vector<Tile> plan_tiles(const int64_t* query_ends, const int64_t* seq_lens,
   return tiles;
 }
 
-template <typename scalar_t, int64_t kHeadDim>
-void prefill_attention(const Step<scalar_t>& step, int64_t batch) {
+template <typename scalar_t, typename cache_t, int64_t kHeadDim>
+void prefill_attention(const Step<scalar_t, cache_t>& step, int64_t batch) {
   const int64_t tokens_per_tile = std::max<int64_t>(1, kRowBlock / step.group);
   const std::vector<Tile> tiles = plan_tiles(step.query_ends, step.seq_lens, batch, tokens_per_tile);
   const int64_t num_items = static_cast<int64_t>(tiles.size()) * step.num_kv_heads;
@@ -301,7 +317,7 @@ void prefill_attention(const Step<scalar_t>& step, int64_t batch) {
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     Scratch scratch(tokens_per_tile * step.group, step.head_dim);
     for (int64_t item = next_item++; item < num_items; item = next_item++) {
-      attend_tile<scalar_t, kHeadDim>(step, tiles[item / step.num_kv_heads], item % step.num_kv_heads, scratch);
+      attend_tile<scalar_t, cache_t, kHeadDim>(step, tiles[item / step.num_kv_heads], item % step.num_kv_heads, scratch);
     }
   });
 }
@@ -311,14 +327,19 @@ void prefill_attention(const Step<scalar_t>& step, int64_t batch) {
 torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value,
                                       torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor block_table,
                                       torch::Tensor query_ends, torch::Tensor seq_lens, double scale,
-                                      int64_t sliding_window, c10::optional<torch::Tensor> sinks) {
+                                      int64_t sliding_window, c10::optional<torch::Tensor> sinks,
+                                      c10::optional<torch::Tensor> key_scale, c10::optional<torch::Tensor> value_scale) {
   TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && key_cache.dim() == 4,
               "query [T, H, D], key/value [T, Hkv, D] and caches [N, block, Hkv, D] expected");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "KV caches must be contiguous");
   TORCH_CHECK(key.sizes() == value.sizes() && key.size(0) == query.size(0) && key.sizes().slice(1) == key_cache.sizes().slice(2),
               "key/value must be [T, Hkv, D] for the query's T and the cache's Hkv, D");
-  TORCH_CHECK(query.scalar_type() == key.scalar_type() && key.scalar_type() == key_cache.scalar_type(),
-              "query, key/value and the caches must share a dtype");
+  TORCH_CHECK(query.scalar_type() == key.scalar_type() && key_cache.scalar_type() == value_cache.scalar_type() &&
+                  (key.scalar_type() == key_cache.scalar_type() || key_cache.scalar_type() == torch::kChar),
+              "query, key/value and the caches must share a dtype, or the caches be int8");
+  const infer_recipes::CacheScales key_scales = infer_recipes::cache_scales(key_cache, key_scale);
+  const infer_recipes::CacheScales value_scales = infer_recipes::cache_scales(value_cache, value_scale);
+  const bool quantized = key_cache.scalar_type() == torch::kChar;
   TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && query_ends.scalar_type() == torch::kInt64 &&
                   seq_lens.scalar_type() == torch::kInt64,
               "block_table int32, query_ends and seq_lens int64 expected");
@@ -335,21 +356,29 @@ torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key, to
   if (sinks.has_value()) sink_logits = sinks->to(torch::kFloat32).contiguous();
   auto out = torch::empty(query.sizes(), query.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_prefill_attention", [&] {
-    const infer_recipes::prefill::Step<scalar_t> step{
-        query.data_ptr<scalar_t>(), key.data_ptr<scalar_t>(), value.data_ptr<scalar_t>(),
-        key_cache.data_ptr<scalar_t>(), value_cache.data_ptr<scalar_t>(), block_table.data_ptr<int32_t>(),
-        query_ends.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
-        sinks.has_value() ? sink_logits.data_ptr<float>() : nullptr, out.data_ptr<scalar_t>(),
-        query.stride(0), query.stride(1), key.stride(0), key.stride(1),
-        query.size(1), key_cache.size(2), query.size(1) / key_cache.size(2), query.size(2), key_cache.size(1),
-        block_table.size(1), sliding_window, static_cast<float>(scale)};
-    const auto run = [&](auto head_dim) {
-      infer_recipes::prefill::prefill_attention<scalar_t, decltype(head_dim)::value>(step, query_ends.size(0));
+    const auto run = [&](auto cache_type, auto head_dim) {
+      using cache_t = typename decltype(cache_type)::type;
+      const infer_recipes::prefill::Step<scalar_t, cache_t> step{
+          query.data_ptr<scalar_t>(), key.data_ptr<scalar_t>(), value.data_ptr<scalar_t>(),
+          key_cache.data_ptr<cache_t>(), value_cache.data_ptr<cache_t>(), key_scales, value_scales,
+          block_table.data_ptr<int32_t>(), query_ends.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
+          sinks.has_value() ? sink_logits.data_ptr<float>() : nullptr, out.data_ptr<scalar_t>(),
+          query.stride(0), query.stride(1), key.stride(0), key.stride(1),
+          query.size(1), key_cache.size(2), query.size(1) / key_cache.size(2), query.size(2), key_cache.size(1),
+          block_table.size(1), sliding_window, static_cast<float>(scale)};
+      infer_recipes::prefill::prefill_attention<scalar_t, cache_t, decltype(head_dim)::value>(step, query_ends.size(0));
+    };
+    const auto with_cache = [&](auto head_dim) {
+      if (quantized) {
+        run(infer_recipes::prefill::Storage<int8_t>{}, head_dim);
+      } else {
+        run(infer_recipes::prefill::Storage<scalar_t>{}, head_dim);
+      }
     };
     switch (query.size(2)) {
-      case 64: run(std::integral_constant<int64_t, 64>{}); break;
-      case 128: run(std::integral_constant<int64_t, 128>{}); break;
-      default: run(std::integral_constant<int64_t, 0>{});
+      case 64: with_cache(std::integral_constant<int64_t, 64>{}); break;
+      case 128: with_cache(std::integral_constant<int64_t, 128>{}); break;
+      default: with_cache(std::integral_constant<int64_t, 0>{});
     }
   });
   return out;

@@ -22,7 +22,6 @@ from executor.types_.quant_scheme import QuantizationPlan
 from module.attention import KVCacheLayer
 from module.parallel_group import ONE_PROCESS, ModelParallel
 from module.quantization_pass import QuantizedLayer, layer_kind_schemes, quantize_model, weight_bytes
-from module.quantized import QuantizationError
 from ops.backend import Backend
 from ops.linear_method import process_linear_weights
 
@@ -92,8 +91,6 @@ class ModelWorker:
         load its shard of the folder's weights (each layer cuts its part out of each checkpoint
         tensor as it streams by), let each linear layer's method process its weights once (the CPU
         packs them; a scheme quantizes or dequantizes them), and group its KV cache layers by spec."""
-        if quantization is not None and quantization.kv_cache is not None:
-            raise QuantizationError(f"{quantization.source}: an int8 KV cache (C8) is not built yet")
         with _default_dtype(self.dtype), self.platform.device:
             model = model_cls(hf_config, parallel=self.parallel, backend=self.backend)
             if quantization is not None:
