@@ -58,3 +58,17 @@ def quantize_model(
         module.set_scheme(scheme, backend.linear_method(scheme.kind), compute_dtype, plan.at_load)
         layers.append(QuantizedLayer(name, tuple(parts), scheme))
     return layers
+
+
+def describe_quantized_layers(model: nn.Module, layers: list[QuantizedLayer]) -> list[str]:
+    """One line per layer kind (qkv_proj, down_proj, ...) and way it runs: its scheme and whether
+    its method runs it natively or dequantized it at load, and why (after process_weights)."""
+    modules = dict(model.named_modules())
+    kinds: dict[tuple[str, str], list[str]] = {}
+    for layer in layers:
+        module = modules[layer.name]
+        how = (layer.scheme.describe(), module.linear_method.describe(module))
+        kind = layer.name.rpartition(".")[2]
+        if kind not in kinds.setdefault(how, []):
+            kinds[how].append(kind)
+    return [f"{', '.join(names)}: {scheme}; {how}" for (scheme, how), names in kinds.items()]

@@ -21,7 +21,7 @@ from executor.types_.model_inputs import ModelInputs
 from executor.types_.quant_scheme import QuantizationPlan
 from module.attention import KVCacheLayer
 from module.parallel_group import ONE_PROCESS, ModelParallel
-from module.quantization_pass import QuantizedLayer, quantize_model
+from module.quantization_pass import QuantizedLayer, describe_quantized_layers, quantize_model
 from ops.backend import Backend
 from ops.linear_method import process_linear_weights
 
@@ -98,6 +98,8 @@ class ModelWorker:
         get_model_loader(self.with_ckpt, self.seed).load_weights(model, model_path)
         methods = process_linear_weights(model)
         logger.info("%s backend; linear weights by %s", self.backend.name, ", ".join(methods) or "none")
+        for line in describe_quantized_layers(model, self.quantized_layers):
+            logger.info("quantized linears %s", line)
         self.model = model.eval()
         self.kv_cache_layers = {name: m for name, m in model.named_modules() if isinstance(m, KVCacheLayer)}
         if not self.kv_cache_layers:
