@@ -31,12 +31,20 @@ def records() -> list[PromptRecord]:
     return shrinking_batch_records(seed=2, count=4)
 
 
+@pytest.fixture(scope="module")
+def eager_outputs() -> dict[str, list]:
+    """Each scheme's eager tokens, run once for both modes."""
+    return {}
+
+
 @pytest.mark.parametrize("exe_mode", ["ge_graph", "npugraph_ex"])
 @pytest.mark.parametrize("quantization", ["w8a8", "w4a16_g32", "fp8"])
 def test_a_quantized_model_decodes_the_same_tokens_in_graph_mode_as_eager(
-    quantization, exe_mode, tiny_llama_dir, records
+    quantization, exe_mode, tiny_llama_dir, records, eager_outputs
 ):
-    eager, _ = greedy_outputs(tiny_llama_dir, records, quantization=quantization)
+    if quantization not in eager_outputs:
+        eager_outputs[quantization] = greedy_outputs(tiny_llama_dir, records, quantization=quantization)[0]
+    eager = eager_outputs[quantization]
     graph, summary = greedy_outputs(tiny_llama_dir, records, quantization=quantization, exe_mode=exe_mode)
     assert graph == eager
     assert sum(summary["graph"]["graph_steps_per_bucket"].values()) > 0, "decode steps should run in the graphs"
