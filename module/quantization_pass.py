@@ -73,15 +73,15 @@ def layer_kind_schemes(model: nn.Module) -> dict[str, str]:
         if not isinstance(module, QuantizableLinear):
             continue
         scheme = getattr(module, "scheme", None)
-        method = type(module.linear_method).__name__
-        described = f"{scheme.describe()} ({method})" if scheme is not None else f"unquantized ({method})"
+        how = module.linear_method.describe(module)
+        described = f"{scheme.describe()}; {how}" if scheme is not None else f"unquantized; {how}"
         kinds.setdefault(name.rpartition(".")[2], set()).add(described)
     return {kind: "; ".join(sorted(variants)) for kind, variants in kinds.items()}
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the model's parameters (each shared one once) and of the copies its kernels laid out."""
-    tensors = list(model.parameters())
+    """Bytes of the model's parameters and buffers (each shared one once) and of the copies its kernels laid out."""
+    tensors = [*model.parameters(), *model.buffers()]
     for module in model.modules():
         copy = getattr(module, "packed_weight", None)
         if dataclasses.is_dataclass(copy):
@@ -104,3 +104,17 @@ def set_kv_cache_schemes(model: nn.Module, scheme: KVCacheScheme) -> None:
         if params and owner is not module:
             for param_name, param in zip(STATIC_KV_SCALES, params, strict=True):
                 owner.register_parameter(param_name, param)
+
+
+def describe_quantized_layers(model: nn.Module, layers: list[QuantizedLayer]) -> list[str]:
+    """One line per layer kind (qkv_proj, down_proj, ...) and way it runs: its scheme and whether
+    its method runs it natively or dequantized it at load, and why (after process_weights)."""
+    modules = dict(model.named_modules())
+    kinds: dict[tuple[str, str], list[str]] = {}
+    for layer in layers:
+        module = modules[layer.name]
+        how = (layer.scheme.describe(), module.linear_method.describe(module))
+        kind = layer.name.rpartition(".")[2]
+        if kind not in kinds.setdefault(how, []):
+            kinds[how].append(kind)
+    return [f"{', '.join(names)}: {scheme}; {how}" for (scheme, how), names in kinds.items()]

@@ -25,6 +25,7 @@ from ops.attention_metadata import AttentionMetadataBuilder, NpuMetadataBuilder,
 from ops.cpu import CpuOps, cpu_linear_method
 from ops.linear_method import PLAIN, UNQUANTIZED, LinearMethod
 from ops.npu import NpuGraphOps, NpuOps
+from ops.npu_quant import npu_linear_methods
 from ops.quantized_linear import DequantizedLinear, Int8ScaledLinear
 
 DEVICE_TYPES = ("cpu", "cuda", "npu")
@@ -79,15 +80,14 @@ class Backend:
 OP_NAMES = tuple(f.name for f in dataclasses.fields(Backend) if f.metadata.get("op"))
 
 
-def linear_methods(dense: LinearMethod, native: Mapping[str, LinearMethod]) -> Mapping[str, LinearMethod]:
+def linear_methods(dense: LinearMethod, native: Mapping[str, LinearMethod], device: str) -> Mapping[str, LinearMethod]:
     """Every weight kind's method: `dense` for unquantized weights, `native` kernels where the backend
-    has them, and elsewhere the scheme computed plainly over `dense` (weights dequantized at load)."""
-    plainly = DequantizedLinear(dense)
-    methods = {UNQUANTIZED: dense, **{kind: plainly for kind in QUANTIZED_KINDS}, **native}
-    return MappingProxyType(methods)
+    has them, and elsewhere the scheme computed plainly over `dense` (weights dequantized at load,
+    the log saying "no native fp8 matmul on cpu")."""
+    plainly = {kind: DequantizedLinear(dense, f"no native {kind} matmul on {device}") for kind in QUANTIZED_KINDS}
+    return MappingProxyType({UNQUANTIZED: dense, **plainly, **native})
 
 
-PLAIN_LINEAR = linear_methods(PLAIN, {})
 REFERENCE_OPS = {name: getattr(torch_ref, name) for name in OP_NAMES}
 
 
@@ -113,7 +113,7 @@ def make_backend(
         captured = exe_mode == "npugraph_ex"  # CUDA graphs (executor/platform/graph_compilers.py)
         ops = {**REFERENCE_OPS, **(_cuda_graph_ops() if captured else {})}
         name = "cuda_graph" if captured else "cuda"
-        linear = linear_methods(PLAIN, {W8A8_INT8: Int8ScaledLinear(cuda_quant.padded_int_mm)})
+        linear = linear_methods(PLAIN, cuda_quant.cuda_linear_methods(cuda_quant.device_capability(), PLAIN), "cuda")
         return Backend(name, linear=linear, metadata_builder=TorchMetadataBuilder, **common, **ops)
     return _npu_backend(exe_mode, common)
 
@@ -140,7 +140,7 @@ def _cpu_backend(dtype: torch.dtype, prepack_weights: bool, use_extension: bool,
         ops.update({name: getattr(cpu_ops, name) for name in names})
         ops.update(_with_decode(cpu.paged_decode_attention, ("mla_attention",)))
     packed = cpu_linear_method(dtype, kernels, cpu_kernels.cpu_flags()) if prepack_weights else None
-    linear = linear_methods(packed or PLAIN, {W8A8_INT8: Int8ScaledLinear(torch._int_mm)})
+    linear = linear_methods(packed or PLAIN, {W8A8_INT8: Int8ScaledLinear(cpu.int8_mm, "torch._int_mm, oneDNN")}, "cpu")
     return Backend("cpu", linear=linear, metadata_builder=TorchMetadataBuilder, **common, **ops)
 
 
@@ -156,6 +156,5 @@ def _npu_backend(exe_mode: str, common: dict) -> Backend:
     npu_ops = NpuGraphOps(torch_npu, npu_runtime.torchair()) if graph else NpuOps(torch_npu)
     metadata_builder = functools.partial(NpuMetadataBuilder, lengths_as_tensors=graph)
     ops = {name: getattr(npu_ops, name) for name in NPU_OPS}
-    return Backend(
-        "npu_graph" if graph else "npu", linear=PLAIN_LINEAR, metadata_builder=metadata_builder, **common, **ops
-    )
+    linear = linear_methods(PLAIN, npu_linear_methods(torch_npu, PLAIN), "npu")
+    return Backend("npu_graph" if graph else "npu", linear=linear, metadata_builder=metadata_builder, **common, **ops)

@@ -40,6 +40,19 @@ def _recorded(label: str, kernel: Callable[..., Any], *args: Any) -> Any:
         return kernel(*args)
 
 
+@torch.library.custom_op("infer_recipes::cpu_int8_mm", mutates_args=())
+def int8_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch._int_mm (oneDNN) as an op inductor does not look into: with frozen weights its pattern
+    passes rewrite _int_mm and the scales into onednn.qlinear_pointwise, whose C++ GEMM template
+    fails to lower at decode's few rows (torch 2.13), so a quantized model would not compile."""
+    return torch._int_mm(a, b)
+
+
+@int8_mm.register_fake
+def _(a, b):
+    return a.new_empty(a.shape[0], b.shape[1], dtype=torch.int32)
+
+
 @torch.library.custom_op("infer_recipes::cpu_paged_decode_attention", mutates_args=())
 def paged_decode_attention(
     query: torch.Tensor,

@@ -23,6 +23,10 @@ class LinearMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
+    def describe(self, layer: nn.Module) -> str:
+        """How this method runs `layer` (after process_weights), for the start-up log."""
+        return type(self).__name__
+
 
 class PlainLinear(LinearMethod):
     """F.linear over the plain weight: every device's unquantized form, and the CPU's without packing."""

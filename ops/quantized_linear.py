@@ -4,14 +4,21 @@ A quantized layer (module/quantized.py) holds its checkpoint's tensors, decoded:
 values, float8 values, or fp4 values as floats), `weight_scale`, optionally `weight_zero_point` and a
 static `input_scale`, and its `scheme` (executor/types_/quant_scheme.py). A layer quantized at load
 (`model_config.quantization`) holds its float `weight` and `quantize_at_load` instead;
-process_weights rounds it to nearest first. Each method then lays out what its kernel reads in
-`layer.packed_weight`, as the unquantized methods do.
+process_weights rounds it to nearest first. Each method then keeps what its kernel reads as the
+layer's non-persistent buffers (`keep_tensors`): the graph modes take a module's buffers as its
+weights (npugraph_ex's AOTInductor packages bind them by name at load), where tensors in a plain
+attribute would be baked into the graph as unnamed constants.
 
 - Int8ScaledLinear (W8A8 int8): activations quantized per token (or by the static scale), an int8 x
   int8 -> int32 matmul (`torch._int_mm`: oneDNN with VNNI on the CPU), the scales applied after.
 - DequantizedLinear: the weight dequantized once at load into the model's dtype and multiplied by
   the backend's unquantized method, the activations fake-quantized where the scheme quantizes them:
   the scheme computed plainly, for kinds a backend has no kernel for (said in the start-up log).
+- NativeLinear: the base of a device kernel that runs some schemes of its kind (fp8 per row but not
+  per block, int4 groups of 32k); the layers it refuses are dequantized at load, with the reason.
+
+Everything here traces into one graph (torch.compile, fullgraph): Python branches read only what
+process_weights fixed, and the CPU's int8 matmul is an opaque op (ops/cpu.py's int8_mm).
 """
 
 from __future__ import annotations
@@ -63,69 +70,114 @@ def quantized_weight(layer: nn.Module) -> QuantizedWeight:
     )
 
 
-@dataclass(frozen=True, slots=True)
-class Int8Weight:
-    """What Int8ScaledLinear multiplies: int8 W^T [K, N] contiguous, fp32 scales [1, N], a static input scale."""
-
-    transposed: torch.Tensor
-    scale: torch.Tensor
-    input_scale: torch.Tensor | None
-    out_features: int
+def keep_tensors(layer: nn.Module, **tensors: torch.Tensor | None) -> None:
+    """Hold a kernel's tensors as non-persistent buffers of `layer` (None: registered as absent)."""
+    for name, tensor in tensors.items():
+        if name in layer._buffers:
+            layer._buffers[name] = tensor
+        else:
+            layer.register_buffer(name, tensor, persistent=False)
 
 
 class Int8ScaledLinear(LinearMethod):
     """W8A8 int8: y = (q(x) @ W_q^T) * s_x * s_w + b with the product accumulated in int32.
 
-    `int_mm` is the device's int8 matmul ([M, K] x [K, N] -> int32): torch._int_mm on the CPU, a
-    padded form of it on CUDA (ops/cuda_quant.py)."""
+    `int_mm` is the device's int8 matmul ([M, K] x [K, N] -> int32), named by `kernel` in the log:
+    torch._int_mm behind an opaque op on the CPU (ops/cpu.py), a padded form of it on CUDA
+    (ops/cuda_quant.py)."""
 
-    def __init__(self, int_mm: IntMatmul = torch._int_mm) -> None:
+    def __init__(self, int_mm: IntMatmul = torch._int_mm, kernel: str = "torch._int_mm") -> None:
         self.int_mm = int_mm
+        self.kernel = kernel
+
+    def describe(self, layer: nn.Module) -> str:
+        return f"native int8 matmul ({self.kernel})"
 
     def process_weights(self, layer: nn.Module) -> None:
+        """int8 W^T [K, N] contiguous, fp32 scales [1, N], the static input scale (or None)."""
         weight = quantized_weight(layer)
-        scale = weight.scale.float().reshape(-1)
         out_features = weight.values.shape[0]
-        if scale.numel() == 1:
-            scale = scale.expand(out_features)
-        transposed = weight.values.to(torch.int8).t().contiguous()
-        layer.packed_weight = Int8Weight(
-            transposed, scale.reshape(1, -1).contiguous(), weight.input_scale, out_features
+        keep_tensors(
+            layer,
+            int8_weight_t=weight.values.to(torch.int8).t().contiguous(),
+            int8_weight_scale=weight.scale.float().reshape(1, -1).expand(1, out_features).contiguous(),
+            int8_input_scale=weight.input_scale,
         )
-        layer.weight = nn.Parameter(transposed.t(), requires_grad=False)  # a view: the int8 values are held once
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        packed: Int8Weight = layer.packed_weight
         rows = x.reshape(-1, x.shape[-1])
-        if packed.input_scale is None:
+        if layer.int8_input_scale is None:
             x_values, x_scale = quant_math.quantize_int8_per_token(rows)
         else:
-            x_scale = packed.input_scale.reshape(1, 1)
+            x_scale = layer.int8_input_scale.reshape(1, 1)
             x_values = torch.clamp(torch.round(rows.float() / x_scale), -128, 127).to(torch.int8)
-        accumulated = self.int_mm(x_values, packed.transposed)
-        out = accumulated.float() * x_scale * packed.scale
+        accumulated = self.int_mm(x_values, layer.int8_weight_t)
+        out = accumulated.float() * x_scale * layer.int8_weight_scale
         if bias is not None:
             out = out + bias.float()
-        return out.to(x.dtype).view(*x.shape[:-1], packed.out_features)
+        return out.to(x.dtype).view(*x.shape[:-1], layer.int8_weight_t.shape[1])
 
 
 class DequantizedLinear(LinearMethod):
     """The scheme computed plainly: W dequantized once into the model's dtype, multiplied by `dense`
-    (the backend's unquantized method, which may pack it), inputs fake-quantized where the scheme says."""
+    (the backend's unquantized method, which may pack it), inputs fake-quantized where the scheme
+    says. `reason` says why the backend runs the kind so ("no native fp8 matmul on cpu")."""
 
-    def __init__(self, dense: LinearMethod) -> None:
+    def __init__(self, dense: LinearMethod, reason: str = "no native kernel") -> None:
         self.dense = dense
+        self.reason = reason
+
+    def describe(self, layer: nn.Module) -> str:
+        return f"dequantized once at load: {self.reason}"
 
     def process_weights(self, layer: nn.Module) -> None:
         weight = quantized_weight(layer)
         args = layer.scheme.weights
         dense = quant_math.dequantize_weight(weight.values, weight.scale, weight.zero_point, args, layer.compute_dtype)
         layer.weight = nn.Parameter(dense, requires_grad=False)
-        layer.input_scale_value = weight.input_scale
+        keep_tensors(layer, fake_input_scale=weight.input_scale)
         self.dense.process_weights(layer)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         inputs: QuantArgs | None = layer.scheme.input_activations
         if inputs is not None:
-            x = quant_math.fake_quantize_activation(x, inputs, layer.input_scale_value)
+            x = quant_math.fake_quantize_activation(x, inputs, layer.fake_input_scale)
         return self.dense.apply(layer, x, bias)
+
+
+class NativeLinear(LinearMethod):
+    """A device kernel for the schemes of its kind that `refusal` lets through; a layer it refuses
+    (a reason, decided once at process_weights) runs dequantized by `fallback` instead."""
+
+    kernel = "a native kernel"
+
+    def __init__(self, fallback: DequantizedLinear) -> None:
+        self.fallback = fallback
+
+    def refusal(self, layer: nn.Module) -> str | None:
+        """Why the kernel cannot run this layer's scheme, None when it can."""
+        return None
+
+    def pack(self, layer: nn.Module) -> None:
+        """Lay the layer's quantized weight out for the kernel (process_weights of a layer it runs)."""
+        raise NotImplementedError
+
+    def run(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def process_weights(self, layer: nn.Module) -> None:
+        layer.native_refusal = self.refusal(layer)
+        if layer.native_refusal is None:
+            self.pack(layer)
+        else:
+            self.fallback.process_weights(layer)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if layer.native_refusal is None:
+            return self.run(layer, x, bias)
+        return self.fallback.apply(layer, x, bias)
+
+    def describe(self, layer: nn.Module) -> str:
+        if layer.native_refusal is None:
+            return f"native ({self.kernel})"
+        return f"dequantized once at load: {layer.native_refusal}"

@@ -366,3 +366,78 @@ def npugraph_ex_npu(recorder: Recorder, pool: object) -> SimpleNamespace:
         synchronize=lambda device=None: None,
         npugraph_ex=SimpleNamespace(inference=SimpleNamespace(cache_compile=npugraph_ex_cache_compile)),
     )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Quantized-linear stand-ins: torch_npu's quantized matmuls with their documented semantics in plain
+# torch (Ascend/op-plugin docs/context/torch_npu-npu_*.md; UNVERIFIED on hardware), recording calls.
+
+
+def pack_int4_last_dim(values: torch.Tensor) -> torch.Tensor:
+    """Eight int4 values of the last dim per int32 word, lowest nibble first (the stand-in's own
+    order: the real op's interleaving is not documented, and only its pair op reads the words)."""
+    nibbles = (values.to(torch.int64) & 0xF).unflatten(-1, (-1, 8))
+    words = (nibbles << torch.arange(0, 32, 4)).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def unpack_int4_last_dim(words: torch.Tensor) -> torch.Tensor:
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    nibbles = (words.unsqueeze(-1) >> shifts) & 0xF
+    return torch.where(nibbles > 7, nibbles - 16, nibbles).flatten(-2).to(torch.int8)
+
+
+class QuantRecordingTorchNpu(RecordingTorchNpu):
+    """RecordingTorchNpu plus the quantized linears' ops, computing what their docs say."""
+
+    def npu_dynamic_quant(self, x: torch.Tensor, *, smooth_scales=None, group_index=None, dst_type=None):
+        """Per-token symmetric: scale = rowMax(|x|) / 127 (DTYPE_MAX), y = round(x / scale)."""
+        self.record("dynamic_quant", (x,), {"smooth_scales": smooth_scales, "dst_type": dst_type})
+        assert x.dtype in (torch.float16, torch.bfloat16) and x.dim() > 1
+        scale = x.float().abs().amax(-1) / 127
+        return torch.round(x.float() / scale.unsqueeze(-1)).clamp(-127, 127).to(torch.int8), scale
+
+    def npu_quant_matmul(
+        self, x1, x2, scale, *, offset=None, pertoken_scale=None, bias=None, output_dtype=None, group_sizes=None
+    ):
+        """out = x1 @ x2 * scale * pertoken_scale + bias, x2 [K, N]."""
+        kwargs = {"offset": offset, "pertoken_scale": pertoken_scale, "bias": bias, "output_dtype": output_dtype}
+        self.record("quant_matmul", (x1, x2, scale), kwargs)
+        assert x1.dtype == x2.dtype == torch.int8 and x1.shape[-1] == x2.shape[0]
+        assert scale.dim() == 1 and scale.dtype in (torch.float32, torch.bfloat16)
+        out = (x1.to(torch.int64) @ x2.to(torch.int64)).double() * scale.double()
+        if pertoken_scale is not None:
+            out = out * pertoken_scale.double().reshape(-1, 1)
+        if bias is not None:
+            out = out + bias.double()
+        return out.to(output_dtype or torch.int8)
+
+    def npu_convert_weight_to_int4pack(self, weight: torch.Tensor, inner_k_tiles: int = 0) -> torch.Tensor:
+        self.record("int4pack", (weight,), {"inner_k_tiles": inner_k_tiles})
+        assert weight.dtype == torch.int32 and weight.is_contiguous() and weight.shape[-1] % 8 == 0
+        assert int(weight.min()) >= -8 and int(weight.max()) <= 7
+        return pack_int4_last_dim(weight)
+
+    def npu_weight_quant_batchmatmul(
+        self, x, weight, antiquant_scale, antiquant_offset=None, quant_scale=None, quant_offset=None, bias=None,
+        antiquant_group_size=0, inner_precise=0,
+    ):  # fmt: skip
+        """y = x @ ((weight + antiquant_offset) * antiquant_scale) + bias, weight [K, N] (int32: int4 packed)."""
+        args = (x, weight, antiquant_scale, antiquant_offset, quant_scale, quant_offset, bias, antiquant_group_size)
+        self.record("weight_quant_batchmatmul", args, {})
+        values = unpack_int4_last_dim(weight) if weight.dtype == torch.int32 else weight
+        assert x.dtype in (torch.float16, torch.bfloat16) and antiquant_scale.dtype == x.dtype
+        scale, offset = antiquant_scale.float(), None if antiquant_offset is None else antiquant_offset.float()
+        if antiquant_group_size:
+            assert antiquant_group_size % 32 == 0 and scale.shape == (
+                x.shape[-1] // antiquant_group_size,
+                values.shape[1],
+            )
+            scale = scale.repeat_interleave(antiquant_group_size, 0)
+            offset = None if offset is None else offset.repeat_interleave(antiquant_group_size, 0)
+        dense = (values.float() + (0 if offset is None else offset)) * scale
+        out = x.float() @ dense
+        if bias is not None:
+            assert bias.dtype == (torch.float32 if x.dtype == torch.bfloat16 else torch.float16)
+            out = out + bias.float()
+        return out.to(x.dtype)

@@ -21,7 +21,13 @@ from executor.types_.model_inputs import ModelInputs
 from executor.types_.quant_scheme import QuantizationPlan
 from module.attention import KVCacheLayer
 from module.parallel_group import ONE_PROCESS, ModelParallel
-from module.quantization_pass import QuantizedLayer, layer_kind_schemes, quantize_model, weight_bytes
+from module.quantization_pass import (
+    QuantizedLayer,
+    describe_quantized_layers,
+    layer_kind_schemes,
+    quantize_model,
+    weight_bytes,
+)
 from ops.backend import Backend
 from ops.linear_method import process_linear_weights
 
@@ -102,8 +108,8 @@ class ModelWorker:
         logger.info("%s backend; linear weights by %s", self.backend.name, ", ".join(methods) or "none")
         self.layer_schemes = layer_kind_schemes(model)
         self.weight_bytes = weight_bytes(model)
-        for kind, scheme in self.layer_schemes.items():
-            logger.info("  %s: %s", kind, scheme)
+        for line in describe_quantized_layers(model, self.quantized_layers):
+            logger.info("quantized linears %s", line)
         logger.info("weights: %.1f MiB (parameters and the copies kernels laid out)", self.weight_bytes / 2**20)
         self.model = model.eval()
         self.kv_cache_layers = {name: m for name, m in model.named_modules() if isinstance(m, KVCacheLayer)}
