@@ -17,7 +17,7 @@ from torch import nn
 from executor.types_.quant_scheme import KVCacheScheme, LinearScheme, QuantizationPlan
 from module.attention import STATIC_KV_SCALES, KVCacheLayer
 from module.moe import FusedExperts, Router
-from module.quantized import QuantizableLinear, QuantizationError, fused_parts
+from module.quantized import QuantizableLinear, QuantizationError, fused_parts, shape_problem
 from ops.backend import Backend
 
 # Layers with weights that a checkpoint might quantize but that hold plain ones here.
@@ -60,6 +60,9 @@ def quantize_model(
         scheme = schemes.pop()
         if scheme is None:
             continue
+        problem = shape_problem(scheme.weights, *module.weight.shape)
+        if problem is not None:
+            raise QuantizationError(f"{plan.source}: {name} ({scheme.describe()}): {problem}")
         module.set_scheme(scheme, backend.linear_method(scheme.kind), compute_dtype, plan.at_load)
         layers.append(QuantizedLayer(name, tuple(parts), scheme))
     return layers

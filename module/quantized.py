@@ -65,6 +65,16 @@ def scale_shape(args: QuantArgs, rows: int, cols: int) -> tuple[int, int]:
     return rows, 1
 
 
+def shape_problem(args: QuantArgs, rows: int, cols: int) -> str | None:
+    """Why an [rows, cols] weight cannot take `args`' groups or blocks whole, or None."""
+    if args.strategy == GROUP and cols % args.group_size:
+        return f"{cols} input features do not split into groups of {args.group_size}; choose a _g<N> that divides them"
+    if args.strategy == BLOCK and (rows % args.block_structure[0] or cols % args.block_structure[1]):
+        blocks = "x".join(map(str, args.block_structure))
+        return f"a [{rows}, {cols}] weight does not split into {blocks} blocks"
+    return None
+
+
 def weight_dtype(args: QuantArgs) -> torch.dtype:
     if args.type == INT:
         return torch.int8
