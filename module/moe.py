@@ -219,12 +219,13 @@ class FusedExperts(nn.Module):
         self.experts_method = method
         self.compute_dtype = compute_dtype
         self.quantize_at_load = at_load
-        if at_load:
-            return
         size = self.intermediate_per_rank
         shapes = (("gate_up_proj", 2 * size, self.hidden_size, 0), ("down_proj", self.hidden_size, size, 1))
         for projection, rows, cols, tp_dim in shapes:
-            for tensor, (param, spec) in quant_parameters(scheme, rows, cols, tp_dim).items():
+            params = quant_parameters(scheme, rows, cols, tp_dim)  # checks the shard holds whole groups
+            if at_load:
+                continue
+            for tensor, (param, spec) in params.items():
                 stacked = torch.zeros(self.num_local_experts, *param.shape, dtype=param.dtype)
                 stacked_param = nn.Parameter(stacked, requires_grad=False)
                 stacked_param.quant = spec

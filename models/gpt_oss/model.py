@@ -261,7 +261,8 @@ def dequantized_mxfp4(weights: Iterable[tuple[str, LoadedWeight]]) -> Iterator[t
         parts = pending.setdefault(base, {})
         parts[part] = tensor
         if len(parts) == len(MXFP4_PARTS):
-            blocks, scales = (materialize(pending.pop(base)[p]) for p in MXFP4_PARTS)
+            blocks, scales = (materialize(parts[p]) for p in MXFP4_PARTS)
+            del pending[base]
             if blocks.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
                 raise WeightLoadError(
                     f"checkpoint tensor {base}_blocks {tuple(blocks.shape)} / _scales {tuple(scales.shape)}: "
