@@ -13,9 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from executor.types_.errors import WeightLoadError
 from module.parallel_group import SINGLE, ParallelGroup
-from module.quantized import QuantizableLinear, QuantParam, load_quant_tensor
+from module.quantized import QuantizableLinear, QuantParam, load_quant_part, load_quant_tensor
 from module.weights import LoadedWeight, ShardId, load_shard
 from ops.linear_method import PLAIN, LinearMethod
 
@@ -104,14 +103,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         quant: QuantParam | None = getattr(param, "quant", None)
         if quant is None:
             load_shard(param.data.narrow(0, offset, size), loaded_weight, 0, self.tp_rank, self.tp_size)
-        elif quant.shared:  # one input scale for every part
-            load_quant_tensor(param.data, loaded_weight, quant, self.tp_rank, self.tp_size)
-        else:  # the part's rows of the weight, its scales and zero points
-            rows = quant.rows_per_entry
-            if offset % rows or size % rows:
-                raise WeightLoadError(f"part {shard_id} of {self.output_sizes} does not hold whole {rows}-row blocks")
-            part = param.data.narrow(0, offset // rows, size // rows)
-            load_quant_tensor(part, loaded_weight, quant, self.tp_rank, self.tp_size)
+        else:  # the part's rows of the weight, its scales and zero points; the shared input scale
+            load_quant_part(param.data, loaded_weight, quant, offset, size, self.tp_rank, self.tp_size)
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):

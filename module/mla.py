@@ -77,6 +77,7 @@ class MLAAttention(KVCacheLayer):
             tp=tp,
             linear_method=method,
         )
+        self.kv_b_proj.reads_dense_weight = True  # mla_attention multiplies its weight itself
         self.o_proj = RowParallelLinear(
             total_heads * self.v_head_dim, hidden_size, bias=config.attention_bias, tp=tp, linear_method=method
         )
@@ -133,9 +134,12 @@ class MLAAttention(KVCacheLayer):
             q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
         q_pe, k_pe = self.ops.apply_rotary(q_pe, k_pe, *rotary)
         tables = forward_metadata.groups[self.kv_cache_group_id]
+        # The cached latent is kv_b_proj's input: quantized as its scheme quantizes inputs (a no-op
+        # unquantized), which the absorbed decode and the decompressing prefill then both read.
+        latent = self.kv_b_proj.linear_method.quantize_input(self.kv_b_proj, self.kv_a_layernorm(latent))
         latent_scale = self.latent_scale()
         self.ops.write_latent_cache(
-            torch.cat((self.kv_a_layernorm(latent), k_pe.squeeze(1)), dim=-1),
+            torch.cat((latent, k_pe.squeeze(1)), dim=-1),
             self.latent_cache,
             tables.slot_mapping,
             latent_scale,

@@ -34,11 +34,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from executor.types_.checkpoint_tensor import LoadedWeight
 from executor.types_.errors import WeightLoadError
+from executor.types_.quant_scheme import LinearScheme
 from module.linear import divide
 from module.parallel_group import SINGLE, ParallelGroup
+from module.quantized import QuantParam, load_quant_part, load_quant_tensor, quant_parameters
 from module.weights import load_shard
 from ops.backend import Backend
+from ops.quantized_experts import ExpertsMethod
 
 
 def grouped_topk(
@@ -73,10 +77,20 @@ def grouped_topk(
     return topk_weights * routed_scaling_factor, topk_ids
 
 
-# One routed expert's projection in a checkpoint: model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight
+# One routed expert's projection in a checkpoint: model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight,
+# and its quantization tensors where a compressed-tensors checkpoint quantizes it (weight_packed loads
+# as weight: module/quantized.py's checkpoint_tensor_name).
 EXPERT_TENSOR = re.compile(
-    r"^(?P<module>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<projection>gate_proj|up_proj|down_proj)\.weight$"
+    r"^(?P<module>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<projection>gate_proj|up_proj|down_proj)"
+    r"\.(?P<tensor>weight|weight_scale|weight_zero_point|input_scale)$"
 )
+# A checkpoint tensor's suffix -> the suffix of the stacked parameter it fills (gate_up_proj_scale, ...).
+STACKED_SUFFIX = {
+    "weight": "",
+    "weight_scale": "_scale",
+    "weight_zero_point": "_zero_point",
+    "input_scale": "_input_scale",
+}
 
 
 class Router(nn.Module):
@@ -153,7 +167,13 @@ class FusedExperts(nn.Module):
     """This rank's E_local = E / ep.size SwiGLU experts (global ids first_expert ...): gate_up_proj
     [E_local, 2I, H] (gate rows, then up rows) and down_proj [E_local, H, I], with I this rank's share
     of moe_intermediate_size. Checkpoints store one tensor per expert and projection;
-    load_expert_weight puts each of this rank's in its place and skips the others'."""
+    load_expert_weight puts each of this rank's in its place and skips the others'.
+
+    Under a quantized scheme (set_scheme) each projection holds what a linear layer of that scheme
+    holds (module/quantized.py), stacked over the experts: values in gate_up_proj / down_proj, and
+    gate_up_proj_scale, _zero_point, _input_scale beside them; gate and up are cut along their rows as
+    a column layer, down along its input features as a row layer, so moe_tp cuts I consistently in
+    values, group scales and zero points. The backend's ExpertsMethod (ops/quantized_experts.py) runs them."""
 
     PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
     NEEDED_OPS: tuple[str, ...] = ("moe_experts",)
@@ -179,8 +199,37 @@ class FusedExperts(nn.Module):
         self.first_expert = ep.rank * self.num_local_experts
         self.intermediate_per_rank = divide(intermediate_size, tp.size)
         size, local = self.intermediate_per_rank, self.num_local_experts
+        self.hidden_size = hidden_size
         self.gate_up_proj = nn.Parameter(torch.empty(local, 2 * size, hidden_size), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(local, hidden_size, size), requires_grad=False)
+        self.experts_method: ExpertsMethod | None = None  # set by set_scheme
+
+    def checkpoint_modules(self, name: str) -> list[tuple[str, str]]:
+        """(checkpoint module, its class) for every expert projection of this layer (at `name`), as a
+        quantization plan names them: per-expert Linear modules in the checkpoint's layout."""
+        return [(f"{name}.{e}.{p}", "Linear") for e in range(self.num_experts) for p in self.PROJECTIONS]
+
+    def set_scheme(
+        self, scheme: LinearScheme, method: ExpertsMethod, compute_dtype: torch.dtype, at_load: bool
+    ) -> None:
+        """Run these experts under `scheme` by `method`: their parameters become the checkpoint's
+        quantized tensors stacked per expert, or (`at_load`) the float weights stay and are rounded
+        after loading. A shard that cuts a group of the scheme is a WeightLoadError."""
+        self.scheme = scheme
+        self.experts_method = method
+        self.compute_dtype = compute_dtype
+        self.quantize_at_load = at_load
+        size = self.intermediate_per_rank
+        shapes = (("gate_up_proj", 2 * size, self.hidden_size, 0), ("down_proj", self.hidden_size, size, 1))
+        for projection, rows, cols, tp_dim in shapes:
+            params = quant_parameters(scheme, rows, cols, tp_dim)  # checks the shard holds whole groups
+            if at_load:
+                continue
+            for tensor, (param, spec) in params.items():
+                stacked = torch.zeros(self.num_local_experts, *param.shape, dtype=param.dtype)
+                stacked_param = nn.Parameter(stacked, requires_grad=False)
+                stacked_param.quant = spec
+                setattr(self, f"{projection}{STACKED_SUFFIX[tensor]}", stacked_param)
 
     def local_index(self, expert_id: int) -> int | None:
         """Where global expert `expert_id` sits in this rank's parameters; None when another rank holds it."""
@@ -189,23 +238,38 @@ class FusedExperts(nn.Module):
         local = expert_id - self.first_expert
         return local if 0 <= local < self.num_local_experts else None
 
-    def load_expert_weight(self, loaded_weight: torch.Tensor, expert_id: int, projection: str) -> str | None:
-        """Copy this rank's slice of one expert's gate_proj/up_proj [I, H] or down_proj [H, I];
-        returns the name of the parameter it went into, None for another EP rank's expert."""
+    def load_expert_weight(
+        self, loaded_weight: LoadedWeight, expert_id: int, projection: str, tensor: str = "weight"
+    ) -> str | None:
+        """Copy this rank's slice of one expert's gate_proj/up_proj [I, H] or down_proj [H, I] (or
+        of its scale, zero point or input scale, `tensor`); returns the name of the parameter it went
+        into, None for another EP rank's expert."""
         local = self.local_index(expert_id)
         if local is None:
             return None
-        if projection == "down_proj":
-            load_shard(self.down_proj.data[local], loaded_weight, 1, self.tp_rank, self.tp_size)
-            return "down_proj"
+        stacked = "down_proj" if projection == "down_proj" else "gate_up_proj"
+        name = f"{stacked}{STACKED_SUFFIX[tensor]}"
+        param = getattr(self, name, None)
+        if param is None:
+            raise WeightLoadError(f"{tensor} of expert {expert_id}'s {projection}, which the plan leaves unquantized")
+        spec: QuantParam | None = getattr(param, "quant", None)
+        if stacked == "down_proj":
+            if spec is None:
+                load_shard(param.data[local], loaded_weight, 1, self.tp_rank, self.tp_size)
+            else:
+                load_quant_tensor(param.data[local], loaded_weight, spec, self.tp_rank, self.tp_size)
+            return name
         size = self.intermediate_per_rank
         offset = self.PROJECTIONS.index(projection) * size
-        load_shard(self.gate_up_proj.data[local].narrow(0, offset, size), loaded_weight, 0, self.tp_rank, self.tp_size)
-        return "gate_up_proj"
+        if spec is None:
+            load_shard(param.data[local].narrow(0, offset, size), loaded_weight, 0, self.tp_rank, self.tp_size)
+        else:
+            load_quant_part(param.data[local], loaded_weight, spec, offset, size, self.tp_rank, self.tp_size)
+        return name
 
     def checkpoint_tensors_needed(self, param_name: str) -> int:
         """How many checkpoint tensors fill `param_name`: gate and up of each local expert, or each down."""
-        return self.num_local_experts * (2 if param_name == "gate_up_proj" else 1)
+        return self.num_local_experts * (2 if param_name.startswith("gate_up_proj") else 1)
 
     def gather_tokens(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, slice]:
         """The tokens this layer runs on, and where this rank's own lie among them: its own where
@@ -232,8 +296,16 @@ class FusedExperts(nn.Module):
     def run_experts(
         self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
-        """This rank's partial sum of each token's weighted experts; subclasses with other experts
-        (biases, another activation) override only this."""
+        """This rank's partial sum of each token's weighted experts, by the scheme's method if quantized."""
+        if self.experts_method is not None:
+            return self.experts_method.apply(self, hidden_states, topk_weights, topk_ids)
+        return self.run_dense_experts(hidden_states, topk_weights, topk_ids)
+
+    def run_dense_experts(
+        self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The experts over float weights; subclasses with other experts (biases, another activation)
+        override only this."""
         return self.ops.moe_experts(hidden_states, topk_weights, topk_ids, self.gate_up_proj, self.down_proj)
 
 
@@ -252,7 +324,7 @@ def load_expert_tensor(
     if not isinstance(experts, FusedExperts):
         raise WeightLoadError(f"{type(model).__name__} has no routed experts at {match['module']!r}")
     expert_id, projection = int(match["expert"]), match["projection"]
-    param_name = experts.load_expert_weight(tensor, expert_id, projection)
+    param_name = experts.load_expert_weight(tensor, expert_id, projection, match["tensor"])
     if param_name is None:  # another EP rank's expert
         return f"{match['module']}.skipped", (expert_id, projection)
     return f"{match['module']}.{param_name}", (expert_id, projection)

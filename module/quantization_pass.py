@@ -1,9 +1,11 @@
 """The pass that gives each layer of a built model its quantization scheme, before its weights load.
 
 Our fused layers stand for several checkpoint modules (qkv_proj for q_proj, k_proj and v_proj: the
-model's packed_modules_mapping); a plan names checkpoint modules, so each layer takes the scheme of
-its parts, which must agree since they run as one matmul. A plan's KV cache scheme (C8) goes to every
-KVCacheLayer, before the cache is sized from their specs.
+model's packed_modules_mapping; the stacked routed experts for every expert's gate_proj, up_proj
+and down_proj); a plan names checkpoint modules, so each layer takes the scheme of its parts, which
+must agree since they run as one matmul (or one grouped op). Routers stay unquantized, as
+compressed-tensors recipes leave them. A plan's KV cache scheme (C8) goes to every KVCacheLayer,
+before the cache is sized from their specs.
 """
 
 from __future__ import annotations
@@ -14,14 +16,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from executor.types_.errors import WeightLoadError
 from executor.types_.quant_scheme import KVCacheScheme, LinearScheme, QuantizationPlan
 from module.attention import STATIC_KV_SCALES, KVCacheLayer
 from module.moe import FusedExperts, Router
 from module.quantized import QuantizableLinear, QuantizationError, fused_parts, shape_problem
 from ops.backend import Backend
-
-# Layers with weights that a checkpoint might quantize but that hold plain ones here.
-UNQUANTIZABLE = (FusedExperts, Router)
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,27 +44,39 @@ def quantize_model(
     mapping = getattr(model, "packed_modules_mapping", {})
     layers = []
     for name, module in model.named_modules():
-        parts = fused_parts(name, mapping)
-        schemes = {plan.scheme_for(part) for part in parts}
-        if not isinstance(module, QuantizableLinear):
-            if isinstance(module, UNQUANTIZABLE) and schemes != {None}:
+        if isinstance(module, FusedExperts):
+            parts = module.checkpoint_modules(name)
+        elif isinstance(module, (QuantizableLinear, Router)):
+            parts = [(part, "Linear") for part in fused_parts(name, mapping)]
+        else:
+            continue
+        schemes = {plan.scheme_for(part, class_name) for part, class_name in parts}
+        if isinstance(module, Router):
+            if schemes != {None}:
                 raise QuantizationError(
-                    f"{plan.source}: {name} ({type(module).__name__}) is quantized by the plan, which this layer "
-                    "does not run; add it to the quantization_config's ignore list"
+                    f"{plan.source}: {name} ({type(module).__name__}) is a router, which runs unquantized here "
+                    "(compressed-tensors recipes ignore them); add it to the quantization_config's ignore list"
                 )
             continue
         if len(schemes) > 1:
-            raise QuantizationError(
-                f"{plan.source}: {name} runs {', '.join(parts)} as one matmul, but their schemes differ"
-            )
+            names = [part for part, _ in parts]
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            raise QuantizationError(f"{plan.source}: {name} runs {shown} as one matmul, but their schemes differ")
         scheme = schemes.pop()
         if scheme is None:
             continue
-        problem = shape_problem(scheme.weights, *module.weight.shape)
-        if problem is not None:
-            raise QuantizationError(f"{plan.source}: {name} ({scheme.describe()}): {problem}")
-        module.set_scheme(scheme, backend.linear_method(scheme.kind), compute_dtype, plan.at_load)
-        layers.append(QuantizedLayer(name, tuple(parts), scheme))
+        try:
+            if isinstance(module, FusedExperts):
+                module.set_scheme(scheme, backend.experts_method(scheme.kind), compute_dtype, plan.at_load)
+            else:
+                problem = shape_problem(scheme.weights, *module.weight.shape)
+                if problem is not None:
+                    raise WeightLoadError(problem)
+                method = backend.dequantized_linear() if module.reads_dense_weight else None
+                module.set_scheme(scheme, method or backend.linear_method(scheme.kind), compute_dtype, plan.at_load)
+        except WeightLoadError as error:
+            raise QuantizationError(f"{plan.source}: layer {name} ({scheme.describe()}): {error}") from None
+        layers.append(QuantizedLayer(name, tuple(part for part, _ in parts), scheme))
     return layers
 
 

@@ -166,6 +166,27 @@ def load_quant_tensor(
     load_shard(destination, loaded, spec.tp_dim, tp_rank, tp_size)
 
 
+def load_quant_part(
+    destination: torch.Tensor,
+    loaded: LoadedWeight,
+    spec: QuantParam,
+    offset: int,
+    size: int,
+    tp_rank: int,
+    tp_size: int,
+) -> None:
+    """Decode one part of a fused column layer (gate of gate_up, q of qkv) into rows [offset, offset
+    + size) of this rank's parameter: the part's rows of a weight, scale or zero point, or the shared
+    input scale whole."""
+    if spec.shared:
+        load_quant_tensor(destination, loaded, spec, tp_rank, tp_size)
+        return
+    rows = spec.rows_per_entry
+    if offset % rows or size % rows:
+        raise WeightLoadError(f"a part of {size} rows at {offset} does not hold whole {rows}-row blocks")
+    load_quant_tensor(destination.narrow(0, offset // rows, size // rows), loaded, spec, tp_rank, tp_size)
+
+
 def checkpoint_tensor_name(name: str) -> str | None:
     """A checkpoint tensor's name as our parameters know it: weight_packed -> weight; None for the
     compressed-tensors tensors whose data nothing reads (weight_shape: the layer knows its shape)."""
@@ -186,8 +207,11 @@ def fused_parts(module_name: str, packed_modules_mapping: Mapping[str, tuple[str
 
 class QuantizableLinear:
     """What a layer of weight [N, K] (cut along `tp_dim`) needs to take a quantized scheme: mixed
-    into module/linear.py's LinearBase and module/embedding.py's ParallelLMHead."""
+    into module/linear.py's LinearBase and module/embedding.py's ParallelLMHead. A layer whose dense
+    weight another op reads (`reads_dense_weight`: MLA's kv_b_proj) is dequantized at load whatever
+    its kind."""
 
+    reads_dense_weight = False
     weight: nn.Parameter
     tp_dim: int
     tp_rank: int

@@ -26,6 +26,7 @@ from ops.cpu import CpuOps, cpu_linear_method
 from ops.linear_method import PLAIN, UNQUANTIZED, LinearMethod
 from ops.npu import NpuGraphOps, NpuOps
 from ops.npu_quant import npu_linear_methods
+from ops.quantized_experts import DEQUANTIZED_EXPERTS, INT8_EXPERTS, ExpertsMethod
 from ops.quantized_linear import DequantizedLinear, Int8ScaledLinear
 
 DEVICE_TYPES = ("cpu", "cuda", "npu")
@@ -56,6 +57,7 @@ class Backend:
     mla_attention: Op | None = _op()
     moe_experts: Op | None = _op()
     moe_experts_clamped_swiglu: Op | None = _op()
+    moe_experts_int8: Op | None = _op()  # W8A8 int8 experts (ops/quantized_experts.py's Int8Experts)
 
     def missing(self, op_names: tuple[str, ...]) -> list[str]:
         """Which of `op_names` this backend has no form of."""
@@ -75,6 +77,15 @@ class Backend:
             return self.linear[scheme]
         except KeyError:
             raise NotImplementedError(f"the {self.name} backend has no linear method for {scheme!r} weights") from None
+
+    def dequantized_linear(self) -> LinearMethod:
+        """Any quantized kind computed plainly over the dense method: for a layer whose dense weight
+        another op reads (MLA's kv_b_proj, absorbed into the attention)."""
+        return DequantizedLinear(self.linear_method())
+
+    def experts_method(self, kind: str) -> ExpertsMethod:
+        """Routed experts of weight kind `kind`: native int8 where the record has the op, else dequantized."""
+        return INT8_EXPERTS if kind == W8A8_INT8 and self.moe_experts_int8 is not None else DEQUANTIZED_EXPERTS
 
 
 OP_NAMES = tuple(f.name for f in dataclasses.fields(Backend) if f.metadata.get("op"))
@@ -147,7 +158,15 @@ def _cpu_backend(dtype: torch.dtype, prepack_weights: bool, use_extension: bool,
 # The ops ops/npu.py implements. The others have a torch reference only so far (MLA and MoE for
 # DeepSeek-V3; attention sinks and biased clamped-SwiGLU experts for gpt-oss): None in the NPU
 # record, so a model needing them is refused there when it is built.
-NPU_OPS = ("rms_norm", "add_rms_norm", "apply_rotary", "silu_and_mul", "write_kv_cache", "paged_attention")
+NPU_OPS = (
+    "rms_norm",
+    "add_rms_norm",
+    "apply_rotary",
+    "silu_and_mul",
+    "write_kv_cache",
+    "paged_attention",
+    "moe_experts_int8",
+)
 
 
 def _npu_backend(exe_mode: str, common: dict) -> Backend:

@@ -27,6 +27,11 @@ class LinearMethod:
         """How this method runs `layer` (after process_weights), for the start-up log."""
         return type(self).__name__
 
+    def quantize_input(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """x as the scheme's activation quantization leaves it (for an op that multiplies the layer's
+        weight itself: MLA's absorbed kv_b_proj); unchanged for unquantized inputs."""
+        return x
+
 
 class PlainLinear(LinearMethod):
     """F.linear over the plain weight: every device's unquantized form, and the CPU's without packing."""
@@ -39,11 +44,16 @@ PLAIN = PlainLinear()  # stateless: one instance serves every layer and every re
 
 
 def process_linear_weights(model: nn.Module) -> list[str]:
-    """Run every layer's LinearMethod.process_weights once (after loading); the methods' names, for the log."""
+    """Run every layer's LinearMethod.process_weights once (after loading), and every quantized routed
+    experts layer's ExpertsMethod (ops/quantized_experts.py); the methods' names, for the log."""
     names = []
     for module in model.modules():
         method = getattr(module, "linear_method", None)
         if isinstance(method, LinearMethod):
             method.process_weights(module)
             names.append(type(method).__name__)
+        experts_method = getattr(module, "experts_method", None)
+        if experts_method is not None:
+            experts_method.process_weights(module)
+            names.append(type(experts_method).__name__)
     return sorted(set(names))

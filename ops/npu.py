@@ -151,6 +151,65 @@ class NpuOps:
     def fused_infer_attention_score(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         return self.torch_npu.npu_fused_infer_attention_score(*args, **kwargs)
 
+    def moe_experts_int8(
+        self,
+        hidden_states: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        gate_up_t: torch.Tensor,
+        gate_up_scale: torch.Tensor,
+        down_t: torch.Tensor,
+        down_scale: torch.Tensor,
+        gate_up_input_scale: torch.Tensor | None = None,
+        down_input_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """torch_ref.moe_experts_int8 as npu_grouped_matmul's MoE form (shared/npu-api-facts.md §3,
+        cann's gmm_quant_mode): the routed rows sorted by expert, quantized to int8 per row here in
+        torch (dynamic per token, or by the row's expert's static scale), then per projection one
+        call with weight [E, K, N] int8, scale [per-channel scales [E, N]], per_token_scale [the
+        rows' scales], group_list the per-expert counts (group_list_type 1), group_type 0 (split M),
+        split_item 2 (one output). UNVERIFIED on hardware: the dtypes the kernel takes for scale and
+        per_token_scale (fp32 here), and output_dtype as a torch dtype (vllm-ascend passes one; the
+        yaml says int?)."""
+        top_k = topk_ids.shape[1]
+        flat_ids = topk_ids.flatten()
+        order = flat_ids.argsort(stable=True)
+        tokens = order // top_k
+        counts = torch.bincount(flat_ids, minlength=gate_up_t.shape[0])
+        row_experts = flat_ids[order]
+        gate_up = self._grouped_int8(
+            hidden_states[tokens], gate_up_t, gate_up_scale, counts, row_experts, gate_up_input_scale
+        )
+        down = self._grouped_int8(self.silu_and_mul(gate_up), down_t, down_scale, counts, row_experts, down_input_scale)
+        weighted = down * topk_weights.flatten()[order, None].to(down.dtype)
+        return torch.zeros_like(hidden_states).index_add_(0, tokens, weighted)
+
+    def _grouped_int8(
+        self,
+        rows: torch.Tensor,
+        weight_t: torch.Tensor,
+        scale: torch.Tensor,
+        counts: torch.Tensor,
+        row_experts: torch.Tensor,
+        input_scale: torch.Tensor | None,
+    ) -> torch.Tensor:
+        if input_scale is None:
+            values, row_scale = quant_math.quantize_int8_per_token(rows)
+        else:
+            row_scale = input_scale.float()[row_experts].reshape(-1, 1)
+            values = torch.clamp(torch.round(rows.float() / row_scale), -128, 127).to(torch.int8)
+        return self.torch_npu.npu_grouped_matmul(
+            [values],
+            [weight_t],
+            scale=[scale.float()],
+            per_token_scale=[row_scale.reshape(-1)],
+            group_list=counts,
+            group_list_type=1,
+            group_type=0,
+            split_item=2,
+            output_dtype=rows.dtype,
+        )[0]
+
 
 class NpuGraphOps(NpuOps):
     """ge_graph / npugraph_ex: the same kernels, but FIA through torchair's variant, whose sequence

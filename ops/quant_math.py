@@ -270,3 +270,15 @@ __all__ = [
     "quantize_kv_static",
     "quantize_weight",
 ]
+
+
+def dequantize_mxfp4_blocks(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """gpt-oss's own MXFP4 layout (`*_blocks` uint8 [..., G, 16], two e2m1 codes a byte, the even
+    element in the low nibble, bit 3 the sign; `*_scales` uint8 e8m0 [..., G]) -> values [..., G * 32]
+    in `dtype`, as transformers' integrations/mxfp4.py convert_moe_packed_tensors computes them
+    (before its final transpose)."""
+    magnitudes = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32, device=blocks.device)
+    table = torch.cat((magnitudes, -magnitudes))
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2).long()
+    values = torch.ldexp(table[codes], (scales.to(torch.int32) - E8M0_BIAS).unsqueeze(-1))
+    return values.flatten(-2).to(dtype)

@@ -138,11 +138,14 @@ class DequantizedLinear(LinearMethod):
         keep_tensors(layer, fake_input_scale=weight.input_scale)
         self.dense.process_weights(layer)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def quantize_input(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         inputs: QuantArgs | None = layer.scheme.input_activations
-        if inputs is not None:
-            x = quant_math.fake_quantize_activation(x, inputs, layer.fake_input_scale)
-        return self.dense.apply(layer, x, bias)
+        if inputs is None:
+            return x
+        return quant_math.fake_quantize_activation(x, inputs, layer.fake_input_scale)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.dense.apply(layer, self.quantize_input(layer, x), bias)
 
 
 class NativeLinear(LinearMethod):

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from ops import quant_math
+from ops import cuda_quant, quant_math
 from ops.attention_metadata import TorchAttentionMetadata
 
 
@@ -618,7 +618,7 @@ def clamped_swiglu(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
-def _run_grouped(
+def run_grouped(
     hidden_states: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -660,7 +660,7 @@ def grouped_experts(
     swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """The body of moe_experts and moe_experts_clamped_swiglu: one matmul pair per expert over its
-    tokens only (_run_grouped), adding the biases that are given, with silu(gate) * up or, given
+    tokens only (run_grouped), adding the biases that are given, with silu(gate) * up or, given
     swiglu_alpha and swiglu_limit, clamped_swiglu(swiglu_alpha, swiglu_limit)."""
     if swiglu_alpha is None or swiglu_limit is None:
         activation = silu_and_mul
@@ -688,9 +688,55 @@ def experts_with_activation(
         gate_up = F.linear(x, gate_up_proj[expert], None if gate_up_bias is None else gate_up_bias[expert])
         return F.linear(activation(gate_up), down_proj[expert], None if down_bias is None else down_bias[expert])
 
-    return _run_grouped(hidden_states, topk_weights, topk_ids, gate_up_proj.shape[0], expert_forward)
+    return run_grouped(hidden_states, topk_weights, topk_ids, gate_up_proj.shape[0], expert_forward)
 
 
 @grouped_experts.register_fake
 def _(hidden_states: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
     return torch.empty_like(hidden_states)  # only the output's shape and dtype: those of hidden_states
+
+
+def _int8_rows(x: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations [n, K] -> (int8 values, fp32 scale [n, 1] or [1, 1]): per token, or the static scale."""
+    if input_scale is None:
+        return quant_math.quantize_int8_per_token(x)
+    scale = input_scale.float().reshape(1, 1)
+    return torch.clamp(torch.round(x.float() / scale), -128, 127).to(torch.int8), scale
+
+
+def _int8_linear(x: torch.Tensor, weight_t: torch.Tensor, scale: torch.Tensor, input_scale: torch.Tensor | None):
+    """q(x) @ W_q^T * s_x * s_w in fp32; weight_t int8 [K, N], scale [N]. torch._int_mm's CUDA form
+    takes more than 16 rows (ops/cuda_quant.py)."""
+    values, x_scale = _int8_rows(x, input_scale)
+    int_mm = torch._int_mm if values.is_cpu else cuda_quant.padded_int_mm
+    return int_mm(values, weight_t).float() * x_scale * scale
+
+
+@torch.library.custom_op("infer_recipes::grouped_experts_int8", mutates_args=())
+def moe_experts_int8(
+    hidden_states: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    gate_up_t: torch.Tensor,
+    gate_up_scale: torch.Tensor,
+    down_t: torch.Tensor,
+    down_scale: torch.Tensor,
+    gate_up_input_scale: torch.Tensor | None = None,
+    down_input_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """moe_experts with W8A8 int8 experts: gate_up_t [E, H, 2I] and down_t [E, I, H] int8 (transposed
+    for the int8 matmul), per-channel scales [E, 2I] and [E, H]; each expert's tokens quantized per
+    token (or by the expert's static input scale [E]) before each of its two int8 matmuls."""
+
+    def expert_forward(expert: int, x: torch.Tensor) -> torch.Tensor:
+        gate_up_in = None if gate_up_input_scale is None else gate_up_input_scale[expert]
+        down_in = None if down_input_scale is None else down_input_scale[expert]
+        gate_up = _int8_linear(x, gate_up_t[expert], gate_up_scale[expert], gate_up_in).to(x.dtype)
+        return _int8_linear(silu_and_mul(gate_up), down_t[expert], down_scale[expert], down_in).to(x.dtype)
+
+    return run_grouped(hidden_states, topk_weights, topk_ids, gate_up_t.shape[0], expert_forward)
+
+
+@moe_experts_int8.register_fake
+def _(hidden_states: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+    return torch.empty_like(hidden_states)

@@ -75,6 +75,30 @@ class RecordingTorchNpu:
         return x[..., : x.shape[-1] // 2]
 
 
+class GroupedMatmulTorchNpu(RecordingTorchNpu):
+    """RecordingTorchNpu whose npu_grouped_matmul (MoE form: group_type 0, counts as group_list_type 1,
+    one output) and npu_swiglu compute what the op docs say: per group, x_g int8 @ W_g int8 in int32,
+    times scale[g] per column and per_token_scale per row."""
+
+    def npu_swiglu(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        self.record("swiglu", (x,), {"dim": dim})
+        gate, up = x.chunk(2, dim=dim)
+        return F.silu(gate) * up
+
+    def npu_grouped_matmul(
+        self, x: list[torch.Tensor], weight: list[torch.Tensor], **kwargs: Any
+    ) -> list[torch.Tensor]:
+        self.record("grouped_matmul", (x, weight), kwargs)
+        assert kwargs["group_type"] == 0 and kwargs["group_list_type"] == 1 and kwargs["split_item"] == 2
+        rows, outputs, start = x[0], [], 0
+        for group, count in enumerate(kwargs["group_list"].tolist()):
+            part = rows[start : start + count].to(torch.int64) @ weight[0][group].to(torch.int64)
+            token_scale = kwargs["per_token_scale"][0][start : start + count, None]
+            outputs.append(part.double() * token_scale.double() * kwargs["scale"][0][group].double())
+            start += count
+        return [torch.cat(outputs).to(kwargs["output_dtype"])]
+
+
 def recording_torchair() -> SimpleNamespace:
     """torchair with the one op the graph modes call: `torchair.ops.npu_fused_infer_attention_score`."""
     return SimpleNamespace(ops=RecordingTorchNpu())

@@ -20,13 +20,15 @@ import torch
 from executor.platform import npu_runtime
 from executor.platform.graph_compilers import EXE_MODES
 from executor.types_.model_inputs import ModelInputs, ScheduledSequence, build_step_layout
+from executor.types_.quant_scheme import QuantArgs
 from models.llama import LlamaForCausalLM
 from module.attention import Attention
+from ops import quant_math, torch_ref
 from ops.attention_metadata import NpuAttentionMetadata, NpuMetadataBuilder, build_model_inputs
 from ops.backend import OP_NAMES, Backend, make_backend
 from ops.npu import NpuGraphOps, NpuOps
 from tests.factories import llama_config
-from tests.npu_stand_ins import CountingRuntime, RecordingTorchNpu, recording_torchair
+from tests.npu_stand_ins import CountingRuntime, GroupedMatmulTorchNpu, RecordingTorchNpu, recording_torchair
 
 NUM_BLOCKS, BLOCK_SIZE, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 8, 128, 4, 2, 64
 MAX_BLOCKS_PER_REQUEST = 4
@@ -288,3 +290,36 @@ def test_forward_passes_never_call_the_torch_npu_import_helper(runtime, exe_mode
     fia_calls = runtime.torchair_module.ops if exe_mode != "eager" else runtime.torch_npu_module
     assert len(fia_calls.calls["fia"]) == 3 * 2  # every layer of every step went through the NPU table
     assert runtime.torch_npu_calls == 1
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_int8_experts_run_as_two_grouped_matmuls_with_per_channel_and_per_token_scales(static):
+    """NpuOps.moe_experts_int8 over a stand-in that computes npu_grouped_matmul as its doc says:
+    the reference's output (1e-5), rows sorted by expert with their counts as group_list."""
+    generator = torch.Generator().manual_seed(0)
+    tokens, experts, hidden, inter = 10, 4, 16, 8
+    hidden_states = torch.randn(tokens, hidden, generator=generator)
+    topk_ids = torch.stack([torch.randperm(experts, generator=generator)[:2] for _ in range(tokens)])
+    topk_weights = torch.rand(tokens, 2, generator=generator)
+    stacks = []
+    for rows, cols in ((2 * inter, hidden), (hidden, inter)):
+        parts = [
+            quant_math.quantize_weight(torch.randn(rows, cols, generator=generator), QuantArgs(8))
+            for _ in range(experts)
+        ]
+        stacks += [
+            torch.stack([p[0] for p in parts]).transpose(1, 2).contiguous(),
+            torch.stack([p[1][:, 0] for p in parts]),
+        ]
+    scales = (
+        (torch.rand(experts, generator=generator) * 0.05 + 0.01, torch.rand(experts, generator=generator) * 0.05 + 0.01)
+        if static
+        else (None, None)
+    )
+    torch_npu = GroupedMatmulTorchNpu()
+    ours = NpuOps(torch_npu).moe_experts_int8(hidden_states, topk_weights, topk_ids, *stacks, *scales)
+    reference = torch_ref.moe_experts_int8(hidden_states, topk_weights, topk_ids, *stacks, *scales)
+    torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
+    (_, weights), kwargs = torch_npu.last("grouped_matmul")
+    assert kwargs["group_list"].tolist() == torch.bincount(topk_ids.flatten(), minlength=experts).tolist()
+    assert weights[0].dtype == torch.int8 and kwargs["scale"][0].shape == (experts, hidden)

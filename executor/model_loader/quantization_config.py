@@ -64,7 +64,9 @@ PRESETS = {
 }
 C8 = "c8"
 GROUP_SUFFIX = re.compile(r"^(?P<preset>.+)_g(?P<group>\d+)$")
-ONLINE_IGNORE = ("lm_head",)  # as llm-compressor's recipes leave it
+# as llm-compressor's recipes leave them: the LM head and the MoE routers
+ONLINE_IGNORE = ("lm_head", r"re:.*mlp\.gate$", r"re:.*mlp\.router$")
+GPT_OSS_MXFP4 = "mxfp4"  # gpt-oss's own format: its model decodes the *_blocks / *_scales experts
 
 
 def quant_args(args: QuantizationArgs, where: str) -> QuantArgs:
@@ -216,6 +218,8 @@ def read_quantization(hf_config: Any, request: QuantizationRequest, source: str)
     if checkpoint is not None:
         if not isinstance(checkpoint, Mapping):
             checkpoint = checkpoint.to_dict()
+        if checkpoint.get("quant_method") == GPT_OSS_MXFP4 and requested_weights is None:
+            return None if requested_kv is None else QuantizationPlan((), (), requested_kv, GPT_OSS_MXFP4, source)
         plan = checkpoint_plan(checkpoint, source)
         schemes = {group.scheme for group in plan.groups}
         if requested_weights is not None and schemes != {requested_weights}:

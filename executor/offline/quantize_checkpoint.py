@@ -10,11 +10,20 @@ nearest, no calibration of the weights), compresses and writes the format and it
 (max |x|) over calibration prompts (the model folder's tokenizer on dataset/default.jsonl's, or
 `--calibration` token ids). The schemes are model_config.quantization's weight names
 (executor/model_loader/quantization_config.py). The folder appears only once it is complete.
+
+Routed experts: transformers 5 holds them as fused 3-D parameters, which the `Linear` target does
+not reach, and saves them per expert (`mlp.experts.E.{gate,up,down}_proj.weight`, Linear modules in
+the checkpoint's layout, which the same target names). Each is rounded to nearest here with the
+same qparams and compressed by compressed-tensors' compressor of the group's format, under the
+names it gives a Linear's tensors (weight_packed, weight_scale, ...); transformers dequantizes them
+on load, vLLM and this harness run them quantized. gpt-oss's stacked experts are not per-expert
+modules and stay as they are; routers stay unquantized.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -25,7 +34,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from compressed_tensors.compressors import ModelCompressor
+from compressed_tensors.compressors import BaseCompressor, ModelCompressor
 from compressed_tensors.quantization import (
     QuantizationArgs,
     QuantizationConfig,
@@ -34,10 +43,12 @@ from compressed_tensors.quantization import (
     apply_quantization_config,
 )
 from compressed_tensors.quantization.utils import calculate_qparams
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from executor.model_loader.quantization_config import preset_scheme
 from executor.types_.quant_scheme import QuantArgs
+from module.moe import EXPERT_TENSOR
 from ops.quant_math import weight_groups
 
 DEFAULT_CALIBRATION = Path(__file__).resolve().parents[2] / "dataset" / "default.jsonl"
@@ -82,6 +93,44 @@ def calibrate_input_scales(model: torch.nn.Module, token_ids: Sequence[Sequence[
         args = module.quantization_scheme.input_activations
         scale, _ = calculate_qparams(torch.tensor([-observed[name]]), torch.tensor([observed[name]]), args)
         module.input_scale.data = scale.to(module.input_scale.dtype).reshape(module.input_scale.shape)
+
+
+def quantize_expert_tensors(folder: Path, scheme: QuantizationScheme, static: bool) -> int:
+    """Rewrite the saved checkpoint's routed expert weights compressed (see the module docstring);
+    -> how many were. `--static` would need the experts' inputs calibrated, which is not built."""
+    compressor = BaseCompressor.get_value_from_registry(scheme.format)
+    renamed: dict[str, list[str]] = {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        tensors = load_file(shard)
+        if not any(EXPERT_TENSOR.match(name) for name in tensors):
+            continue
+        if static:
+            raise SystemExit("--static: calibrating routed experts' input scales is not built; use dynamic activations")
+        out = {}
+        for name, tensor in tensors.items():
+            if EXPERT_TENSOR.match(name) is None:
+                out[name] = tensor
+                continue
+            module = name.removesuffix(".weight")
+            scale, zero_point = calculate_qparams(
+                *weight_groups(tensor.float(), our_args(scheme.weights)), scheme.weights
+            )
+            state = {"weight": tensor, "weight_scale": scale.to(tensor.dtype)}
+            if not scheme.weights.symmetric:
+                state["weight_zero_point"] = zero_point.to(torch.int8)
+            compressed = {f"{module}.{key}": value for key, value in compressor.compress(state, scheme).items()}
+            out.update(compressed)
+            renamed[name] = list(compressed)
+        save_file(out, shard, metadata={"format": "pt"})
+    index_path = folder / "model.safetensors.index.json"
+    if renamed and index_path.exists():
+        index = json.loads(index_path.read_text())
+        weight_map = index["weight_map"]
+        for name, new_names in renamed.items():
+            shard_name = weight_map.pop(name)
+            weight_map.update(dict.fromkeys(new_names, shard_name))
+        index_path.write_text(json.dumps(index, indent=2))
+    return len(renamed)
 
 
 def scheme_for(name: str, static: bool) -> QuantizationScheme:
@@ -132,10 +181,12 @@ def quantize_checkpoint(
     model = quantized_model(model_dir, scheme, static=static, ignore=ignore, calibration=calibration)
     compressor = ModelCompressor.from_pretrained_model(model)
     compressor.compress_model(model)
+    group = compressor.quantization_config.config_groups["group_0"]
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.partial-", dir=output_dir.parent))
     try:
         model.save_pretrained(partial)
+        quantize_expert_tensors(partial, group, static)
         compressor.update_config(str(partial))
         for extra in model_dir.iterdir():  # tokenizer, chat template, generation config
             if extra.is_file() and not (partial / extra.name).exists() and not extra.name.endswith(".safetensors"):
@@ -149,8 +200,6 @@ def quantize_checkpoint(
 
 
 def default_calibration(model_dir: Path) -> list[list[int]]:
-    import json
-
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     lines = DEFAULT_CALIBRATION.read_text().splitlines()
     prompts = [json.loads(line)["prompt"] for line in lines if line.strip()]

@@ -7,6 +7,11 @@ skeleton: the same embedding, pre-norm blocks, biased q/k/v/o projections and Ya
 - an MoE block in every layer: a biased linear router (top-k logits, softmax over the chosen) and
   experts with biases and a clamped SwiGLU, stacked as module/moe.py stacks them.
 
+The released checkpoints hold the experts in gpt-oss's own MXFP4 format (`*_blocks` / `*_scales`,
+quant_method "mxfp4"): they are dequantized once at load into the stacked float experts, as
+transformers' Mxfp4Config(dequantize=True) does. A compressed-tensors checkpoint may quantize the
+attention projections (Linear modules); the experts are 3-D tensors there and stay unquantized.
+
 Parity with transformers: tests/test_gpt_oss_parity.py.
 """
 
@@ -21,12 +26,15 @@ from transformers import GptOssConfig
 
 from executor.types_.checkpoint_tensor import LoadedWeight, materialize
 from executor.types_.errors import WeightLoadError
+from executor.types_.quant_scheme import LinearScheme
 from models.llama.model import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from module.attention import SinkAttention
-from module.moe import FusedExperts
+from module.moe import FusedExperts, Router
 from module.mtp import num_mtp_layers_of
 from module.parallel_group import ONE_PROCESS, ModelParallel, ParallelGroup
+from module.quantized import QuantizationError
 from module.weights import ShardId, load_shard
+from ops import quant_math
 from ops.backend import Backend
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -55,7 +63,7 @@ class GptOssAttention(LlamaAttention):
         )
 
 
-class GptOssRouter(nn.Module):
+class GptOssRouter(Router):
     """logits = x W^T + b; the top_k logits of each token, softmaxed among themselves, are its
     weights. Op for op as transformers' GptOssTopKRouter (in the model's dtype, torch.topk), so
     that ties between equal logits break the same way. Every rank holds it whole."""
@@ -148,7 +156,17 @@ class GptOssExperts(FusedExperts):
         if self.tp_rank != 0:
             param.data.zero_()
 
-    def run_experts(
+    def checkpoint_modules(self, name: str) -> list[tuple[str, str]]:
+        """gpt-oss checkpoints stack the experts in one module (no per-expert Linear to target)."""
+        return [(name, "GptOssExperts")]
+
+    def set_scheme(self, scheme: LinearScheme, method: object, compute_dtype: torch.dtype, at_load: bool) -> None:
+        raise QuantizationError(
+            f"gpt-oss's experts are quantized only in gpt-oss's own MXFP4 format (quant_method mxfp4), "
+            f"not by a plan ({scheme.describe()}); add the experts to the ignore list"
+        )
+
+    def run_dense_experts(
         self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         return self.ops.moe_experts_clamped_swiglu(
@@ -222,11 +240,37 @@ class GptOssForCausalLM(LlamaForCausalLM):
 
     @staticmethod
     def _renamed(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in weights:
-            if name.endswith(("_blocks", "_scales")):
-                raise WeightLoadError(
-                    f"checkpoint tensor {name!r} is MXFP4-quantized (*_blocks/*_scales), the format gpt-oss is "
-                    "released in, which is not supported: use a bf16 checkpoint (transformers dequantizes one "
-                    "with Mxfp4Config(dequantize=True), then save_pretrained)"
-                )
+        for name, tensor in dequantized_mxfp4(weights):
             yield name.replace(".self_attn.sinks", ".self_attn.attn.sinks"), tensor
+
+
+MXFP4_PARTS = ("_blocks", "_scales")
+
+
+def dequantized_mxfp4(weights: Iterable[tuple[str, LoadedWeight]]) -> Iterator[tuple[str, LoadedWeight]]:
+    """gpt-oss's MXFP4 experts as the float tensors a bf16 checkpoint holds: each `P_blocks` [E, N, G,
+    16] and `P_scales` [E, N, G] pair (in either order) -> `P` [E, K, N] (transposed, as transformers'
+    convert_moe_packed_tensors returns it) in the model's dtype; other tensors pass through."""
+    pending: dict[str, dict[str, LoadedWeight]] = {}
+    for name, tensor in weights:
+        part = next((part for part in MXFP4_PARTS if name.endswith(part)), None)
+        if part is None:
+            yield name, tensor
+            continue
+        base = name.removesuffix(part)
+        parts = pending.setdefault(base, {})
+        parts[part] = tensor
+        if len(parts) == len(MXFP4_PARTS):
+            blocks, scales = (materialize(parts[p]) for p in MXFP4_PARTS)
+            del pending[base]
+            if blocks.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
+                raise WeightLoadError(
+                    f"checkpoint tensor {base}_blocks {tuple(blocks.shape)} / _scales {tuple(scales.shape)}: "
+                    "expected uint8 [E, N, G, 16] blocks with [E, N, G] scales (gpt-oss's MXFP4)"
+                )
+            dense = quant_math.dequantize_mxfp4_blocks(blocks, scales, torch.get_default_dtype())
+            yield base, dense.transpose(1, 2).contiguous()
+    if pending:
+        base, parts = next(iter(pending.items()))
+        missing = next(part for part in MXFP4_PARTS if part not in parts)
+        raise WeightLoadError(f"checkpoint tensor {base}{missing} is missing (its MXFP4 pair is in the checkpoint)")

@@ -1,0 +1,182 @@
+"""Routed experts with quantized weights, one method per scheme kind, as ops/quantized_linear.py has
+for linear layers.
+
+A quantized FusedExperts (module/moe.py) holds its checkpoint's tensors stacked over its experts,
+decoded: `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I] values, `*_scale` and `*_zero_point`
+[E, rows, scales per row], `*_input_scale` [E, 1] for static activations. One quantized at load
+(`model_config.quantization`) holds its float weights and `quantize_at_load`, rounded here first.
+
+- Int8Experts (W8A8 int8): the backend's moe_experts_int8 (the reference's torch._int_mm per expert on
+  the CPU and CUDA, npu_grouped_matmul with per-channel and per-token scales on the NPU).
+- DequantizedExperts: every other kind, and W8A8 on a backend without the op: the values
+  dequantized once at load into the stacked float tensors, run by the layer's own experts op
+  unchanged; a scheme that quantizes activations gets each expert's inputs fake-quantized, computed
+  plainly per expert.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from executor.types_.quant_scheme import LinearScheme, QuantArgs
+from ops import quant_math, torch_ref
+
+PROJECTIONS = ("gate_up_proj", "down_proj")
+
+
+@dataclass(frozen=True, slots=True)
+class StackedWeight:
+    """One projection of every expert: values [E, N, K], scale and zero point [E, N, S], input scale [E, 1]."""
+
+    values: torch.Tensor
+    scale: torch.Tensor
+    zero_point: torch.Tensor | None
+    input_scale: torch.Tensor | None
+
+
+def stacked_weight(layer: nn.Module, projection: str) -> StackedWeight:
+    """The projection as the layer's scheme holds it: its tensors, or its float weights rounded to nearest."""
+    scheme: LinearScheme = layer.scheme
+    values = getattr(layer, projection).detach()
+    if layer.quantize_at_load:
+        parts = [quant_math.quantize_weight(expert, scheme.weights) for expert in values]
+        zero_points = None if scheme.weights.symmetric else torch.stack([part[2] for part in parts])
+        return StackedWeight(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]), zero_points, None)
+    zero_point = getattr(layer, f"{projection}_zero_point", None)
+    input_scale = getattr(layer, f"{projection}_input_scale", None)
+    return StackedWeight(
+        values,
+        getattr(layer, f"{projection}_scale").detach(),
+        None if zero_point is None else zero_point.detach(),
+        None if input_scale is None else input_scale.detach().float().reshape(-1),
+    )
+
+
+class ExpertsMethod:
+    """How a FusedExperts under a scheme runs: process_weights once after loading, apply per step."""
+
+    def process_weights(self, layer: nn.Module) -> None:
+        raise NotImplementedError
+
+    def apply(
+        self, layer: nn.Module, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True, slots=True)
+class Int8ExpertWeights:
+    """What moe_experts_int8 reads: int8 W^T per expert, per-channel fp32 scales, static input scales."""
+
+    gate_up_t: torch.Tensor  # [E, H, 2I]
+    gate_up_scale: torch.Tensor  # [E, 2I]
+    down_t: torch.Tensor  # [E, I, H]
+    down_scale: torch.Tensor  # [E, H]
+    gate_up_input_scale: torch.Tensor | None  # [E]
+    down_input_scale: torch.Tensor | None
+
+
+class Int8Experts(ExpertsMethod):
+    """W8A8 int8 experts through the backend's moe_experts_int8."""
+
+    def process_weights(self, layer: nn.Module) -> None:
+        packed = []
+        for projection in PROJECTIONS:
+            weight = stacked_weight(layer, projection)
+            rows = weight.values.shape[1]
+            scale = weight.scale.float().reshape(weight.values.shape[0], -1).expand(-1, rows).contiguous()
+            packed += [weight.values.to(torch.int8).transpose(1, 2).contiguous(), scale, weight.input_scale]
+        gate_up_t, gate_up_scale, gate_up_in, down_t, down_scale, down_in = packed
+        layer.packed_experts = Int8ExpertWeights(gate_up_t, gate_up_scale, down_t, down_scale, gate_up_in, down_in)
+        for projection in PROJECTIONS:  # the int8 copies above are what runs
+            setattr(layer, projection, nn.Parameter(torch.empty(0, dtype=torch.int8), requires_grad=False))
+
+    def apply(
+        self, layer: nn.Module, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        packed: Int8ExpertWeights = layer.packed_experts
+        return layer.ops.moe_experts_int8(
+            hidden_states,
+            topk_weights,
+            topk_ids,
+            packed.gate_up_t,
+            packed.gate_up_scale,
+            packed.down_t,
+            packed.down_scale,
+            packed.gate_up_input_scale,
+            packed.down_input_scale,
+        )
+
+
+class DequantizedExperts(ExpertsMethod):
+    """The scheme computed plainly: values dequantized once into the model's dtype (said in the
+    start-up log by the method's name), inputs fake-quantized per expert where the scheme says."""
+
+    def process_weights(self, layer: nn.Module) -> None:
+        args = layer.scheme.weights
+        input_scales = {}
+        for projection in PROJECTIONS:
+            weight = stacked_weight(layer, projection)
+            dense = torch.stack(
+                [
+                    quant_math.dequantize_weight(
+                        values,
+                        weight.scale[e],
+                        None if weight.zero_point is None else weight.zero_point[e],
+                        args,
+                        layer.compute_dtype,
+                    )
+                    for e, values in enumerate(weight.values)
+                ]
+            )
+            setattr(layer, projection, nn.Parameter(dense, requires_grad=False))
+            input_scales[projection] = weight.input_scale
+        layer.input_scale_values = input_scales
+
+    def apply(
+        self, layer: nn.Module, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        inputs: QuantArgs | None = layer.scheme.input_activations
+        if inputs is None:
+            return layer.run_dense_experts(hidden_states, topk_weights, topk_ids)
+        return fake_quantized_experts(
+            hidden_states,
+            topk_weights,
+            topk_ids,
+            layer.gate_up_proj,
+            layer.down_proj,
+            inputs,
+            layer.input_scale_values["gate_up_proj"],
+            layer.input_scale_values["down_proj"],
+        )
+
+
+def fake_quantized_experts(
+    hidden_states: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    inputs: QuantArgs,
+    gate_up_input_scale: torch.Tensor | None,
+    down_input_scale: torch.Tensor | None,
+) -> torch.Tensor:
+    """torch_ref.moe_experts with each expert's two inputs quantized and dequantized by `inputs`
+    (dynamically, or by the expert's static scale): the plain form of every activation-quantized kind."""
+
+    def fake(x: torch.Tensor, scales: torch.Tensor | None, expert: int) -> torch.Tensor:
+        return quant_math.fake_quantize_activation(x, inputs, None if scales is None else scales[expert])
+
+    def expert_forward(expert: int, x: torch.Tensor) -> torch.Tensor:
+        gate_up = torch.nn.functional.linear(fake(x, gate_up_input_scale, expert), gate_up_proj[expert])
+        activated = fake(torch_ref.silu_and_mul(gate_up), down_input_scale, expert)
+        return torch.nn.functional.linear(activated, down_proj[expert])
+
+    return torch_ref.run_grouped(hidden_states, topk_weights, topk_ids, gate_up_proj.shape[0], expert_forward)
+
+
+INT8_EXPERTS = Int8Experts()  # stateless: one instance serves every layer, as ops/linear_method.PLAIN
+DEQUANTIZED_EXPERTS = DequantizedExperts()
