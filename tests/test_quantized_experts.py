@@ -10,6 +10,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+from executor.model_loader.quantization_config import QuantizationRequest, read_quantization
 from executor.types_.quant_scheme import LinearScheme, QuantArgs, QuantizationPlan, SchemeGroup
 from module.moe import FusedExperts, SoftmaxTopkRouter, SparseMoeBlock
 from module.parallel_group import ParallelGroup
@@ -110,15 +111,13 @@ def test_a_plan_that_quantizes_a_router_is_refused_by_name():
 
 def test_online_w8a8_quantizes_experts_at_load_and_runs_them_in_int8():
     """model_config.quantization's plan (routers ignored) rounds the float experts after loading."""
-    from executor.model_loader.quantization_config import read_quantization
-
     model = torch.nn.Module()
     model.mlp = SparseMoeBlock(SoftmaxTopkRouter(16, 4, 2, True), FusedExperts(4, 16, 16, backend=cpu_backend()))
     generator = torch.Generator().manual_seed(3)
     for param in model.parameters():
         param.data.copy_(torch.randn(param.shape, generator=generator) * 0.3)
     gate_up, down = model.mlp.experts.gate_up_proj.clone(), model.mlp.experts.down_proj.clone()
-    plan = read_quantization(object(), "w8a8", "model_config.quantization", "x.yaml")
+    plan = read_quantization(object(), QuantizationRequest("w8a8"), "x.yaml")
     layers = quantize_model(model, plan, cpu_backend(), torch.float32)
     assert [layer.name for layer in layers] == ["mlp.experts"]
     assert process_linear_weights(model) == ["Int8Experts"]
