@@ -15,6 +15,7 @@ kinds never runs the wrong code.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import threading
 import time
@@ -99,9 +100,12 @@ def extension() -> Any | None:
     )
     notice.start()
     try:
+        sources = [_DECLARATIONS, *((CSRC / source).read_text() for source in SOURCES)]
+        # Keyed by the sources too: checkouts of other versions never load each other's builds.
+        digest = hashlib.sha256("".join(sources).encode()).hexdigest()[:12]
         module = load_inline(
-            name="infer_recipes_cpu_kernels" + ("_avx2" if flags else ""),
-            cpp_sources=[_DECLARATIONS, *((CSRC / source).read_text() for source in SOURCES)],
+            name=f"infer_recipes_cpu_kernels{'_avx2' if flags else ''}_{digest}",
+            cpp_sources=sources,
             functions=list(FUNCTIONS),
             extra_cflags=["-O3", "-fopenmp", "-fno-trapping-math", *flags],
             extra_ldflags=["-fopenmp"],
