@@ -2,10 +2,10 @@
 
 A quantized layer (module/quantized.py) holds its checkpoint's tensors, decoded: `weight` (int8
 values, float8 values, fp4 values as floats, or uint8 codes beside a float offset), `weight_scale`,
-optionally `weight_zero_point` or `weight_offset` and a static `input_scale`, and its `scheme` (executor/types_/quant_scheme.py). A layer quantized at load
-(`model_config.quantization`) holds its float `weight` and `quantize_at_load` instead;
-process_weights rounds it to nearest first. Each method then lays out what its kernel reads in
-`layer.packed_weight`, as the unquantized methods do.
+optionally `weight_zero_point` or `weight_offset` and a static `input_scale`, and its `scheme`
+(executor/types_/quant_scheme.py). A layer quantized at load (`model_config.quantization`) holds its
+float `weight` and `quantize_at_load` instead; process_weights rounds it to nearest first. Each
+method then lays out what its kernel reads in `layer.packed_weight`, as the unquantized methods do.
 
 - Int8ScaledLinear (W8A8 int8): activations quantized per token (or by the static scale), an int8 x
   int8 -> int32 matmul (`torch._int_mm`: oneDNN with VNNI on the CPU), the scales applied after.
