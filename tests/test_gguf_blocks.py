@@ -178,3 +178,17 @@ def test_offsets_add_after_the_scale() -> None:
     expected = torch.tensor([[-1.25, 6.25] * 16])
     assert torch.equal(quant_math.dequantize_weight(codes, scale, None, Q4_1, torch.float32, offset), expected)
     assert Q4_1.q_range == (0, 15) and "float offsets" in Q4_1.describe()
+
+
+def test_shipped_yaml_names_the_blocks_folder_and_says_how_to_write_it(tmp_path: Path, monkeypatch) -> None:
+    from executor.core.config import ConfigError, load_config
+    from executor.offline.__main__ import resolve_model_path
+
+    yaml = Path(__file__).resolve().parents[1] / "models" / "llama" / "config" / "smollm2_135m_gguf.yaml"
+    monkeypatch.setenv("INFER_RECIPES_HOME", str(tmp_path))
+    with pytest.raises(ConfigError, match=r"SmolLM2-135M-Instruct-q4_1.*default_model --blocks` once"):
+        resolve_model_path(load_config(yaml))
+    folder = tmp_path / "models" / "SmolLM2-135M-Instruct-q4_1"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    assert resolve_model_path(load_config(yaml)) == folder
