@@ -2,7 +2,11 @@
 
 When the group spans data-parallel replicas (embed_tp or lmhead_tp wider than attn_tp), its ranks
 hold different tokens: each layer gathers every rank's ids or rows first, runs its vocabulary shard
-over all of them, combines, and keeps its own rows."""
+over all of them, combines, and keeps its own rows.
+
+Either may hold a quantized table (set_scheme, module/quantized.py): the embedding then dequantizes
+only the rows it looks up (a GGUF's Q8_0 token table stays in its blocks), and an LM head tied to it
+shares its quantized tensors."""
 
 from __future__ import annotations
 
@@ -14,12 +18,16 @@ from module.linear import divide
 from module.parallel_group import SINGLE, ParallelGroup
 from module.quantized import QuantizableLinear, QuantParam, load_quant_tensor
 from module.weights import ShardId, load_shard
+from ops import quant_math
 from ops.linear_method import PLAIN, LinearMethod
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(QuantizableLinear, nn.Module):
     """Rank r holds rows [r * V/tp, (r+1) * V/tp) of the table; other ids embed to zero there and
     the all-reduce fills them in from their owner."""
+
+    tp_dim = 0
+    scheme = None  # a quantized table's LinearScheme (set_scheme)
 
     def __init__(self, num_embeddings: int, embedding_dim: int, tp: ParallelGroup = SINGLE) -> None:
         super().__init__()
@@ -32,11 +40,32 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
-        load_shard(param.data, loaded_weight, 0, self.tp_rank, self.tp_size)
+        quant: QuantParam | None = getattr(param, "quant", None)
+        if quant is None:
+            load_shard(param.data, loaded_weight, 0, self.tp_rank, self.tp_size)
+        else:
+            load_quant_tensor(param.data, loaded_weight, quant, self.tp_rank, self.tp_size)
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of this rank's table, dequantized (only those rows) where it is quantized."""
+        if self.scheme is None:
+            return F.embedding(ids, self.weight)
+        flat = ids.reshape(-1)
+        offset = getattr(self, "weight_offset", None)
+        zero_point = getattr(self, "weight_zero_point", None)
+        rows = quant_math.dequantize_weight(
+            self.weight[flat],
+            self.weight_scale[flat],
+            None if zero_point is None else zero_point[flat],
+            self.scheme.weights,
+            self.compute_dtype,
+            None if offset is None else offset[flat],
+        )
+        return rows.reshape(*ids.shape, -1)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self.lookup(input_ids)
         if self.tp.spans_replicas:
             all_ids, own = self.tp.gather_rows(input_ids)
             return self._embed_and_reduce(all_ids)[own]
@@ -46,17 +75,15 @@ class VocabParallelEmbedding(nn.Module):
         """Rows of this rank's vocabulary shard (zeros for other ids), summed over the group."""
         local_ids = input_ids - self.vocab_start
         owned = (local_ids >= 0) & (local_ids < self.num_embeddings_per_rank)
-        embeddings = F.embedding(local_ids.clamp(0, self.num_embeddings_per_rank - 1), self.weight)
+        embeddings = self.lookup(local_ids.clamp(0, self.num_embeddings_per_rank - 1))
         embeddings.masked_fill_(~owned.unsqueeze(-1), 0)
         return self.tp.all_reduce(embeddings)
 
 
-class ParallelLMHead(QuantizableLinear, VocabParallelEmbedding):
+class ParallelLMHead(VocabParallelEmbedding):
     """hidden -> logits for the selected rows only; each rank computes its vocab slice, then the
     slices are gathered so every rank holds full logits. The multiply is the layer's LinearMethod,
     as in module/linear.py, quantized as a column layer is."""
-
-    tp_dim = 0
 
     def __init__(
         self, num_embeddings: int, embedding_dim: int, tp: ParallelGroup = SINGLE, linear_method: LinearMethod = PLAIN
@@ -64,13 +91,6 @@ class ParallelLMHead(QuantizableLinear, VocabParallelEmbedding):
         super().__init__(num_embeddings, embedding_dim, tp)
         self.linear_method = linear_method
         self.packed_weight = None
-
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
-        quant: QuantParam | None = getattr(param, "quant", None)
-        if quant is None:
-            super().weight_loader(param, loaded_weight, shard_id)
-        else:
-            load_quant_tensor(param.data, loaded_weight, quant, self.tp_rank, self.tp_size)
 
     def forward(self, hidden_states: torch.Tensor, row_indices: torch.Tensor) -> torch.Tensor:
         rows = hidden_states[row_indices]

@@ -4,8 +4,10 @@ Our fused layers stand for several checkpoint modules (qkv_proj for q_proj, k_pr
 model's packed_modules_mapping; the stacked routed experts for every expert's gate_proj, up_proj
 and down_proj); a plan names checkpoint modules, so each layer takes the scheme of its parts, which
 must agree since they run as one matmul (or one grouped op). Routers stay unquantized, as
-compressed-tensors recipes leave them. A plan's KV cache scheme (C8) goes to every KVCacheLayer,
-before the cache is sized from their specs.
+compressed-tensors recipes leave them. An embedding takes a scheme only where the plan names it (as
+transformers' class "Embedding" or by its name, never by the "Linear" class); an LM head tied to it
+runs the embedding's scheme on the embedding's tensors. A plan's KV cache scheme (C8) goes to every
+KVCacheLayer, before the cache is sized from their specs.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ import torch
 from torch import nn
 
 from executor.types_.errors import WeightLoadError
-from executor.types_.quant_scheme import KVCacheScheme, LinearScheme, QuantizationPlan
+from executor.types_.quant_scheme import BLOCK, KVCacheScheme, LinearScheme, QuantizationPlan
 from module.attention import STATIC_KV_SCALES, KVCacheLayer
+from module.embedding import ParallelLMHead, VocabParallelEmbedding
 from module.moe import FusedExperts, Router
 from module.quantized import QuantizableLinear, QuantizationError, fused_parts, shape_problem
 from ops.backend import Backend
@@ -42,8 +45,18 @@ def quantize_model(
     if plan.kv_cache is not None:
         set_kv_cache_schemes(model, plan.kv_cache)
     mapping = getattr(model, "packed_modules_mapping", {})
-    layers = []
-    for name, module in model.named_modules():
+    modules = dict(model.named_modules())
+    embeddings = {
+        name: module
+        for name, module in modules.items()
+        if isinstance(module, VocabParallelEmbedding) and not isinstance(module, ParallelLMHead)
+    }
+    tables = {id(table.weight): name for name, table in embeddings.items()}  # before the tables change
+    ties = {name: tables.get(id(head.weight)) for name, head in modules.items() if isinstance(head, ParallelLMHead)}
+    layers = [_quantize_embedding(name, module, plan, compute_dtype) for name, module in embeddings.items()]
+    for name, module in modules.items():
+        if name in embeddings:
+            continue
         if isinstance(module, FusedExperts):
             parts = module.checkpoint_modules(name)
         elif isinstance(module, (QuantizableLinear, Router)):
@@ -57,6 +70,10 @@ def quantize_model(
                     f"{plan.source}: {name} ({type(module).__name__}) is a router, which runs unquantized here "
                     "(compressed-tensors recipes ignore them); add it to the quantization_config's ignore list"
                 )
+            continue
+        tied = ties.get(name)
+        if tied is not None:
+            layers.append(_quantize_tied(name, module, tied, embeddings[tied], plan, backend, compute_dtype))
             continue
         if len(schemes) > 1:
             names = [part for part, _ in parts]
@@ -77,7 +94,44 @@ def quantize_model(
         except WeightLoadError as error:
             raise QuantizationError(f"{plan.source}: layer {name} ({scheme.describe()}): {error}") from None
         layers.append(QuantizedLayer(name, tuple(part for part, _ in parts), scheme))
-    return layers
+    return [layer for layer in layers if layer is not None]
+
+
+def _quantize_embedding(
+    name: str, module: VocabParallelEmbedding, plan: QuantizationPlan, compute_dtype: torch.dtype
+) -> QuantizedLayer | None:
+    """A token table the plan names: it keeps the checkpoint's quantized tensors and dequantizes the
+    rows it looks up (schemes quantized at load leave tables alone, as llm-compressor's do)."""
+    scheme = plan.scheme_for(name, "Embedding")
+    if scheme is None or plan.at_load:
+        return None
+    if scheme.weights.strategy == BLOCK or scheme.input_activations is not None:
+        raise QuantizationError(f"{plan.source}: {name} (an embedding) cannot look rows up under {scheme.describe()}")
+    module.set_scheme(scheme, None, compute_dtype, at_load=False)
+    return QuantizedLayer(name, (name,), scheme)
+
+
+def _quantize_tied(
+    name: str,
+    module: QuantizableLinear,
+    table_name: str,
+    table: VocabParallelEmbedding,
+    plan: QuantizationPlan,
+    backend: Backend,
+    compute_dtype: torch.dtype,
+) -> QuantizedLayer | None:
+    """An LM head tied to embedding `table_name`: the table's scheme on the table's tensors, which a
+    scheme of its own in the plan (other than the table's) would contradict."""
+    own = plan.scheme_for(name)
+    if own is not None and own != table.scheme:
+        raise QuantizationError(
+            f"{plan.source}: {name} is tied to {table_name}, so it runs the embedding's weights "
+            f"({table.scheme.describe() if table.scheme else 'unquantized'}), not {own.describe()}"
+        )
+    if table.scheme is None:
+        return None
+    module.set_scheme(table.scheme, backend.linear_method(table.scheme.kind), compute_dtype, False, tied_to=table)
+    return QuantizedLayer(name, (table_name,), table.scheme)
 
 
 def layer_kind_schemes(model: nn.Module) -> dict[str, str]:
@@ -88,7 +142,8 @@ def layer_kind_schemes(model: nn.Module) -> dict[str, str]:
         if not isinstance(module, QuantizableLinear):
             continue
         scheme = getattr(module, "scheme", None)
-        how = module.linear_method.describe(module)
+        method = module.linear_method
+        how = "rows dequantized as they are looked up" if method is None else method.describe(module)
         described = f"{scheme.describe()}; {how}" if scheme is not None else f"unquantized; {how}"
         kinds.setdefault(name.rpartition(".")[2], set()).add(described)
     return {kind: "; ".join(sorted(variants)) for kind, variants in kinds.items()}
@@ -128,7 +183,8 @@ def describe_quantized_layers(model: nn.Module, layers: list[QuantizedLayer]) ->
     kinds: dict[tuple[str, str], list[str]] = {}
     for layer in layers:
         module = modules[layer.name]
-        how = (layer.scheme.describe(), module.linear_method.describe(module))
+        method = module.linear_method
+        how = (layer.scheme.describe(), "rows dequantized as looked up" if method is None else method.describe(module))
         kind = layer.name.rpartition(".")[2]
         if kind not in kinds.setdefault(how, []):
             kinds[how].append(kind)

@@ -8,6 +8,8 @@ load into plain ones (so tensor parallelism cuts them like any other tensor):
 - `weight_scale`: [N, 1] per tensor or channel (a per-tensor scale is spread over its rows, so that
   fused q/k/v keep their own), [N, K/g] per group, [N/b0, K/b1] per block; e8m0 bytes decode to floats;
 - `weight_zero_point` like the scale (pack-quantized's int32 words along N unpacked), when asymmetric;
+- `weight_offset` like the scale, fp32, where a scheme adds a float offset instead (GGUF's Q4_1 blocks:
+  `weight` holds uint8 codes 0..15 and w = q * scale + offset);
 - `input_scale` [1], static activations: fused projections see the same input, so they share the
   largest of their parts' scales (calibration makes them equal).
 Column layers cut all of these along N; row layers cut the weight along K and group/block scales
@@ -33,7 +35,7 @@ from module.weights import load_shard
 logger = logging.getLogger(__name__)
 
 # Tensors a checkpoint's quantized layer may hold, by name suffix, besides `weight`.
-QUANT_TENSORS = ("weight_scale", "weight_zero_point", "input_scale")
+QUANT_TENSORS = ("weight_scale", "weight_zero_point", "weight_offset", "input_scale")
 # compressed-tensors names that decode into `weight` / that carry no data we need.
 CHECKPOINT_ALIASES = {"weight_packed": "weight"}
 CHECKPOINT_IGNORED = ("weight_shape", "weight_global_scale", "input_zero_point")
@@ -76,6 +78,8 @@ def shape_problem(args: QuantArgs, rows: int, cols: int) -> str | None:
 
 
 def weight_dtype(args: QuantArgs) -> torch.dtype:
+    if args.type == INT and args.offset:
+        return torch.uint8
     if args.type == INT:
         return torch.int8
     return torch.float8_e4m3fn if args.num_bits == 8 else torch.float32
@@ -138,7 +142,9 @@ def quant_parameters(
         "weight": (torch.empty(rows, cols, dtype=weight_dtype(weights)), QuantParam(tp_dim, 1, decode_weight(weights))),
         "weight_scale": (torch.empty(shape), QuantParam(scale_tp_dim, block_rows, decode_scale(weights))),
     }
-    if not weights.symmetric:
+    if weights.offset:
+        params["weight_offset"] = (torch.empty(shape), QuantParam(scale_tp_dim, 1))
+    elif not weights.symmetric:
         decode = decode_zero_point(weights)
         params["weight_zero_point"] = (torch.empty(shape, dtype=torch.int8), QuantParam(scale_tp_dim, 1, decode))
     inputs = scheme.input_activations
@@ -207,9 +213,9 @@ def fused_parts(module_name: str, packed_modules_mapping: Mapping[str, tuple[str
 
 class QuantizableLinear:
     """What a layer of weight [N, K] (cut along `tp_dim`) needs to take a quantized scheme: mixed
-    into module/linear.py's LinearBase and module/embedding.py's ParallelLMHead. A layer whose dense
-    weight another op reads (`reads_dense_weight`: MLA's kv_b_proj) is dequantized at load whatever
-    its kind."""
+    into module/linear.py's LinearBase and module/embedding.py's embedding and LM head. A layer whose
+    dense weight another op reads (`reads_dense_weight`: MLA's kv_b_proj) is dequantized at load
+    whatever its kind."""
 
     reads_dense_weight = False
     weight: nn.Parameter
@@ -218,9 +224,18 @@ class QuantizableLinear:
     tp_size: int
     weight_loader: Callable[..., None]
 
-    def set_scheme(self, scheme: LinearScheme, method: object, compute_dtype: torch.dtype, at_load: bool) -> None:
-        """Run this layer by `method` under `scheme`: its parameters become the checkpoint's
-        quantized tensors, or (`at_load`) the float weight stays and is rounded after loading."""
+    def set_scheme(
+        self,
+        scheme: LinearScheme,
+        method: object,
+        compute_dtype: torch.dtype,
+        at_load: bool,
+        tied_to: QuantizableLinear | None = None,
+    ) -> None:
+        """Run this layer by `method` (None: an embedding, which looks rows up) under `scheme`: its
+        parameters become the checkpoint's quantized tensors, or (`at_load`) the float weight stays
+        and is rounded after loading. A layer `tied_to` another (an LM head tied to the embedding)
+        shares that layer's quantized parameters, as it shared its weight."""
         self.scheme = scheme
         self.linear_method = method
         self.compute_dtype = compute_dtype
@@ -229,6 +244,9 @@ class QuantizableLinear:
             return
         rows, cols = self.weight.shape
         for name, (param, spec) in quant_parameters(scheme, rows, cols, self.tp_dim).items():
+            if tied_to is not None:
+                setattr(self, name, getattr(tied_to, name))  # loaded once, by its owner's loader
+                continue
             param.quant = spec
             param.weight_loader = self.weight_loader
             setattr(self, name, param)

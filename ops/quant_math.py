@@ -226,12 +226,18 @@ def dequantize_weight(
     zero_point: torch.Tensor | None,
     args: QuantArgs,
     dtype: torch.dtype,
+    offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The dense [N, K] weight in `dtype` that a quantized one stands for."""
+    """The dense [N, K] weight in `dtype` that a quantized one stands for: (q - zp) * scale, or with
+    a float offset (args.offset) q * scale + offset, rounded in fp32 in that order as gguf's own
+    dequantization rounds it. Any rows of a weight will do (an embedding dequantizes the ones it looks up)."""
     shape = values.shape
     full_scale = expand_scale(scale.float(), shape, args)
     full_zero = expand_scale(zero_point, shape, args) if zero_point is not None else None
-    return dequantize(values.float(), full_scale, full_zero).to(dtype)
+    dense = dequantize(values.float(), full_scale, full_zero)
+    if offset is not None:
+        dense = dense + expand_scale(offset.float(), shape, args)
+    return dense.to(dtype)
 
 
 def int8_scaled_mm_reference(

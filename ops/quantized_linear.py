@@ -1,13 +1,13 @@
 """Linear methods for quantized weights (ops/linear_method.py's interface), one per scheme kind.
 
 A quantized layer (module/quantized.py) holds its checkpoint's tensors, decoded: `weight` (int8
-values, float8 values, or fp4 values as floats), `weight_scale`, optionally `weight_zero_point` and a
-static `input_scale`, and its `scheme` (executor/types_/quant_scheme.py). A layer quantized at load
-(`model_config.quantization`) holds its float `weight` and `quantize_at_load` instead;
-process_weights rounds it to nearest first. Each method then keeps what its kernel reads as the
-layer's non-persistent buffers (`keep_tensors`): the graph modes take a module's buffers as its
-weights (npugraph_ex's AOTInductor packages bind them by name at load), where tensors in a plain
-attribute would be baked into the graph as unnamed constants.
+values, float8 values, fp4 values as floats, or uint8 codes beside a float offset), `weight_scale`,
+optionally `weight_zero_point` or `weight_offset` and a static `input_scale`, and its `scheme`
+(executor/types_/quant_scheme.py). A layer quantized at load (`model_config.quantization`) holds its
+float `weight` and `quantize_at_load` instead; process_weights rounds it to nearest first. Each
+method then keeps what its kernel reads as the layer's non-persistent buffers (`keep_tensors`): the
+graph modes take a module's buffers as its weights (npugraph_ex's AOTInductor packages bind them by
+name at load), where tensors in a plain attribute would be baked into the graph as unnamed constants.
 
 - Int8ScaledLinear (W8A8 int8): activations quantized per token (or by the static scale), an int8 x
   int8 -> int32 matmul (`torch._int_mm`: oneDNN with VNNI on the CPU), the scales applied after.
@@ -41,12 +41,14 @@ IntMatmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 @dataclass(frozen=True, slots=True)
 class QuantizedWeight:
-    """A layer's quantized weight, decoded: values [N, K], scale and zero point in the scheme's shape."""
+    """A layer's quantized weight, decoded: values [N, K], scale and zero point (or float offset) in
+    the scheme's shape."""
 
     values: torch.Tensor
     scale: torch.Tensor
     zero_point: torch.Tensor | None
     input_scale: torch.Tensor | None
+    offset: torch.Tensor | None = None
 
 
 def quantized_weight(layer: nn.Module) -> QuantizedWeight:
@@ -62,11 +64,13 @@ def quantized_weight(layer: nn.Module) -> QuantizedWeight:
         layer.quantize_at_load = False
     zero_point = getattr(layer, "weight_zero_point", None)
     input_scale = getattr(layer, "input_scale", None)
+    offset = getattr(layer, "weight_offset", None)
     return QuantizedWeight(
         layer.weight.detach(),
         layer.weight_scale.detach(),
         None if zero_point is None else zero_point.detach(),
         None if input_scale is None else input_scale.detach().float(),
+        None if offset is None else offset.detach(),
     )
 
 
@@ -133,7 +137,9 @@ class DequantizedLinear(LinearMethod):
     def process_weights(self, layer: nn.Module) -> None:
         weight = quantized_weight(layer)
         args = layer.scheme.weights
-        dense = quant_math.dequantize_weight(weight.values, weight.scale, weight.zero_point, args, layer.compute_dtype)
+        dense = quant_math.dequantize_weight(
+            weight.values, weight.scale, weight.zero_point, args, layer.compute_dtype, weight.offset
+        )
         layer.weight = nn.Parameter(dense, requires_grad=False)
         keep_tensors(layer, fake_input_scale=weight.input_scale)
         self.dense.process_weights(layer)

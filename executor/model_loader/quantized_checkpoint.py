@@ -2,7 +2,8 @@
 
 From the safetensors headers alone (names, shapes, dtypes): for every checkpoint module of every
 layer the plan quantizes, its values tensor in the format's dtype, its scale in the scheme's shape,
-its zero point where the scheme is asymmetric and its input scale where the activations are static;
+its zero point where the scheme is asymmetric (a float offset where it adds one) and its input scale
+where the activations are static;
 and no quantization tensor for a module the plan leaves unquantized. Each fault is one line naming
 the scheme, the layer and the tensor.
 """
@@ -38,6 +39,8 @@ def _values_tensor(module: str, scheme: LinearScheme, header: Mapping[str, Tenso
     if dtype == "U8" and weights.type == FLOAT and weights.num_bits == 4:  # mxfp4: two values a byte
         return name, rows, columns * 2
     expected = {INT: ("I8", *FLOAT_DTYPES), FLOAT: ("F8_E4M3",)}[weights.type]
+    if weights.offset:
+        expected = ("U8",)  # unsigned codes 0..2^b-1
     if dtype not in expected:
         raise QuantizationError(f"{name} is {dtype}, not {' or '.join(expected)}")
     return name, rows, columns
@@ -70,7 +73,13 @@ def _check_module(module: str, scheme: LinearScheme, header: Mapping[str, Tensor
     if tuple(shape) not in expected:
         raise QuantizationError(f"{scale} has shape {list(shape)}, expected {list(expected[0])}")
     zero_point = f"{module}.weight_zero_point"
-    if not scheme.weights.symmetric:
+    offset = f"{module}.weight_offset"
+    if scheme.weights.offset:
+        if offset not in header:
+            raise QuantizationError(f"{offset} is missing (the weights have float offsets)")
+        if header[offset] != (tuple(shape), "F32"):
+            raise QuantizationError(f"{offset} is {header[offset][1]} {list(header[offset][0])}, not F32 {list(shape)}")
+    elif not scheme.weights.symmetric:
         if zero_point not in header:
             raise QuantizationError(f"{zero_point} is missing (the weights have zero points)")
         if header[zero_point][1] not in INT_DTYPES + FLOAT_DTYPES:

@@ -57,6 +57,8 @@ def resolve_model_path(config: InferenceConfig) -> Path:
     path = Path(expand_home_vars(configured)).expanduser() if configured else default_model_path()
     if not (path / "config.json").is_file():
         hint = "" if configured else "; run `bash infer.sh` (or scripts/setup.sh) once to fetch the default model"
+        if path == default_model_path(blocks=True):
+            hint = "; run `python -m executor.model_loader.default_model --blocks` once to write it"
         raise ConfigError(
             f"model_config.model_path {str(path)!r} in {config.source} is not a model folder (no config.json){hint}"
         )

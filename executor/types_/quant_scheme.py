@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from types import MappingProxyType
 
 ONLINE = "online"  # a plan quantizes float weights at load (model_config.quantization)
 INT = "int"
@@ -39,10 +40,16 @@ class QuantArgs:
     block_structure: tuple[int, int] | None = None
     dynamic: bool = False
     mx: bool = False  # scales are e8m0 exponents (uint8, 2 ** (s - 127)), as MXFP4/MXFP8 store them
+    # values are unsigned codes 0..2^b-1 and each group adds a float offset: w = q * scale + offset
+    # (GGUF's Q4_1), where compressed-tensors' asymmetric form subtracts an integer zero point
+    offset: bool = False
 
     @property
     def q_range(self) -> tuple[float, float]:
-        """The representable range: [-2^(b-1), 2^(b-1) - 1] for ints, +-max for float8 / fp4."""
+        """The representable range: [-2^(b-1), 2^(b-1) - 1] for ints ([0, 2^b - 1] for offset codes),
+        +-max for float8 / fp4."""
+        if self.type == INT and self.offset:
+            return 0, 2**self.num_bits - 1
         if self.type == INT:
             return -(2 ** (self.num_bits - 1)), 2 ** (self.num_bits - 1) - 1
         largest = {8: 448.0, 4: 6.0}[self.num_bits]
@@ -53,7 +60,7 @@ class QuantArgs:
         if self.strategy == BLOCK and self.block_structure:
             shape = f"{self.block_structure[0]}x{self.block_structure[1]} blocks"
         kind = f"{'mx' if self.mx else ''}{self.type}{self.num_bits}"
-        extras = [] if self.symmetric else ["zero points"]
+        extras = ["float offsets"] if self.offset else [] if self.symmetric else ["zero points"]
         if self.dynamic:
             extras.append("dynamic")
         return f"{kind} per {shape}" + (f" ({', '.join(extras)})" if extras else "")
@@ -86,6 +93,17 @@ class LinearScheme:
     def describe(self) -> str:
         inputs = self.input_activations.describe() if self.input_activations else "unquantized"
         return f"weights {self.weights.describe()}, activations {inputs}"
+
+
+# GGUF block types kept as blocks (executor/model_loader/gguf_blocks.py): 32 values a block with an
+# fp16 scale d, and for Q4_1 an fp16 minimum m: Q4_1 w = q * d + m (q in 0..15), Q8_0 w = q * d (q int8).
+GGUF_FORMAT = "gguf-blocks"  # a quantization_config's quant_method for a folder of such blocks
+GGUF_BLOCK_SCHEMES = MappingProxyType(
+    {
+        "q4_1": LinearScheme(QuantArgs(4, INT, GROUP, symmetric=False, group_size=32, offset=True)),
+        "q8_0": LinearScheme(QuantArgs(8, INT, GROUP, symmetric=True, group_size=32)),
+    }
+)
 
 
 @dataclass(frozen=True, slots=True)
