@@ -142,7 +142,9 @@ def layer_kind_schemes(model: nn.Module) -> dict[str, str]:
         if not isinstance(module, QuantizableLinear):
             continue
         scheme = getattr(module, "scheme", None)
-        method = module.linear_method
+        method = getattr(module, "linear_method", None)
+        if method is None and scheme is None:  # an unquantized token table: no matmul
+            continue
         how = "rows dequantized as they are looked up" if method is None else method.describe(module)
         described = f"{scheme.describe()}; {how}" if scheme is not None else f"unquantized; {how}"
         kinds.setdefault(name.rpartition(".")[2], set()).add(described)
