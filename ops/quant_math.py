@@ -128,6 +128,14 @@ def quantize_int8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return torch.clamp(torch.round(x32 / scale), -128, 127).to(torch.int8), scale
 
 
+def int8_rescale(
+    accumulated: torch.Tensor, x_scale: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """An int8 matmul's int32 [T, N] back to fp32: acc * x_scale [T, 1] * w_scale [1, N] (+ bias)."""
+    out = accumulated.float() * x_scale * weight_scale
+    return out if bias is None else out + bias.float()
+
+
 # -- weights ---------------------------------------------------------------------------------------
 
 
@@ -214,6 +222,7 @@ __all__ = [
     "activation_qparams",
     "dequantize_weight",
     "fake_quantize_activation",
+    "int8_rescale",
     "int8_scaled_mm_reference",
     "quantize_activation",
     "quantize_int8_per_token",

@@ -30,6 +30,8 @@ from ops.linear_method import LinearMethod
 logger = logging.getLogger(__name__)
 
 IntMatmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Quantize = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+Rescale = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,10 +74,19 @@ class Int8ScaledLinear(LinearMethod):
     """W8A8 int8: y = (q(x) @ W_q^T) * s_x * s_w + b with the product accumulated in int32.
 
     `int_mm` is the device's int8 matmul ([M, K] x [K, N] -> int32): torch._int_mm on the CPU, a
-    padded form of it on CUDA (ops/cuda_quant.py)."""
+    padded form of it on CUDA (ops/cuda_quant.py). `quantize` (per-token dynamic quantization) and
+    `rescale` (int32 -> fp32 with both scales and the bias) are the plain-torch ones unless the
+    backend has kernels that give the same values in one pass (ops/cpu_quantized.py)."""
 
-    def __init__(self, int_mm: IntMatmul = torch._int_mm) -> None:
+    def __init__(
+        self,
+        int_mm: IntMatmul = torch._int_mm,
+        quantize: Quantize = quant_math.quantize_int8_per_token,
+        rescale: Rescale = quant_math.int8_rescale,
+    ) -> None:
         self.int_mm = int_mm
+        self.quantize = quantize
+        self.rescale = rescale
 
     def process_weights(self, layer: nn.Module) -> None:
         weight = quantized_weight(layer)
@@ -94,14 +105,11 @@ class Int8ScaledLinear(LinearMethod):
         packed: Int8Weight = layer.packed_weight
         rows = x.reshape(-1, x.shape[-1])
         if packed.input_scale is None:
-            x_values, x_scale = quant_math.quantize_int8_per_token(rows)
+            x_values, x_scale = self.quantize(rows)
         else:
             x_scale = packed.input_scale.reshape(1, 1)
             x_values = torch.clamp(torch.round(rows.float() / x_scale), -128, 127).to(torch.int8)
-        accumulated = self.int_mm(x_values, packed.transposed)
-        out = accumulated.float() * x_scale * packed.scale
-        if bias is not None:
-            out = out + bias.float()
+        out = self.rescale(self.int_mm(x_values, packed.transposed), x_scale, packed.scale, bias)
         return out.to(x.dtype).view(*x.shape[:-1], packed.out_features)
 
 
