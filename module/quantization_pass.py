@@ -123,13 +123,17 @@ def _quantize_tied(
     """An LM head tied to embedding `table_name`: the table's scheme on the table's tensors, which a
     scheme of its own in the plan (other than the table's) would contradict."""
     own = plan.scheme_for(name)
-    if own is not None and own != table.scheme:
+    if own is not None and own != table.scheme and not (plan.at_load and table.scheme is None):
         raise QuantizationError(
             f"{plan.source}: {name} is tied to {table_name}, so it runs the embedding's weights "
             f"({table.scheme.describe() if table.scheme else 'unquantized'}), not {own.describe()}"
         )
     if table.scheme is None:
-        return None
+        if own is None or not plan.at_load:
+            return None
+        # quantized at load on its own: the head's copy of the table is rounded, the table stays
+        module.set_scheme(own, backend.linear_method(own.kind), compute_dtype, True)
+        return QuantizedLayer(name, (name,), own)
     module.set_scheme(table.scheme, backend.linear_method(table.scheme.kind), compute_dtype, False, tied_to=table)
     return QuantizedLayer(name, (table_name,), table.scheme)
 

@@ -19,10 +19,11 @@ import torch
 
 from executor.platform import npu_runtime
 from executor.platform.graph_compilers import GraphCompilerFactory, graph_compiler_factory
-from executor.types_.quant_scheme import QUANTIZED_KINDS, W8A8_INT8
+from executor.types_.quant_scheme import QUANTIZED_KINDS, W8A8_INT8, WNA16
 from ops import cpu, cpu_kernels, cuda_graph, cuda_quant, torch_ref
 from ops.attention_metadata import AttentionMetadataBuilder, NpuMetadataBuilder, TorchMetadataBuilder
 from ops.cpu import CpuOps, cpu_linear_method
+from ops.cpu_quantized import CpuInt8Kernels, Wna16Linear
 from ops.linear_method import PLAIN, UNQUANTIZED, LinearMethod
 from ops.npu import NpuGraphOps, NpuOps
 from ops.npu_quant import npu_linear_methods
@@ -151,7 +152,13 @@ def _cpu_backend(dtype: torch.dtype, prepack_weights: bool, use_extension: bool,
         ops.update({name: getattr(cpu_ops, name) for name in names})
         ops.update(_with_decode(cpu.paged_decode_attention, ("mla_attention",)))
     packed = cpu_linear_method(dtype, kernels, cpu_kernels.cpu_flags()) if prepack_weights else None
-    linear = linear_methods(packed or PLAIN, {W8A8_INT8: Int8ScaledLinear(cpu.int8_mm, "torch._int_mm, oneDNN")}, "cpu")
+    dense = packed or PLAIN
+    native: dict[str, LinearMethod] = {W8A8_INT8: Int8ScaledLinear(cpu.int8_mm, "torch._int_mm, oneDNN")}
+    if kernels is not None:  # the quantized kernels of ops/cpu_quantized.py; the plain-torch forms otherwise
+        int8 = CpuInt8Kernels(kernels)
+        native[W8A8_INT8] = Int8ScaledLinear(cpu.int8_mm, "torch._int_mm, oneDNN", int8.quantize, int8.rescale)
+        native[WNA16] = Wna16Linear(kernels, DequantizedLinear(dense, "no CPU kernel for its groups or dtype"))
+    linear = linear_methods(dense, native, "cpu")
     return Backend("cpu", linear=linear, metadata_builder=TorchMetadataBuilder, **common, **ops)
 
 

@@ -7,9 +7,11 @@ request of a non-decode step in one call, taking the step's own K/V from the lay
 out of the cache. The fused fp32 kernels (RMSNorm with
 and without the residual add, SiLU-and-mul, the rotary embedding) make one pass over memory where
 the reference makes one per operator. The cache writes copy each new K/V row straight to its slot.
+The quantized kernels: W8A8's per-token int8 quantization and rescale in one pass each around
+torch._int_mm (int8_quant.cpp), and a weight-only 4/8-bit linear for decode's few rows (wna16_linear.cpp).
 Where no compiler is found or the build fails, the CPU backend takes the reference instead, and the
-log says why once. The build is keyed by the CPU's vector extensions, so a cache shared by machines of different
-kinds never runs the wrong code.
+log says why once. The build is keyed by the CPU's vector extensions and the source text, so a cache shared by
+machines of different kinds never runs the wrong code, and an edited kernel is never served stale.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ SOURCES = (
     "fused_elementwise.cpp",
     "kv_cache_write.cpp",
     "packed_linear.cpp",
+    "int8_quant.cpp",
+    "wna16_linear.cpp",
 )
 _DECLARATIONS = """
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
@@ -57,6 +61,15 @@ void write_latent_cache(torch::Tensor latent, torch::Tensor latent_cache, torch:
 torch::Tensor pack_linear_weight(torch::Tensor weight);
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
     int64_t out_features);
+std::vector<torch::Tensor> quantize_int8_per_token(torch::Tensor x);
+torch::Tensor int8_rescale(torch::Tensor accumulated, torch::Tensor x_scale, torch::Tensor w_scale,
+    c10::optional<torch::Tensor> bias);
+std::vector<torch::Tensor> pack_wna16_weight(torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
+    int64_t bits);
+torch::Tensor wna16_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor offsets,
+    c10::optional<torch::Tensor> bias, int64_t bits, int64_t out_features);
+torch::Tensor wna16_dequantize(torch::Tensor packed, torch::Tensor scales, torch::Tensor offsets, int64_t bits,
+    int64_t out_features);
 """
 FUNCTIONS = (
     "paged_decode_attention",
@@ -69,6 +82,11 @@ FUNCTIONS = (
     "write_latent_cache",
     "pack_linear_weight",
     "packed_linear",
+    "quantize_int8_per_token",
+    "int8_rescale",
+    "pack_wna16_weight",
+    "wna16_linear",
+    "wna16_dequantize",
 )
 
 
@@ -84,6 +102,13 @@ def cpu_flags() -> frozenset[str]:
 def vector_flags() -> list[str]:
     """-mavx2 -mfma where the CPU has them (the decode shapes gain little from AVX-512)."""
     return ["-mavx2", "-mfma"] if {"avx2", "fma"} <= cpu_flags() else []
+
+
+def build_name(flags: list[str], sources: list[str]) -> str:
+    """The extension's name, and so its build folder: one per vector flags and source text, so that
+    an edited kernel is built afresh and checkouts with different kernels never rebuild each other's."""
+    digest = hashlib.sha256("\0".join([*flags, *sources]).encode()).hexdigest()[:12]
+    return "infer_recipes_cpu_kernels" + ("_avx2" if flags else "") + f"_{digest}"
 
 
 @functools.cache

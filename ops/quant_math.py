@@ -175,6 +175,14 @@ def fake_quantize_kv(x: torch.Tensor, channel_scale: torch.Tensor | None = None)
     return dequantize_kv(quantize_kv_static(x, channel_scale), x.dtype, channel_scale=channel_scale)
 
 
+def int8_rescale(
+    accumulated: torch.Tensor, x_scale: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """An int8 matmul's int32 [T, N] back to fp32: acc * x_scale [T, 1] * w_scale [1, N] (+ bias)."""
+    out = accumulated.float() * x_scale * weight_scale
+    return out if bias is None else out + bias.float()
+
+
 # -- weights ---------------------------------------------------------------------------------------
 
 
@@ -269,6 +277,7 @@ __all__ = [
     "dequantize_weight",
     "fake_quantize_activation",
     "fake_quantize_kv",
+    "int8_rescale",
     "int8_scaled_mm_reference",
     "quantize_activation",
     "quantize_int8_per_token",

@@ -37,6 +37,8 @@ from ops.linear_method import LinearMethod
 logger = logging.getLogger(__name__)
 
 IntMatmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Quantize = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+Rescale = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,11 +90,21 @@ class Int8ScaledLinear(LinearMethod):
 
     `int_mm` is the device's int8 matmul ([M, K] x [K, N] -> int32), named by `kernel` in the log:
     torch._int_mm behind an opaque op on the CPU (ops/cpu.py), a padded form of it on CUDA
-    (ops/cuda_quant.py)."""
+    (ops/cuda_quant.py). `quantize` (per-token dynamic quantization) and `rescale` (int32 -> fp32
+    with both scales and the bias) are the plain-torch ones unless the backend has kernels that give
+    the same values in one pass (ops/cpu_quantized.py)."""
 
-    def __init__(self, int_mm: IntMatmul = torch._int_mm, kernel: str = "torch._int_mm") -> None:
+    def __init__(
+        self,
+        int_mm: IntMatmul = torch._int_mm,
+        kernel: str = "torch._int_mm",
+        quantize: Quantize = quant_math.quantize_int8_per_token,
+        rescale: Rescale = quant_math.int8_rescale,
+    ) -> None:
         self.int_mm = int_mm
         self.kernel = kernel
+        self.quantize = quantize
+        self.rescale = rescale
 
     def describe(self, layer: nn.Module) -> str:
         return f"native int8 matmul ({self.kernel})"
@@ -111,14 +123,11 @@ class Int8ScaledLinear(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         if layer.int8_input_scale is None:
-            x_values, x_scale = quant_math.quantize_int8_per_token(rows)
+            x_values, x_scale = self.quantize(rows)
         else:
             x_scale = layer.int8_input_scale.reshape(1, 1)
             x_values = torch.clamp(torch.round(rows.float() / x_scale), -128, 127).to(torch.int8)
-        accumulated = self.int_mm(x_values, layer.int8_weight_t)
-        out = accumulated.float() * x_scale * layer.int8_weight_scale
-        if bias is not None:
-            out = out + bias.float()
+        out = self.rescale(self.int_mm(x_values, layer.int8_weight_t), x_scale, layer.int8_weight_scale, bias)
         return out.to(x.dtype).view(*x.shape[:-1], layer.int8_weight_t.shape[1])
 
 

@@ -6,7 +6,9 @@ vLLM and transformers read it); this module keeps what runs here and refuses the
 that names the group, the scheme and the file. `model_config.quantization` is one weight scheme
 and/or `c8`, joined by "+": w8a8, w8a16, w4a16, w4a16_asym, w4a8 (int4 groups of 128; a `_g<N>`
 suffix sets another group size), fp8 (per channel, dynamic per-token activations), fp8_block
-(128x128), mxfp4, mxfp8, and c8 (an int8 KV cache, dynamic per token and head). On a quantized
+(128x128), mxfp4, mxfp8, and c8 (an int8 KV cache, dynamic per token and head). The LM head stays
+unquantized, as llm-compressor's recipes leave it, unless `lm_head` is joined too (w8a8+lm_head): the
+largest matmul of a small model, at some cost in agreement (docs/benchmarks.md). On a quantized
 checkpoint a weight scheme must be the checkpoint's own (anything else is a conflict); c8 adds an
 int8 KV cache where the checkpoint has no kv_cache_scheme.
 
@@ -69,6 +71,7 @@ PRESETS = {
     "mxfp8": "MXFP8",
 }
 C8 = "c8"
+LM_HEAD = "lm_head"  # quantize the LM head too, with the weight scheme
 GROUP_SUFFIX = re.compile(r"^(?P<preset>.+)_g(?P<group>\d+)$")
 # as llm-compressor's recipes leave them: the LM head and the MoE routers
 ONLINE_IGNORE = ("lm_head", r"re:.*mlp\.gate$", r"re:.*mlp\.router$")
@@ -182,7 +185,7 @@ def preset_scheme(token: str, key: str) -> QuantizationScheme:
     name, group_size = (match["preset"], int(match["group"])) if match else (token, None)
     preset = PRESETS.get(name)
     if preset is None:
-        raise QuantizationError(f"{key}: unknown scheme {token!r}; choose from {', '.join([*PRESETS, C8])}")
+        raise QuantizationError(f"{key}: unknown scheme {token!r}; choose from {', '.join([*PRESETS, C8, LM_HEAD])}")
     scheme = preset_name_to_scheme(preset, ["Linear"])
     if group_size is not None:
         if scheme.weights.group_size is None or scheme.weights.block_structure:
@@ -234,11 +237,13 @@ def read_quantization(hf_config: Any, request: QuantizationRequest, source: str)
     YAML requests; None when neither quantizes anything."""
     requested, key = request.schemes, request.key
     tokens = [token.strip().lower() for token in requested.split("+") if token.strip()] if requested else []
-    weight_tokens = [token for token in tokens if token != C8]
+    weight_tokens = [token for token in tokens if token not in (C8, LM_HEAD)]
     if len(weight_tokens) > 1:
         raise QuantizationError(f"{key}: {requested!r} names two weight schemes ({', '.join(weight_tokens)}); name one")
     if len(tokens) != len(set(tokens)):
         raise QuantizationError(f"{key}: {requested!r} names a scheme twice")
+    if LM_HEAD in tokens and not weight_tokens:
+        raise QuantizationError(f"{key}: {requested!r}: lm_head goes with a weight scheme (w8a8+lm_head)")
     requested_kv = KVCacheScheme(TOKEN) if C8 in tokens else None
     requested_weights = online_scheme(weight_tokens[0], key) if weight_tokens else None
     checkpoint = getattr(hf_config, "quantization_config", None)
@@ -247,6 +252,11 @@ def read_quantization(hf_config: Any, request: QuantizationRequest, source: str)
             checkpoint = checkpoint.to_dict()
         if checkpoint.get("quant_method") == GPT_OSS_MXFP4 and requested_weights is None:
             return None if requested_kv is None else QuantizationPlan((), (), requested_kv, GPT_OSS_MXFP4, source)
+        if LM_HEAD in tokens:
+            raise QuantizationError(
+                f"{key}: {requested!r}: lm_head is for quantizing at load; the checkpoint's own ignore list "
+                f"decides its LM head ({source})"
+            )
         plan = checkpoint_plan(checkpoint, source)
         schemes = {group.scheme for group in plan.groups}
         if requested_weights is not None and schemes != {requested_weights}:
@@ -259,4 +269,5 @@ def read_quantization(hf_config: Any, request: QuantizationRequest, source: str)
     if requested_weights is None and requested_kv is None:
         return None
     groups = () if requested_weights is None else (SchemeGroup(weight_tokens[0], ("Linear",), requested_weights),)
-    return QuantizationPlan(groups, request.ignore, requested_kv, ONLINE, f"{key}: {requested}")
+    ignore = tuple(target for target in request.ignore if target != LM_HEAD) if LM_HEAD in tokens else request.ignore
+    return QuantizationPlan(groups, ignore, requested_kv, ONLINE, f"{key}: {requested}")

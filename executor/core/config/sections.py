@@ -119,7 +119,8 @@ class ModelConfig:
     quantization: str = rule(
         "",
         help="ours: quantize at load, round to nearest: one weight scheme (w8a8, w8a16, w4a16, w4a16_asym, w4a8, "
-        "fp8, fp8_block, mxfp4, mxfp8; _g<N> sets a group size) and/or c8 (int8 KV cache), joined by '+'; a "
+        "fp8, fp8_block, mxfp4, mxfp8; _g<N> sets a group size) and/or c8 (int8 KV cache), joined by '+', with "
+        "lm_head to quantize the LM head too (left unquantized otherwise); a "
         "quantized checkpoint's own config.json quantization_config is read without it (docs/quantization.md)",
     )
     enable_weight_nz: bool = not_applicable(

@@ -1,0 +1,213 @@
+"""The CPU's quantized kernels against the plain-torch reference (ops/quant_math.py): W8A8's per-token
+quantization and rescale give its values exactly; the weight-only 4/8-bit linear dequantizes to the
+same weights exactly and multiplies within the fp32 rounding bound of a K-term sum,
+|y - y_exact| <= (K + 2) * 2^-24 * (sum_k |x_k w_k| + |b|)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from executor.model_loader.quantization_config import read_quantization
+from executor.types_.quant_scheme import GROUP, W8A8_INT8, WNA16, LinearScheme, QuantArgs
+from module.linear import ColumnParallelLinear
+from module.quantized import QuantizationError
+from ops import cpu_kernels, quant_math
+from ops.backend import make_backend
+from ops.cpu_quantized import (
+    WNA16_ROWS_MAX,
+    CodedWeight,
+    CpuInt8Kernels,
+    Wna16Linear,
+    coded_weight,
+    dequantize_coded,
+)
+from ops.linear_method import PLAIN
+from ops.quantized_linear import DequantizedLinear, Int8ScaledLinear
+
+UNIT_ROUNDOFF = 2.0**-24
+FAST = settings(max_examples=25, deadline=None)
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    built = cpu_kernels.extension()
+    assert built is not None, "the CPU kernels build where a compiler is present"
+    return built
+
+
+# -- W8A8: per-token quantization and rescale ---------------------------------------------------------
+
+
+@FAST
+@given(
+    tokens=st.integers(1, 40),
+    features=st.integers(1, 700),
+    magnitude=st.sampled_from([1e-30, 1e-3, 1.0, 1e4]),
+    seed=st.integers(0, 2**16),
+)
+def test_int8_quantization_equals_the_reference_exactly(kernels, tokens, features, magnitude, seed):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, features, generator=generator) * magnitude
+    x[0] = 0.0  # an all-zero row takes the eps scale
+    values, scale = kernels.quantize_int8_per_token(x)
+    expected_values, expected_scale = quant_math.quantize_int8_per_token(x)
+    assert torch.equal(scale, expected_scale)
+    assert torch.equal(values, expected_values)
+
+
+def test_int8_quantization_rounds_ties_to_even(kernels):
+    row = torch.tensor([[127.5, 0.5, 1.5, 2.5, -0.5, -1.5, -127.5]])  # max 127.5: scale exactly 1
+    values, scale = kernels.quantize_int8_per_token(row)
+    assert scale.item() == 1.0
+    assert values.tolist() == [[127, 0, 2, 2, 0, -2, -128]]
+
+
+@FAST
+@given(tokens=st.integers(1, 33), out=st.integers(1, 300), with_bias=st.booleans(), per_tensor=st.booleans())
+def test_int8_rescale_equals_the_reference_exactly(kernels, tokens, out, with_bias, per_tensor):
+    accumulated = torch.randint(-(2**24), 2**24, (tokens, out), dtype=torch.int32)
+    x_scale = torch.rand(1, 1) if per_tensor else torch.rand(tokens, 1)
+    w_scale, bias = torch.rand(1, out), torch.randn(out) if with_bias else None
+    expected = quant_math.int8_rescale(accumulated, x_scale, w_scale, bias)
+    assert torch.equal(kernels.int8_rescale(accumulated, x_scale, w_scale, bias), expected)
+
+
+def test_w8a8_with_the_kernels_equals_w8a8_in_plain_torch(kernels):
+    scheme = LinearScheme(QuantArgs(8), QuantArgs(8, strategy="token", dynamic=True))
+    int8 = CpuInt8Kernels(kernels)
+    x = torch.randn(2, 5, 96)
+    outputs = []
+    for method in (Int8ScaledLinear(), Int8ScaledLinear(torch._int_mm, int8.quantize, int8.rescale)):
+        layer = quantized_layer(96, 40, scheme, method, seed=3)
+        outputs.append(layer(x))
+    assert torch.equal(outputs[0], outputs[1])
+
+
+# -- weight-only 4/8-bit ------------------------------------------------------------------------------
+
+
+def fma_dense(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group: int) -> torch.Tensor:
+    """u * s + o rounded once to fp32 (the product and sum are exact in float64 at these widths)."""
+    full_scale = scale.double().repeat_interleave(group, 1)
+    return (codes.double() * full_scale + offset.double().repeat_interleave(group, 1)).float()
+
+
+def within_fp32_sum_bound(y: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    exact = x.double() @ dense.double().t()
+    magnitude = x.double().abs() @ dense.double().abs().t()
+    if bias is not None:
+        exact, magnitude = exact + bias.double(), magnitude + bias.double().abs()
+    bound = (x.shape[1] + 2) * UNIT_ROUNDOFF * magnitude
+    return bool(((y.double() - exact).abs() <= bound).all())
+
+
+@FAST
+@given(
+    bits=st.sampled_from([4, 8]),
+    rows=st.integers(1, 9),
+    out=st.integers(1, 70),
+    groups=st.integers(1, 4),
+    group=st.sampled_from([2, 32, 64, 96]),
+    with_bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_wna16_linear_matches_the_dequantized_weight(kernels, bits, rows, out, groups, group, with_bias, seed):
+    generator = torch.Generator().manual_seed(seed)
+    features = groups * group
+    codes = torch.randint(0, 2**bits, (out, features), dtype=torch.uint8, generator=generator)
+    scale = torch.rand(out, groups, generator=generator) * 0.1
+    offset = -torch.rand(out, groups, generator=generator) * 0.5  # any (d, m): GGUF Q4_1's form too
+    packed, scales, offsets = kernels.pack_wna16_weight(codes, scale, offset, bits)
+    dense = fma_dense(codes, scale, offset, group)
+    assert torch.equal(kernels.wna16_dequantize(packed, scales, offsets, bits, out), dense)
+    x = torch.randn(rows, features, generator=generator)
+    bias = torch.randn(out, generator=generator) if with_bias else None
+    y = kernels.wna16_linear(x, packed, scales, offsets, bias, bits, out)
+    assert within_fp32_sum_bound(y, x, dense, bias)
+
+
+def test_wna16_pack_refuses_codes_wider_than_the_bits(kernels):
+    codes = torch.full((3, 4), 16, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="does not fit 4 bits"):
+        kernels.pack_wna16_weight(codes, torch.ones(3, 1), torch.zeros(3, 1), 4)
+
+
+def quantized_layer(features: int, out: int, scheme: LinearScheme, method, seed: int) -> ColumnParallelLinear:
+    """A linear layer quantized at load by `scheme` under `method`, its weights processed."""
+    layer = ColumnParallelLinear(features, out, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(out, features, generator=torch.Generator().manual_seed(seed)) * 0.05)
+    layer.set_scheme(scheme, method, torch.float32, at_load=True)
+    method.process_weights(layer)
+    return layer
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("rows", [1, WNA16_ROWS_MAX, WNA16_ROWS_MAX + 5])
+def test_wna16_method_matches_the_scheme_computed_plainly(kernels, bits, symmetric, rows):
+    """Through the kernel (rows <= WNA16_ROWS_MAX) and dequantized per call (more rows), against
+    DequantizedLinear's weight ((q - zp) * s in fp32) and F.linear."""
+    scheme = LinearScheme(QuantArgs(bits, strategy=GROUP, group_size=32, symmetric=symmetric))
+    reference = quantized_layer(128, 50, scheme, DequantizedLinear(PLAIN), seed=1)
+    layer = quantized_layer(128, 50, scheme, Wna16Linear(kernels, DequantizedLinear(PLAIN)), seed=1)
+    assert layer.wna16_bits == bits
+    dense = reference.weight.detach()
+    # Symmetric offsets (-2^(b-1) s) are exact, so the weights are the reference's to the bit; a
+    # zero point's offset is rounded once more.
+    coded = CodedWeight(layer.wna16_codes, layer.wna16_scales, layer.wna16_offsets, bits, 50)
+    torch_dense = dequantize_coded(coded)
+    assert torch.equal(torch_dense, kernels.wna16_dequantize(coded.codes, coded.scales, coded.offsets, bits, 50))
+    if symmetric:
+        assert torch.equal(torch_dense, dense)
+    else:
+        torch.testing.assert_close(torch_dense, dense, rtol=0, atol=4 * UNIT_ROUNDOFF * dense.abs().max().item())
+    x = torch.randn(rows, 128)
+    y = layer(x)
+    assert within_fp32_sum_bound(y, x, dense, None) if symmetric else torch.allclose(y, F.linear(x, dense), atol=1e-5)
+
+
+def test_wna16_runs_plainly_where_the_kernel_does_not_take_the_layer(kernels):
+    scheme = LinearScheme(QuantArgs(4, strategy=GROUP, group_size=32))
+    layer = ColumnParallelLinear(64, 8, bias=False)
+    layer.set_scheme(scheme, None, torch.bfloat16, at_load=True)
+    assert coded_weight(kernels, layer) is None  # a bf16 model
+
+
+def test_cpu_record_takes_the_quantized_kernels_where_they_built(kernels):
+    built = make_backend("cpu")
+    assert isinstance(built.linear[WNA16], Wna16Linear)
+    assert built.linear[W8A8_INT8].quantize.__self__.kernels is kernels
+    reference_only = make_backend("cpu", cpu_extension=False)
+    assert isinstance(reference_only.linear[WNA16], DequantizedLinear)
+    assert reference_only.linear[W8A8_INT8].quantize is quant_math.quantize_int8_per_token
+
+
+# -- the build and the plan ---------------------------------------------------------------------------
+
+
+def test_the_build_is_named_by_its_sources():
+    flags = ["-mavx2"]
+    assert cpu_kernels.build_name(flags, ["a", "b"]) == cpu_kernels.build_name(flags, ["a", "b"])
+    assert cpu_kernels.build_name(flags, ["a", "b"]) != cpu_kernels.build_name(flags, ["a", "c"])
+    assert cpu_kernels.build_name(flags, ["a"]) != cpu_kernels.build_name([], ["a"])
+
+
+class _Config:
+    quantization_config = None
+
+
+def test_lm_head_token_quantizes_the_lm_head_too():
+    default = read_quantization(_Config(), "w8a8", "model_config.quantization", "test")
+    assert default.scheme_for("lm_head") is None
+    included = read_quantization(_Config(), "w8a8+lm_head", "model_config.quantization", "test")
+    assert included.scheme_for("lm_head") == included.scheme_for("model.layers.0.mlp.down_proj")
+
+
+def test_lm_head_token_alone_is_refused():
+    with pytest.raises(QuantizationError, match="lm_head goes with a weight scheme"):
+        read_quantization(_Config(), "lm_head", "model_config.quantization", "test")
