@@ -189,7 +189,7 @@ def describe_quantized_layers(model: nn.Module, layers: list[QuantizedLayer]) ->
     kinds: dict[tuple[str, str], list[str]] = {}
     for layer in layers:
         module = modules[layer.name]
-        method = module.linear_method
+        method = getattr(module, "linear_method", None) or getattr(module, "experts_method", None)
         how = (layer.scheme.describe(), "rows dequantized as looked up" if method is None else method.describe(module))
         kind = layer.name.rpartition(".")[2]
         if kind not in kinds.setdefault(how, []):

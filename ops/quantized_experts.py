@@ -58,6 +58,10 @@ def stacked_weight(layer: nn.Module, projection: str) -> StackedWeight:
 class ExpertsMethod:
     """How a FusedExperts under a scheme runs: process_weights once after loading, apply per step."""
 
+    def describe(self, layer: nn.Module) -> str:
+        """How this method runs `layer`, for the start-up log."""
+        return type(self).__name__
+
     def process_weights(self, layer: nn.Module) -> None:
         raise NotImplementedError
 
@@ -81,6 +85,9 @@ class Int8ExpertWeights:
 
 class Int8Experts(ExpertsMethod):
     """W8A8 int8 experts through the backend's moe_experts_int8."""
+
+    def describe(self, layer: nn.Module) -> str:
+        return "native int8 experts (moe_experts_int8)"
 
     def process_weights(self, layer: nn.Module) -> None:
         packed = []
@@ -112,8 +119,11 @@ class Int8Experts(ExpertsMethod):
 
 
 class DequantizedExperts(ExpertsMethod):
-    """The scheme computed plainly: values dequantized once into the model's dtype (said in the
-    start-up log by the method's name), inputs fake-quantized per expert where the scheme says."""
+    """The scheme computed plainly: values dequantized once into the model's dtype, inputs
+    fake-quantized per expert where the scheme says."""
+
+    def describe(self, layer: nn.Module) -> str:
+        return "dequantized once at load into the stacked experts"
 
     def process_weights(self, layer: nn.Module) -> None:
         args = layer.scheme.weights

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from executor.model_loader.quantization_config import read_quantization
+from executor.model_loader.quantization_config import QuantizationRequest, read_quantization
 from executor.types_.quant_scheme import GROUP, W8A8_INT8, WNA16, LinearScheme, QuantArgs
 from module.linear import ColumnParallelLinear
 from module.quantized import QuantizationError
@@ -81,7 +81,7 @@ def test_w8a8_with_the_kernels_equals_w8a8_in_plain_torch(kernels):
     int8 = CpuInt8Kernels(kernels)
     x = torch.randn(2, 5, 96)
     outputs = []
-    for method in (Int8ScaledLinear(), Int8ScaledLinear(torch._int_mm, int8.quantize, int8.rescale)):
+    for method in (Int8ScaledLinear(), Int8ScaledLinear(torch._int_mm, "torch._int_mm", int8.quantize, int8.rescale)):
         layer = quantized_layer(96, 40, scheme, method, seed=3)
         outputs.append(layer(x))
     assert torch.equal(outputs[0], outputs[1])
@@ -202,12 +202,12 @@ class _Config:
 
 
 def test_lm_head_token_quantizes_the_lm_head_too():
-    default = read_quantization(_Config(), "w8a8", "model_config.quantization", "test")
+    default = read_quantization(_Config(), QuantizationRequest("w8a8"), "test")
     assert default.scheme_for("lm_head") is None
-    included = read_quantization(_Config(), "w8a8+lm_head", "model_config.quantization", "test")
+    included = read_quantization(_Config(), QuantizationRequest("w8a8+lm_head"), "test")
     assert included.scheme_for("lm_head") == included.scheme_for("model.layers.0.mlp.down_proj")
 
 
 def test_lm_head_token_alone_is_refused():
     with pytest.raises(QuantizationError, match="lm_head goes with a weight scheme"):
-        read_quantization(_Config(), "lm_head", "model_config.quantization", "test")
+        read_quantization(_Config(), QuantizationRequest("lm_head"), "test")
