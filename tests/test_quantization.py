@@ -241,3 +241,21 @@ def test_every_prompt_position_scores_as_transformers_does_under_the_scheme(sche
         for position, entry in enumerate(request.prompt_logprobs):
             assert abs(entry.logprob - expected[position, entry.token_id].item()) < 1e-4
             assert entry.top_token_ids[0] == expected[position].argmax().item()
+
+
+def test_default_model_w4a16_decode_through_the_few_row_kernel_equals_transformers_on_the_same_weights(smollm2_dir):
+    """Batch 1 decode runs the CPU's 4-bit kernel (<= 8 rows); transformers runs the same
+    round-to-nearest weights dequantized: the same greedy tokens."""
+    scheme = online_scheme("w4a16_g64", "test").weights
+    reference = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    for name, module in reference.named_modules():
+        if isinstance(module, torch.nn.Linear) and name != "lm_head":
+            values, scale, zero_point = quant_math.quantize_weight(module.weight.data, scheme)
+            module.weight.data = quant_math.dequantize_weight(values, scale, zero_point, scheme, torch.float32)
+    prompt = [1, 504, 3458, 282, 4649, 314]
+    inference = make_inference(smollm2_dir, model_config={"quantization": "w4a16_g64"}, max_new_tokens=12, batch_size=1)
+    (request,) = inference.generate([PromptRecord(id="p", prompt_token_ids=prompt)], None).requests
+    with torch.no_grad():
+        expected = reference.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12)[0, len(prompt) :]
+    assert request.output_token_ids == expected.tolist()[: len(request.output_token_ids)]
+    assert len(request.output_token_ids) >= 8
