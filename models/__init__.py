@@ -50,3 +50,9 @@ NOT_BUILT: dict[str, str] = {
     "step3p7_flash": "Step-3.7-Flash is not built",
     "kimi_k3": "Kimi K3 (Kimi linear attention) is not built",
 }
+
+
+# transformers' GGUF tensor processors that only reorder whole rows (Llama's Q/K permutation), so a
+# GGUF's blocks survive them (executor/model_loader/gguf_blocks.py); other families' processors
+# reshape or split tensors and are dequantized instead.
+GGUF_ROW_PROCESSOR_NAMES = ("TensorProcessor", "LlamaTensorProcessor")

@@ -7,7 +7,7 @@ fp16 minimum m and 32 4-bit codes q (w = q * d + m), Q8_0 blocks an fp16 scale d
 fp32, so dequantizing them equals gguf's own dequantization bit for bit. Any other tensor type is
 dequantized by gguf into fp32 and runs unquantized.
 
-The names and the Q/K row permutation that llama.cpp applies to attn_q / attn_k are transformers'
+The names and the Q/K row permutation GGUF converters apply to attn_q / attn_k are transformers'
 (modeling_gguf_pytorch_utils: its tensor name map and tensor processors). The permutation moves whole
 rows, so it is applied to the rows of blocks before they are decoded; architectures whose processor
 does more than that (splitting or reshaping tensors) are refused.
@@ -26,18 +26,18 @@ from gguf.quants import dequantize
 from transformers import AutoModelForCausalLM
 from transformers.modeling_gguf_pytorch_utils import (
     TENSOR_PROCESSORS,
-    LlamaTensorProcessor,
     TensorProcessor,
     get_gguf_hf_weights_map,
     load_gguf_checkpoint,
     read_field,
 )
 
+from models import GGUF_ROW_PROCESSOR_NAMES
+
 BLOCK_VALUES = 32
 Q4_1_BLOCK_BYTES = 20  # fp16 d, fp16 m, 16 bytes of codes: byte j holds value j (low nibble) and j + 16
 Q8_0_BLOCK_BYTES = 34  # fp16 d, 32 int8 values
 BLOCK_TYPES = {GGMLQuantizationType.Q4_1: "q4_1", GGMLQuantizationType.Q8_0: "q8_0"}
-ROW_PROCESSORS = (TensorProcessor, LlamaTensorProcessor)  # processors that only reorder rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,10 +89,10 @@ def _row_processor(reader: GGUFReader, gguf_path: Path) -> TensorProcessor:
     architecture = read_field(reader, "general.architecture")[0]
     config = load_gguf_checkpoint(str(gguf_path))["config"]
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config)
-    if type(processor) not in ROW_PROCESSORS:
+    if type(processor).__name__ not in GGUF_ROW_PROCESSOR_NAMES:
         raise ValueError(
             f"{gguf_path}: architecture {architecture!r} reshapes its tensors on import "
-            f"({type(processor).__name__}); only row-wise ones (Llama family) keep their blocks"
+            f"({type(processor).__name__}); only processors that reorder rows keep their blocks"
         )
     return processor
 

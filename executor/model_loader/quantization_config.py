@@ -75,7 +75,7 @@ LM_HEAD = "lm_head"  # quantize the LM head too, with the weight scheme
 GROUP_SUFFIX = re.compile(r"^(?P<preset>.+)_g(?P<group>\d+)$")
 # as llm-compressor's recipes leave them: the LM head and the MoE routers
 ONLINE_IGNORE = ("lm_head", r"re:.*mlp\.gate$", r"re:.*mlp\.router$")
-GPT_OSS_MXFP4 = "mxfp4"  # gpt-oss's own format: its model decodes the *_blocks / *_scales experts
+OWN_MXFP4 = "mxfp4"  # a model's own MXFP4 format (quant_method "mxfp4"): the model decodes its *_blocks / *_scales
 
 
 def quant_args(args: QuantizationArgs, where: str) -> QuantArgs:
@@ -250,8 +250,8 @@ def read_quantization(hf_config: Any, request: QuantizationRequest, source: str)
     if checkpoint is not None:
         if not isinstance(checkpoint, Mapping):
             checkpoint = checkpoint.to_dict()
-        if checkpoint.get("quant_method") == GPT_OSS_MXFP4 and requested_weights is None:
-            return None if requested_kv is None else QuantizationPlan((), (), requested_kv, GPT_OSS_MXFP4, source)
+        if checkpoint.get("quant_method") == OWN_MXFP4 and requested_weights is None:
+            return None if requested_kv is None else QuantizationPlan((), (), requested_kv, OWN_MXFP4, source)
         if LM_HEAD in tokens:
             raise QuantizationError(
                 f"{key}: {requested!r}: lm_head is for quantizing at load; the checkpoint's own ignore list "

@@ -16,8 +16,8 @@ not reach, and saves them per expert (`mlp.experts.E.{gate,up,down}_proj.weight`
 the checkpoint's layout, which the same target names). Each is rounded to nearest here with the
 same qparams and compressed by compressed-tensors' compressor of the group's format, under the
 names it gives a Linear's tensors (weight_packed, weight_scale, ...); transformers dequantizes them
-on load, vLLM and this harness run them quantized. gpt-oss's stacked experts are not per-expert
-modules and stay as they are; routers stay unquantized.
+on load, vLLM and this harness run them quantized. Experts stacked in the checkpoint itself (not
+per-expert modules) stay as they are; routers stay unquantized.
 """
 
 from __future__ import annotations
