@@ -9,6 +9,7 @@ int8 matmul is exact, the rest is the same fp32 arithmetic), bf16 within 3e-2 (b
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -73,10 +74,24 @@ def assert_teacher_forced_agreement(ours: torch.Tensor, reference: torch.Tensor,
         ("w4a8_g32", False),
         ("fp8", False),
         ("fp8", True),
+        ("w8a8", "naive-quantized"),
     ],
 )
 def test_a_compressed_tensors_checkpoint_gives_transformers_logits(scheme, static, tiny_llama_dir, tmp_path):
-    checkpoint = quantize_checkpoint(tiny_llama_dir, tmp_path / "q", scheme, static=static, calibration=PROMPTS)
+    """`static` True: calibrated per-tensor input scales; a format name: that format instead of the inferred one."""
+    quantization_format = static if isinstance(static, str) else None
+    checkpoint = quantize_checkpoint(
+        tiny_llama_dir,
+        tmp_path / "q",
+        scheme,
+        static=static is True,
+        calibration=PROMPTS,
+        quantization_format=quantization_format,
+    )
+    if quantization_format is not None:
+        assert (
+            json.loads((checkpoint / "config.json").read_text())["quantization_config"]["format"] == quantization_format
+        )
     reference = hf_last_logits(AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval())
     unquantized = hf_last_logits(AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval())
     ours = ours_last_logits(checkpoint)

@@ -174,12 +174,14 @@ def quantize_checkpoint(
     static: bool = False,
     ignore: Sequence[str] = ("lm_head",),
     calibration: Sequence[Sequence[int]] | None = None,
+    quantization_format: str | None = None,
 ) -> Path:
-    """Write `model_dir` quantized by `scheme` to output_dir (see the module docstring)."""
+    """Write `model_dir` quantized by `scheme` to output_dir (see the module docstring), in
+    `quantization_format` where given (naive-quantized, ...), else the one compressed-tensors infers."""
     if output_dir.exists():
         raise FileExistsError(f"{output_dir} already exists; remove it or choose another folder")
     model = quantized_model(model_dir, scheme, static=static, ignore=ignore, calibration=calibration)
-    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=quantization_format)
     compressor.compress_model(model)
     group = compressor.quantization_config.config_groups["group_0"]
     output_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -215,8 +217,16 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--static", action="store_true", help="static per-tensor activation scales (calibrated)")
     parser.add_argument("--ignore", nargs="*", default=["lm_head"], help="modules left unquantized (names or re:)")
+    parser.add_argument("--format", help="compressed-tensors format (naive-quantized, ...); default: the one it infers")
     args = parser.parse_args(argv)
-    path = quantize_checkpoint(args.model_dir, args.output_dir, args.scheme, static=args.static, ignore=args.ignore)
+    path = quantize_checkpoint(
+        args.model_dir,
+        args.output_dir,
+        args.scheme,
+        static=args.static,
+        ignore=args.ignore,
+        quantization_format=args.format,
+    )
     print(path)
 
 
