@@ -197,7 +197,7 @@ class NpuOps:
             values, row_scale = quant_math.quantize_int8_per_token(rows)
         else:
             row_scale = input_scale.float()[row_experts].reshape(-1, 1)
-            values = torch.clamp(torch.round(rows.float() / row_scale), -128, 127).to(torch.int8)
+            values = quant_math.quantize_int8(rows, row_scale)
         return self.torch_npu.npu_grouped_matmul(
             [values],
             [weight_t],

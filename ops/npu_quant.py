@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from executor.types_.quant_scheme import FP8, GROUP, MXFP4, MXFP8, TENSOR, TOKEN, W4A8, W8A8_INT8, WNA16
+from ops import quant_math
 from ops.linear_method import LinearMethod
 from ops.quantized_linear import DequantizedLinear, NativeLinear, keep_tensors, quantized_weight
 
@@ -85,7 +86,7 @@ class NpuW8A8Linear(NativeLinear):
         if input_scale is None:
             x_values, x_scale = self.torch_npu.npu_dynamic_quant(rows.to(out_dtype))
         else:
-            x_values = torch.clamp(torch.round(rows.float() / input_scale), -128, 127).to(torch.int8)
+            x_values = quant_math.quantize_int8(rows, input_scale)
             x_scale = input_scale.float().expand(rows.shape[0])
         out = self.torch_npu.npu_quant_matmul(
             x_values,

@@ -121,11 +121,15 @@ def fake_quantize_activation(
     return dequantize(values, scale.to(x.dtype), zero_point).to(x.dtype)
 
 
+def quantize_int8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Symmetric int8 values of x by `scale` (broadcast against it; computed in fp32)."""
+    return torch.clamp(torch.round(x.float() / scale), -128, 127).to(torch.int8)
+
+
 def quantize_int8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, K] -> (int8 values [T, K], fp32 scales [T, 1]): symmetric, dynamic, max|x| / 127.5."""
-    x32 = x.float()
-    scale = _eps_fix(x32.abs().amax(-1, keepdim=True) / 127.5)
-    return torch.clamp(torch.round(x32 / scale), -128, 127).to(torch.int8), scale
+    scale = _eps_fix(x.float().abs().amax(-1, keepdim=True) / 127.5)
+    return quantize_int8(x, scale), scale
 
 
 # -- the int8 KV cache (C8) --------------------------------------------------------------------------
@@ -280,6 +284,7 @@ __all__ = [
     "int8_rescale",
     "int8_scaled_mm_reference",
     "quantize_activation",
+    "quantize_int8",
     "quantize_int8_per_token",
     "quantize_kv_per_token_head",
     "quantize_kv_static",

@@ -126,7 +126,7 @@ class Int8ScaledLinear(LinearMethod):
             x_values, x_scale = self.quantize(rows)
         else:
             x_scale = layer.int8_input_scale.reshape(1, 1)
-            x_values = torch.clamp(torch.round(rows.float() / x_scale), -128, 127).to(torch.int8)
+            x_values = quant_math.quantize_int8(rows, x_scale)
         out = self.rescale(self.int_mm(x_values, layer.int8_weight_t), x_scale, layer.int8_weight_scale, bias)
         return out.to(x.dtype).view(*x.shape[:-1], layer.int8_weight_t.shape[1])
 

@@ -701,7 +701,7 @@ def _int8_rows(x: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[torch
     if input_scale is None:
         return quant_math.quantize_int8_per_token(x)
     scale = input_scale.float().reshape(1, 1)
-    return torch.clamp(torch.round(x.float() / scale), -128, 127).to(torch.int8), scale
+    return quant_math.quantize_int8(x, scale), scale
 
 
 def _int8_linear(x: torch.Tensor, weight_t: torch.Tensor, scale: torch.Tensor, input_scale: torch.Tensor | None):
