@@ -153,13 +153,20 @@ def _cpu_backend(dtype: torch.dtype, prepack_weights: bool, use_extension: bool,
         ops.update(_with_decode(cpu.paged_decode_attention, ("mla_attention",)))
     packed = cpu_linear_method(dtype, kernels, cpu_kernels.cpu_flags()) if prepack_weights else None
     dense = packed or PLAIN
-    native: dict[str, LinearMethod] = {W8A8_INT8: Int8ScaledLinear(cpu.int8_mm, "torch._int_mm, oneDNN")}
-    if kernels is not None:  # the quantized kernels of ops/cpu_quantized.py; the plain-torch forms otherwise
-        int8 = CpuInt8Kernels(kernels)
-        native[W8A8_INT8] = Int8ScaledLinear(cpu.int8_mm, "torch._int_mm, oneDNN", int8.quantize, int8.rescale)
-        native[WNA16] = Wna16Linear(kernels, DequantizedLinear(dense, "no CPU kernel for its groups or dtype"))
-    linear = linear_methods(dense, native, "cpu")
+    linear = linear_methods(dense, _cpu_quantized_methods(kernels, dense), "cpu")
     return Backend("cpu", linear=linear, metadata_builder=TorchMetadataBuilder, **common, **ops)
+
+
+def _cpu_quantized_methods(kernels: object | None, dense: LinearMethod) -> dict[str, LinearMethod]:
+    """W8A8 by torch._int_mm between the one-pass kernels of ops/cpu_quantized.py (the plain-torch
+    quantize and rescale where the extension did not build), WNA16 by the few-row 4/8-bit kernel."""
+    if kernels is None:
+        return {W8A8_INT8: Int8ScaledLinear(cpu.int8_mm, "torch._int_mm, oneDNN")}
+    int8 = CpuInt8Kernels(kernels)
+    return {
+        W8A8_INT8: Int8ScaledLinear(cpu.int8_mm, "torch._int_mm, oneDNN", int8.quantize, int8.rescale),
+        WNA16: Wna16Linear(kernels, DequantizedLinear(dense, "no CPU kernel for its groups or dtype")),
+    }
 
 
 # The ops ops/npu.py implements. The others have a torch reference only so far (MLA and MoE for
