@@ -23,7 +23,7 @@ from executor.types_.quant_scheme import QUANTIZED_KINDS, W8A8_INT8, WNA16
 from ops import cpu, cpu_kernels, cuda_graph, cuda_quant, torch_ref
 from ops.attention_metadata import AttentionMetadataBuilder, NpuMetadataBuilder, TorchMetadataBuilder
 from ops.cpu import CpuOps, cpu_linear_method
-from ops.cpu_quantized import CpuInt8Kernels, Wna16Linear
+from ops.cpu_quantized import VNNI_FLAGS, CpuInt8Kernels, VnniInt8Linear, Wna16Linear
 from ops.linear_method import PLAIN, UNQUANTIZED, LinearMethod
 from ops.npu import NpuGraphOps, NpuOps
 from ops.npu_quant import npu_linear_methods
@@ -153,18 +153,23 @@ def _cpu_backend(dtype: torch.dtype, prepack_weights: bool, use_extension: bool,
         ops.update(_with_decode(cpu.paged_decode_attention, ("mla_attention",)))
     packed = cpu_linear_method(dtype, kernels, cpu_kernels.cpu_flags()) if prepack_weights else None
     dense = packed or PLAIN
-    linear = linear_methods(dense, _cpu_quantized_methods(kernels, dense), "cpu")
+    linear = linear_methods(dense, _cpu_quantized_methods(kernels, dense, dtype), "cpu")
     return Backend("cpu", linear=linear, metadata_builder=TorchMetadataBuilder, **common, **ops)
 
 
-def _cpu_quantized_methods(kernels: object | None, dense: LinearMethod) -> dict[str, LinearMethod]:
-    """W8A8 by torch._int_mm between the one-pass kernels of ops/cpu_quantized.py (the plain-torch
-    quantize and rescale where the extension did not build), WNA16 by the few-row 4/8-bit kernel."""
+def _cpu_quantized_methods(kernels: object | None, dense: LinearMethod, dtype: torch.dtype) -> dict[str, LinearMethod]:
+    """W8A8 by the one-kernel int8 linear on fp32 models where the CPU has AVX-512 VNNI, else by
+    torch._int_mm between the one-pass kernels of ops/cpu_quantized.py (the plain-torch quantize and
+    rescale where the extension did not build); WNA16 by the few-row 4/8-bit kernel."""
     if kernels is None:
         return {W8A8_INT8: Int8ScaledLinear(cpu.int8_mm, "torch._int_mm, oneDNN")}
-    int8 = CpuInt8Kernels(kernels)
+    if dtype == torch.float32 and VNNI_FLAGS <= cpu_kernels.cpu_flags():
+        w8a8: LinearMethod = VnniInt8Linear(kernels)
+    else:
+        int8 = CpuInt8Kernels(kernels)
+        w8a8 = Int8ScaledLinear(cpu.int8_mm, "torch._int_mm, oneDNN", int8.quantize, int8.rescale)
     return {
-        W8A8_INT8: Int8ScaledLinear(cpu.int8_mm, "torch._int_mm, oneDNN", int8.quantize, int8.rescale),
+        W8A8_INT8: w8a8,
         WNA16: Wna16Linear(kernels, DequantizedLinear(dense, "no CPU kernel for its groups or dtype")),
     }
 

@@ -53,6 +53,27 @@ def _(a, b):
     return a.new_empty(a.shape[0], b.shape[1], dtype=torch.int32)
 
 
+@torch.library.custom_op("infer_recipes::cpu_int8_linear", mutates_args=())
+def int8_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    compensation: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    out_features: int,
+) -> torch.Tensor:
+    """W8A8's whole linear by ops/csrc/int8_linear.cpp (AVX-512 VNNI): one opaque op in a compiled
+    graph too. Registered only once the extension built (ops/cpu_quantized.py's VnniInt8Linear)."""
+    kernel = extension().int8_linear_forward
+    return kernel(x, packed, compensation, weight_scale, input_scale, bias, out_features)
+
+
+@int8_linear.register_fake
+def _(x, packed, compensation, weight_scale, input_scale, bias, out_features):
+    return x.new_empty(x.shape[0], out_features)
+
+
 @torch.library.custom_op("infer_recipes::cpu_paged_decode_attention", mutates_args=())
 def paged_decode_attention(
     query: torch.Tensor,

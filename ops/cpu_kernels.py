@@ -37,6 +37,7 @@ SOURCES = (
     "kv_cache_write.cpp",
     "packed_linear.cpp",
     "int8_quant.cpp",
+    "int8_linear.cpp",
     "wna16_linear.cpp",
 )
 _DECLARATIONS = """
@@ -64,6 +65,10 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional
 std::vector<torch::Tensor> quantize_int8_per_token(torch::Tensor x);
 torch::Tensor int8_rescale(torch::Tensor accumulated, torch::Tensor x_scale, torch::Tensor w_scale,
     c10::optional<torch::Tensor> bias);
+std::vector<torch::Tensor> pack_int8_weight(torch::Tensor weight);
+torch::Tensor int8_linear_forward(torch::Tensor x, torch::Tensor packed, torch::Tensor compensation,
+    torch::Tensor w_scale, c10::optional<torch::Tensor> input_scale, c10::optional<torch::Tensor> bias,
+    int64_t out_features);
 std::vector<torch::Tensor> pack_wna16_weight(torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
     int64_t bits);
 torch::Tensor wna16_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor offsets,
@@ -84,6 +89,8 @@ FUNCTIONS = (
     "packed_linear",
     "quantize_int8_per_token",
     "int8_rescale",
+    "pack_int8_weight",
+    "int8_linear_forward",
     "pack_wna16_weight",
     "wna16_linear",
     "wna16_dequantize",

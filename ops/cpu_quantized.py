@@ -1,6 +1,7 @@
-"""The CPU's quantized kernels as linear-method parts: W8A8's per-token quantization and rescale
-(ops/csrc/int8_quant.cpp) and the weight-only 4/8-bit linear for decode's few rows
-(ops/csrc/wna16_linear.cpp), each behind its guard and falling back to the plain-torch form.
+"""The CPU's quantized kernels as linear methods or their parts: W8A8's whole linear on CPUs with
+AVX-512 VNNI (ops/csrc/int8_linear.cpp), its per-token quantization and rescale around
+torch._int_mm elsewhere (ops/csrc/int8_quant.cpp), and the weight-only 4/8-bit linear for decode's
+few rows (ops/csrc/wna16_linear.cpp), each behind its guard and falling back to the plain-torch form.
 
 The int8 kernels give the reference's values exactly (ops/quant_math.py); the weight-only kernel
 differs from F.linear over the dequantized weight only in the order of its fp32 sums.
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ops import quant_math
+from ops import cpu, quant_math
 from ops.cpu import named
 from ops.linear_method import LinearMethod
 from ops.quantized_linear import DequantizedLinear, keep_tensors, quantized_weight
@@ -45,6 +46,53 @@ class CpuInt8Kernels:
         if torch.compiler.is_compiling():
             return quant_math.int8_rescale(accumulated, x_scale, weight_scale, bias)
         return named("int8_rescale", self.kernels.int8_rescale)(accumulated, x_scale, weight_scale, bias)
+
+
+# The CPU flags int8_linear.cpp needs (Linux's names).
+VNNI_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})
+
+
+class VnniInt8Linear(LinearMethod):
+    """W8A8 int8 for fp32 models on CPUs with AVX-512 VNNI: quantization, the int8 matmul over a
+    weight packed once at load, and the rescale in one kernel (int8_linear.cpp), with no int32
+    matrix between them; 1.1-2.5x the three passes around torch._int_mm (docs/benchmarks.md)."""
+
+    def __init__(self, kernels: Any) -> None:
+        self.kernels = kernels
+
+    def describe(self, layer: nn.Module) -> str:
+        return "native int8 matmul (int8_linear.cpp, AVX-512 VNNI, weights packed at load)"
+
+    def process_weights(self, layer: nn.Module) -> None:
+        """The VPDPBUSD panels and their column compensation, fp32 scales [N], the static input scale."""
+        weight = quantized_weight(layer)
+        out_features = weight.values.shape[0]
+        packed, compensation = self.kernels.pack_int8_weight(weight.values.to(torch.int8))
+        keep_tensors(
+            layer,
+            int8_packed=packed,
+            int8_compensation=compensation,
+            int8_weight_scale=weight.scale.float().reshape(-1).expand(out_features).contiguous(),
+            int8_input_scale=weight.input_scale,
+        )
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        out_features = layer.int8_weight_scale.shape[0]
+        rows = x.reshape(-1, x.shape[-1])
+        # The op is for compiled graphs; eagerly the pybind call skips the dispatcher's overhead.
+        kernel = (
+            cpu.int8_linear if torch.compiler.is_compiling() else named("int8_linear", self.kernels.int8_linear_forward)
+        )
+        out = kernel(
+            rows,
+            layer.int8_packed,
+            layer.int8_compensation,
+            layer.int8_weight_scale,
+            layer.int8_input_scale,
+            bias,
+            out_features,
+        )
+        return out.view(*x.shape[:-1], out_features)
 
 
 @dataclass(frozen=True, slots=True)

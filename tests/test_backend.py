@@ -19,6 +19,7 @@ from ops import cpu, cpu_kernels, cuda_graph, torch_ref
 from ops.attention_metadata import TorchMetadataBuilder
 from ops.backend import OP_NAMES, make_backend
 from ops.cpu import CpuOps
+from ops.cpu_quantized import VnniInt8Linear
 from ops.linear_method import PlainLinear
 from ops.quantized_linear import DequantizedLinear, Int8ScaledLinear
 from tests.backends import cpu_backend
@@ -144,7 +145,7 @@ def test_a_scheme_without_a_linear_method_is_refused():
 def test_every_record_has_a_method_for_every_quantized_kind_int8_natively_on_cpu_and_cuda():
     cpu = cpu_backend()
     assert set(QUANTIZED_KINDS) <= set(cpu.linear)
-    assert isinstance(cpu.linear_method(W8A8_INT8), Int8ScaledLinear)
+    assert isinstance(cpu.linear_method(W8A8_INT8), (Int8ScaledLinear, VnniInt8Linear))
     assert isinstance(cpu.linear_method(FP8), DequantizedLinear)
     assert cpu.linear_method(FP8).dense is cpu.linear_method()  # dequantized weights packed as plain ones are
     cuda = make_backend("cuda")

@@ -1,6 +1,6 @@
 """The CPU's quantized kernels against the plain-torch reference (ops/quant_math.py): W8A8's per-token
-quantization and rescale give its values exactly; the weight-only 4/8-bit linear dequantizes to the
-same weights exactly and multiplies within the fp32 rounding bound of a K-term sum,
+quantization and rescale, and the one-kernel VNNI linear, give its values exactly; the weight-only
+4/8-bit linear dequantizes to the same weights exactly and multiplies within the fp32 rounding bound of a K-term sum,
 |y - y_exact| <= (K + 2) * 2^-24 * (sum_k |x_k w_k| + |b|)."""
 
 from __future__ import annotations
@@ -18,9 +18,11 @@ from module.quantized import QuantizationError
 from ops import cpu_kernels, quant_math
 from ops.backend import make_backend
 from ops.cpu_quantized import (
+    VNNI_FLAGS,
     WNA16_ROWS_MAX,
     CodedWeight,
     CpuInt8Kernels,
+    VnniInt8Linear,
     Wna16Linear,
     coded_weight,
     dequantize_coded,
@@ -30,6 +32,8 @@ from ops.quantized_linear import DequantizedLinear, Int8ScaledLinear
 
 UNIT_ROUNDOFF = 2.0**-24
 FAST = settings(max_examples=25, deadline=None)
+HAS_VNNI = VNNI_FLAGS <= cpu_kernels.cpu_flags()
+needs_vnni = pytest.mark.skipif(not HAS_VNNI, reason="int8_linear.cpp needs AVX-512 VNNI, which this CPU lacks")
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +89,53 @@ def test_w8a8_with_the_kernels_equals_w8a8_in_plain_torch(kernels):
         layer = quantized_layer(96, 40, scheme, method, seed=3)
         outputs.append(layer(x))
     assert torch.equal(outputs[0], outputs[1])
+
+
+def plain_w8a8(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, bias, input_scale) -> torch.Tensor:
+    """W8A8 in plain torch: quantize (per token, or by the static scale), int32 sums, rescale."""
+    if input_scale is None:
+        values, x_scale = quant_math.quantize_int8_per_token(x)
+    else:
+        x_scale = input_scale.reshape(1, 1)
+        values = quant_math.quantize_int8(x, x_scale)
+    accumulated = (values.long() @ weight.long().t()).to(torch.int32)
+    return quant_math.int8_rescale(accumulated, x_scale, w_scale.reshape(1, -1), bias)
+
+
+@needs_vnni
+@FAST
+@given(
+    tokens=st.integers(1, 300),
+    features=st.integers(1, 200),
+    out=st.integers(1, 100),
+    with_bias=st.booleans(),
+    static=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_vnni_int8_linear_equals_the_reference_exactly(kernels, tokens, features, out, with_bias, static, seed):
+    """Every tile shape (row and panel tails), K past a multiple of 4, and the extreme weights -128
+    and 127, whose compensation is largest."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, features, generator=generator) * 3
+    weight = torch.randint(-128, 128, (out, features), dtype=torch.int8, generator=generator)
+    weight[0, :] = -128
+    w_scale = torch.rand(out, generator=generator)
+    bias = torch.randn(out, generator=generator) if with_bias else None
+    input_scale = torch.tensor([0.02]) if static else None
+    packed, compensation = kernels.pack_int8_weight(weight)
+    y = kernels.int8_linear_forward(x, packed, compensation, w_scale, input_scale, bias, out)
+    assert torch.equal(y, plain_w8a8(x, weight, w_scale, bias, input_scale))
+
+
+@needs_vnni
+def test_vnni_method_equals_w8a8_in_plain_torch_across_a_row_chunk(kernels):
+    """Through the layer: more rows than one chunk of the kernel (128), a 3D input."""
+    scheme = LinearScheme(QuantArgs(8), QuantArgs(8, strategy="token", dynamic=True))
+    x = torch.randn(3, 100, 96)
+    plain, vnni = (
+        quantized_layer(96, 70, scheme, method, seed=3) for method in (Int8ScaledLinear(), VnniInt8Linear(kernels))
+    )
+    assert torch.equal(vnni(x), plain(x))
 
 
 # -- weight-only 4/8-bit ------------------------------------------------------------------------------
@@ -181,7 +232,12 @@ def test_wna16_runs_plainly_where_the_kernel_does_not_take_the_layer(kernels):
 def test_cpu_record_takes_the_quantized_kernels_where_they_built(kernels):
     built = make_backend("cpu")
     assert isinstance(built.linear[WNA16], Wna16Linear)
-    assert built.linear[W8A8_INT8].quantize.__self__.kernels is kernels
+    if HAS_VNNI:
+        assert built.linear[W8A8_INT8].kernels is kernels
+    else:
+        assert built.linear[W8A8_INT8].quantize.__self__.kernels is kernels
+    bf16 = make_backend("cpu", dtype=torch.bfloat16)  # int8_linear.cpp writes fp32
+    assert bf16.linear[W8A8_INT8].quantize.__self__.kernels is kernels
     reference_only = make_backend("cpu", cpu_extension=False)
     assert isinstance(reference_only.linear[WNA16], DequantizedLinear)
     assert reference_only.linear[W8A8_INT8].quantize is quant_math.quantize_int8_per_token

@@ -64,13 +64,10 @@ __attribute__((target("avx2,fma"))) float quantize_row_avx2(const float* x, int6
   return scale;
 }
 
-__attribute__((target("avx512f,avx512bw,avx512vl"))) float quantize_row_avx512(const float* x, int64_t k, int8_t* q) {
-  __m512 max_v = _mm512_setzero_ps();
-  for (int64_t i = 0; i < k; i += 16) {
-    const __mmask16 mask = k - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (k - i)) - 1);
-    max_v = _mm512_max_ps(max_v, _mm512_abs_ps(_mm512_maskz_loadu_ps(mask, x + i)));
-  }
-  const float scale = row_scale(_mm512_reduce_max_ps(max_v));
+// q = clamp(round-half-even(x / scale)) for a given scale: the second half of a dynamic row's
+// quantization, and a static scale's whole.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void quantize_row_by_avx512(const float* x, int64_t k,
+                                                                                 float scale, int8_t* q) {
   const __m512 scale_v = _mm512_set1_ps(scale), low = _mm512_set1_ps(-128.0f), high = _mm512_set1_ps(127.0f);
   for (int64_t i = 0; i < k; i += 16) {
     const __mmask16 mask = k - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (k - i)) - 1);
@@ -80,6 +77,16 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) float quantize_row_avx512(c
     const __m512i ints = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(rounded, low), high));
     _mm_mask_storeu_epi8(q + i, mask, _mm512_cvtepi32_epi8(ints));
   }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl"))) float quantize_row_avx512(const float* x, int64_t k, int8_t* q) {
+  __m512 max_v = _mm512_setzero_ps();
+  for (int64_t i = 0; i < k; i += 16) {
+    const __mmask16 mask = k - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (k - i)) - 1);
+    max_v = _mm512_max_ps(max_v, _mm512_abs_ps(_mm512_maskz_loadu_ps(mask, x + i)));
+  }
+  const float scale = row_scale(_mm512_reduce_max_ps(max_v));
+  quantize_row_by_avx512(x, k, scale, q);
   return scale;
 }
 

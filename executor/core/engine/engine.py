@@ -32,6 +32,7 @@ from executor.model_loader.hf_config import load_hf_config
 from executor.model_loader.quantization_config import quantization_request, read_quantization
 from executor.platform import create_platform, resolve_dtype
 from executor.platform.compile_cache import CompileCache
+from executor.platform.host_allocator import keep_freed_host_memory
 from executor.types_ import Request, SamplingParams
 from executor.utils.graph_buckets import resolve_buckets
 from executor.utils.step_timer import StepTimer
@@ -47,6 +48,8 @@ class ExecutionEngine:
         env = comm.env if comm is not None else DistEnv.from_environ()
         self.platform = create_platform(config.model_config.device, env.local_rank)
         check_device_rules(config, self.platform.device_type)
+        if self.platform.device_type == "cpu" and keep_freed_host_memory():
+            logger.debug("host allocator: freed memory kept for reuse (glibc mmap and trim off)")
         parallel = config.parallel_config
         self.comm = comm or CommManager(
             ParallelLayout.from_config(parallel), env, self.platform.dist_backend, parallel.collective_timeout_s
