@@ -60,9 +60,10 @@ void panel_scalar(const Wna16& w, int64_t p, const float* x, int64_t rows, float
 }
 
 // The walk over panel p's codes that both vector forms share: per group, acc.group(p, g) loads its
-// scales and offsets; per 16 bytes of codes, acc.step<set>(codes, kk), the loads alternating between
-// two sets of accumulators, so that at one row the fused multiply-adds are not one chain waiting on
-// each other's latency. Inlined into each form's panel function (flatten), which gives it the ISA.
+// scales and offsets; per 16 bytes of codes, acc.step<load>(codes, kk), the load's place in a round of
+// four telling the accumulators it adds into, so that at one row the fused multiply-adds are not one
+// chain waiting on each other's latency. Inlined into each form's panel function (flatten), which
+// gives it the ISA.
 template <class Acc>
 inline void walk_panel(const Wna16& w, int64_t p, Acc& acc) {
   const uint8_t* panel = w.codes + p * w.panel_bytes();
@@ -71,15 +72,18 @@ inline void walk_panel(const Wna16& w, int64_t p, Acc& acc) {
     acc.group(p, g);
     const int64_t end = (g + 1) * w.group;
     int64_t kk = g * w.group;
-    for (; kk + 2 * per_load <= end; kk += 2 * per_load) {
+    for (; kk + 4 * per_load <= end; kk += 4 * per_load) {
       acc.template step<0>(panel + (kk / per_load) * kColumns, kk);
       acc.template step<1>(panel + (kk / per_load + 1) * kColumns, kk + per_load);
+      acc.template step<2>(panel + (kk / per_load + 2) * kColumns, kk + 2 * per_load);
+      acc.template step<3>(panel + (kk / per_load + 3) * kColumns, kk + 3 * per_load);
     }
-    if (kk < end) acc.template step<0>(panel + (kk / per_load) * kColumns, kk);
+    for (; kk < end; kk += per_load) acc.template step<0>(panel + (kk / per_load) * kColumns, kk);
   }
 }
 
-// AVX-512: one vector per 16 columns; accumulators [row][2 * set + K parity within a 4-bit load].
+// AVX-512: one vector per 16 columns; four accumulators a row: 8-bit codes, one per load of a round;
+// 4-bit codes (two K values a load), a pair per even or odd load.
 template <int kRows>
 struct Avx512Rows {
   const Wna16& w;
@@ -92,8 +96,9 @@ struct Avx512Rows {
     offset = _mm512_loadu_ps(w.offsets + (p * w.groups() + g) * kColumns);
   }
 
-  template <int kSet>
+  template <int kLoad>
   __attribute__((target("avx512f"))) void step(const uint8_t* codes_at, int64_t kk) {
+    constexpr int kPair = 2 * (kLoad % 2);
     const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes_at)));
     if (w.bits == 4) {
       const __m512 even =
@@ -101,14 +106,14 @@ struct Avx512Rows {
       const __m512 odd = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(codes, 4)), scale, offset);
 #pragma GCC unroll 4
       for (int r = 0; r < kRows; ++r) {
-        acc[r][2 * kSet] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * w.k + kk]), even, acc[r][2 * kSet]);
-        acc[r][2 * kSet + 1] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * w.k + kk + 1]), odd, acc[r][2 * kSet + 1]);
+        acc[r][kPair] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * w.k + kk]), even, acc[r][kPair]);
+        acc[r][kPair + 1] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * w.k + kk + 1]), odd, acc[r][kPair + 1]);
       }
     } else {
       const __m512 weight = _mm512_fmadd_ps(_mm512_cvtepi32_ps(codes), scale, offset);
 #pragma GCC unroll 4
       for (int r = 0; r < kRows; ++r)
-        acc[r][2 * kSet] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * w.k + kk]), weight, acc[r][2 * kSet]);
+        acc[r][kLoad] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * w.k + kk]), weight, acc[r][kLoad]);
     }
   }
 };
@@ -130,7 +135,7 @@ __attribute__((target("avx512f"), flatten)) void panel_rows_avx512(const Wna16& 
   }
 }
 
-// AVX2: two 8-column halves; accumulators [row][half][set].
+// AVX2: two 8-column halves; accumulators [row][half][load parity].
 template <int kRows>
 struct Avx2Rows {
   const Wna16& w;
@@ -147,8 +152,9 @@ struct Avx2Rows {
     }
   }
 
-  template <int kSet>
+  template <int kLoad>
   __attribute__((target("avx2,fma"))) void step(const uint8_t* codes_at, int64_t kk) {
+    constexpr int kSet = kLoad % 2;
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes_at));
     const __m256i codes[2] = {_mm256_cvtepu8_epi32(bytes), _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))};
     for (int h = 0; h < 2; ++h) {
