@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_PREFILL_TOKENS = 8192  # per request slot, for max_prefill_tokens 0 without input_truncated_len
 HINT_CUTOFF = 0.8  # difflib ratio a name must reach to be offered as "did you mean"
+MIN_MODEL_LEN = 2  # the shortest a request can be: one prompt token and one generated token
 
 
 @dataclass(slots=True)
@@ -234,6 +235,11 @@ def _check_rule(value: Any, metadata: typing.Mapping[str, Any], where: str) -> N
 def _check_cross_rules(config: InferenceConfig, problems: list[str]) -> None:
     """Rules that involve more than one key."""
     sched = config.scheduler_config
+    if 0 < sched.max_model_len < MIN_MODEL_LEN:
+        problems.append(
+            f"scheduler_config.max_model_len in {config.source}: must be 0 (the model's own limit) or at least "
+            f"{MIN_MODEL_LEN} (one prompt token and one generated token), got {sched.max_model_len}"
+        )
     for bucket in sched.graph_buckets:
         if not 1 <= bucket <= sched.batch_size:
             problems.append(
