@@ -111,15 +111,18 @@ def run_ours(
 
 def decode_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of weight a decode step reads: each linear layer's (LM head included) as its method holds
-    it for the kernel (int4 codes and scales, int8 values, a packed fp32 copy), else its plain weight."""
+    it for the kernel: the tensors a quantized method keeps as the layer's buffers when they hold the
+    weight (int4 codes and their scales, packed int8 values), else the packed fp32 copy or the plain
+    weight, with any small kept tensors (a static input scale)."""
     total = 0
     for module in model.modules():
         if getattr(module, "linear_method", None) is None:
             continue
-        held = getattr(module, "coded_weight", None) or getattr(module, "packed_weight", None)
-        tensors = [getattr(held, name) for name in getattr(held, "__slots__", ())]
-        tensors = [t for t in tensors if isinstance(t, torch.Tensor)] or [module.weight]
-        total += sum(t.numel() * t.element_size() for t in tensors)
+        kept = [t for n, t in module._buffers.items() if t is not None and n in module._non_persistent_buffers_set]
+        if not any(t.numel() >= module.weight.numel() // 8 for t in kept):
+            packed = getattr(module, "packed_weight", None)
+            kept.append(module.weight if packed is None else packed.data)
+        total += sum(t.numel() * t.element_size() for t in kept)
     return total
 
 

@@ -23,6 +23,7 @@ from torch import nn
 
 from executor.types_.quant_scheme import LinearScheme, QuantArgs
 from ops import quant_math, torch_ref
+from ops.quantized_linear import keep_tensors
 
 PROJECTIONS = ("gate_up_proj", "down_proj")
 
@@ -71,50 +72,40 @@ class ExpertsMethod:
         raise NotImplementedError
 
 
-@dataclass(frozen=True, slots=True)
-class Int8ExpertWeights:
-    """What moe_experts_int8 reads: int8 W^T per expert, per-channel fp32 scales, static input scales."""
-
-    gate_up_t: torch.Tensor  # [E, H, 2I]
-    gate_up_scale: torch.Tensor  # [E, 2I]
-    down_t: torch.Tensor  # [E, I, H]
-    down_scale: torch.Tensor  # [E, H]
-    gate_up_input_scale: torch.Tensor | None  # [E]
-    down_input_scale: torch.Tensor | None
-
-
 class Int8Experts(ExpertsMethod):
-    """W8A8 int8 experts through the backend's moe_experts_int8."""
+    """W8A8 int8 experts through the backend's moe_experts_int8, reading int8 W^T per expert, per-channel
+    fp32 scales and static input scales kept as the layer's buffers (what the graph modes bind)."""
 
     def describe(self, layer: nn.Module) -> str:
         return "native int8 experts (moe_experts_int8)"
 
     def process_weights(self, layer: nn.Module) -> None:
-        packed = []
+        kept: dict[str, torch.Tensor | None] = {}
         for projection in PROJECTIONS:
             weight = stacked_weight(layer, projection)
             rows = weight.values.shape[1]
-            scale = weight.scale.float().reshape(weight.values.shape[0], -1).expand(-1, rows).contiguous()
-            packed += [weight.values.to(torch.int8).transpose(1, 2).contiguous(), scale, weight.input_scale]
-        gate_up_t, gate_up_scale, gate_up_in, down_t, down_scale, down_in = packed
-        layer.packed_experts = Int8ExpertWeights(gate_up_t, gate_up_scale, down_t, down_scale, gate_up_in, down_in)
+            kept[f"int8_{projection}_t"] = weight.values.to(torch.int8).transpose(1, 2).contiguous()
+            kept[f"int8_{projection}_scale"] = (
+                weight.scale.float().reshape(weight.values.shape[0], -1).expand(-1, rows).contiguous()
+            )
+            kept[f"int8_{projection}_input_scale"] = weight.input_scale
+        keep_tensors(layer, **kept)
         for projection in PROJECTIONS:  # the int8 copies above are what runs
             setattr(layer, projection, nn.Parameter(torch.empty(0, dtype=torch.int8), requires_grad=False))
 
     def apply(
         self, layer: nn.Module, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
-        packed: Int8ExpertWeights = layer.packed_experts
         return layer.ops.moe_experts_int8(
             hidden_states,
             topk_weights,
             topk_ids,
-            packed.gate_up_t,
-            packed.gate_up_scale,
-            packed.down_t,
-            packed.down_scale,
-            packed.gate_up_input_scale,
-            packed.down_input_scale,
+            layer.int8_gate_up_proj_t,
+            layer.int8_gate_up_proj_scale,
+            layer.int8_down_proj_t,
+            layer.int8_down_proj_scale,
+            layer.int8_gate_up_proj_input_scale,
+            layer.int8_down_proj_input_scale,
         )
 
 

@@ -286,7 +286,9 @@ class SchedulerConfig:
     )
     cp_mini_batch: int = not_applicable(-1, "caps a context-parallel prefill step; context parallel is not built")
     num_blocks: int = rule(0, min=0, help="ours: KV blocks to allocate; 0 = size from the memory budget")
-    max_model_len: int = rule(0, min=0, help="ours: longest prompt+output; 0 = the model's max_position_embeddings")
+    max_model_len: int = rule(
+        0, min=0, help="ours: longest prompt+output, at least 2; 0 = the model's max_position_embeddings"
+    )
     ignore_eos: bool = rule(False, help="ours: run every request to max_new_tokens (benchmarks)")
     stop_token_ids: list[int] = rule(default_factory=list, help="ours: extra token ids that end a request")
     enable_prefix_caching: bool = rule(True, help="ours: reuse the cached K/V of prompt prefixes shared by requests")
