@@ -1,10 +1,13 @@
 """The report of a finished (or stopped) run, redrawn from its folder at any time:
 
 python -m executor.offline.report RUN_FOLDER                 # RUN_FOLDER/steps.png and the breakdown
-python -m executor.offline.report --compare BEFORE AFTER     # per-part deltas of two runs
+python -m executor.offline.report --compare BEFORE AFTER [--out PNG]   # time and accuracy of two runs
 
 Everything is recomputed from steps.jsonl (and summary.json where it says more), so folders made
-before a change to the summary still report, and two folders compare on the same rules.
+before a change to the summary still report, and two folders compare on the same rules. A
+comparison also sets the runs' outputs side by side (executor/offline/run_agreement.py): how many
+requests give identical tokens, where the others part, and how far their logprobs and prompt
+logprobs move; `--out` draws both halves into a PNG outside the two run folders.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from typing import Any
 
 from executor.offline.durable_io import CorruptLineError, read_jsonl
 from executor.offline.metrics import breakdown_lines, step_breakdown
-from executor.offline.run_folder import STEPS_FILE, SUMMARY_FILE
+from executor.offline.run_agreement import AgreementError, RunAgreement, agreement_lines, compare_outputs, read_outputs
+from executor.offline.run_folder import OUTPUTS_FILE, STEPS_FILE, SUMMARY_FILE
 from executor.utils.step_timer import PARTS
 
 PLOT_FILE = "steps.png"
@@ -35,6 +39,7 @@ class RunFolder:
     path: Path
     steps: list[dict[str, Any]]  # steps.jsonl, in run order
     summary: dict[str, Any]  # summary.json; empty when missing or unreadable
+    outputs: dict[str, dict[str, Any]]  # outputs.jsonl by request id; empty when missing
 
     @property
     def breakdown(self) -> dict[str, Any]:
@@ -57,7 +62,11 @@ def load_run_folder(path: Path) -> RunFolder:
         summary = json.loads((path / SUMMARY_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         summary = {}
-    return RunFolder(path, steps, summary if isinstance(summary, dict) else {})
+    try:
+        outputs = read_outputs(path) if (path / OUTPUTS_FILE).exists() else {}
+    except AgreementError as exc:
+        raise ReportError(str(exc)) from None
+    return RunFolder(path, steps, summary if isinstance(summary, dict) else {}, outputs)
 
 
 def plot_steps(run: RunFolder, png_path: Path) -> None:
@@ -108,7 +117,8 @@ def report_lines(run: RunFolder) -> list[str]:
 
 def compare_lines(before: RunFolder, after: RunFolder) -> list[str]:
     """Per phase and part, the mean before and after (outliers left out alike), the change and
-    the change in percent; then the run figures of summary.json."""
+    the change in percent; then the run figures of summary.json; then, where both runs have
+    outputs, their agreement."""
     lines = [f"before: {before.path}", f"after:  {after.path}"]
     header = f"{'before':>12s} {'after':>12s} {'delta':>12s} {'delta %':>9s}"
     old, new = before.breakdown, after.breakdown
@@ -122,7 +132,41 @@ def compare_lines(before: RunFolder, after: RunFolder) -> list[str]:
     lines.append(f"{'run':22s} {header}")
     for key in RUN_FIGURES:
         lines.append(_delta_line(f"  {key}", before.summary.get(key), after.summary.get(key)))
+    if before.outputs and after.outputs:
+        lines.extend(agreement_lines(compare_outputs(before.outputs, after.outputs)))
     return lines
+
+
+def plot_comparison(before: RunFolder, after: RunFolder, png_path: Path) -> None:
+    """Both runs' step times across the run, above where each request's tokens first part (identical
+    requests at their full length)."""
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(12, 7), layout="constrained")
+    time_ax, parted_ax = figure.subplots(2, 1, height_ratios=[3, 2])
+    for run, label in ((before, "before"), (after, "after")):
+        time_ax.plot([s["step_time_ms"] for s in run.steps], label=f"{label}: {run.path}", linewidth=0.9)
+    time_ax.set_xlabel("step")
+    time_ax.set_ylabel("step time (ms)")
+    time_ax.legend(loc="upper right", fontsize="small")
+    agreement: RunAgreement = compare_outputs(before.outputs, after.outputs)
+    ids = sorted(before.outputs.keys() & after.outputs.keys())
+    lengths = [len(before.outputs[i].get("output_token_ids") or []) for i in ids]
+    parted = [agreement.first_difference.get(i, length) for i, length in zip(ids, lengths, strict=True)]
+    parted_ax.bar(range(len(ids)), lengths, color="lightgrey", label="generated tokens")
+    parted_ax.bar(range(len(ids)), parted, color="tab:blue", label="identical before the first difference")
+    parted_ax.set_xlabel(f"request ({agreement.identical} of {agreement.compared} identical)")
+    parted_ax.set_ylabel("tokens")
+    parted_ax.legend(loc="upper right", fontsize="small")
+    figure.savefig(png_path, dpi=100)
+
+
+def _check_outside(png_path: Path, folders: list[Path]) -> None:
+    """A comparison is not written into either run's folder (a finished run's files stay as they are)."""
+    target = png_path.resolve().parent
+    for folder in folders:
+        if target == folder.resolve() or folder.resolve() in target.parents:
+            raise ReportError(f"--out {png_path} is inside the run folder {folder}: give a path outside it")
 
 
 def _delta_line(label: str, before: float | None, after: float | None) -> str:
@@ -137,12 +181,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m executor.offline.report", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_folder", nargs="?", type=Path, help="a run's output folder: writes steps.png in it")
     parser.add_argument("--compare", nargs=2, type=Path, metavar=("BEFORE", "AFTER"), help="two run folders")
+    parser.add_argument("--out", type=Path, help="with --compare: a PNG to draw the comparison into")
     args = parser.parse_args(argv)
     if (args.run_folder is None) == (args.compare is None):
         parser.error("give one run folder, or --compare BEFORE AFTER")
+    if args.out is not None and args.compare is None:
+        parser.error("--out goes with --compare")
     try:
         if args.compare:
-            print("\n".join(compare_lines(*(load_run_folder(path) for path in args.compare))))
+            runs = [load_run_folder(path) for path in args.compare]
+            print("\n".join(compare_lines(*runs)))
+            if args.out is not None:
+                _check_outside(args.out, args.compare)
+                plot_comparison(*runs, args.out)
+                print(f"comparison drawn in {args.out}")
             return 0
         run = load_run_folder(args.run_folder)
         plot_steps(run, run.path / PLOT_FILE)
