@@ -19,15 +19,15 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import threading
-import time
 from pathlib import Path
 from typing import Any
+
+from executor.utils.slow_phase import SLOW_AFTER_S, announced_if_slow
 
 logger = logging.getLogger(__name__)
 
 # Seconds of building after which the console says the kernels are being compiled.
-BUILD_NOTICE_AFTER_S = 2.0
+BUILD_NOTICE_AFTER_S = SLOW_AFTER_S
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (
@@ -112,8 +112,9 @@ def vector_flags() -> list[str]:
 
 
 def build_name(flags: list[str], sources: list[str]) -> str:
-    """The extension's name, and so its build folder: one per vector flags and source text, so that
-    an edited kernel is built afresh and checkouts with different kernels never rebuild each other's."""
+    """The extension's name, and so its build folder: one per vector flags and source text (headers
+    included), so that an edited kernel is built afresh and checkouts with different kernels never
+    rebuild each other's."""
     digest = hashlib.sha256("\0".join([*flags, *sources]).encode()).hexdigest()[:12]
     return "infer_recipes_cpu_kernels" + ("_avx2" if flags else "") + f"_{digest}"
 
@@ -125,34 +126,22 @@ def extension() -> Any | None:
     from torch.utils.cpp_extension import load_inline  # imports setuptools: only when a kernel is wanted
 
     flags = vector_flags()
-    start_s = time.perf_counter()
     # A cached build loads in well under a second; a first build compiles for about a minute, which
     # a silent console would pass off as a hang.
-    notice = threading.Timer(
-        BUILD_NOTICE_AFTER_S,
-        logger.info,
-        ("building the CPU kernels (ops/csrc, first use on this machine: about a minute; cached after)",),
-    )
-    notice.start()
+    building = "building the CPU kernels (ops/csrc, first use on this machine: about a minute; cached after)"
     try:
-        sources = [_DECLARATIONS, *((CSRC / source).read_text() for source in SOURCES)]
-        # Keyed by the sources too: checkouts of other versions never load each other's builds.
-        headers = [header.read_text() for header in sorted(CSRC.glob("*.h"))]  # #included: unseen by the loader
-        digest = hashlib.sha256("".join(sources + headers).encode()).hexdigest()[:12]
-        module = load_inline(
-            name=f"infer_recipes_cpu_kernels{'_avx2' if flags else ''}_{digest}",
-            cpp_sources=sources,
-            functions=list(FUNCTIONS),
-            extra_cflags=["-O3", "-fopenmp", "-fno-trapping-math", *flags],
-            extra_ldflags=["-fopenmp"],
-            extra_include_paths=[str(CSRC)],
-        )
+        with announced_if_slow(logger, building, BUILD_NOTICE_AFTER_S):
+            sources = [_DECLARATIONS, *((CSRC / source).read_text() for source in SOURCES)]
+            # Keyed by the sources too: checkouts of other versions never load each other's builds.
+            headers = [header.read_text() for header in sorted(CSRC.glob("*.h"))]  # #included: unseen by the loader
+            return load_inline(
+                name=build_name(flags, sources + headers),
+                cpp_sources=sources,
+                functions=list(FUNCTIONS),
+                extra_cflags=["-O3", "-fopenmp", "-fno-trapping-math", *flags],
+                extra_ldflags=["-fopenmp"],
+                extra_include_paths=[str(CSRC)],
+            )
     except Exception as exc:  # no compiler, missing headers: the reference still works
         logger.warning("CPU kernels unavailable (%s); using the torch reference", exc)
         return None
-    finally:
-        notice.cancel()
-    elapsed_s = time.perf_counter() - start_s
-    if elapsed_s >= BUILD_NOTICE_AFTER_S:  # the notice was given: say when it is over
-        logger.info("CPU kernels built in %.0f s", elapsed_s)
-    return module

@@ -27,4 +27,4 @@ def test_default_yaml_generates_text_for_the_shipped_prompts(smollm2_dir, tmp_pa
     assert all(o["error"] is None and o["output_text"].strip() for o in outputs)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["requests"] == 4 and summary["failed_requests"] == 0 and summary["dtype"] == "float32"
-    assert "=== summary" in capsys.readouterr().out
+    assert "=== run complete" in capsys.readouterr().out

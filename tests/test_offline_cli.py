@@ -84,7 +84,13 @@ def test_run_writes_every_result_file(tmp_path, tiny_llama_dir, capsys):
     assert "p99_ms" in summary["decode"]
     assert "ignore_eos: true" in (out / "config.yaml").read_text()
     printed = capsys.readouterr().out
-    assert "=== summary" in printed and "[chat]" in printed
+    assert "=== run complete" in printed and "[chat]" in printed and "summary.json" in printed
+    assert "{" not in printed.split("=== run complete", 1)[1]  # the end table, not the JSON
+    step_text = (out / "steps.log").read_text()
+    assert (
+        step_text.count("[Main] Inference time") == len((out / "steps.jsonl").read_text().splitlines())
+        and "decode average" in step_text
+    )
 
 
 def test_enable_profiler_writes_a_trace(tmp_path, tiny_llama_dir):

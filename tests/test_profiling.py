@@ -123,7 +123,7 @@ def test_report_draws_the_run_and_prints_its_breakdown(profiled_run, tmp_path, c
     assert report.main([str(folder)]) == 0
     assert (folder / "steps.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
-    assert '"status": "complete"' in printed and "decode: " in printed and "mean ms" in printed
+    assert "=== run complete" in printed and "decode: " in printed and "mean ms" in printed
 
 
 def test_compare_prints_each_part_before_and_after_with_its_change(profiled_run, tmp_path, capsys):

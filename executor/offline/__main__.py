@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import shlex
 import signal
@@ -44,7 +43,8 @@ from executor.offline.preflight import (
     one_line,
 )
 from executor.offline.results import ResultWriter, default_output_dir, failed_record_result
-from executor.offline.run_folder import OUTPUTS_FILE, RunPlan, plan_run
+from executor.offline.run_folder import OUTPUTS_FILE, SUMMARY_FILE, RunPlan, plan_run
+from executor.offline.summary_table import summary_lines
 from executor.utils.logging_config import setup_logging
 
 logger = logging.getLogger("executor.offline")
@@ -86,9 +86,9 @@ def print_results(result: RunResult) -> None:
 
 
 def print_summary(summary: dict[str, Any], output_dir: Path) -> None:
-    """The whole run's summary (its parts are in summary.json)."""
-    print("\n=== summary")
-    print(json.dumps({key: value for key, value in summary.items() if key != "parts"}, indent=2))
+    """The end table, and where the run's files are (summary.json has every figure)."""
+    print()
+    print("\n".join(summary_lines(summary, output_dir / SUMMARY_FILE)))
     print(f"results written to {output_dir}")
 
 

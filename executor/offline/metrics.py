@@ -33,14 +33,19 @@ def step_stats(times: Sequence[float]) -> dict[str, float | int]:
     }
 
 
+def latency_stats(name: str, values_ms: Sequence[float]) -> dict[str, float]:
+    """Mean, p50 and p99 of per-request latencies (ms), as `<name>_mean_ms` and so on."""
+    return {
+        f"{name}_mean_ms": statistics.fmean(values_ms) if values_ms else 0.0,
+        f"{name}_p50_ms": percentile(values_ms, 50),
+        f"{name}_p99_ms": percentile(values_ms, 99),
+    }
+
+
 def summarize(requests: Sequence[Request], records: Sequence[StepRecord], start_s: float, end_s: float) -> dict:
     served = [r for r in requests if r.finish_reason is not FinishReason.ERROR]
-    ttfts = [r.first_token_time_s - r.arrival_time_s for r in served if r.first_token_time_s is not None]
-    tpots = [
-        (r.finish_time_s - r.first_token_time_s) / (len(r.output_token_ids) - 1)
-        for r in served
-        if r.finish_time_s is not None and r.first_token_time_s is not None and len(r.output_token_ids) > 1
-    ]
+    ttfts = [r.ttft_s * 1e3 for r in served if r.ttft_s is not None]
+    tpots = [r.tpot_s * 1e3 for r in served if r.tpot_s is not None]
     output_tokens = sum(len(r.output_token_ids) for r in served)
     total_s = end_s - start_s
     return {
@@ -51,8 +56,8 @@ def summarize(requests: Sequence[Request], records: Sequence[StepRecord], start_
         "total_s": total_s,
         "prefill": step_stats([r.step_time_ms for r in records if r.phase == "prefill"]),
         "decode": step_stats([r.step_time_ms for r in records if r.phase == "decode"]),
-        "ttft_mean_ms": statistics.fmean(ttfts) * 1e3 if ttfts else 0.0,
-        "tpot_mean_ms": statistics.fmean(tpots) * 1e3 if tpots else 0.0,
+        **latency_stats("ttft", ttfts),
+        **latency_stats("tpot", tpots),
         "output_tokens_per_s": output_tokens / total_s if total_s > 0 else 0.0,
         **speculation_stats([dataclasses.asdict(r) for r in records]),
     }

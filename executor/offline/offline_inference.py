@@ -21,10 +21,13 @@ from executor.offline.dataset import DatasetError, PromptRecord, tokenize_record
 from executor.offline.metrics import breakdown_lines, cann_closing_lines, step_breakdown, summarize
 from executor.offline.results import ReplicaWriter, ResultWriter, request_result
 from executor.offline.run_folder import RunPlan
+from executor.offline.step_log import StepLog, console_step_interval
 from executor.platform.profiler import StepProfiler
 from executor.types_ import Request, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+SPEED_REFRESH_S = 0.5  # seconds between the progress bar's output tok/s figures
 
 
 @dataclass(slots=True)
@@ -93,14 +96,29 @@ class OfflineInference:
                 writer.write_request(result)
             progress.update(1)
 
+        def show_speed() -> None:
+            """Output tokens per second so far on the bar (counted at most twice a second)."""
+            nonlocal speed_shown_s
+            now_s = time.perf_counter()
+            if now_s - speed_shown_s >= SPEED_REFRESH_S:
+                speed_shown_s = now_s
+                output_tokens = sum(len(request.output_token_ids) for request in requests)
+                progress.set_postfix_str(f"{output_tokens / (now_s - start_s):.1f} out tok/s", refresh=False)
+
         profiler = self._make_profiler(writer)
         comm = self.engine.comm
         comm.stats.take()  # warm-up's collectives are not the first step's
         counts_collectives = comm.is_distributed  # one process has none to count
         idle_steps = 0
         start_s = time.perf_counter()
+        speed_shown_s = start_s
+        sched = self.config.scheduler_config
+        interval = console_step_interval(
+            sched.console_step_interval, len(requests), sched.batch_size, sched.max_new_tokens
+        )
+        step_log = StepLog(None if writer is None else writer.step_text_path, interval)
         progress_bar = tqdm(total=len(requests), unit="req", desc="requests", disable=comm.rank != 0)
-        with logging_redirect_tqdm(), progress_bar as progress:
+        with step_log, logging_redirect_tqdm(), progress_bar as progress:
             for request in requests:
                 if request.is_finished:
                     finish(request)
@@ -117,17 +135,19 @@ class OfflineInference:
                     if counts_collectives:
                         output.record.comm_bytes = comm.stats.take()
                     steps.append(output.record)
+                    step_log.record(output.record)
                     if writer is not None:
                         writer.write_step(output.record)
                 for request in output.finished:
                     finish(request)
+                show_speed()
         summary = summarize(requests, steps, start_s, time.perf_counter())
         if self.engine.lock_step:
             summary["lock_step_idle_steps"] = idle_steps
         decode_times_ms = [step.step_time_ms for step in steps if step.phase == "decode" and not step.profiled]
         model_name = self.config.model_config.model_name or model_folder("")
-        for line in cann_closing_lines(model_name, decode_times_ms, summary, self.config.speculation[1]):
-            logger.info(line)
+        with step_log:  # the closing lines go to the step text file too
+            step_log.cann_lines(cann_closing_lines(model_name, decode_times_ms, summary, self.config.speculation[1]))
         for line in breakdown_lines(step_breakdown([dataclasses.asdict(step) for step in steps])):
             logger.info(line)
         if profiler is not None:

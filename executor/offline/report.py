@@ -23,6 +23,7 @@ from executor.offline.durable_io import CorruptLineError, read_jsonl
 from executor.offline.metrics import breakdown_lines, step_breakdown
 from executor.offline.run_agreement import AgreementError, RunAgreement, agreement_lines, compare_outputs, read_outputs
 from executor.offline.run_folder import OUTPUTS_FILE, STEPS_FILE, SUMMARY_FILE
+from executor.offline.summary_table import summary_lines
 from executor.utils.step_timer import PARTS
 
 PLOT_FILE = "steps.png"
@@ -110,9 +111,8 @@ def plot_steps(run: RunFolder, png_path: Path) -> None:
 
 
 def report_lines(run: RunFolder) -> list[str]:
-    """summary.json (its parts and breakdown aside), then the breakdown recomputed as a table."""
-    shown = {key: value for key, value in run.summary.items() if key not in ("parts", "step_breakdown")}
-    return [f"=== {run.path}", json.dumps(shown, indent=2), *breakdown_lines(run.breakdown)]
+    """The end table of summary.json's figures, then the breakdown recomputed from the steps."""
+    return [f"=== {run.path}", *summary_lines(run.summary, run.path / SUMMARY_FILE), *breakdown_lines(run.breakdown)]
 
 
 def compare_lines(before: RunFolder, after: RunFolder) -> list[str]:

@@ -36,6 +36,7 @@ from executor.offline.run_folder import (
     RunPlan,
     replica_files,
     replica_outputs_file,
+    replica_step_text_file,
     replica_steps_file,
     unmerged_replica_lines,
 )
@@ -135,6 +136,10 @@ class ResultWriter:
     def profile_dir(self) -> Path:
         return self.output_dir / "prof"
 
+    @property
+    def step_text_path(self) -> Path:
+        return self.output_dir / replica_step_text_file(0)
+
     def write_request(self, result: dict[str, Any]) -> None:
         line = result | {"request_hash": self._request_hashes[result["id"]]}
         self._outputs.append(line)
@@ -210,6 +215,7 @@ class ReplicaWriter:
         self._request_hashes = plan.request_hashes
         self._part = plan.part
         plan.output_dir.mkdir(parents=True, exist_ok=True)  # a new run's: rank 0 may not have made it yet
+        self.step_text_path = plan.output_dir / replica_step_text_file(dp_rank)
         outputs_name = replica_outputs_file(dp_rank)
         self._outputs = continue_appending(
             plan.output_dir / outputs_name, plan.replica_outputs.get(outputs_name), sync=True

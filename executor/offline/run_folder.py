@@ -82,6 +82,11 @@ def replica_steps_file(dp_rank: int) -> str:
     return STEPS_FILE if dp_rank == 0 else f"steps_dp{dp_rank}.jsonl"
 
 
+def replica_step_text_file(dp_rank: int) -> str:
+    """Replica `dp_rank`'s step lines as text (ours and cann-recipes' worded ones, executor/offline/step_log.py)."""
+    return Path(replica_steps_file(dp_rank)).with_suffix(".log").name
+
+
 def replica_files(output_dir: Path, pattern: re.Pattern[str]) -> list[Path]:
     """The folder's files whose names match `pattern` (outputs_dp<d>.jsonl or steps_dp<d>.jsonl), by DP rank."""
     if not output_dir.is_dir():

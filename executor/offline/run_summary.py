@@ -36,8 +36,8 @@ def run_summary(
         "prefill": step_stats([s["step_time_ms"] for s in step_lines if s.get("phase") == "prefill"]),
         "decode": step_stats([s["step_time_ms"] for s in step_lines if s.get("phase") == "decode"]),
         "step_breakdown": step_breakdown(step_lines),
-        "ttft_mean_ms": _weighted_mean(timed, "ttft_mean_ms"),
-        "tpot_mean_ms": _weighted_mean(timed, "tpot_mean_ms"),
+        **_latencies(timed, "ttft"),
+        **_latencies(timed, "tpot"),
         "output_tokens_per_s": part_output_tokens / total_s if total_s > 0 else 0.0,
         **_cache_stats(parts),
         **speculation_stats(step_lines),
@@ -48,6 +48,16 @@ def run_summary(
         "kv_bytes_per_token": latest.get("kv_bytes_per_token"),
         "parts": list(parts),
     }
+
+
+def _latencies(timed: Sequence[dict[str, Any]], name: str) -> dict[str, float]:
+    """The parts' mean `name` latency weighted by their requests; its p50 and p99 where one part
+    timed the whole run (percentiles of several parts do not combine, and outputs.jsonl holds no
+    timings, so that a rerun's lines equal the first run's)."""
+    figures = {f"{name}_mean_ms": _weighted_mean(timed, f"{name}_mean_ms")}
+    if len(timed) == 1:
+        figures |= {key: timed[0][key] for key in (f"{name}_p50_ms", f"{name}_p99_ms") if key in timed[0]}
+    return figures
 
 
 def _cache_stats(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:

@@ -131,6 +131,18 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    @property
+    def ttft_s(self) -> float | None:
+        """Time to first token, from arrival; None before it (or for a request that failed first)."""
+        return None if self.first_token_time_s is None else self.first_token_time_s - self.arrival_time_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first; None with fewer than two, or unfinished."""
+        if self.finish_time_s is None or self.first_token_time_s is None or len(self.output_token_ids) < 2:
+            return None
+        return (self.finish_time_s - self.first_token_time_s) / (len(self.output_token_ids) - 1)
+
     def full_block_hashes(self, block_size: int) -> list[BlockHash]:
         """The hashes of every full block of the request's tokens, computed once each as it grows."""
         hashes = self.block_hashes

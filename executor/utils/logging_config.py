@@ -1,9 +1,25 @@
-"""setup_logging(): one format for every module; INFER_RECIPES_LOG_LEVEL picks the level."""
+"""setup_logging(): one format for every module; INFER_RECIPES_LOG_LEVEL picks the level; the
+console shows the step log on its cadence (executor/offline/step_log.py) and none of the
+cann-recipes-worded lines, which the run folder's steps.log holds."""
 
 from __future__ import annotations
 
 import logging
 import os
+
+STEP_LOGGER = "executor.steps"
+CANN_STEP_LOGGER = "executor.steps.cann"
+ON_CONSOLE = "on_console"  # a step line's record attribute: whether the console shows it
+
+
+class ConsoleFilter(logging.Filter):
+    """What the console leaves out: cann-recipes' worded step lines, step lines off the cadence, and
+    step lines below the root's level (the step logger passes every step on, for steps.log)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == CANN_STEP_LOGGER or record.levelno < logging.getLogger().getEffectiveLevel():
+            return False
+        return getattr(record, ON_CONSOLE, True)
 
 
 def setup_logging() -> None:
@@ -12,5 +28,7 @@ def setup_logging() -> None:
     logging.basicConfig(
         level=level, format=f"%(asctime)s {rank}%(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
     )
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(ConsoleFilter())
     for noisy in ("httpx", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -295,6 +295,12 @@ class SchedulerConfig:
     graph_buckets: list[int] = rule(
         default_factory=list, help="ours: decode batch sizes graph modes compile; empty = 1, 2, 4, 8, 16k, batch_size"
     )
+    console_step_interval: int = rule(
+        0,
+        min=0,
+        help="ours: steps between the step lines the console shows (steps.log and steps.jsonl hold every step); "
+        "0 = about 40 a run",
+    )
 
 
 @dataclass(slots=True)

@@ -191,7 +191,7 @@ class ExecutionEngine:
     def _warm_up(self, probe: KVCacheManager, num_tokens: int) -> None:
         """One dummy prefill and one decode step on the probe cache, so first-call costs stay out of
         the step log: a throwaway scheduler, which logs nothing, runs one request of two tokens."""
-        scheduler = Scheduler(SchedulerLimits(1, num_tokens, self.max_model_len), probe, set(), log_steps=False)
+        scheduler = Scheduler(SchedulerLimits(1, num_tokens, self.max_model_len), probe, set())
         scheduler.add_request(Request("warm-up", None, [0] * num_tokens, SamplingParams(max_new_tokens=2)))
         runner = self._make_runner(probe)
         while scheduler.has_work():

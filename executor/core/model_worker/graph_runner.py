@@ -19,6 +19,7 @@ import torch
 from executor.platform.graph_compilers import GraphCallable, GraphCompiler, GraphOutput
 from executor.types_.model_inputs import ModelInputs, StepLayout
 from executor.utils.graph_buckets import pick_bucket
+from executor.utils.slow_phase import announced_if_slow
 from executor.utils.step_timer import StepTimer
 from executor.utils.tensor_tree import map_tensors, same_structure, tensor_leaves
 from ops.attention_metadata import AttentionMetadataBuilder, build_model_inputs
@@ -101,13 +102,15 @@ class GraphRunner:
         """Compile or capture every bucket, largest first (so a shared memory pool is sized by the
         largest one); returns the total seconds."""
         total_start = time.perf_counter()
-        for num_rows in sorted(self.buckets, reverse=True):
+        for index, num_rows in enumerate(sorted(self.buckets, reverse=True), start=1):
             layout = StepLayout.padding(num_rows, self.num_cache_groups, self.max_blocks_per_request)
             buffers = build_model_inputs(layout, self.device_builder)
             start = time.perf_counter()
-            run = self.compiler.compile(self.step, buffers, num_rows)
-            run(buffers)  # the first call compiles where compiling is lazy
-            self.compiler.synchronize()
+            doing = f"{self.compiler.name}: making bucket {num_rows} ({index} of {len(self.buckets)})"
+            with announced_if_slow(logger, doing):
+                run = self.compiler.compile(self.step, buffers, num_rows)
+                run(buffers)  # the first call compiles where compiling is lazy
+                self.compiler.synchronize()
             elapsed = time.perf_counter() - start
             staging = pinned_like(buffers) if self.pin_host_buffers else None
             self.graphs[num_rows] = BucketGraph(num_rows, buffers, staging, run, elapsed)

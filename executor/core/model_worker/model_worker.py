@@ -19,6 +19,7 @@ from executor.platform import Platform
 from executor.types_.kv_cache_spec import KVCacheSpec
 from executor.types_.model_inputs import ModelInputs
 from executor.types_.quant_scheme import QuantizationPlan
+from executor.utils.slow_phase import announced_if_slow
 from module.attention import KVCacheLayer
 from module.parallel_group import ONE_PROCESS, ModelParallel
 from module.quantization_pass import (
@@ -103,8 +104,11 @@ class ModelWorker:
                 self.quantized_layers = quantize_model(model, quantization, self.backend, self.dtype)
         if quantization is not None and not quantization.at_load and self.with_ckpt:
             check_quantized_tensors(self.quantized_layers, quantization, checkpoint_header(model_path))
-        get_model_loader(self.with_ckpt, self.seed).load_weights(model, model_path)
-        methods = process_linear_weights(model)
+        source = f"from {model_path}" if self.with_ckpt else "(random, with_ckpt false)"
+        with announced_if_slow(logger, f"loading the weights {source}"):
+            get_model_loader(self.with_ckpt, self.seed).load_weights(model, model_path)
+        with announced_if_slow(logger, "laying the linear weights out for their kernels"):
+            methods = process_linear_weights(model)
         logger.info("%s backend; linear weights by %s", self.backend.name, ", ".join(methods) or "none")
         self.layer_schemes = layer_kind_schemes(model)
         self.weight_bytes = weight_bytes(model)

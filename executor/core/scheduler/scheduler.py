@@ -106,17 +106,14 @@ class Scheduler:
         timer: StepTimer | None = None,
         *,
         num_lookahead_tokens: int = 0,
-        log_steps: bool = True,
     ) -> None:
-        """`num_lookahead_tokens`: the slots a proposer writes past a step's tokens (MTP: k - 1);
-        `log_steps`: log each step's record (off for the engine's throwaway warm-up scheduler)."""
+        """`num_lookahead_tokens`: the slots a proposer writes past a step's tokens (MTP: k - 1)."""
         self.limits = limits
         self.kv_cache_manager = kv_cache_manager
         self.eos_token_ids = eos_token_ids
         self.clock = clock
         self.timer = timer if timer is not None else StepTimer(clock)  # the runner marks the same one
         self.num_lookahead_tokens = num_lookahead_tokens
-        self.log_steps = log_steps
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admitted requests (they hold blocks), oldest first
         self.num_preemptions = 0
@@ -170,9 +167,6 @@ class Scheduler:
             profiled=profiled,
         )
         self.kv_blocks_peak = max(self.kv_blocks_peak, record.kv_blocks_used)
-        if self.log_steps:
-            logger.info(record.log_line())
-            logger.info(record.cann_log_line())
         return StepOutput(record=record, finished=finished)
 
     # -- scheduling -------------------------------------------------------------------------
