@@ -173,7 +173,7 @@ def _schema_marks(raw: dict[str, Any]) -> tuple[list[str], list[str]]:
     """(keys only the flattened schema has, keys only the sectioned one has) in the file."""
     flat = [key for key in raw if key in FLAT_SECTIONS[TOP_LEVEL].__dataclass_fields__]
     sectioned = [key for key in raw if key in SECTIONS and key not in FLAT_SECTIONS]
-    for section in SECTIONS.keys() & FLAT_SECTIONS.keys():
+    for section in (name for name in FLAT_SECTIONS if name in SECTIONS):
         values = raw.get(section)
         if isinstance(values, dict):
             flat_keys, sectioned_keys = (
