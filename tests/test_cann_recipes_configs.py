@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,13 +56,15 @@ class DocOutcome:
 
 
 def doc_outcomes() -> dict[str, DocOutcome]:
-    """`section.key` -> its outcome, read from the key tables of docs/configuration.md."""
+    """`section.key` -> its outcome, read from the key tables of docs/configuration.md; the flattened
+    schema's tables give `flat.key` (top level) and `flat.section.key`."""
     text = (ROOT / "docs" / "configuration.md").read_text()
     outcomes: dict[str, DocOutcome] = {}
     section = ""
     for line in text.splitlines():
-        if heading := re.fullmatch(r"### `([\w.]+)`", line):
-            section = heading.group(1)
+        if line.startswith("#"):
+            heading = re.fullmatch(r"### (flattened )?(?:`([\w.]+)`|top level)", line)
+            section = ".".join(part for part in ("flat" if heading[1] else "", heading[2]) if part) if heading else ""
         elif section and (row := re.fullmatch(r"\| `(\w+)` \|.*", line)):
             outcome_cell = [cell.strip() for cell in line.split(" | ")][3]
             outcomes[f"{section}.{row.group(1)}"] = parse_outcome(outcome_cell)
@@ -90,6 +93,15 @@ def file_keys(raw: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return keys
 
 
+def refused_keys(keys: dict[str, Any], outcome_of: Callable[[str], DocOutcome]) -> dict[str, DocOutcome]:
+    """The keys of `keys` (`name` -> value) whose documented outcome refuses the value set."""
+    return {
+        key: outcome_of(key)
+        for key, value in keys.items()
+        if outcome_of(key).outcome == "refused" and value not in outcome_of(key).runs_with
+    }
+
+
 def test_the_data_files_use_every_key_cann_recipes_files_use_one_file_per_model_folder():
     used: set[str] = set()
     for path in FILES:
@@ -111,12 +123,7 @@ def test_every_cann_recipes_key_has_an_outcome_in_the_docs():
 def test_each_key_of_a_cann_recipes_file_has_its_documented_outcome(path):
     outcomes = doc_outcomes()
     raw = yaml.safe_load(path.read_text())
-    keys = file_keys(raw)
-    should_refuse = {
-        key
-        for key, value in keys.items()
-        if outcomes[key].outcome == "refused" and value not in outcomes[key].runs_with
-    }
+    should_refuse = refused_keys(file_keys(raw), outcomes.__getitem__)
     problems: list[str] = []
     try:
         load_config(path)
@@ -140,10 +147,10 @@ def test_each_key_of_a_cann_recipes_file_has_its_documented_outcome(path):
         if expected.outcome == "not applicable":
             assert logged.get(key) == expected.reason, key
         elif key not in logged:
-            assert _value_of(config, key) == value, key
+            assert value_of(config, key) == value, key
 
 
-def _value_of(config: Any, dotted: str) -> Any:
+def value_of(config: Any, dotted: str) -> Any:
     section, _, rest = dotted.partition(".")
     if rest.startswith("custom_params."):
         return getattr(config, section).custom_params[rest.removeprefix("custom_params.")]

@@ -177,7 +177,7 @@ def test_did_you_mean_offers_a_close_name_of_the_same_section(section, key, hint
 
 @pytest.mark.parametrize(
     ("section", "key"),
-    [("scheduler_config", "cp_size"), ("parallel_config", "context_size"), ("data_config", "batch_size")],
+    [("scheduler_config", "cp_size"), ("parallel_config", "context_size"), ("data_config", "block_size")],
 )
 def test_did_you_mean_stays_silent_when_no_name_of_the_section_is_close(section, key):
     with pytest.raises(ConfigError) as err:

@@ -3,13 +3,15 @@
 import re
 from pathlib import Path
 
-from executor.core.config.reference import render_key_tables
+from executor.core.config.reference import render_flat_key_tables, render_key_tables
 
 
 def test_configuration_doc_lists_every_key_as_the_code_defines_it():
     doc = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
     tables = doc.split("<!-- keys:begin -->\n", 1)[1].split("<!-- keys:end -->", 1)[0]
     assert tables.strip() == render_key_tables().strip()
+    flat = doc.split("<!-- flat-keys:begin -->\n", 1)[1].split("<!-- flat-keys:end -->", 1)[0]
+    assert flat.strip() == render_flat_key_tables().strip()
 
 
 def test_adding_a_model_shows_qwen3_as_its_code_is():

@@ -3,6 +3,9 @@
 Validation happens here, before anything heavy: an unknown key, a wrong type, an out-of-range
 or refused value is a problem naming the section, the key and the file (and, for an unknown key,
 a close name of the same section); every problem of the file is raised in one ConfigError.
+
+A file in cann-recipes' flattened schema (flat_schema.py) is told by its keys, checked against its
+own tables and translated into the sectioned mapping first; a file mixing the two is refused.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 import yaml
 
 from executor.core.config.errors import ConfigError
+from executor.core.config.flat_schema import FLAT_SECTIONS, TOP_LEVEL
 from executor.core.config.parallel_layout import ParallelLayout
 from executor.core.config.sections import (
     NESTED,
@@ -50,7 +54,8 @@ class InferenceConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     source: str = "<defaults>"  # the YAML file this came from, for error messages and output names
-    explicit_keys: frozenset[str] = frozenset()  # `section.key` of every key the file set
+    # `section.key` of every key the file set; a flattened file's keys with no sectioned one under their own name
+    explicit_keys: frozenset[str] = frozenset()
 
     @property
     def prefill_token_budget(self) -> int:
@@ -80,10 +85,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Inferen
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
-    raw = load_yaml_mapping(path)
-    for override in overrides or []:
-        apply_override(raw, override, source=str(path))
-    return build_config(raw, source=str(path))
+    return build_config(load_yaml_mapping(path), source=str(path), overrides=overrides or [])
 
 
 def apply_override(raw: dict[str, Any], override: str, source: str) -> None:
@@ -102,11 +104,15 @@ def apply_override(raw: dict[str, Any], override: str, source: str) -> None:
     target[key] = value
 
 
-def build_config(raw: dict[str, Any], source: str = "<dict>") -> InferenceConfig:
+def build_config(raw: dict[str, Any], source: str = "<dict>", overrides: list[str] | None = None) -> InferenceConfig:
     """Validate every key of every section and build the config; all problems found are raised
     together as one ConfigError (an invalid value is replaced by its default so that the checks
-    after it still run)."""
+    after it still run). A flattened file is translated first; overrides use the sectioned names."""
     problems: list[str] = []
+    file = _in_sectioned_schema(raw, source, problems)
+    for override in overrides or []:
+        apply_override(file.raw, override, source)
+    raw = file.raw
     for section in raw:
         if section not in SECTIONS:
             hint = _did_you_mean(section, SECTIONS, "; sections: " + ", ".join(SECTIONS))
@@ -115,12 +121,97 @@ def build_config(raw: dict[str, Any], source: str = "<dict>") -> InferenceConfig
         name: _build_section(name, section_cls, raw.get(name) or {}, source, problems)
         for name, section_cls in SECTIONS.items()
     }
-    explicit = frozenset(_explicit_keys(raw))
+    explicit = frozenset(_explicit_keys(raw)) | file.flat_only_keys
     config = InferenceConfig(**built, source=source, explicit_keys=explicit)
     _check_cross_rules(config, problems)
     if problems:
         raise ConfigError.from_problems(problems, source)
     return config
+
+
+@dataclass(slots=True)
+class _SectionedFile:
+    """A file's mapping in the sectioned schema, whichever schema it was written in."""
+
+    raw: dict[str, Any]
+    flat_only_keys: frozenset[str] = frozenset()  # its flattened keys that no sectioned key stands for
+
+
+def _in_sectioned_schema(raw: dict[str, Any], source: str, problems: list[str]) -> _SectionedFile:
+    """The file itself when sectioned; a flattened file's keys validated against flat_schema.py's tables
+    and written at the sectioned places they mean. Told apart by the keys only one schema has."""
+    flat, sectioned = _schema_marks(raw)
+    if flat and sectioned:
+        raise ConfigError(
+            f"{source} mixes cann-recipes' two schemas: {', '.join(flat)} (flattened) with {', '.join(sectioned)} "
+            "(sectioned); write it in one of them (docs/configuration.md)"
+        )
+    if not flat:
+        return _SectionedFile(raw)
+    translated: dict[str, Any] = {}
+    flat_only: set[str] = set()
+    written_as: dict[str, str] = {}  # sectioned key -> the flattened key that set it
+    for prefix, keys_cls in FLAT_SECTIONS.items():
+        values = {k: v for k, v in raw.items() if k not in FLAT_SECTIONS} if prefix == TOP_LEVEL else raw.get(prefix)
+        if not isinstance(values, dict):
+            if values is not None:
+                problems.append(f"section {prefix} in {source} must be a mapping, got {type(values).__name__}")
+            continue
+        metadata = {f.name: f.metadata for f in dataclasses.fields(keys_cls)}
+        for key, value in _valid_values(prefix, keys_cls, values, source, problems).items():
+            flat_key = _dotted(prefix, key)
+            target = metadata[key].get("maps_to")
+            if target is None:
+                flat_only.add(flat_key)
+            else:
+                value = metadata[key]["values"].get(value, value) if "values" in metadata[key] else value
+                _write_at(translated, target, value, flat_key, written_as, source, problems)
+    return _SectionedFile(translated, frozenset(flat_only))
+
+
+def _schema_marks(raw: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """(keys only the flattened schema has, keys only the sectioned one has) in the file."""
+    flat = [key for key in raw if key in FLAT_SECTIONS[TOP_LEVEL].__dataclass_fields__]
+    sectioned = [key for key in raw if key in SECTIONS and key not in FLAT_SECTIONS]
+    for section in (name for name in FLAT_SECTIONS if name in SECTIONS):
+        values = raw.get(section)
+        if isinstance(values, dict):
+            flat_keys, sectioned_keys = (
+                FLAT_SECTIONS[section].__dataclass_fields__,
+                SECTIONS[section].__dataclass_fields__,
+            )
+            flat += [f"{section}.{key}" for key in values if key in flat_keys and key not in sectioned_keys]
+            sectioned += [f"{section}.{key}" for key in values if key in sectioned_keys and key not in flat_keys]
+    return flat, sectioned
+
+
+def _write_at(
+    raw: dict[str, Any],
+    target: str,
+    value: Any,
+    flat_key: str,
+    written_as: dict[str, str],
+    source: str,
+    problems: list[str],
+) -> None:
+    """Set the sectioned key `target` (a NESTED mapping key by key); two flattened keys for one is a problem."""
+    if target in NESTED:
+        for inner, inner_value in value.items():
+            _write_at(raw, f"{target}.{inner}", inner_value, f"{flat_key}.{inner}", written_as, source, problems)
+        return
+    if target in written_as:
+        problems.append(f"{written_as[target]} and {flat_key} in {source} both set {target}; set one of them")
+        return
+    written_as[target] = flat_key
+    *parents, key = target.split(".")
+    node = raw
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[key] = value
+
+
+def _dotted(prefix: str, key: Any) -> str:
+    return f"{prefix}.{key}" if prefix else str(key)
 
 
 def _explicit_keys(raw: dict[str, Any]) -> Iterator[str]:
@@ -146,11 +237,11 @@ def _valid_values(prefix: str, keys_cls: type, values: dict, source: str, proble
     hints = typing.get_type_hints(keys_cls)
     valid: dict[str, Any] = {}
     for key, value in values.items():
-        where = f"{prefix}.{key} in {source}"
+        where = f"{_dotted(prefix, key)} in {source}"
         if key not in fields:
-            hint = _did_you_mean(str(key), fields, f"; docs/configuration.md lists the keys of {prefix}")
+            hint = _did_you_mean(str(key), fields, f"; docs/configuration.md lists the keys of {prefix or 'the file'}")
             shown = key if isinstance(key, str) and key.isprintable() else repr(key)  # one line, whatever the key
-            problems.append(f"unknown key {prefix}.{shown} in {source}{hint}")
+            problems.append(f"unknown key {_dotted(prefix, shown)} in {source}{hint}")
             continue
         try:
             _check_type(value, hints[key], where)
@@ -297,12 +388,15 @@ def not_applicable_keys(config: InferenceConfig, device_type: str) -> list[tuple
 
 
 def key_metadata(dotted: str) -> typing.Mapping[str, Any] | None:
-    """The field metadata of `section.key` or `section.key.inner` (NESTED); None for another name."""
+    """The field metadata of `section.key` or `section.key.inner` (NESTED), else of a flattened key
+    (FLAT_SECTIONS); None for another name."""
     prefix, _, key = dotted.rpartition(".")
-    keys_cls = SECTIONS.get(prefix) or NESTED.get(prefix)
-    if keys_cls is None:
-        return None
-    return next((f.metadata for f in dataclasses.fields(keys_cls) if f.name == key), None)
+    for tables in (SECTIONS, NESTED, FLAT_SECTIONS):
+        keys_cls = tables.get(prefix)
+        found = keys_cls and keys_cls.__dataclass_fields__.get(key)
+        if found:
+            return found.metadata
+    return None
 
 
 def check_device_rules(config: InferenceConfig, device_type: str) -> None:

@@ -197,6 +197,22 @@ class CustomParams:
     enable_offload: bool = not_applicable(False, "keeps KV in host-swapped memory; the KV cache stays on the device")
     micro_batch_mode: int = not_applicable(0, "micro-batch overlap of communication and compute; one stream here")
     moe_chunk_max_len: int = not_applicable(0, "splits MoE work into chunks to bound NPU memory; results are equal")
+    attn_res_mode: str = not_applicable(
+        "original",
+        "picks the NPU kernels of attention residuals; the torch reference runs",
+        choices=("original", "two_phase", "fused"),
+        help="attention-residual backend",
+    )
+    enable_flash_kda: bool = not_applicable(False, "the fused NPU kernel of Kimi delta attention at prefill")
+    enable_fused_recurrent_kda: bool = not_applicable(False, "the fused NPU kernel of Kimi delta attention at decode")
+    enable_mega_moe: bool = not_applicable(False, "one fused NPU kernel for dispatch, experts and combine")
+    enable_moe_bf16_mode: bool = refused(
+        False,
+        (False,),
+        "it rounds the experts' gated activation (Kimi K3's SiTU) in bfloat16 instead of float32, a numerics "
+        "choice not built here",
+        help="MoE gated activation in bfloat16",
+    )
 
 
 @dataclass(slots=True)
