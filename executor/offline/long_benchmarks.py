@@ -22,6 +22,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+from executor.core.config.sections import DataConfig
 from executor.offline.dataset import DatasetError, PromptRecord, tokenize_record
 
 if TYPE_CHECKING:
@@ -196,7 +197,7 @@ class LongContextRequest:
     num_prompts: int = 0  # build only the first N prompts (tokenizing every example is slow); 0 = all
 
 
-def benchmark_request(data_config: Any, max_new_tokens: int, dataset_dir: Path) -> LongContextRequest | None:
+def benchmark_request(data_config: DataConfig, max_new_tokens: int, dataset_dir: Path) -> LongContextRequest | None:
     """The request data_config makes when its dataset is LongBench or InfiniteBench, else None.
     The folder is data_config.dataset_path, or dataset/<name> as in cann-recipes."""
     benchmark = BENCHMARKS.get(data_config.dataset.strip())
