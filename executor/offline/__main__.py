@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from transformers import AutoTokenizer
+
 from executor.core.config import ConfigError, InferenceConfig, load_config
 from executor.core.config.comm_manager import DistEnv
 from executor.core.config.inference_config import not_applicable_keys
@@ -33,6 +35,7 @@ from executor.offline.dataset import (
 from executor.offline.durable_io import OutputWriteError
 from executor.offline.exit_status import COULD_NOT_START, STOPPED_ON_ERROR, finished_run_status
 from executor.offline.interrupts import RunInterrupted, StopSignals, exit_status_for
+from executor.offline.long_benchmarks import benchmark_request, load_benchmark_records
 from executor.offline.offline_inference import OfflineInference, RunResult
 from executor.offline.preflight import (
     check_device,
@@ -69,7 +72,11 @@ def load_records(config: InferenceConfig) -> list[PromptRecord]:
     """The dataset's records: the first num_prompts of them, then, with cann-recipes' meaning of
     batch_size, repeated or cut to exactly batch_size requests."""
     data = config.data_config
-    records = load_prompts(resolve_dataset_path(data.dataset, data.dataset_path or None, DATASET_DIR))
+    request = benchmark_request(data, config.scheduler_config.max_new_tokens, DATASET_DIR)
+    if request is not None:  # LongBench, InfiniteBench: the model's tokenizer cuts their prompts
+        records = load_benchmark_records(request, lambda: AutoTokenizer.from_pretrained(resolve_model_path(config)))
+    else:
+        records = load_prompts(resolve_dataset_path(data.dataset, data.dataset_path or None, DATASET_DIR))
     records = records[: data.num_prompts] if data.num_prompts else records
     if config.scheduler_config.batch_size_meaning == "num_requests":
         records = repeat_to_count(records, config.scheduler_config.batch_size)

@@ -221,8 +221,28 @@ class DataConfig:
         "default",
         help='a file in dataset/ (name with or without .jsonl or .json); JSONL or cann-recipes\' {"text": ...}',
     )
-    dataset_path: str = rule("", help="any prompt file (as for dataset); wins over dataset")
-    input_truncated_len: int = rule(256, min=0, help="keep the first N prompt tokens; 0 = no truncation")
+    dataset_path: str = rule(
+        "",
+        help="any prompt file (as for dataset); wins over dataset. With LongBench / InfiniteBench: the folder of "
+        "the benchmark's <task>.jsonl files; empty = dataset/LongBench or dataset/InfiniteBench",
+    )
+    input_truncated_len: int = rule(
+        256,
+        min=0,
+        help="keep the first N prompt tokens; 0 = no truncation. LongBench / InfiniteBench prompts are cut to fit "
+        "first, as benchmark_prompt says",
+    )
+    tasks: list[str] = rule(
+        default_factory=list,
+        help="ours: the LongBench / InfiniteBench tasks to read (their file names less .jsonl); empty = cann-recipes' "
+        "set: LongBench's 21 tasks and 13 LongBench-E ones (<task>_e), InfiniteBench's longbook_qa_eng",
+    )
+    benchmark_prompt: str = rule(
+        "summary",
+        choices=("summary", "task"),
+        help="ours: LongBench / InfiniteBench prompts; summary = cann-recipes': the context's head in its "
+        "summarize-the-book wrapper; task = the benchmark's template for the task, its middle cut to fit",
+    )
     temperature: float = rule(0.0, min=0.0, help="0 (below 1e-5) = greedy; else random sampling (docs/sampling.md)")
     top_p: float = rule(1.0, above=0.0, max=1.0, help="keep the most likely tokens up to this probability; 1.0 = all")
     top_k: int = rule(0, min=0, help="keep the k most likely tokens; 0 = all")
