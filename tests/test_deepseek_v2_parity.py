@@ -95,12 +95,12 @@ class TestPagedParity(PagedParityTests):
     """Every family's parity tests (prefill, cached prefix, padded batched decode) on each of CONFIGS."""
 
 
-@pytest.fixture(scope="module")
-def tied_routing_models(tmp_path_factory) -> tuple[torch.nn.Module, PagedModel]:
-    """Layer 1's router weights zero: every expert scores 1/8, so the groups tie for the topk_group
-    places and the experts for the top_k ones, and only top-k's tie-breaking chooses."""
-    config = deepseek_v2_config(num_hidden_layers=2, **GROUPED)
-    path = tmp_path_factory.mktemp("tied_routing")
+@pytest.fixture(params=["greedy", "group_limited_greedy"], scope="module")
+def tied_routing_models(request, tmp_path_factory) -> tuple[torch.nn.Module, PagedModel]:
+    """Layer 1's router weights zero: every expert scores 1/8, so the experts tie for the top_k places
+    (and, group-limited, the groups for the topk_group ones), and only top-k's tie-breaking chooses."""
+    config = deepseek_v2_config(num_hidden_layers=2, **(GROUPED | {"topk_method": request.param}))
+    path = tmp_path_factory.mktemp(f"tied_routing_{request.param}")
     hf_model = save_checkpoint(path, config)
     with torch.no_grad():
         hf_model.model.layers[1].mlp.gate.weight.zero_()
@@ -109,7 +109,7 @@ def tied_routing_models(tmp_path_factory) -> tuple[torch.nn.Module, PagedModel]:
 
 
 class TestRoutingTies(RoutingTieTests):
-    """Every expert tied in layer 1 (tied_routing_models)."""
+    """Every expert tied in layer 1 (tied_routing_models), under both topk_methods."""
 
 
 def v3_routing(model: DeepseekV2ForCausalLM) -> None:
