@@ -35,17 +35,6 @@ from ops.backend import Backend
 ShardKey = ShardId | tuple[int, str]
 
 
-def check_routing(config: DeepseekV3Config) -> None:
-    """V2-era configs route differently (softmax scores, greedy top-k): models/deepseek_v2 builds them."""
-    scoring_func = getattr(config, "scoring_func", "sigmoid")
-    topk_method = getattr(config, "topk_method", "noaux_tc")
-    if (scoring_func, topk_method) != ("sigmoid", "noaux_tc"):
-        raise ValueError(
-            f"config scoring_func {scoring_func!r} / topk_method {topk_method!r}: only DeepSeek-V3's "
-            "'sigmoid' / 'noaux_tc' routing is built here (DeepSeek-V2's is models/deepseek_v2/)"
-        )
-
-
 class DeepseekV3MoE(SparseMoeBlock):
     """V3's grouped sigmoid router over the routed experts, plus n_shared_experts as one wide MLP."""
 
@@ -166,8 +155,15 @@ class DeepseekV3ForCausalLM(CausalLM):
 
     @staticmethod
     def check_config(config: DeepseekV3Config) -> None:
-        """Refuse, before anything is built, a config whose architecture this class does not build."""
-        check_routing(config)
+        """Refuse, before anything is built, a config whose architecture this class does not build:
+        V2-era routing (softmax scores, greedy top-k) is models/deepseek_v2's."""
+        scoring_func = getattr(config, "scoring_func", "sigmoid")
+        topk_method = getattr(config, "topk_method", "noaux_tc")
+        if (scoring_func, topk_method) != ("sigmoid", "noaux_tc"):
+            raise ValueError(
+                f"config scoring_func {scoring_func!r} / topk_method {topk_method!r}: only DeepSeek-V3's "
+                "'sigmoid' / 'noaux_tc' routing is built here (DeepSeek-V2's is models/deepseek_v2/)"
+            )
 
     def mtp_layer(self, layer: int) -> DeepseekV3MTPLayer:
         if not 0 <= layer < self.num_mtp_layers:
