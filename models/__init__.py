@@ -38,7 +38,6 @@ DEFAULT_CHECKPOINT = WheelCheckpoint(
 NOT_BUILT: dict[str, str] = {
     "deepseek_v3_2_exp": "DeepSeek-V3.2-Exp adds sparse attention with a lightning indexer to DeepSeek-V3",
     "deepseek_v4": "DeepSeek-V4 is a new architecture, not DeepSeek-V3's",
-    "deepseek_v2_lite": "DeepSeek-V2-Lite routes with softmax top-k and has no q LoRA (not DeepSeek-V3's MoE)",
     "glm_5": "GLM-5 uses DeepSeek sparse attention (an indexer), which is not built",
     "bailing_2_5": "Bailing 2.5 (Ling) is not built",
     "gemma_4": "Gemma 4 is not built",

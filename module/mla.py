@@ -52,7 +52,7 @@ class MLAAttention(KVCacheLayer):
         self.v_head_dim = config.v_head_dim
         self.kv_lora_rank = config.kv_lora_rank
         self.q_lora_rank = config.q_lora_rank
-        self.rope_interleave = config.rope_interleave
+        self.rope_interleave = self.interleaved_rope(config)
         qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
         if self.q_lora_rank is None:
             self.q_proj = ColumnParallelLinear(
@@ -86,6 +86,11 @@ class MLAAttention(KVCacheLayer):
         self.cache_dtype = torch.get_default_dtype()  # the worker builds the model under its dtype
         self.latent_cache = torch.empty(0)
         self.latent_scale_cache: torch.Tensor | None = None  # a dynamic C8 cache's scales [N, block, 1]
+
+    @staticmethod
+    def interleaved_rope(config: PretrainedConfig) -> bool:
+        """Whether the rope dims come as interleaved pairs: the config's rope_interleave (DeepSeek-V3's)."""
+        return config.rope_interleave
 
     def kv_cache_spec(self) -> KVCacheSpec:
         return mla_spec(self.kv_lora_rank, self.qk_rope_head_dim, self.cache_dtype, self.kv_scheme)

@@ -4,7 +4,9 @@ call, and optional shared experts, shared by every MoE family.
 Routers map hidden states to (top-k weights, expert ids) and follow their transformers counterpart op
 for op, so that ties between equal scores break the same way: TopkRouter is DeepSeek-V3's (sigmoid
 scores; a per-expert bias that steers the choice but not the weights; top-k within the best groups),
-SoftmaxTopkRouter Qwen-MoE's (softmax, top-k, optional renormalisation). The experts hold every
+SoftmaxGroupRouter DeepSeek-V2's (softmax; top-k within the groups of the best single scores, or
+over all experts; scaled, not renormalised), SoftmaxTopkRouter Qwen-MoE's (softmax, top-k, optional
+renormalisation). The experts hold every
 expert's weights in two stacked tensors, as transformers does, and run through the backend's
 moe_experts;
 MoE tensor parallelism (moe_tp) splits each expert's intermediate dim, expert parallelism (moe_ep)
@@ -45,6 +47,17 @@ from ops.backend import Backend
 from ops.quantized_experts import ExpertsMethod
 
 
+def keep_best_groups(scores: torch.Tensor, group_scores: torch.Tensor, topk_group: int, fill: float) -> torch.Tensor:
+    """scores [T, E] with every expert outside the `topk_group` best of group_scores [T, G] set to
+    `fill`: the group limit of DeepSeek's routers, op for op as transformers', so ties between
+    groups break the same way."""
+    num_groups, num_experts = group_scores.shape[-1], scores.shape[-1]
+    group_ids = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_ids, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(-1, num_groups, num_experts // num_groups).reshape(-1, num_experts)
+    return scores.masked_fill(~score_mask.bool(), fill)
+
+
 def grouped_topk(
     router_logits: torch.Tensor,
     e_score_correction_bias: torch.Tensor,
@@ -63,13 +76,9 @@ def grouped_topk(
     """
     scores = router_logits.sigmoid()
     scores_for_choice = scores + e_score_correction_bias
-    num_experts = scores.shape[-1]
-    experts_per_group = num_experts // num_groups
-    group_scores = scores_for_choice.view(-1, num_groups, experts_per_group).topk(2, dim=-1)[0].sum(dim=-1)
-    group_ids = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
-    group_mask = torch.zeros_like(group_scores).scatter_(1, group_ids, 1)
-    score_mask = group_mask.unsqueeze(-1).expand(-1, num_groups, experts_per_group).reshape(-1, num_experts)
-    scores_for_choice = scores_for_choice.masked_fill(~score_mask.bool(), float("-inf"))
+    grouped = scores_for_choice.view(scores.shape[0], num_groups, -1)
+    group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+    scores_for_choice = keep_best_groups(scores_for_choice, group_scores, topk_group, float("-inf"))
     topk_ids = torch.topk(scores_for_choice, k=top_k, dim=-1, sorted=False)[1]
     topk_weights = scores.gather(1, topk_ids)
     if norm_topk_prob:
@@ -100,9 +109,35 @@ class Router(nn.Module):
         raise NotImplementedError
 
 
-class TopkRouter(Router):
-    """DeepSeek-V3's gate: fp32 logits (as transformers keeps the router in fp32 whatever the model's dtype),
-    then grouped_topk."""
+class GroupedRouter(Router):
+    """What DeepSeek's gates share: an fp32 weight (as transformers keeps the router in fp32 whatever
+    the model's dtype), experts in num_groups groups of which top_k are chosen within the
+    topk_group best, weights times routed_scaling_factor."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        num_groups: int,
+        topk_group: int,
+        routed_scaling_factor: float,
+    ) -> None:
+        super().__init__()
+        if num_experts % num_groups or not 1 <= topk_group <= num_groups or top_k > num_experts:
+            raise ValueError(
+                f"router: {num_experts} experts in n_group {num_groups} groups, topk_group {topk_group}, "
+                f"top_k {top_k} do not fit"
+            )
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32), requires_grad=False)
+        self.top_k = top_k
+        self.num_groups = num_groups
+        self.topk_group = topk_group
+        self.routed_scaling_factor = routed_scaling_factor
+
+
+class TopkRouter(GroupedRouter):
+    """DeepSeek-V3's gate: fp32 logits, then grouped_topk."""
 
     def __init__(
         self,
@@ -114,19 +149,9 @@ class TopkRouter(Router):
         norm_topk_prob: bool,
         routed_scaling_factor: float,
     ) -> None:
-        super().__init__()
-        if num_experts % num_groups or not 1 <= topk_group <= num_groups or top_k > num_experts:
-            raise ValueError(
-                f"router: {num_experts} experts in n_group {num_groups} groups, topk_group {topk_group}, "
-                f"top_k {top_k} do not fit"
-            )
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32), requires_grad=False)
+        super().__init__(hidden_size, num_experts, top_k, num_groups, topk_group, routed_scaling_factor)
         self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32), requires_grad=False)
-        self.top_k = top_k
-        self.num_groups = num_groups
-        self.topk_group = topk_group
         self.norm_topk_prob = norm_topk_prob
-        self.routed_scaling_factor = routed_scaling_factor
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         router_logits = F.linear(hidden_states.float(), self.weight)
@@ -139,6 +164,21 @@ class TopkRouter(Router):
             self.norm_topk_prob,
             self.routed_scaling_factor,
         )
+
+
+class SoftmaxGroupRouter(GroupedRouter):
+    """DeepSeek-V2's gate, op for op as transformers' DeepseekV2TopkRouter: softmax over fp32 logits,
+    then top-k within the `topk_group` groups of the highest single score (topk_method
+    group_limited_greedy; the other groups' scores set to 0, not -inf, as transformers does) or over
+    all experts (greedy: one group). The weights are the chosen scores, not renormalised, times
+    routed_scaling_factor."""
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = F.linear(hidden_states.float(), self.weight).softmax(dim=-1, dtype=torch.float32)
+        group_scores = scores.view(scores.shape[0], self.num_groups, -1).max(dim=-1).values
+        scores = keep_best_groups(scores, group_scores, self.topk_group, 0.0)
+        topk_weights, topk_ids = torch.topk(scores, k=self.top_k, dim=-1, sorted=False)
+        return topk_weights * self.routed_scaling_factor, topk_ids
 
 
 class SoftmaxTopkRouter(Router):

@@ -87,13 +87,20 @@ def token_records(prompts: list[list[int]]) -> list[PromptRecord]:
 
 
 def generate_random_prompts(
-    model_dir: Path, model_name: str, prompt_lens: tuple[int, ...] = ENGINE_PROMPT_LENS, seed: int = 5
+    model_dir: Path,
+    model_name: str,
+    prompt_lens: tuple[int, ...] = ENGINE_PROMPT_LENS,
+    seed: int = 5,
+    **scheduler: object,
 ) -> tuple[OfflineInference, list[list[int]], RunResult]:
     """The whole engine (scheduler, KV cache manager, worker) on the torch backend, on model folder
-    `model_dir` given tiny_tokenizer, with random prompts of `prompt_lens` in one batch:
+    `model_dir` given tiny_tokenizer, with random prompts of `prompt_lens` in one batch, under
+    scheduler_config `scheduler` (a prefill budget that chunks, a pool that preempts):
     -> (the inference, the prompts, its result)."""
     tiny_tokenizer().save_pretrained(model_dir)
-    inference = make_inference(model_dir, model_config={"model_name": model_name}, batch_size=len(prompt_lens))
+    inference = make_inference(
+        model_dir, model_config={"model_name": model_name}, batch_size=len(prompt_lens), **scheduler
+    )
     prompts = random_prompts(prompt_lens, seed)
     return inference, prompts, inference.generate(token_records(prompts))
 

@@ -126,25 +126,34 @@ def gpt_oss_config(**overrides: object) -> transformers.GptOssConfig:
     return parity_config(transformers.GptOssConfig, settings, overrides)
 
 
+# What the tiny DeepSeek-V2 and V3 configs share: three layers (the first dense), MLA's dims, 8 routed
+# experts choosing 3 and one shared expert.
+DEEPSEEK_SETTINGS: dict[str, object] = dict(
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    num_key_value_heads=4,  # transformers' eager attention repeats K/V by heads // this
+    n_shared_experts=1,
+    n_routed_experts=8,
+    num_experts_per_tok=3,
+    first_k_dense_replace=1,
+    kv_lora_rank=32,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=12,
+)
+
+
 def deepseek_config(**overrides: object) -> transformers.DeepseekV3Config:
-    """Three layers (the first dense), 8 routed experts in 4 groups, q_lora_rank set, no MTP module;
-    overrides change any field."""
-    settings = dict(
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_hidden_layers=3,
-        num_key_value_heads=4,  # transformers' eager attention repeats K/V by heads // this
-        n_shared_experts=1,
-        n_routed_experts=8,
-        num_experts_per_tok=3,
-        n_group=4,
-        topk_group=2,
-        first_k_dense_replace=1,
-        kv_lora_rank=32,
-        q_lora_rank=48,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=16,
-        v_head_dim=12,
-        num_nextn_predict_layers=0,
-    )
+    """DEEPSEEK_SETTINGS with the 8 experts in 4 groups, q_lora_rank set, no MTP module; overrides
+    change any field."""
+    settings = DEEPSEEK_SETTINGS | dict(n_group=4, topk_group=2, q_lora_rank=48, num_nextn_predict_layers=0)
     return parity_config(transformers.DeepseekV3Config, settings, overrides)
+
+
+def deepseek_v2_config(**overrides: object) -> transformers.DeepseekV2Config:
+    """DEEPSEEK_SETTINGS as DeepSeek-V2-Lite is built: no q LoRA (a plain q_proj), greedy softmax
+    routing; routed_scaling_factor 1.5 so that a lost scale shows. Overrides change any field
+    (topk_method="group_limited_greedy" with n_group and topk_group)."""
+    settings = DEEPSEEK_SETTINGS | dict(q_lora_rank=None, topk_method="greedy", routed_scaling_factor=1.5)
+    return parity_config(transformers.DeepseekV2Config, settings, overrides)

@@ -23,7 +23,7 @@ from module.decoder_layer import PreNormDecoderLayer
 from module.embedding import ParallelLMHead, VocabParallelEmbedding
 from module.mla import MLAAttention
 from module.mlp import GatedMLP
-from module.moe import FusedExperts, SparseMoeBlock, TopkRouter, load_expert_tensor
+from module.moe import FusedExperts, Router, SparseMoeBlock, TopkRouter, load_expert_tensor
 from module.mtp import SHARED_MTP_TENSOR, MTPLayerMixin
 from module.norm import RMSNorm
 from module.parallel_group import ONE_PROCESS, ModelParallel
@@ -35,31 +35,12 @@ from ops.backend import Backend
 ShardKey = ShardId | tuple[int, str]
 
 
-def check_routing(config: DeepseekV3Config) -> None:
-    """V2-era configs route differently (softmax scores, greedy top-k); only V3's routing is built."""
-    scoring_func = getattr(config, "scoring_func", "sigmoid")
-    topk_method = getattr(config, "topk_method", "noaux_tc")
-    if (scoring_func, topk_method) != ("sigmoid", "noaux_tc"):
-        raise ValueError(
-            f"config scoring_func {scoring_func!r} / topk_method {topk_method!r}: only DeepSeek-V3's "
-            "'sigmoid' / 'noaux_tc' routing is implemented"
-        )
-
-
 class DeepseekV3MoE(SparseMoeBlock):
     """V3's grouped sigmoid router over the routed experts, plus n_shared_experts as one wide MLP."""
 
     def __init__(self, config: DeepseekV3Config, parallel: ModelParallel, backend: Backend) -> None:
         super().__init__(
-            TopkRouter(
-                config.hidden_size,
-                config.n_routed_experts,
-                config.num_experts_per_tok,
-                config.n_group or 1,
-                config.topk_group or 1,
-                config.norm_topk_prob,
-                config.routed_scaling_factor,
-            ),
+            self.build_router(config),
             FusedExperts(
                 config.n_routed_experts,
                 config.hidden_size,
@@ -79,13 +60,28 @@ class DeepseekV3MoE(SparseMoeBlock):
             else None,
         )
 
+    @staticmethod
+    def build_router(config: DeepseekV3Config) -> Router:
+        return TopkRouter(
+            config.hidden_size,
+            config.n_routed_experts,
+            config.num_experts_per_tok,
+            config.n_group or 1,
+            config.topk_group or 1,
+            config.norm_topk_prob,
+            config.routed_scaling_factor,
+        )
+
 
 class DeepseekV3DecoderLayer(PreNormDecoderLayer):
+    attention_cls: type[MLAAttention] = MLAAttention
+    moe_cls: type[DeepseekV3MoE] = DeepseekV3MoE
+
     def __init__(self, config: DeepseekV3Config, layer_index: int, parallel: ModelParallel, backend: Backend) -> None:
         super().__init__()
-        self.self_attn = MLAAttention(config, parallel.attn_tp, backend=backend)
+        self.self_attn = self.attention_cls(config, parallel.attn_tp, backend=backend)
         if layer_index >= config.first_k_dense_replace:
-            self.mlp = DeepseekV3MoE(config, parallel, backend)
+            self.mlp = self.moe_cls(config, parallel, backend)
         else:
             self.mlp = GatedMLP(
                 config.hidden_size, config.intermediate_size, config.hidden_act, tp=parallel.dense_tp, backend=backend
@@ -100,16 +96,18 @@ class DeepseekV3MTPLayer(MTPLayerMixin, DeepseekV3DecoderLayer):
 
 
 class DeepseekV3Model(nn.Module):
+    decoder_layer_cls: type[DeepseekV3DecoderLayer] = DeepseekV3DecoderLayer
+
     def __init__(self, config: DeepseekV3Config, parallel: ModelParallel, backend: Backend) -> None:
         super().__init__()
         self.num_hidden_layers = config.num_hidden_layers
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel.embed_tp)
         # The MTP modules follow the decoder layers in one list, indexed as in the checkpoints.
         self.layers = nn.ModuleList(
-            [DeepseekV3DecoderLayer(config, index, parallel, backend) for index in range(config.num_hidden_layers)]
+            [self.decoder_layer_cls(config, index, parallel, backend) for index in range(config.num_hidden_layers)]
             + [
                 DeepseekV3MTPLayer(config, config.num_hidden_layers + index, parallel, backend)
-                for index in range(config.num_nextn_predict_layers or 0)
+                for index in range(self.num_mtp_layers(config))
             ]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend=backend)
@@ -127,6 +125,10 @@ class DeepseekV3Model(nn.Module):
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
+    @staticmethod
+    def num_mtp_layers(config: DeepseekV3Config) -> int:
+        return config.num_nextn_predict_layers or 0
+
 
 class DeepseekV3ForCausalLM(CausalLM):
     # checkpoint module name -> (our fused module, shard id passed to its weight_loader)
@@ -135,18 +137,33 @@ class DeepseekV3ForCausalLM(CausalLM):
         "up_proj": ("gate_up_proj", 1),
     }
 
+    base_model_cls: type[DeepseekV3Model] = DeepseekV3Model
+    family = "DeepSeek-V3"  # names the model in a refusal
+
     def __init__(self, hf_config: DeepseekV3Config, *, parallel: ModelParallel = ONE_PROCESS, backend: Backend) -> None:
         super().__init__()
-        backend.require((*MLAAttention.NEEDED_OPS, *FusedExperts.NEEDED_OPS), "DeepSeek-V3")
-        check_routing(hf_config)
+        backend.require((*MLAAttention.NEEDED_OPS, *FusedExperts.NEEDED_OPS), self.family)
+        self.check_config(hf_config)
         self.config = hf_config
-        self.model = DeepseekV3Model(hf_config, parallel, backend)
+        self.model = self.base_model_cls(hf_config, parallel, backend)
         self.lm_head = ParallelLMHead(
             hf_config.vocab_size, hf_config.hidden_size, parallel.lmhead_tp, backend.linear_method()
         )
         if hf_config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.num_mtp_layers = len(self.model.layers) - hf_config.num_hidden_layers
+
+    @staticmethod
+    def check_config(config: DeepseekV3Config) -> None:
+        """Refuse, before anything is built, a config whose architecture this class does not build:
+        V2-era routing (softmax scores, greedy top-k) is models/deepseek_v2's."""
+        scoring_func = getattr(config, "scoring_func", "sigmoid")
+        topk_method = getattr(config, "topk_method", "noaux_tc")
+        if (scoring_func, topk_method) != ("sigmoid", "noaux_tc"):
+            raise ValueError(
+                f"config scoring_func {scoring_func!r} / topk_method {topk_method!r}: only DeepSeek-V3's "
+                "'sigmoid' / 'noaux_tc' routing is built here (DeepSeek-V2's is models/deepseek_v2/)"
+            )
 
     def mtp_layer(self, layer: int) -> DeepseekV3MTPLayer:
         if not 0 <= layer < self.num_mtp_layers:
