@@ -1,4 +1,4 @@
-"""cann-recipes' flattened YAML schema, the one its newer model folders (glm_5_2, kimi_k3, pangu_7b) use.
+"""cann-recipes' flattened YAML schema, the one three of its newest model folders use (docs/configuration.md).
 
 Such a file names the run (model_name, model_path, draft_model_path, exe_mode, world_size) at the top
 level, has no scheduler_config, and puts the scheduler's keys in model_config and data_config under

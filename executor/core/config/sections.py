@@ -203,13 +203,17 @@ class CustomParams:
         choices=("original", "two_phase", "fused"),
         help="attention-residual backend",
     )
-    enable_flash_kda: bool = not_applicable(False, "the fused NPU kernel of Kimi delta attention at prefill")
-    enable_fused_recurrent_kda: bool = not_applicable(False, "the fused NPU kernel of Kimi delta attention at decode")
+    enable_flash_kda: bool = not_applicable(
+        False, "the fused NPU kernel of KDA (a delta-rule linear attention) at prefill"
+    )
+    enable_fused_recurrent_kda: bool = not_applicable(
+        False, "the fused NPU kernel of KDA (a delta-rule linear attention) at decode"
+    )
     enable_mega_moe: bool = not_applicable(False, "one fused NPU kernel for dispatch, experts and combine")
     enable_moe_bf16_mode: bool = refused(
         False,
         (False,),
-        "it rounds the experts' gated activation (Kimi K3's SiTU) in bfloat16 instead of float32, a numerics "
+        "it rounds the experts' gated activation (a SiTU activation) in bfloat16 instead of float32, a numerics "
         "choice not built here",
         help="MoE gated activation in bfloat16",
     )
