@@ -43,7 +43,6 @@ def test_a_cann_recipes_deepseek_r1_yaml_runs_with_random_weights_and_its_layer_
     assert "[Main] Inference time (prefill): " in cann_log and "[Main] Inference time (decode): " in cann_log
     assert "deepseek_r1 main and mtp model average inference time cost is " in cann_log
     assert "deepseek_r1 model average equivalent latency of MTP1 is " in cann_log
-    assert "[Main] Inference time" not in log
 
 
 def run_entry(*args: str) -> subprocess.CompletedProcess[str]:

@@ -23,12 +23,16 @@ class ConsoleFilter(logging.Filter):
 
 
 def setup_logging() -> None:
+    """Configure the root logger once, with a console handler of our own; a process whose root
+    already has handlers (a test runner, an embedding program) keeps them as they are."""
+    root = logging.getLogger()
     level = os.environ.get("INFER_RECIPES_LOG_LEVEL", "INFO").upper()
     rank = f"[rank {os.environ['RANK']}] " if "RANK" in os.environ else ""  # under torchrun
-    logging.basicConfig(
-        level=level, format=f"%(asctime)s {rank}%(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
-    )
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(ConsoleFilter())
+    if not root.handlers:
+        console = logging.StreamHandler()
+        console.setFormatter(logging.Formatter(f"%(asctime)s {rank}%(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+        console.addFilter(ConsoleFilter())
+        root.addHandler(console)
+        root.setLevel(level)
     for noisy in ("httpx", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -25,6 +25,7 @@ def announced_if_slow(logger: logging.Logger, doing: str, after_s: float = SLOW_
         yield
     finally:
         notice.cancel()
+        notice.join()  # no timer thread outlives its phase (none is left running at exit)
         elapsed_s = time.perf_counter() - start_s
         if elapsed_s >= after_s:  # the notice was given: say when it is over
             logger.info("%s: done in %.1f s", doing, elapsed_s)
