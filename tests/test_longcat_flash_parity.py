@@ -18,12 +18,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 
 from executor.offline.__main__ import main as offline_main
 from executor.types_.model_inputs import ScheduledSequence
 from models.longcat_flash import LongcatFlashForCausalLM
-from models.longcat_flash.model import LongcatFlashMoE
+from models.longcat_flash.model import LongcatFlashMoE, LongcatFlashRouter
 from tests import paged_harness
 from tests.backends import cpu_backend
 from tests.engine_harness import ENGINE_CONFIG, check_engine_greedy, generate_random_prompts
@@ -88,16 +89,17 @@ class TestPagedParity(PagedParityTests):
 
 
 # Layer 1's score-correction bias when its router weights are zero (every score 1/12): all experts
-# tied, or routed experts 0 and 1 ahead and routed 2, 3 tied with the four zero experts (8-11) for
-# the third place.
+# tied, or routed experts 0 and 1 ahead and routed expert 2 tied with zero expert 8 for the third
+# place (ties among zero experts alone cannot show: each passes the token on).
 TIED_BIASES = {
     "every_expert_tied": [0.0] * 12,
-    "zero_experts_tied_with_routed_at_the_cut": [1.0, 1.0, 0.5, 0.5, 0, 0, 0, 0, 0.5, 0.5, 0.5, 0.5],
+    "a_zero_expert_tied_with_a_routed_one_at_the_cut": [1.0, 1.0, 0.5, 0, 0, 0, 0, 0, 0.5, 0, 0, 0],
 }
 
 
 @pytest.fixture(params=list(TIED_BIASES), scope="module")
-def tied_routing_models(request, tmp_path_factory) -> tuple[torch.nn.Module, PagedModel]:
+def tied_checkpoint(request, tmp_path_factory) -> tuple[torch.nn.Module, Path, transformers.LongcatFlashConfig]:
+    """(transformers' model, its folder, its config) with layer 1's router tied as TIED_BIASES says."""
     config = longcat_flash_config()
     path = tmp_path_factory.mktemp(f"tied_routing_{request.param}")
     hf_model = save_checkpoint(path, config)
@@ -106,11 +108,37 @@ def tied_routing_models(request, tmp_path_factory) -> tuple[torch.nn.Module, Pag
         router.classifier.weight.zero_()
         router.e_score_correction_bias.copy_(torch.tensor(TIED_BIASES[request.param]))
     hf_model.save_pretrained(path)  # the same checkpoint with the tied router
+    return hf_model, path, config
+
+
+@pytest.fixture(scope="module")
+def tied_routing_models(tied_checkpoint) -> tuple[torch.nn.Module, PagedModel]:
+    hf_model, path, config = tied_checkpoint
     return hf_model, PagedModel(load_ours(path, config), block_size=4)
 
 
 class TestRoutingTies(RoutingTieTests):
-    """Experts tied in layer 1 (tied_routing_models), zero-computation experts among them."""
+    """Experts tied in layer 1 (tied_checkpoint), zero-computation experts among them."""
+
+
+class LowestIdWinsRouter(LongcatFlashRouter):
+    """The same scores and weights, a tie won by the lowest expert id (a stable sort), where
+    transformers' unsorted top-k takes ids 7-9 of twelve tied experts and zero expert 8 over routed 2."""
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = F.linear(hidden_states.float(), self.weight).softmax(dim=-1)
+        choice = scores + self.e_score_correction_bias.unsqueeze(0)
+        topk_ids = torch.sort(choice, dim=-1, descending=True, stable=True)[1][:, : self.top_k]
+        return scores.gather(1, topk_ids) * self.routed_scaling_factor, topk_ids
+
+
+def test_ties_broken_otherwise_than_transformers_break_the_parity(tied_checkpoint):
+    hf_model, path, config = tied_checkpoint
+    ours = PagedModel(load_ours(path, config), block_size=4)
+    for moe in moe_blocks(ours.model):
+        moe.gate.__class__ = LowestIdWinsRouter
+    prompts = random_prompts(RoutingTieTests.tie_prompt_lens, seed=4)
+    assert max_prefill_diff(hf_model, ours, prompts) > 100 * TOLERANCE
 
 
 def moe_blocks(model: LongcatFlashForCausalLM) -> list[LongcatFlashMoE]:
