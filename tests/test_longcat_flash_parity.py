@@ -12,6 +12,7 @@ bias) must break the parity.
 
 from __future__ import annotations
 
+import json
 import types
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +22,8 @@ import torch
 import torch.nn.functional as F
 import transformers
 
+from executor.core.config import load_config
+from executor.core.config.model_registry import model_folder
 from executor.offline.__main__ import main as offline_main
 from executor.types_.model_inputs import ScheduledSequence
 from models.longcat_flash import LongcatFlashForCausalLM
@@ -43,6 +46,7 @@ from tests.paged_harness import (
 from tests.test_graph_modes import outputs, run, shrinking_batch_records
 
 ROOT = Path(__file__).resolve().parents[1]
+CANN_LONGCAT = ROOT / "tests" / "data" / "cann_recipes" / "runs" / "longcat_flash.yaml"
 TOLERANCE = PagedParityTests.tolerance
 
 YARN = {
@@ -292,3 +296,21 @@ def test_tiny_random_yaml_runs_end_to_end(tmp_path):
     yaml = ROOT / "models" / "longcat_flash" / "config" / "tiny_random.yaml"
     assert offline_main(["--yaml", str(yaml), *(arg for o in overrides for arg in ("--set", o))]) == 0
     assert len((output_dir / "outputs.jsonl").read_text().splitlines()) == 3
+
+
+def test_a_cann_recipes_longcat_flash_yaml_validates_finds_the_folder_and_runs(tmp_path, monkeypatch):
+    """tests/data/cann_recipes/runs/longcat_flash.yaml: cann-recipes' keys, no unknown one, the folder
+    found by model_name, random weights end to end."""
+    monkeypatch.chdir(ROOT)  # its model_path is relative, as cann-recipes' are to where one runs
+    config = load_config(CANN_LONGCAT)
+    assert model_folder(config.model_config.model_name) == "longcat_flash"
+    out = tmp_path / "out"
+    settings = [
+        f"model_config.output_path={out}",
+        "model_config.device=cpu",
+        "scheduler_config.batch_size_meaning=num_requests",  # cann-recipes' batch_size: 4 requests
+        "data_config.apply_chat_template=false",  # the tiny tokenizer has no chat template
+    ]
+    assert offline_main(["--yaml", str(CANN_LONGCAT), *(arg for s in settings for arg in ("--set", s))]) == 0
+    lines = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
+    assert len(lines) == 4 and all(line["error"] is None and len(line["output_token_ids"]) == 6 for line in lines)
