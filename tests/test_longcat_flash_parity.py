@@ -28,10 +28,10 @@ from executor.offline.__main__ import main as offline_main
 from executor.types_.model_inputs import ScheduledSequence
 from models.longcat_flash import LongcatFlashForCausalLM
 from models.longcat_flash.model import LongcatFlashMoE, LongcatFlashRouter
-from tests import paged_harness
 from tests.backends import cpu_backend
 from tests.engine_harness import ENGINE_CONFIG, check_engine_greedy, generate_random_prompts
 from tests.factories import longcat_flash_config
+from tests.longcat_flash_harness import load_ours, save_checkpoint
 from tests.paged_harness import (
     PagedModel,
     PagedParityTests,
@@ -40,7 +40,6 @@ from tests.paged_harness import (
     hf_last_logits,
     parity_models,
     random_prompts,
-    save_random_model,
     single_thread,  # noqa: F401 (an autouse fixture)
 )
 from tests.test_graph_modes import outputs, run, shrinking_batch_records
@@ -67,18 +66,6 @@ CONFIGS = {
         16,
     ),
 }
-
-
-def save_checkpoint(path: Path, config: transformers.LongcatFlashConfig, seed: int = 0) -> torch.nn.Module:
-    """A model folder for `config` and transformers' model with its weights: random, the linear
-    biases, norm weights and the router's score-correction bias (constants from transformers) drawn
-    too, the bias wide enough to change which experts win."""
-    redraw = {"bias": (0.0, 0.1), "norm.weight": (1.0, 0.1), "e_score_correction_bias": (0.0, 0.05)}
-    return save_random_model(path, transformers.LongcatFlashForCausalLM, config, seed, redraw=redraw)
-
-
-def load_ours(path: Path, config: transformers.LongcatFlashConfig) -> LongcatFlashForCausalLM:
-    return paged_harness.load_ours(LongcatFlashForCausalLM, path, config)
 
 
 @pytest.fixture(params=list(CONFIGS), scope="module")

@@ -10,9 +10,10 @@ models/deepseek_v3/'s classes with what LongCat does otherwise.
   their input: softmax scores over all of them, a score-correction bias that steers the choice but not
   the weights, weights times routed_scaling_factor, never renormalised. No shared experts.
 
-The MTP module of LongCat's checkpoints (model.mtp.*) is not built: transformers does not define it
-and skips those tensors, as load_weights does. Parity with transformers:
-tests/test_longcat_flash_parity.py.
+- MTP: LongCat's checkpoints carry one module under model.mtp (its own embedding, enorm / hnorm /
+  eh_proj, one block of MLA and a dense MLP, a final norm), which module/mtp.py drives as DeepSeek's;
+  transformers defines none. Parity with transformers: tests/test_longcat_flash_parity.py; the MTP
+  against a plain reference: tests/test_longcat_flash_mtp.py.
 """
 
 from __future__ import annotations
@@ -24,11 +25,14 @@ from transformers import LongcatFlashConfig
 
 from executor.types_.model_inputs import ForwardMetaData
 from models.deepseek_v3.model import DeepseekV3ForCausalLM, DeepseekV3Model, ShardKey
+from module.decoder_layer import PreNormDecoderLayer
+from module.embedding import VocabParallelEmbedding
 from module.mla import MLAAttention
 from module.mlp import GatedMLP
 from module.moe import EXPERT_TENSOR, FusedExperts, Router, SparseMoeBlock
+from module.mtp import MTPLayerMixin, num_mtp_layers_of
 from module.norm import RMSNorm
-from module.parallel_group import ModelParallel, ParallelGroup
+from module.parallel_group import ONE_PROCESS, ModelParallel, ParallelGroup
 from ops.backend import Backend
 
 
@@ -163,8 +167,41 @@ class LongcatFlashDecoderLayer(nn.Module):
         return self.post_attention_layernorm[block](hidden_states, residual)
 
 
+class LongcatFlashMTPBlock(PreNormDecoderLayer):
+    """The MTP module's decoder block: one MLA block and one dense MLP, as a plain pre-norm layer."""
+
+    def __init__(self, config: LongcatFlashConfig, layer_index: int, parallel: ModelParallel, backend: Backend) -> None:
+        super().__init__()
+        hidden_size, eps = config.hidden_size, config.rms_norm_eps
+        self.self_attn = LongcatFlashAttention(config, parallel.attn_tp, backend=backend)
+        self.mlp = GatedMLP(
+            hidden_size, config.ffn_hidden_size, config.hidden_act, tp=parallel.dense_tp, backend=backend
+        )
+        self.input_layernorm = RMSNorm(hidden_size, eps, backend=backend)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps, backend=backend)
+
+
+class LongcatFlashMTPLayer(MTPLayerMixin, LongcatFlashMTPBlock):
+    """module/mtp.py's MTP on LongCat's block; its shared_head.norm is the checkpoint's model.mtp.norm."""
+
+
+class LongcatFlashMTP(nn.Module):
+    """model.mtp of LongCat's checkpoints: the MTP's own embedding and its layers."""
+
+    def __init__(self, config: LongcatFlashConfig, parallel: ModelParallel, backend: Backend) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel.embed_tp)
+        self.layers = nn.ModuleList(
+            [LongcatFlashMTPLayer(config, index, parallel, backend) for index in range(num_mtp_layers_of(config))]
+        )
+
+
 class LongcatFlashModel(DeepseekV3Model):
     decoder_layer_cls = LongcatFlashDecoderLayer
+
+    def __init__(self, config: LongcatFlashConfig, parallel: ModelParallel, backend: Backend) -> None:
+        super().__init__(config, parallel, backend)
+        self.mtp = LongcatFlashMTP(config, parallel, backend) if num_mtp_layers_of(config) else None
 
     @staticmethod
     def num_decoder_layers(config: LongcatFlashConfig) -> int:
@@ -173,12 +210,36 @@ class LongcatFlashModel(DeepseekV3Model):
 
     @staticmethod
     def num_mtp_layers(config: LongcatFlashConfig) -> int:
+        """None among `layers`: LongCat's MTP is `mtp`, named as its checkpoints name it."""
         return 0
+
+
+# LongCat's MTP tensor names -> ours: its norms wrap their weight in `m`, its MLP sits in a
+# `transformer_layer`, and its one final norm is the module's shared_head.norm.
+MTP_RENAMES = (
+    (".enorm.m.", ".enorm."),
+    (".hnorm.m.", ".hnorm."),
+    (".transformer_layer.", "."),
+    ("model.mtp.norm.", "model.mtp.layers.0.shared_head.norm."),
+)
 
 
 class LongcatFlashForCausalLM(DeepseekV3ForCausalLM):
     base_model_cls = LongcatFlashModel
     family = "LongCat-Flash"
+
+    def __init__(self, hf_config: LongcatFlashConfig, *, parallel: ModelParallel = ONE_PROCESS, backend: Backend) -> None:
+        super().__init__(hf_config, parallel=parallel, backend=backend)
+        self.num_mtp_layers = 0 if self.model.mtp is None else len(self.model.mtp.layers)
+
+    def mtp_layer(self, layer: int) -> LongcatFlashMTPLayer:
+        if not 0 <= layer < self.num_mtp_layers:
+            raise IndexError(f"MTP layer {layer} does not exist: the model has {self.num_mtp_layers}")
+        return self.model.mtp.layers[layer]
+
+    def mtp_embedding(self, layer: int) -> nn.Module:
+        """model.mtp.embed_tokens: LongCat's checkpoints give the MTP an embedding of its own."""
+        return self.model.mtp.embed_tokens
 
     @staticmethod
     def check_config(config: LongcatFlashConfig) -> None:
@@ -201,21 +262,29 @@ class LongcatFlashForCausalLM(DeepseekV3ForCausalLM):
                 )
         if config.q_lora_rank is None:
             raise ValueError("config q_lora_rank None: LongCat-Flash's MLA always has a q LoRA")
+        if num_mtp_layers_of(config) > 1:
+            raise ValueError(
+                f"config num_nextn_predict_layers {config.num_nextn_predict_layers}: LongCat-Flash's checkpoints "
+                "hold one MTP module (one final norm, model.mtp.norm), so 0 or 1"
+            )
 
     def _is_skipped(self, checkpoint_name: str) -> bool:
-        """Also skipped: the MTP module (model.mtp.*, not built), and the gate/up tensors transformers
-        saves for the zero experts (its stacked gate_up_proj has a slot per expert, zero ones included)."""
+        """Also skipped: the gate/up tensors transformers saves for the zero experts (its stacked
+        gate_up_proj has a slot per expert, zero ones included), and the MTP's when the config has none."""
         expert = EXPERT_TENSOR.match(checkpoint_name)
         return (
             super()._is_skipped(checkpoint_name)
-            or checkpoint_name.startswith("model.mtp.")
             or (expert is not None and int(expert["expert"]) >= self.config.n_routed_experts)
+            or (checkpoint_name.startswith("model.mtp.") and not self.num_mtp_layers)
         )
 
     def _load_tensor(
         self, checkpoint_name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter]
     ) -> tuple[str, ShardKey]:
         """The router's tensors (mlp.router.classifier.weight, mlp.router.e_score_correction_bias)
-        go to the MoE block's `gate`."""
+        go to the MoE block's `gate`; the MTP's are renamed by MTP_RENAMES."""
         name = checkpoint_name.replace(".mlp.router.classifier.", ".mlp.gate.").replace(".mlp.router.", ".mlp.gate.")
+        if name.startswith("model.mtp."):
+            for old, new in MTP_RENAMES:
+                name = name.replace(old, new)
         return super()._load_tensor(name, tensor, params)
