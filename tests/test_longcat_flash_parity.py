@@ -287,7 +287,7 @@ def test_tiny_random_yaml_runs_end_to_end(tmp_path):
 
 def test_a_cann_recipes_longcat_flash_yaml_validates_finds_the_folder_and_runs(tmp_path, monkeypatch):
     """tests/data/cann_recipes/runs/longcat_flash.yaml: cann-recipes' keys, no unknown one, the folder
-    found by model_name, random weights end to end."""
+    found by model_name, random weights end to end, drafting with the MTP module (next_n 1)."""
     monkeypatch.chdir(ROOT)  # its model_path is relative, as cann-recipes' are to where one runs
     config = load_config(CANN_LONGCAT)
     assert model_folder(config.model_config.model_name) == "longcat_flash"
@@ -301,3 +301,4 @@ def test_a_cann_recipes_longcat_flash_yaml_validates_finds_the_folder_and_runs(t
     assert offline_main(["--yaml", str(CANN_LONGCAT), *(arg for s in settings for arg in ("--set", s))]) == 0
     lines = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
     assert len(lines) == 4 and all(line["error"] is None and len(line["output_token_ids"]) == 6 for line in lines)
+    assert "longcat_flash main and mtp model average inference time cost is " in (out / "steps.log").read_text()

@@ -43,8 +43,7 @@ class MTPProposer:
         if getattr(model, "num_mtp_layers", 0) < 1:
             raise ConfigError(
                 f"speculative method mtp in {source}: {type(model).__name__} has no MTP modules "
-                "(config.json num_nextn_predict_layers is 0 or absent, or its model folder does not build them: "
-                "see its README)"
+                "(config.json num_nextn_predict_layers is 0 or absent)"
             )
         self.model = model
         self.kv_cache_manager = kv_cache_manager
