@@ -60,7 +60,10 @@ def reference_mtp(hf_model, reference: MTPReference, token_ids: list[int], previ
     tensor = {name.removeprefix("model.mtp.").removeprefix("layers.0."): t for name, t in reference.tensors.items()}
     embeds = F.embedding(torch.tensor(token_ids), tensor["embed_tokens.weight"])
     mixed = torch.cat(
-        (rms_norm(embeds, tensor["enorm.m.weight"], eps), rms_norm(previous_hidden_states, tensor["hnorm.m.weight"], eps)),
+        (
+            rms_norm(embeds, tensor["enorm.m.weight"], eps),
+            rms_norm(previous_hidden_states, tensor["hnorm.m.weight"], eps),
+        ),
         dim=-1,
     )
     hidden_states = F.linear(mixed, tensor["eh_proj.weight"])[None]
@@ -73,7 +76,8 @@ def reference_mtp(hf_model, reference: MTPReference, token_ids: list[int], previ
         attention_mask=causal_mask,
     )[0]
     hidden_states = hidden_states + attention
-    hidden_states = hidden_states + reference.mlp(rms_norm(hidden_states, tensor["post_attention_layernorm.weight"], eps))
+    post_attention = rms_norm(hidden_states, tensor["post_attention_layernorm.weight"], eps)
+    hidden_states = hidden_states + reference.mlp(post_attention)
     hidden_states = hidden_states[0]
     return hidden_states, hf_model.lm_head(rms_norm(hidden_states, tensor["norm.weight"], eps))
 

@@ -25,7 +25,6 @@ import transformers
 from executor.core.config import load_config
 from executor.core.config.model_registry import model_folder
 from executor.offline.__main__ import main as offline_main
-from executor.types_.model_inputs import ScheduledSequence
 from models.longcat_flash import LongcatFlashForCausalLM
 from models.longcat_flash.model import LongcatFlashMoE, LongcatFlashRouter
 from tests.backends import cpu_backend
@@ -37,7 +36,7 @@ from tests.paged_harness import (
     PagedParityTests,
     RoutingTieTests,
     check_decode_traces_as_one_graph,
-    hf_last_logits,
+    max_prefill_diff,
     parity_models,
     random_prompts,
     single_thread,  # noqa: F401 (an autouse fixture)
@@ -77,6 +76,10 @@ def models(request, tmp_path_factory) -> tuple[torch.nn.Module, PagedModel]:
 
 class TestPagedParity(PagedParityTests):
     """Every family's parity tests (prefill, cached prefix, padded batched decode) on each of CONFIGS."""
+
+
+def moe_blocks(model: LongcatFlashForCausalLM) -> list[LongcatFlashMoE]:
+    return [layer.mlp for layer in model.model.layers]
 
 
 # Layer 1's score-correction bias when its router weights are zero (every score 1/12): all experts
@@ -132,10 +135,6 @@ def test_ties_broken_otherwise_than_transformers_break_the_parity(tied_checkpoin
     assert max_prefill_diff(hf_model, ours, prompts) > 100 * TOLERANCE
 
 
-def moe_blocks(model: LongcatFlashForCausalLM) -> list[LongcatFlashMoE]:
-    return [layer.mlp for layer in model.model.layers]
-
-
 def zero_experts_compute(model: LongcatFlashForCausalLM) -> None:
     """Slots routed to zero experts run routed expert (id mod n_routed) instead of passing the token on."""
 
@@ -176,12 +175,6 @@ def router_bias_ignored(model: LongcatFlashForCausalLM) -> None:
     """Experts chosen by their scores alone."""
     for moe in moe_blocks(model):
         moe.gate.e_score_correction_bias.zero_()
-
-
-def max_prefill_diff(hf_model: torch.nn.Module, ours: PagedModel, prompts: list[list[int]]) -> float:
-    """The largest |ours - transformers'| over the last-token logits of `prompts` prefilled packed."""
-    logits = ours.step([ScheduledSequence(p, 0, [ours.allocate(len(p))]) for p in prompts])
-    return max((row - hf_last_logits(hf_model, p)).abs().max().item() for p, row in zip(prompts, logits, strict=True))
 
 
 @pytest.fixture(scope="module")
@@ -231,7 +224,8 @@ def test_a_config_transformers_builds_otherwise_than_longcat_is_refused(override
 
 def test_the_zero_experts_gate_up_tensors_transformers_saves_are_skipped(base_checkpoint):
     """transformers' stacked gate_up_proj has a slot per expert, zero experts included; LongCat's
-    checkpoints have no such tensors, and ours has no parameter for them."""
+    checkpoints have no such tensors, and ours has no parameter for them. MTP tensors are skipped
+    when the config has no MTP module."""
     _, path, config = base_checkpoint
     ours = load_ours(path, config)  # every parameter filled, no unexpected tensor
     assert ours.model.layers[0].mlp.experts.gate_up_proj.shape[0] == config.n_routed_experts

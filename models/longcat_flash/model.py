@@ -9,7 +9,6 @@ models/deepseek_v3/'s classes with what LongCat does otherwise.
 - The router picks from the routed experts and zero_expert_num zero-computation experts, which return
   their input: softmax scores over all of them, a score-correction bias that steers the choice but not
   the weights, weights times routed_scaling_factor, never renormalised. No shared experts.
-
 - MTP: LongCat's checkpoints carry one module under model.mtp (its own embedding, enorm / hnorm /
   eh_proj, one block of MLA and a dense MLP, a final norm), which module/mtp.py drives as DeepSeek's;
   transformers defines none. Parity with transformers: tests/test_longcat_flash_parity.py; the MTP
@@ -228,7 +227,9 @@ class LongcatFlashForCausalLM(DeepseekV3ForCausalLM):
     base_model_cls = LongcatFlashModel
     family = "LongCat-Flash"
 
-    def __init__(self, hf_config: LongcatFlashConfig, *, parallel: ModelParallel = ONE_PROCESS, backend: Backend) -> None:
+    def __init__(
+        self, hf_config: LongcatFlashConfig, *, parallel: ModelParallel = ONE_PROCESS, backend: Backend
+    ) -> None:
         super().__init__(hf_config, parallel=parallel, backend=backend)
         self.num_mtp_layers = 0 if self.model.mtp is None else len(self.model.mtp.layers)
 
