@@ -42,9 +42,19 @@ NOT_BUILT: dict[str, str] = {
     "bailing_2_5": "Bailing 2.5 (Ling) is not built",
     "gemma_4": "Gemma 4 is not built",
     "hy3": "Hunyuan 3 is not built",
-    "longcat_flash": "LongCat-Flash (zero-computation experts, shortcut MoE) is not built",
-    "longcat_flash_ffn": "LongCat-Flash is not built",
-    "longcat_flash_lite": "LongCat-Flash-Lite (n-gram embeddings) is not built",
+    "longcat_flash_ffn": (
+        "cann-recipes' FFN-side model of LongCat-Flash under attention-FFN disaggregation "
+        "(custom_params.enable_afd), which is not built; the whole model is longcat_flash"
+    ),
+    "longcat_flash_lite": (
+        "LongCat-Flash-Lite (model_type longcat_flash_ngram) adds n-gram embeddings to LongCat-Flash, "
+        "which transformers does not define (its longcat_flash has none)"
+    ),
+    "longcat-2.0": (
+        "LongCat 2.0 runs in Meituan's SGLang-FluentLLM, not cann-recipes' executor, and adds to LongCat-Flash "
+        "DeepSeek sparse attention (a lightning indexer) with sink and sliding-window selection and n-gram "
+        "(over-)embeddings, none of which transformers defines or is built here"
+    ),
     "qwen3.5": "Qwen3.5 (gated delta-net linear attention) is not built",
     "step3p7_flash": "Step-3.7-Flash is not built",
     "kimi_k3": "Kimi K3 (Kimi linear attention) is not built",

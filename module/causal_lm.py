@@ -32,6 +32,11 @@ class CausalLM(nn.Module):
         """MTP layer `layer` (IndexError past num_mtp_layers); where a model keeps them is its own choice."""
         raise NotImplementedError
 
+    def mtp_embedding(self, layer: int) -> nn.Module:
+        """The embedding MTP layer `layer` reads its tokens through: the model's own, as DeepSeek's
+        MTP modules share it; a family whose checkpoints give the MTP its own says so here."""
+        return self.model.embed_tokens
+
     def mtp_forward(
         self,
         layer: int,
@@ -44,7 +49,7 @@ class CausalLM(nn.Module):
         position) and the previous depth's hidden states [T, hidden] (for layer 0, forward()'s output,
         after the final norm) -> hidden states [T, hidden] before shared_head.norm. Its attention reads
         and writes its own cache through the step's block tables."""
-        inputs_embeds = self.model.embed_tokens(input_ids)
+        inputs_embeds = self.mtp_embedding(layer)(input_ids)
         rotary = self.model.rotary_emb(positions, inputs_embeds.dtype)
         return self.mtp_layer(layer).predict(inputs_embeds, previous_hidden_states, rotary, forward_metadata)
 

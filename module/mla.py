@@ -92,6 +92,16 @@ class MLAAttention(KVCacheLayer):
         """Whether the rope dims come as interleaved pairs: the config's rope_interleave (DeepSeek-V3's)."""
         return config.rope_interleave
 
+    def project_query(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden [T, hidden] -> every head's query [T, heads * qk_head_dim], through the q LoRA or q_proj."""
+        if self.q_lora_rank is None:
+            return self.q_proj(hidden_states)
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+
+    def normed_latent(self, latent: torch.Tensor) -> torch.Tensor:
+        """The compressed KV [T, kv_lora_rank] as cached and decompressed: kv_a_layernorm's output."""
+        return self.kv_a_layernorm(latent)
+
     def kv_cache_spec(self) -> KVCacheSpec:
         return mla_spec(self.kv_lora_rank, self.qk_rope_head_dim, self.cache_dtype, self.kv_scheme)
 
@@ -126,10 +136,7 @@ class MLAAttention(KVCacheLayer):
         """hidden [T, hidden], rotary (cos, sin) [T, qk_rope_head_dim] -> [T, hidden]."""
         if self.kv_cache_group_id < 0:
             raise RuntimeError("MLAAttention has no KV cache: the worker must call bind_kv_cache before forward")
-        if self.q_lora_rank is None:
-            query = self.q_proj(hidden_states)
-        else:
-            query = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+        query = self.project_query(hidden_states)
         q_nope, q_pe = query.view(-1, self.num_heads, query.shape[-1] // self.num_heads).split(
             [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1
         )
@@ -141,7 +148,7 @@ class MLAAttention(KVCacheLayer):
         tables = forward_metadata.groups[self.kv_cache_group_id]
         # The cached latent is kv_b_proj's input: quantized as its scheme quantizes inputs (a no-op
         # unquantized), which the absorbed decode and the decompressing prefill then both read.
-        latent = self.kv_b_proj.linear_method.quantize_input(self.kv_b_proj, self.kv_a_layernorm(latent))
+        latent = self.kv_b_proj.linear_method.quantize_input(self.kv_b_proj, self.normed_latent(latent))
         latent_scale = self.latent_scale()
         self.ops.write_latent_cache(
             torch.cat((latent, k_pe.squeeze(1)), dim=-1),

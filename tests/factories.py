@@ -157,3 +157,24 @@ def deepseek_v2_config(**overrides: object) -> transformers.DeepseekV2Config:
     (topk_method="group_limited_greedy" with n_group and topk_group)."""
     settings = DEEPSEEK_SETTINGS | dict(q_lora_rank=None, topk_method="greedy", routed_scaling_factor=1.5)
     return parity_config(transformers.DeepseekV2Config, settings, overrides)
+
+
+def longcat_flash_config(**overrides: object) -> transformers.LongcatFlashConfig:
+    """Two layers (four MLA blocks), 8 routed experts and 4 zero-computation ones choosing 3,
+    routed_scaling_factor 1.5 so that a lost scale shows; overrides change any field."""
+    settings = dict(
+        num_layers=2,
+        ffn_hidden_size=96,
+        expert_ffn_hidden_size=32,
+        n_routed_experts=8,
+        zero_expert_num=4,
+        moe_topk=3,
+        q_lora_rank=48,
+        kv_lora_rank=32,
+        qk_rope_head_dim=8,
+        head_dim=8,  # transformers' rope dims
+        qk_nope_head_dim=16,
+        v_head_dim=12,
+        routed_scaling_factor=1.5,
+    )
+    return parity_config(transformers.LongcatFlashConfig, settings, overrides)

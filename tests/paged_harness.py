@@ -160,6 +160,12 @@ def assert_last_logits_match(
         assert (row - hf_last_logits(hf_model, prompt)).abs().max() <= tolerance
 
 
+def max_prefill_diff(hf_model: torch.nn.Module, ours: PagedModel, prompts: list[list[int]]) -> float:
+    """The largest |ours - transformers'| over the last-token logits of `prompts` prefilled packed."""
+    logits = ours.step([ScheduledSequence(p, 0, [ours.allocate(len(p))]) for p in prompts])
+    return max((row - hf_last_logits(hf_model, p)).abs().max().item() for p, row in zip(prompts, logits, strict=True))
+
+
 def check_prefill_logits(
     hf_model: torch.nn.Module, ours: PagedModel, prompts: list[list[int]], tolerance: float
 ) -> None:

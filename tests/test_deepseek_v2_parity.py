@@ -18,7 +18,6 @@ import torch
 import transformers
 
 from executor.offline.__main__ import main as offline_main
-from executor.types_.model_inputs import ScheduledSequence
 from models.deepseek_v2 import DeepseekV2ForCausalLM
 from module.moe import SoftmaxGroupRouter, TopkRouter
 from tests import paged_harness
@@ -29,7 +28,7 @@ from tests.paged_harness import (
     PagedModel,
     PagedParityTests,
     RoutingTieTests,
-    hf_last_logits,
+    max_prefill_diff,
     parity_models,
     random_prompts,
     save_random_model,
@@ -136,12 +135,6 @@ def plain_rope(model: DeepseekV2ForCausalLM) -> None:
     """Rotate-half rope on the dims as stored, as V3 does with rope_interleave false."""
     for layer in model.model.layers:
         layer.self_attn.rope_interleave = False
-
-
-def max_prefill_diff(hf_model: torch.nn.Module, ours: PagedModel, prompts: list[list[int]]) -> float:
-    """The largest |ours - transformers'| over the last-token logits of `prompts` prefilled packed."""
-    logits = ours.step([ScheduledSequence(p, 0, [ours.allocate(len(p))]) for p in prompts])
-    return max((row - hf_last_logits(hf_model, p)).abs().max().item() for p, row in zip(prompts, logits, strict=True))
 
 
 @pytest.mark.parametrize("mutation", [v3_routing, plain_rope])

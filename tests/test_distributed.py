@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 from executor.offline.dataset import DATASET_DIR, load_prompts, tokenize_record
 from executor.offline.durable_io import read_jsonl
 from executor.offline.exit_status import COULD_NOT_START
-from tests import deepseek_v3_harness
+from tests import deepseek_v3_harness, longcat_flash_harness
 from tests.dist_fault_entry import FAULT_CALL_ENV, FAULT_MESSAGE
 from tests.dist_harness import (
     RUN_TIMEOUT_S,
@@ -35,7 +35,7 @@ from tests.dist_harness import (
     token_ids,
 )
 from tests.engine_harness import hf_greedy, load_hf_model
-from tests.factories import TINY_VOCAB, deepseek_config, qwen_config, tiny_tokenizer
+from tests.factories import TINY_VOCAB, deepseek_config, longcat_flash_config, qwen_config, tiny_tokenizer
 from tests.run_harness import outputs_by_id, run_into, summary, write_run
 from tests.test_qwen_parity import save_checkpoint as save_qwen_checkpoint
 
@@ -129,13 +129,15 @@ def test_embedding_and_lm_head_tp_may_differ_from_attention_tp(llama_case, tmp_p
 def save_moe_folder(path: Path, family: str) -> Path:
     if family == "deepseek_v3":
         deepseek_v3_harness.save_checkpoint(path, deepseek_config())
+    elif family == "longcat_flash":
+        longcat_flash_harness.save_checkpoint(path, longcat_flash_config())
     else:
         save_qwen_checkpoint(path, qwen_config(family))
     tiny_tokenizer().save_pretrained(path)
     return path
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe", "longcat_flash"])
 def test_expert_parallel_2_gives_one_process_tokens(family, tmp_path):
     model_dir = save_moe_folder(tmp_path / "model", family)
     run_yaml = write_run(tmp_path, model_dir, num_prompts=4)
@@ -185,7 +187,7 @@ def assert_lock_step_equals_one_process(
     assert [replica["lock_step_idle_steps"] for replica in replicas] == idle
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe", "longcat_flash"])
 def test_expert_parallel_across_data_parallel_replicas_gives_one_process_tokens(family, tmp_path):
     """Attention TP 1 x DP 2 x EP 2 (cann-recipes' qwen3_moe layout at world 2): each MoE layer gathers
     both replicas' tokens over moe_ep, and the replica without work runs idle forwards."""
@@ -198,7 +200,7 @@ def test_expert_parallel_across_data_parallel_replicas_gives_one_process_tokens(
     assert_lock_step_equals_one_process(run, reference)
     first_step = run.steps()[0]  # both replicas prefill 3 tokens
     hidden_bytes = 3 * 64 * 4  # [tokens, hidden 64] fp32
-    num_moe_layers = 2 if family == "deepseek_v3" else 3
+    num_moe_layers = 3 if family == "qwen3_moe" else 2
     assert first_step["comm_bytes"]["moe_ep.gather_rows"] == num_moe_layers * (8 + hidden_bytes)  # count, rows
     assert first_step["comm_bytes"]["moe_ep.all_reduce"] == num_moe_layers * 2 * hidden_bytes  # both replicas' rows
 

@@ -100,13 +100,13 @@ class DeepseekV3Model(nn.Module):
 
     def __init__(self, config: DeepseekV3Config, parallel: ModelParallel, backend: Backend) -> None:
         super().__init__()
-        self.num_hidden_layers = config.num_hidden_layers
+        self.num_hidden_layers = self.num_decoder_layers(config)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel.embed_tp)
         # The MTP modules follow the decoder layers in one list, indexed as in the checkpoints.
         self.layers = nn.ModuleList(
-            [self.decoder_layer_cls(config, index, parallel, backend) for index in range(config.num_hidden_layers)]
+            [self.decoder_layer_cls(config, index, parallel, backend) for index in range(self.num_hidden_layers)]
             + [
-                DeepseekV3MTPLayer(config, config.num_hidden_layers + index, parallel, backend)
+                DeepseekV3MTPLayer(config, self.num_hidden_layers + index, parallel, backend)
                 for index in range(self.num_mtp_layers(config))
             ]
         )
@@ -124,6 +124,11 @@ class DeepseekV3Model(nn.Module):
             hidden_states, residual = layer(hidden_states, residual, rotary, forward_metadata)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
+
+    @staticmethod
+    def num_decoder_layers(config: DeepseekV3Config) -> int:
+        """How many decoder layers `layers` holds before the MTP ones (LongCat's hold two attention blocks each)."""
+        return config.num_hidden_layers
 
     @staticmethod
     def num_mtp_layers(config: DeepseekV3Config) -> int:
@@ -151,7 +156,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         )
         if hf_config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.num_mtp_layers = len(self.model.layers) - hf_config.num_hidden_layers
+        self.num_mtp_layers = len(self.model.layers) - self.model.num_hidden_layers
 
     @staticmethod
     def check_config(config: DeepseekV3Config) -> None:
@@ -168,7 +173,7 @@ class DeepseekV3ForCausalLM(CausalLM):
     def mtp_layer(self, layer: int) -> DeepseekV3MTPLayer:
         if not 0 <= layer < self.num_mtp_layers:
             raise IndexError(f"MTP layer {layer} does not exist: the model has {self.num_mtp_layers}")
-        return self.model.layers[self.config.num_hidden_layers + layer]
+        return self.model.layers[self.model.num_hidden_layers + layer]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors (one per routed expert and projection, as DeepSeek checkpoints store
