@@ -47,7 +47,6 @@ from module.rotary import RotaryEmbedding
 from ops.backend import Backend
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
-MLP_TYPES = ("dense", "sparse")
 # Rope tables here are precomputed per position: types that change with the sequence length cannot be.
 UNTABULATED_ROPE_TYPES = ("dynamic", "longrope")
 # A layer's stacked routed experts in a checkpoint, after the renaming of _renamed.
@@ -246,12 +245,9 @@ def check_config(config: Step3p7TextConfig) -> None:
         )
     if "sliding_attention" in layer_types and not config.sliding_window:
         raise ValueError(f"config has sliding_attention layers but sliding_window {config.sliding_window!r}")
-    mlp_types = list(config.mlp_layer_types[: config.num_hidden_layers])
-    if len(mlp_types) != config.num_hidden_layers or not set(mlp_types) <= set(MLP_TYPES):
-        raise ValueError(f"config mlp_layer_types must name one of {list(MLP_TYPES)} per layer, got {mlp_types}")
     if config.use_bidirectional_attention:
         raise ValueError("config use_bidirectional_attention: only causal attention is built")
-    if not (config.gating is True or config.gating == "per-head"):
+    if not (config.gating is True or config.gating == "per-head"):  # transformers' forward cannot run the others
         raise ValueError(f"config gating {config.gating!r}: only the per-head output gate is built")
     for layer_type, parameters in config.rope_parameters.items():
         if parameters["rope_type"] in UNTABULATED_ROPE_TYPES:
