@@ -233,11 +233,12 @@ def test_mtp_and_vision_tensors_are_passed_over(mutation_checkpoint, tmp_path):
 @pytest.fixture(scope="module")
 def engine_run(tmp_path_factory):
     """The whole engine (scheduler, KV cache manager, worker) on a saved tiny checkpoint, found by
-    cann-recipes' name, with prefill chunks of at most 16 tokens and 9 usable blocks of 16 tokens
-    for a batch whose requests need 3 to 5 each: chunked prompts and preempted requests."""
+    cann-recipes' name, with prefill chunks of at most 16 tokens and 17 usable blocks of 16 tokens
+    over the two cache groups (the smallest pool that holds one request of 128 tokens) for a batch
+    whose requests need 2 to 7 each: chunked prompts and preempted requests."""
     path = tmp_path_factory.mktemp("tiny_step3p7_flash")
     hf_model = save_checkpoint(path, step3p7_config(**ENGINE_CONFIG))
-    run = generate_random_prompts(path, "step3p7_flash", max_prefill_tokens=16, num_blocks=10, max_model_len=128)
+    run = generate_random_prompts(path, "step3p7_flash", max_prefill_tokens=16, num_blocks=18, max_model_len=128)
     return hf_model, *run
 
 
