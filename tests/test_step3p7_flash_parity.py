@@ -13,6 +13,8 @@ the parity, so that the tests could not pass without it.
 from __future__ import annotations
 
 import functools
+import json
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,6 +22,8 @@ import pytest
 import torch
 import transformers
 
+from executor.core.config import load_config
+from executor.core.config.model_registry import model_folder
 from executor.offline.__main__ import main as offline_main
 from executor.types_ import AttentionKind
 from executor.types_.model_inputs import ScheduledSequence
@@ -31,7 +35,7 @@ from module.norm import RMSNorm
 from tests import paged_harness
 from tests.backends import cpu_backend
 from tests.engine_harness import ENGINE_CONFIG, check_engine_greedy, generate_random_prompts
-from tests.factories import STEP3P7_WINDOW, step3p7_config
+from tests.factories import STEP3P7_WINDOW, step3p7_config, tiny_tokenizer
 from tests.paged_harness import (
     PagedModel,
     PagedParityTests,
@@ -43,8 +47,11 @@ from tests.paged_harness import (
     save_random_model,
     single_thread,  # noqa: F401 (an autouse fixture)
 )
+from tests.test_graph_modes import outputs, run, shrinking_batch_records
 
 ROOT = Path(__file__).resolve().parents[1]
+CANN_YAML = ROOT / "tests" / "data" / "cann_recipes" / "step3p7_flash.yaml"
+PARALLEL_KEYS = ("world_size", "dense_tp_size", "embed_tp_size", "lmhead_tp_size")
 TOLERANCE = PagedParityTests.tolerance
 # transformers' init leaves norm weights (of 1 + w) and router biases zero: drawn so that each must load.
 REDRAW = {"norm.weight": (0.0, 0.3), "e_score_correction_bias": (0.0, 0.1)}
@@ -263,6 +270,48 @@ def test_decode_forward_traces_as_one_graph_and_matches_eager(mutation_checkpoin
     path, config, _ = mutation_checkpoint
     ours = PagedModel(load_ours(path, config), block_size=4)
     check_decode_traces_as_one_graph(ours, random_prompts([3, 12, 5], seed=8))
+
+
+def test_the_cann_recipes_yaml_validates_and_runs_on_the_tiny_model_cut_by_its_layer_override(
+    tmp_path, monkeypatch, caplog
+):
+    """Our step3p7_flash.yaml in cann-recipes' keys: it loads (no unknown key), its model_name finds
+    this folder, and it runs end to end on tiny_random with random weights (with_ckpt False), one
+    process on CPU and eager in place of its 8 ranks and ge_graph, cut to 2 layers by
+    custom_params.num_hidden_layers."""
+    config = load_config(CANN_YAML)
+    assert model_folder(config.model_config.model_name) == "step3p7_flash" and not config.model_config.with_ckpt
+    monkeypatch.chdir(ROOT)
+    caplog.set_level(logging.INFO)
+    out = tmp_path / "out"
+    settings = {
+        "model_config.model_path": "models/step3p7_flash/tiny_random",
+        "model_config.output_path": str(out),
+        "model_config.device": "cpu",
+        "model_config.exe_mode": "eager",
+        "data_config.apply_chat_template": "false",  # the tiny tokenizer has no chat template
+        "data_config.num_prompts": 4,  # the shipped list's first prompts, which are plain text
+        **{f"parallel_config.{key}": 1 for key in PARALLEL_KEYS},
+    }
+    assert offline_main(["--yaml", str(CANN_YAML), *(a for k, v in settings.items() for a in ("--set", f"{k}={v}"))]) == 0
+    lines = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
+    assert len(lines) == 4 and all(line["error"] is None and len(line["output_token_ids"]) == 16 for line in lines)
+    assert "custom_params.num_hidden_layers: 2 of the config's 4 layers" in caplog.text
+
+
+@pytest.mark.slow
+def test_ge_graph_decode_equals_eager(tmp_path):
+    """Decode compiled for real (inductor) over both cache groups and the clamped experts, batches
+    shrinking through the buckets and past the window: token for token eager's output."""
+    save_checkpoint(tmp_path, step3p7_config(**ENGINE_CONFIG))
+    tiny_tokenizer().save_pretrained(tmp_path)
+    records = shrinking_batch_records(seed=2)
+    for record in records:
+        record.sampling_overrides["max_new_tokens"] += 8  # past the window of 8
+    eager = run(tmp_path, records, model_name="step3p7_flash")
+    graph = run(tmp_path, records, model_name="step3p7_flash", exe_mode="ge_graph")
+    assert outputs(graph) == outputs(eager)
+    assert sum(graph.result.summary["graph"]["graph_steps_per_bucket"].values()) > 0
 
 
 def test_tiny_random_yaml_runs_end_to_end(tmp_path):
