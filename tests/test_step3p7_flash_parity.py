@@ -36,6 +36,7 @@ from tests import paged_harness
 from tests.backends import cpu_backend
 from tests.engine_harness import ENGINE_CONFIG, check_engine_greedy, generate_random_prompts
 from tests.factories import STEP3P7_WINDOW, step3p7_config, tiny_tokenizer
+from tests.npu_stand_ins import RecordingTorchNpu, npu_backend
 from tests.paged_harness import (
     PagedModel,
     PagedParityTests,
@@ -226,6 +227,12 @@ def test_a_config_not_built_here_is_refused(overrides, message):
     """Configs transformers accepts (the per-element gates it cannot run either)."""
     with pytest.raises(ValueError, match=message):
         Step3p7ForCausalLM(step3p7_config(**overrides).text_config, backend=cpu_backend())
+
+
+def test_model_refuses_a_backend_without_its_ops_at_construction(monkeypatch):
+    backend = npu_backend(monkeypatch, "eager", RecordingTorchNpu())
+    with pytest.raises(NotImplementedError, match="moe_experts.*npu backend does not have"):
+        Step3p7ForCausalLM(step3p7_config().text_config, backend=backend)
 
 
 def test_mtp_and_vision_tensors_are_passed_over(mutation_checkpoint, tmp_path):
