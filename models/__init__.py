@@ -41,7 +41,11 @@ NOT_BUILT: dict[str, str] = {
     "glm_5": "GLM-5 uses DeepSeek sparse attention (an indexer), which is not built",
     "bailing_2_5": "Bailing 2.5 (Ling) is not built",
     "gemma_4": "Gemma 4 is not built",
-    "hy3": "Hunyuan 3 is not built",
+    "hy3": (
+        "Hunyuan 3 is not built yet: transformers 5.24 defines it (model_type hy_v3, HYV3ForCausalLM: QK-norm "
+        "GQA, sigmoid top-k routing with a score-correction bias, a shared expert) without its MTP layers, "
+        "which every cann-recipes hy3 config runs (next_n 1)"
+    ),
     "longcat_flash": "LongCat-Flash (zero-computation experts, shortcut MoE) is not built",
     "longcat_flash_ffn": "LongCat-Flash is not built",
     "longcat_flash_lite": "LongCat-Flash-Lite (n-gram embeddings) is not built",

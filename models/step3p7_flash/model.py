@@ -37,6 +37,7 @@ from transformers.models.step3p7.modeling_step3p7 import Step3p7RotaryEmbedding 
 
 from executor.types_.checkpoint_tensor import LoadedWeight, materialize
 from executor.types_.errors import WeightLoadError
+from executor.types_.model_inputs import ForwardMetaData
 from models.llama.model import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from module.linear import ColumnParallelLinear
 from module.mlp import GatedMLP
@@ -130,7 +131,12 @@ class Step3p7Attention(LlamaAttention):
         )
         return torch.cat([query_rot, query[..., rotated:]], dim=-1), torch.cat([key_rot, key[..., rotated:]], dim=-1)
 
-    def attend(self, hidden_states: torch.Tensor, rotary: dict, forward_metadata: object) -> torch.Tensor:
+    def attend(
+        self,
+        hidden_states: torch.Tensor,
+        rotary: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        forward_metadata: ForwardMetaData,
+    ) -> torch.Tensor:
         output = super().attend(hidden_states, rotary, forward_metadata)
         return output * self.g_proj(hidden_states).sigmoid().unsqueeze(-1)
 
