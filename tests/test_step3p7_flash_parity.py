@@ -300,7 +300,8 @@ def test_the_cann_recipes_yaml_validates_and_runs_on_the_tiny_model_cut_by_its_l
         "data_config.num_prompts": 4,  # the shipped list's first prompts, which are plain text
         **{f"parallel_config.{key}": 1 for key in PARALLEL_KEYS},
     }
-    assert offline_main(["--yaml", str(CANN_YAML), *(a for k, v in settings.items() for a in ("--set", f"{k}={v}"))]) == 0
+    arguments = [argument for key, value in settings.items() for argument in ("--set", f"{key}={value}")]
+    assert offline_main(["--yaml", str(CANN_YAML), *arguments]) == 0
     lines = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
     assert len(lines) == 4 and all(line["error"] is None and len(line["output_token_ids"]) == 16 for line in lines)
     assert "custom_params.num_hidden_layers: 2 of the config's 4 layers" in caplog.text

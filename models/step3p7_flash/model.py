@@ -155,7 +155,9 @@ class Step3p7Experts(FusedExperts):
     ) -> None:
         if limit is not None:
             backend.require(("moe_experts_clamped_silu",), "Step-3.7-Flash's clamped experts")
-        super().__init__(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size, tp, ep, backend=backend)
+        super().__init__(
+            config.n_routed_experts, config.hidden_size, config.moe_intermediate_size, tp, ep, backend=backend
+        )
         self.limit = limit
 
     def load_stacked(self, loaded_weight: LoadedWeight, projection: str) -> None:
