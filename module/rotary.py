@@ -28,9 +28,15 @@ def rope_inv_freq(config: PretrainedConfig) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, config: PretrainedConfig, head_dim: int) -> None:
+    """The table of rope_inv_freq(config), or of `frequencies` (inv_freq, attention_scaling) where a
+    family has transformers compute them otherwise (per layer type, say); `head_dim` is the number of
+    dims rotated, which the frequencies must cover."""
+
+    def __init__(
+        self, config: PretrainedConfig, head_dim: int, frequencies: tuple[torch.Tensor, float] | None = None
+    ) -> None:
         super().__init__()
-        inv_freq, attention_scaling = rope_inv_freq(config)
+        inv_freq, attention_scaling = frequencies or rope_inv_freq(config)
         if 2 * inv_freq.numel() != head_dim:
             raise ValueError(
                 f"rope covers {2 * inv_freq.numel()} of head_dim {head_dim}: partial rotary is not supported"

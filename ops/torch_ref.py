@@ -63,6 +63,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def clamped_silu_and_mul(x: torch.Tensor, limit: float) -> torch.Tensor:
+    """[T, 2I] -> [T, I], gate first: silu(gate) clamped from above at `limit`, times up clamped to
+    [-limit, limit] (Step-3.7-Flash's SwiGLU on its last layers, as transformers computes it)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate).clamp(max=limit) * up.clamp(-limit, limit)
+
+
 def write_kv_cache(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -610,6 +617,18 @@ def moe_experts_clamped_swiglu(
     )
 
 
+def moe_experts_clamped_silu(
+    hidden_states: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
+    """moe_experts with clamped_silu_and_mul(limit) in place of silu(gate) * up; same layouts."""
+    return grouped_experts(hidden_states, topk_weights, topk_ids, gate_up_proj, down_proj, silu_limit=limit)
+
+
 def clamped_swiglu(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     """[T, 2I] -> [T, I], gate first: (up + 1) * gate * sigmoid(alpha * gate), with the gate clamped
     from above at `limit` and up to [-limit, limit] (gpt-oss's experts, as transformers computes them)."""
@@ -658,11 +677,15 @@ def grouped_experts(
     down_bias: torch.Tensor | None = None,
     swiglu_alpha: float | None = None,
     swiglu_limit: float | None = None,
+    silu_limit: float | None = None,
 ) -> torch.Tensor:
-    """The body of moe_experts and moe_experts_clamped_swiglu: one matmul pair per expert over its
-    tokens only (run_grouped), adding the biases that are given, with silu(gate) * up or, given
-    swiglu_alpha and swiglu_limit, clamped_swiglu(swiglu_alpha, swiglu_limit)."""
-    if swiglu_alpha is None or swiglu_limit is None:
+    """The body of moe_experts, moe_experts_clamped_swiglu and moe_experts_clamped_silu: one matmul
+    pair per expert over its tokens only (run_grouped), adding the biases that are given, with
+    silu(gate) * up or, given swiglu_alpha and swiglu_limit, clamped_swiglu(swiglu_alpha,
+    swiglu_limit), or, given silu_limit, clamped_silu_and_mul(silu_limit)."""
+    if silu_limit is not None:
+        activation = functools.partial(clamped_silu_and_mul, limit=silu_limit)
+    elif swiglu_alpha is None or swiglu_limit is None:
         activation = silu_and_mul
     else:
         activation = functools.partial(clamped_swiglu, alpha=swiglu_alpha, limit=swiglu_limit)

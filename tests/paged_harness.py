@@ -148,7 +148,11 @@ def hf_last_logits(hf_model: torch.nn.Module, prompt: list[int]) -> torch.Tensor
 
 @torch.no_grad()
 def hf_generate(hf_model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
-    out = hf_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens)
+    input_ids = torch.tensor([prompt])
+    # The mask given, so that no prompt token is taken for padding (a config whose pad_token_id is an int).
+    out = hf_model.generate(
+        input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False, max_new_tokens=max_new_tokens
+    )
     return out[0, len(prompt) :].tolist()
 
 
@@ -171,7 +175,7 @@ def check_prefill_logits(
 ) -> None:
     """The prompts prefilled packed in one step: one row of logits each, transformers' for that prompt alone."""
     logits = ours.step([ScheduledSequence(p, 0, [ours.allocate(len(p))]) for p in prompts])
-    assert logits.shape == (len(prompts), hf_model.config.vocab_size)
+    assert logits.shape == (len(prompts), hf_model.config.get_text_config().vocab_size)
     assert_last_logits_match(hf_model, prompts, logits, tolerance)
 
 

@@ -253,6 +253,8 @@ KNOWN_NPU_GAPS = {
     "moe_experts",
     "paged_attention_with_sinks",
     "moe_experts_clamped_swiglu",
+    "clamped_silu_and_mul",
+    "moe_experts_clamped_silu",
 }
 
 

@@ -34,8 +34,9 @@ def head_dim_of(config: PretrainedConfig) -> int:
 
 class LlamaAttention(nn.Module):
     """GQA attention with rope. Subclasses change what differs through the hooks: the projections'
-    biases, a layer's sliding window, the attention op's layer (build_attention), and q/k/v before rope
-    (project_qkv)."""
+    biases, a layer's sliding window, the attention op's layer (build_attention) and its scale,
+    q/k/v before rope (project_qkv), the rope itself (rotate), and the heads' output before o_proj
+    (attend)."""
 
     def __init__(self, config: PretrainedConfig, layer_index: int, parallel: ModelParallel, backend: Backend) -> None:
         super().__init__()
@@ -71,10 +72,14 @@ class LlamaAttention(nn.Module):
             self.num_heads,
             self.num_kv_heads,
             self.head_dim,
-            scale=self.head_dim**-0.5,
+            scale=self.attention_scale(config),
             sliding_window=sliding_window,
             backend=self.ops,
         )
+
+    def attention_scale(self, config: PretrainedConfig) -> float:
+        """The softmax scale: 1/sqrt(head_dim)."""
+        return self.head_dim**-0.5
 
     @staticmethod
     def projection_biases(config: PretrainedConfig) -> tuple[bool, bool]:
@@ -96,13 +101,24 @@ class LlamaAttention(nn.Module):
             value.view(-1, self.num_kv_heads, self.head_dim),
         )
 
+    def rotate(
+        self, query: torch.Tensor, key: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rope on query [T, H, D] and key [T, Hkv, D] by the step's (cos, sin) [T, D]."""
+        return self.ops.apply_rotary(query, key, *rotary)
+
+    def attend(
+        self, hidden_states: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], forward_metadata: ForwardMetaData
+    ) -> torch.Tensor:
+        """hidden [T, hidden] -> the attention's output per head [T, H, D], before o_proj."""
+        query, key, value = self.project_qkv(hidden_states)
+        query, key = self.rotate(query, key, rotary)
+        return self.attn(query, key, value, forward_metadata)
+
     def forward(
         self, hidden_states: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], forward_metadata: ForwardMetaData
     ) -> torch.Tensor:
-        query, key, value = self.project_qkv(hidden_states)
-        query, key = self.ops.apply_rotary(query, key, *rotary)
-        output = self.attn(query, key, value, forward_metadata)
-        return self.o_proj(output.flatten(1))
+        return self.o_proj(self.attend(hidden_states, rotary, forward_metadata).flatten(1))
 
 
 class LlamaDecoderLayer(PreNormDecoderLayer):
@@ -143,8 +159,13 @@ class LlamaModel(nn.Module):
             [decoder_layer_cls(config, index, parallel, backend) for index in range(config.num_hidden_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend=backend)
-        # One cos/sin table for all layers, looked up once per step.
-        self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
+        self.rotary_emb = self.build_rotary(config)
+
+    @staticmethod
+    def build_rotary(config: PretrainedConfig) -> nn.Module:
+        """(positions [T], dtype) -> what every layer's attention rotates by: here one cos/sin table
+        for all layers, looked up once per step."""
+        return RotaryEmbedding(config, head_dim_of(config))
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_metadata: ForwardMetaData
@@ -163,6 +184,7 @@ class LlamaForCausalLM(CausalLM):
     loading goes one checkpoint tensor at a time through _load_tensor, which they may extend."""
 
     decoder_layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    base_model_cls: type[LlamaModel] = LlamaModel
     # checkpoint module name -> (our fused module, shard id passed to its weight_loader)
     packed_modules_mapping: dict[str, tuple[str, int | str]] = {
         "q_proj": ("qkv_proj", "q"),
@@ -175,20 +197,25 @@ class LlamaForCausalLM(CausalLM):
     def __init__(self, hf_config: PretrainedConfig, *, parallel: ModelParallel = ONE_PROCESS, backend: Backend) -> None:
         super().__init__()
         self.config = hf_config
-        self.model = LlamaModel(hf_config, parallel, self.decoder_layer_cls, backend)
+        self.model = self.base_model_cls(hf_config, parallel, self.decoder_layer_cls, backend)
         self.lm_head = ParallelLMHead(
             hf_config.vocab_size, hf_config.hidden_size, parallel.lmhead_tp, backend.linear_method()
         )
         if hf_config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         # config.num_nextn_predict_layers of them; none (an empty list, no parameters) without the key.
-        self.num_mtp_layers = num_mtp_layers_of(hf_config)
+        self.num_mtp_layers = self.mtp_layers_to_build(hf_config)
         self.mtp_layers = nn.ModuleList(
             [
                 mtp_layer_class(self.decoder_layer_cls)(hf_config, hf_config.num_hidden_layers - 1, parallel, backend)
                 for _ in range(self.num_mtp_layers)
             ]
         )
+
+    @staticmethod
+    def mtp_layers_to_build(config: PretrainedConfig) -> int:
+        """The config's num_nextn_predict_layers; a family whose MTP layers are not built here says 0."""
+        return num_mtp_layers_of(config)
 
     def mtp_layer(self, layer: int) -> MTPLayerMixin:
         if not 0 <= layer < self.num_mtp_layers:
