@@ -35,7 +35,7 @@ from module.norm import RMSNorm
 from tests import paged_harness
 from tests.backends import cpu_backend
 from tests.engine_harness import ENGINE_CONFIG, check_engine_greedy, generate_random_prompts
-from tests.factories import STEP3P7_WINDOW, step3p7_config, tiny_tokenizer
+from tests.factories import STEP3P7_WINDOW, step3p7_config
 from tests.npu_stand_ins import RecordingTorchNpu, npu_backend
 from tests.paged_harness import (
     PagedModel,
