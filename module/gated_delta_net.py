@@ -43,6 +43,8 @@ class DepthwiseConvWeight(nn.Module):
 
 
 class GatedDeltaNet(RecurrentStateLayer):
+    keeps_position_states = True  # ops/recurrent_ref.py's ops keep a verify step's states per position
+
     def __init__(
         self,
         hidden_size: int,

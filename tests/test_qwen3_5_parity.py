@@ -8,9 +8,10 @@ to a graph bucket (padded rows on the null state slot). Mutation checks: without
 from one step to the next, without the decay g or the write strength beta, or without the attention's
 output gate, the logits part from transformers'. The whole engine with chunked prefill (chunks of 16
 tokens inside the prompts) and a pool small enough to preempt, token for token against transformers'
-greedy output per prompt; the states' bytes in the sizing; prefix caching and speculative decoding
-refused with their reasons; the tiny YAMLs and cann-recipes' `qwen3.5` file end to end; ge_graph
-decode equal to eager (slow).
+greedy output per prompt; the states' bytes in the sizing; prefix caching off; n-gram speculation
+(verify steps keeping the state after each position in the request's ring of slots) equal to
+transformers' greedy output, and wrong without the per-position states; the tiny YAMLs and
+cann-recipes' `qwen3.5` file end to end; ge_graph decode equal to eager (slow).
 """
 
 from __future__ import annotations
@@ -31,11 +32,13 @@ from executor.types_.model_inputs import RecurrentStateTables, ScheduledSequence
 from models.qwen3_5 import Qwen3_5ForCausalLM
 from models.qwen3_5_moe import Qwen3_5MoeForCausalLM
 from module.gated_delta_net import GatedDeltaNet
+from ops.attention_metadata import AttentionMetadataBuilder
 from tests.backends import cpu_backend
 from tests.engine_harness import (
     ENGINE_CONFIG,
     check_engine_greedy,
     generate_random_prompts,
+    hf_greedy,
     make_inference,
     token_records,
 )
@@ -265,21 +268,80 @@ def test_prefix_caching_is_off_for_a_model_with_states(engine_run):
     assert result.summary["prefix_cache_queried_tokens"] == 0
 
 
-def test_speculative_decoding_is_refused_for_a_model_with_states(engine_run):
-    model_type, _, inference, _, _ = engine_run
-    model_dir = inference.engine.config.model_config.model_path
-    folder = FAMILIES[model_type][3]
+def speculative_run(model_dir: Path, records: list, **speculative: object):
     config = build_config(
         {
-            "model_config": {"model_path": model_dir, "model_name": folder, "device": "cpu", "dtype": "float32"},
+            "model_config": {"model_path": str(model_dir), "model_name": "qwen3_5", "device": "cpu", "dtype": "float32"},
             "data_config": {"apply_chat_template": False},
-            "scheduler_config": {"block_size": 16, "max_model_len": 128},
-            "speculative_config": {"method": "ngram", "num_speculative_tokens": 2},
+            "scheduler_config": {"block_size": 16, "batch_size": 4, "num_blocks": 40, "max_model_len": 128},
+            "speculative_config": speculative,
         },
         source="spec.yaml",
     )
-    with pytest.raises(ConfigError, match="speculative decoding \\(ngram\\) is not supported for a model with linear"):
-        OfflineInference(config, model_dir)
+    return OfflineInference(config, str(model_dir)).generate(records)
+
+
+@pytest.fixture(scope="module")
+def looping_model(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    """A tiny Qwen3.5 with tied embeddings drawn large (std 0.3) so that it tends to repeat tokens,
+    in runs that its states decide: n-gram drafts are then accepted in part, which is what a test of
+    the verify step's states needs (a plain random model rejects every draft)."""
+    path = tmp_path_factory.mktemp("looping_qwen3_5")
+    config = qwen3_5_config("qwen3_5_text", **ENGINE_CONFIG, tie_word_embeddings=True)
+    redraw = {"linear_attn.norm.weight": (1.0, 0.1), "norm.weight": (0.0, 0.1), "dt_bias": (1.0, 0.1)}
+    hf_model = save_random_model(path, transformers.Qwen3_5ForCausalLM, config, redraw=redraw | {"embed_tokens.weight": (0.0, 0.3)})
+    tiny_tokenizer().save_pretrained(path)
+    return path, hf_model
+
+
+def repetitive_records() -> list:
+    """A phrase three times and then its first 1 to 4 tokens (n-grams recur, so drafts are proposed),
+    each request stopping at its own step."""
+    phrase = random_prompts([7], seed=11)[0]
+    records = token_records([phrase * 3 + phrase[:cut] for cut in (1, 2, 3, 4)])
+    for index, record in enumerate(records):
+        record.sampling_overrides["max_new_tokens"] = 16 + 3 * index
+    return records
+
+
+def greedy_outputs(hf_model: torch.nn.Module, records: list) -> list[list[int]]:
+    return [hf_greedy(hf_model, r.prompt_token_ids, r.sampling_overrides["max_new_tokens"]) for r in records]
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+
+
+def test_ngram_speculation_keeps_the_accepted_prefixs_state_and_gives_greedy_output(looping_model):
+    """Verify steps of 1 + 3 tokens keep the state after each position in the request's 4 slots; the
+    next step reads the accepted prefix's, so the output is transformers' greedy output."""
+    path, hf_model = looping_model
+    records = repetitive_records()
+    result = speculative_run(path, records, **NGRAM)
+    stats = result.summary["speculative"]
+    assert stats["draft_tokens"] > 0 and 0 < stats["accept_rate"] < 1  # drafts accepted and rejected
+    assert [request.output_token_ids for request in result.requests] == greedy_outputs(hf_model, records)
+
+
+def test_speculation_is_wrong_without_the_states_kept_per_position(looping_model, monkeypatch):
+    """The mutation: a verify step keeping only the state after its last draft, accepted or not."""
+    path, hf_model = looping_model
+    keeping_all = AttentionMetadataBuilder.state_tables
+
+    def keeping_the_final_state_only(builder, layout, slots):
+        tables = keeping_all(builder, layout, slots)
+        tables.position_state_slots = None
+        return tables
+
+    monkeypatch.setattr(AttentionMetadataBuilder, "state_tables", keeping_the_final_state_only)
+    records = repetitive_records()
+    result = speculative_run(path, records, **NGRAM)
+    assert [request.output_token_ids for request in result.requests] != greedy_outputs(hf_model, records)
+
+
+def test_speculative_decoding_is_refused_where_a_recurrent_layer_keeps_no_position_states(looping_model, monkeypatch):
+    monkeypatch.setattr(GatedDeltaNet, "keeps_position_states", False)
+    with pytest.raises(ConfigError, match="do not keep their recurrent state after every draft position"):
+        speculative_run(looping_model[0], repetitive_records(), **NGRAM)
 
 
 @pytest.mark.parametrize("folder", ["qwen3_5", "qwen3_5_moe"])
