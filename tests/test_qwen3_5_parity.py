@@ -1,5 +1,5 @@
-"""models/qwen3_5 and models/qwen3_5_moe against transformers' Qwen3_5ForCausalLM and
-Qwen3_5MoeForCausalLM (text models) with the same weights.
+"""models/qwen3_5, models/qwen3_5_moe and models/qwen3_next against transformers' Qwen3_5ForCausalLM,
+Qwen3_5MoeForCausalLM (text models) and Qwen3NextForCausalLM with the same weights.
 
 On the paged path (tests/paged_harness.py): prompts packed over NaN-filled caches and state slots,
 prefill logits (fp32, max-abs-diff <= 1e-4) of prompts shorter and longer than the delta rule's
@@ -31,6 +31,7 @@ from executor.offline.offline_inference import OfflineInference
 from executor.types_.model_inputs import RecurrentStateTables, ScheduledSequence
 from models.qwen3_5 import Qwen3_5ForCausalLM
 from models.qwen3_5_moe import Qwen3_5MoeForCausalLM
+from models.qwen3_next import Qwen3NextForCausalLM
 from module.gated_delta_net import GatedDeltaNet
 from ops.attention_metadata import AttentionMetadataBuilder
 from tests.backends import cpu_backend
@@ -65,6 +66,7 @@ FAMILIES: dict[str, tuple[type, type, type, str]] = {
         Qwen3_5MoeForCausalLM,
         "qwen3_5_moe",
     ),
+    "qwen3_next": (transformers.Qwen3NextForCausalLM, transformers.Qwen3NextConfig, Qwen3NextForCausalLM, "qwen3_next"),
 }
 LINEAR, FULL = "linear_attention", "full_attention"
 # name -> (model_type, config overrides, KV block size)
@@ -76,13 +78,14 @@ CONFIGS = {
         16,
     ),
     "moe_untied": ("qwen3_5_moe_text", {}, 8),
+    "next_dense_then_sparse_unnormalised": ("qwen3_next", {"norm_topk_prob": False}, 8),
 }
 
 
 def qwen3_5_config(model_type: str, **overrides: object) -> transformers.PretrainedConfig:
     """Four tiny layers (three Gated DeltaNet, then gated attention, unless overridden), GQA (4 heads
     over 2), head_dim 16 with a quarter under rope, DeltaNet key heads 2 and value heads 4 of 8 dims,
-    a conv of width 4; for MoE 8 experts choosing 2 and a shared expert."""
+    a conv of width 4; for MoE 8 experts choosing 2 and a shared expert (Qwen3-Next: layer 0 dense)."""
     settings: dict[str, object] = dict(
         num_hidden_layers=4,
         num_key_value_heads=2,
@@ -93,10 +96,13 @@ def qwen3_5_config(model_type: str, **overrides: object) -> transformers.Pretrai
         linear_value_head_dim=8,
         linear_conv_kernel_dim=4,
     )
-    if model_type == "qwen3_5_moe_text":
-        settings |= dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
-    else:
+    experts = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+    if model_type != "qwen3_5_moe_text":
         settings |= dict(intermediate_size=96)
+    if model_type != "qwen3_5_text":
+        settings |= experts
+    if model_type == "qwen3_next":  # layer 0 dense, the others sparse
+        settings |= dict(mlp_only_layers=[0], decoder_sparse_step=1)
     return FAMILIES[model_type][1](**(PARITY_SETTINGS | settings | overrides))
 
 
@@ -344,7 +350,7 @@ def test_speculative_decoding_is_refused_where_a_recurrent_layer_keeps_no_positi
         speculative_run(looping_model[0], repetitive_records(), **NGRAM)
 
 
-@pytest.mark.parametrize("folder", ["qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("folder", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
 def test_tiny_random_yaml_runs_end_to_end(folder, tmp_path, caplog):
     """models/<folder>/config/tiny_random.yaml: random weights, byte-level tokenizer, the shipped prompts."""
     caplog.set_level(logging.WARNING)
