@@ -18,7 +18,7 @@ from module.attention import Attention
 from module.causal_lm import CausalLM
 from module.decoder_layer import PreNormDecoderLayer
 from module.embedding import ParallelLMHead, VocabParallelEmbedding
-from module.linear import QKVParallelLinear, RowParallelLinear
+from module.linear import QKVParallelLinear, RowParallelLinear, divide
 from module.mlp import GatedMLP
 from module.mtp import MTPLayerMixin, mtp_layer_class, mtp_parameter_name, num_mtp_layers_of
 from module.norm import RMSNorm
@@ -26,6 +26,7 @@ from module.parallel_group import ONE_PROCESS, ModelParallel
 from module.rotary import RotaryEmbedding
 from module.weights import fused_shards_needed, load_fused_tensor
 from ops.backend import Backend
+from ops.linear_method import LinearMethod
 
 
 def head_dim_of(config: PretrainedConfig) -> int:
@@ -44,16 +45,8 @@ class LlamaAttention(nn.Module):
         method = backend.linear_method()
         qkv_bias, output_bias = self.projection_biases(config)
         self.head_dim = head_dim_of(config)
-        self.qkv_proj = QKVParallelLinear(
-            config.hidden_size,
-            self.head_dim,
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            bias=qkv_bias,
-            tp=parallel.attn_tp,
-            linear_method=method,
-        )
-        self.num_heads = self.qkv_proj.num_heads
+        self.qkv_proj = self.build_qkv_proj(config, parallel, qkv_bias, method)
+        self.num_heads = divide(config.num_attention_heads, parallel.attn_tp.size)
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(
             config.num_attention_heads * self.head_dim,
@@ -63,6 +56,20 @@ class LlamaAttention(nn.Module):
             linear_method=method,
         )
         self.attn = self.build_attention(config, self.layer_sliding_window(config, layer_index), parallel)
+
+    def build_qkv_proj(
+        self, config: PretrainedConfig, parallel: ModelParallel, bias: bool, method: LinearMethod
+    ) -> QKVParallelLinear:
+        """The fused q/k/v projection over this rank's heads (gated attention widens its q part)."""
+        return QKVParallelLinear(
+            config.hidden_size,
+            self.head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            bias=bias,
+            tp=parallel.attn_tp,
+            linear_method=method,
+        )
 
     def build_attention(
         self, config: PretrainedConfig, sliding_window: int | None, parallel: ModelParallel
@@ -126,10 +133,17 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
 
     def __init__(self, config: PretrainedConfig, layer_index: int, parallel: ModelParallel, backend: Backend) -> None:
         super().__init__()
-        self.self_attn = self.attention_cls(config, layer_index, parallel, backend)
+        self.build_token_mixer(config, layer_index, parallel, backend)
         self.mlp = self.build_mlp(config, layer_index, parallel, backend)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend=backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend=backend)
+
+    def build_token_mixer(
+        self, config: PretrainedConfig, layer_index: int, parallel: ModelParallel, backend: Backend
+    ) -> None:
+        """The layer's token mixer under the checkpoint's name for it: `self_attn` (attention_cls)
+        here; a hybrid model builds a linear-attention layer instead in some layers."""
+        self.self_attn = self.attention_cls(config, layer_index, parallel, backend)
 
     def build_mlp(
         self, config: PretrainedConfig, layer_index: int, parallel: ModelParallel, backend: Backend
@@ -164,7 +178,8 @@ class LlamaModel(nn.Module):
     @staticmethod
     def build_rotary(config: PretrainedConfig) -> nn.Module:
         """(positions [T], dtype) -> what every layer's attention rotates by: here one cos/sin table
-        for all layers, looked up once per step."""
+        over the whole head for all layers, looked up once per step (a model with partial rope or a
+        table per layer type says so)."""
         return RotaryEmbedding(config, head_dim_of(config))
 
     def forward(
