@@ -30,6 +30,9 @@ MODELS = ROOT / "models"
         ("qwen3_moe", "qwen3_moe"),
         ("gpt_oss", "gpt_oss"),
         ("longcat_flash", "longcat_flash"),
+        ("step3p7_flash", "step3p7_flash"),
+        ("qwen3.5", "qwen3_5_moe"),
+        ("qwen3_next", "qwen3_next"),
         ("", models.DEFAULT_MODEL_FOLDER),
     ],
 )
