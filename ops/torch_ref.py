@@ -610,6 +610,25 @@ def moe_experts_clamped_swiglu(
     )
 
 
+def moe_experts_clamped_silu(
+    hidden_states: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
+    """moe_experts with DeepSeek-V4's experts: silu(gate) * up with the gate clamped from above at
+    `limit` and up to [-limit, limit] (clamped_silu_and_mul); same layouts otherwise."""
+    return grouped_experts(hidden_states, topk_weights, topk_ids, gate_up_proj, down_proj, swiglu_limit=limit)
+
+
+def clamped_silu_and_mul(x: torch.Tensor, limit: float) -> torch.Tensor:
+    """[T, 2I] -> [T, I], gate first: silu(min(gate, limit)) * clamp(up, -limit, limit) (DeepSeek-V4)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+
+
 def clamped_swiglu(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     """[T, 2I] -> [T, I], gate first: (up + 1) * gate * sigmoid(alpha * gate), with the gate clamped
     from above at `limit` and up to [-limit, limit] (gpt-oss's experts, as transformers computes them)."""
@@ -661,9 +680,12 @@ def grouped_experts(
 ) -> torch.Tensor:
     """The body of moe_experts and moe_experts_clamped_swiglu: one matmul pair per expert over its
     tokens only (run_grouped), adding the biases that are given, with silu(gate) * up or, given
-    swiglu_alpha and swiglu_limit, clamped_swiglu(swiglu_alpha, swiglu_limit)."""
-    if swiglu_alpha is None or swiglu_limit is None:
+    swiglu_alpha and swiglu_limit, clamped_swiglu(swiglu_alpha, swiglu_limit), given swiglu_limit
+    alone, clamped_silu_and_mul(swiglu_limit)."""
+    if swiglu_limit is None:
         activation = silu_and_mul
+    elif swiglu_alpha is None:
+        activation = functools.partial(clamped_silu_and_mul, limit=swiglu_limit)
     else:
         activation = functools.partial(clamped_swiglu, alpha=swiglu_alpha, limit=swiglu_limit)
     return experts_with_activation(

@@ -75,7 +75,7 @@ class PagedModel:
         num_blocks = 4 * max_model_len // block_size * 4
         for layer in (m for m in model.modules() if isinstance(m, KVCacheLayer)):
             spec = layer.kv_cache_spec()
-            caches = {t.name: torch.full((num_blocks, block_size, *t.shape), float("nan")) for t in spec.tensors}
+            caches = {t.name: torch.full(t.cache_shape(num_blocks, block_size), float("nan")) for t in spec.tensors}
             layer.bind_kv_cache(caches, group_id=0)
         self.max_blocks_per_request = -(-max_model_len // block_size)
         self.free_blocks = random.Random(0).sample(range(1, num_blocks), num_blocks - 1)  # 0 is the null block

@@ -24,16 +24,37 @@ class AttentionKind(str, enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class KVTensorSpec:
-    """One named cache tensor: `shape` per token (K and V: (num_kv_heads, head_dim); an MLA latent:
-    (kv_lora_rank + qk_rope_head_dim,))."""
+    """One named cache tensor: `shape` per entry (K and V: (num_kv_heads, head_dim); an MLA latent:
+    (kv_lora_rank + qk_rope_head_dim,)). An entry is one token, or for a compressed cache one entry
+    per `tokens_per_entry` tokens (DeepSeek-V4's compressed KV): a block of block_size tokens then
+    holds block_size // tokens_per_entry entries, entry e of a block covering its tokens
+    [e * tokens_per_entry, (e + 1) * tokens_per_entry)."""
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+    tokens_per_entry: int = 1
+
+    @property
+    def bytes_per_entry(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
 
     @property
     def bytes_per_token(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
+        """Rounded down for a compressed tensor (a log figure); bytes_per_block is exact."""
+        return self.bytes_per_entry // self.tokens_per_entry
+
+    def entries_per_block(self, block_size: int) -> int:
+        if block_size % self.tokens_per_entry:
+            raise ValueError(
+                f"KV cache tensor {self.name!r} keeps one entry per {self.tokens_per_entry} tokens: "
+                f"scheduler_config.block_size must be a multiple of it, got {block_size}"
+            )
+        return block_size // self.tokens_per_entry
+
+    def cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """The allocated tensor: [num_blocks, entries per block, *shape]."""
+        return (num_blocks, self.entries_per_block(block_size), *self.shape)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +74,7 @@ class KVCacheSpec:
         return sum(tensor.bytes_per_token for tensor in self.tensors)
 
     def bytes_per_block(self, block_size: int) -> int:
-        return block_size * self.bytes_per_token
+        return sum(tensor.entries_per_block(block_size) * tensor.bytes_per_entry for tensor in self.tensors)
 
 
 def _stored(

@@ -130,7 +130,8 @@ class ModelWorker:
         return sum(layer.kv_cache_spec().bytes_per_block(block_size) for layer in self.kv_cache_layers.values())
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        """Allocate [num_blocks, block_size, *per-token shape] for every tensor of every layer's spec.
+        """Allocate [num_blocks, entries per block, *per-entry shape] for every tensor of every layer's
+        spec (entries are tokens, but for a compressed tensor's one per tokens_per_entry tokens).
 
         Left uninitialised: attention reads only slots this run has written (ops/torch_ref.py and
         its tests fill unused slots with NaN to hold it to that), so start-up touches no cache page.
@@ -139,7 +140,7 @@ class ModelWorker:
             for name in group.layer_names:
                 caches = {
                     tensor.name: torch.empty(
-                        (num_blocks, block_size, *tensor.shape), dtype=tensor.dtype, device=self.platform.device
+                        tensor.cache_shape(num_blocks, block_size), dtype=tensor.dtype, device=self.platform.device
                     )
                     for tensor in group.spec.tensors
                 }
