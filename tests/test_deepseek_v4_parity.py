@@ -274,8 +274,12 @@ def engine_run(tmp_path_factory):
     """The whole engine on a saved tiny checkpoint, found by cann-recipes' name, with prefill chunks
     of at most 13 tokens (cutting windows of 4 and 8) and 19 usable blocks of 16 tokens shared by
     the three cache groups (sliding, compressed sparse, heavily compressed), for a batch whose
-    requests need up to 5 blocks per group each: chunked prompts and preempted requests."""
-    config = deepseek_v4_config(**ENGINE_CONFIG)
+    requests need up to 5 blocks per group each: chunked prompts and preempted requests.
+
+    Eight indexer heads: an entry scores exactly 0 only where all eight ReLUs are 0, so exact
+    ties between entries are rare. At an exact tie, transformers' own choice depends on how it was
+    called (hf_chunked_last_logits), and a chunked or recomputed prefill is not generate()'s call."""
+    config = deepseek_v4_config(**ENGINE_CONFIG, index_n_heads=8)
     path = tmp_path_factory.mktemp("tiny_deepseek_v4")
     hf_model = save_checkpoint(path, config)
     run = generate_random_prompts(path, "deepseek_v4", max_prefill_tokens=13, num_blocks=20, max_model_len=80)
