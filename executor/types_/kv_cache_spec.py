@@ -26,7 +26,7 @@ class AttentionKind(str, enum.Enum):
 class KVTensorSpec:
     """One named cache tensor: `shape` per entry (K and V: (num_kv_heads, head_dim); an MLA latent:
     (kv_lora_rank + qk_rope_head_dim,)). An entry is one token, or for a compressed cache one entry
-    per `tokens_per_entry` tokens (DeepSeek-V4's compressed KV): a block of block_size tokens then
+    per `tokens_per_entry` tokens (a compressed KV cache): a block of block_size tokens then
     holds block_size // tokens_per_entry entries, entry e of a block covering its tokens
     [e * tokens_per_entry, (e + 1) * tokens_per_entry)."""
 

@@ -288,6 +288,7 @@ class DeepseekV4ForCausalLM(DeepseekV3ForCausalLM):
     base_model_cls = DeepseekV4Model  # type: ignore[assignment]
     family = "DeepSeek-V4"
     NEEDED_OPS = (*DeepseekV4Attention.NEEDED_OPS, *ClampedSiluExperts.NEEDED_OPS, "silu_and_mul")
+    mtp_absent_reason = "DeepSeek-V4's MTP modules are not built: transformers does not define them"
 
     @staticmethod
     def check_config(config: DeepseekV4Config) -> None:
