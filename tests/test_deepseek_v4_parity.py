@@ -24,7 +24,13 @@ from models.deepseek_v4 import DeepseekV4ForCausalLM
 from module.hyper_connection import HyperConnection
 from tests import paged_harness
 from tests.backends import cpu_backend
-from tests.engine_harness import ENGINE_CONFIG, check_engine_greedy, generate_random_prompts
+from tests.engine_harness import (
+    ENGINE_CONFIG,
+    check_engine_greedy,
+    generate_random_prompts,
+    make_inference,
+    token_records,
+)
 from tests.factories import deepseek_v4_config
 from tests.paged_harness import (
     PagedModel,
@@ -282,17 +288,31 @@ def engine_run(tmp_path_factory):
     config = deepseek_v4_config(**ENGINE_CONFIG, index_n_heads=8)
     path = tmp_path_factory.mktemp("tiny_deepseek_v4")
     hf_model = save_checkpoint(path, config)
-    run = generate_random_prompts(path, "deepseek_v4", max_prefill_tokens=13, num_blocks=20, max_model_len=80)
-    return hf_model, *run
+    run = generate_random_prompts(path, "deepseek_v4", **ENGINE_SCHEDULER)
+    return hf_model, path, *run
+
+
+ENGINE_SCHEDULER = dict(max_prefill_tokens=13, num_blocks=20, max_model_len=80)
 
 
 def test_engine_greedy_with_chunked_prefill_and_preemption_equals_transformers(engine_run):
-    hf_model, inference, prompts, result = engine_run
+    hf_model, _, inference, prompts, result = engine_run
     assert isinstance(inference.engine.worker.model, DeepseekV4ForCausalLM)
     assert len(inference.engine.worker.kv_cache_groups) == 3
     assert result.summary["preemptions"] > 0
     assert all(step.num_tokens <= 13 for step in result.steps if step.phase == "prefill")
     check_engine_greedy(hf_model, prompts, result)
+
+
+@pytest.mark.slow
+def test_ge_graph_engine_run_equals_eager(engine_run):
+    """The same batch, chunks and preemptions with decode steps from inductor graphs of buckets 1, 2, 4."""
+    _, path, _, prompts, eager = engine_run
+    settings = ENGINE_SCHEDULER | {"batch_size": len(prompts), "graph_buckets": [1, 2, 4]}
+    graph = make_inference(path, model_config={"model_name": "deepseek_v4", "exe_mode": "ge_graph"}, **settings)
+    result = graph.generate(token_records(prompts))
+    assert [r.output_token_ids for r in result.requests] == [r.output_token_ids for r in eager.requests]
+    assert sum(result.summary["graph"]["graph_steps_per_bucket"].values()) > 0
 
 
 def test_tiny_random_yaml_runs_end_to_end(tmp_path):
