@@ -98,7 +98,8 @@ class Compressor(nn.Module):
         cos, sin = rope(start.clamp(min=0), "compress", pooled.dtype)
         entries = apply_interleaved_rope(self.norm(pooled), cos, sin)
         closes = ((positions + 1) % ratio == 0) & (start >= 0)
-        targets = entry_slots(block_table, rows, torch.div(start.clamp(min=0), ratio, rounding_mode="floor"), ratio, block_size)
+        window_index = torch.div(start.clamp(min=0), ratio, rounding_mode="floor")
+        targets = entry_slots(block_table, rows, window_index, ratio, block_size)
         write_cache_rows(entries, entry_cache, torch.where(closes, targets, torch.zeros_like(targets)))
         return entry_cache
 

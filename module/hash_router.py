@@ -51,7 +51,13 @@ class HashRouter(ScoredRouter):
     """Experts by tid2eid[token id] [vocab, top_k] (a checkpoint table, int64), weighted by scores."""
 
     def __init__(
-        self, hidden_size: int, num_experts: int, top_k: int, scoring_func: str, routed_scaling_factor: float, vocab_size: int
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        scoring_func: str,
+        routed_scaling_factor: float,
+        vocab_size: int,
     ):
         super().__init__(hidden_size, num_experts, top_k, scoring_func, routed_scaling_factor)
         self.tid2eid = nn.Parameter(torch.zeros(vocab_size, top_k, dtype=torch.int64), requires_grad=False)

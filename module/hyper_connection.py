@@ -51,7 +51,9 @@ class HyperConnection(nn.Module):
         return post, comb, collapsed
 
     @staticmethod
-    def merge(post: torch.Tensor, comb: torch.Tensor, block_output: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    def merge(
+        post: torch.Tensor, comb: torch.Tensor, block_output: torch.Tensor, streams: torch.Tensor
+    ) -> torch.Tensor:
         """The streams after the block: its output spread by post, plus comb^T @ streams (comb is
         doubly stochastic but not symmetric: stream k gets sum_j comb[j, k] * streams[j])."""
         dtype = streams.dtype

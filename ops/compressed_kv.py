@@ -154,7 +154,8 @@ def indexer_topk(
     same tokens breaks them (a prefill of the prompt, or one decode token)."""
     rows = token_rows(forward_metadata, query.shape[0], query.device)
     seq_lens = request_seq_lens(forward_metadata, query.device)
-    return _indexer_topk(query, head_weights, index_cache, block_table, rows, seq_lens, positions, ratio, top_k, softmax_scale)
+    caches = (index_cache, block_table, rows, seq_lens)
+    return _indexer_topk(query, head_weights, *caches, positions, ratio, top_k, softmax_scale)
 
 
 @torch.library.custom_op("infer_recipes::indexer_topk", mutates_args=())

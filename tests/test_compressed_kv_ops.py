@@ -43,7 +43,8 @@ def steps(seq_lens: list[int], query_lens: list[int]) -> tuple:
     """One packed step: request i has seq_lens[i] tokens after it, its last query_lens[i] fed now."""
     rows = blocks_for(seq_lens)
     sequences = [
-        ScheduledSequence([0] * q, total - q, [blocks]) for total, q, blocks in zip(seq_lens, query_lens, rows, strict=True)
+        ScheduledSequence([0] * q, total - q, [blocks])
+        for total, q, blocks in zip(seq_lens, query_lens, rows, strict=True)
     ]
     return metadata(sequences)
 
@@ -65,9 +66,11 @@ def naive_attention(query, kv_cache, entry_cache, block_table, rows, positions, 
     outputs = []
     for t in range(query.shape[0]):
         row, position = int(rows[t]), int(positions[t])
-        keys = [kv_cache[block_table[row, p // BLOCK_SIZE], p % BLOCK_SIZE] for p in range(max(0, position - window + 1), position + 1)]
+        window_positions = range(max(0, position - window + 1), position + 1)
+        keys = [kv_cache[block_table[row, p // BLOCK_SIZE], p % BLOCK_SIZE] for p in window_positions]
         if entry_cache is not None:
-            entries = range((position + 1) // ratio) if selected is None else [int(e) for e in selected[t] if e >= 0]
+            closed = range((position + 1) // ratio)
+            entries = closed if selected is None else [int(e) for e in selected[t] if e >= 0]
             keys += [entry_of(entry_cache, block_table, row, e, ratio) for e in entries]
         keys = torch.stack(keys)
         logits = query[t] @ keys.T * scale  # [H, K]
@@ -105,16 +108,18 @@ def test_indexer_topk_keeps_the_best_scored_closed_entries(seq_lens, query_lens)
     ratio, heads, dim, top_k = 4, 8, 8, 3  # eight heads: no entry's ReLUs all 0, so no exact ties
     generator = torch.Generator().manual_seed(4)
     tokens = len(inputs.positions)
-    query, head_weights = torch.randn(tokens, heads, dim, generator=generator), torch.randn(tokens, heads, generator=generator)
+    query = torch.randn(tokens, heads, dim, generator=generator)
+    head_weights = torch.randn(tokens, heads, generator=generator)
     cache = filled_cache(BLOCK_SIZE // ratio, dim, 5)
     table = forward_metadata.groups[0].block_table
     ours = indexer_topk(query, head_weights, cache, table, forward_metadata, inputs.positions, ratio, top_k, 0.5)
     rows = token_rows(forward_metadata, tokens, torch.device("cpu"))
     for t in range(tokens):
         closed = (int(inputs.positions[t]) + 1) // ratio
+        keys = {e: entry_of(cache, table, int(rows[t]), e, ratio) for e in range(closed)}
         scores = {
-            e: sum(float(head_weights[t, h]) * max(float(query[t, h] @ entry_of(cache, table, int(rows[t]), e, ratio)), 0.0) * 0.5 for h in range(heads))
-            for e in range(closed)
+            e: sum(float(head_weights[t, h]) * max(float(query[t, h] @ key), 0.0) * 0.5 for h in range(heads))
+            for e, key in keys.items()
         }
         best = sorted(scores, key=scores.get, reverse=True)[:top_k]
         assert sorted(int(e) for e in ours[t] if e >= 0) == sorted(best)
@@ -123,7 +128,8 @@ def test_indexer_topk_keeps_the_best_scored_closed_entries(seq_lens, query_lens)
 
 def test_clamped_silu_experts_are_the_per_token_formula():
     generator = torch.Generator().manual_seed(6)
-    hidden, weights, ids = torch.randn(5, 8, generator=generator) * 8, torch.rand(5, 2, generator=generator), torch.randint(0, 3, (5, 2), generator=generator)
+    hidden = torch.randn(5, 8, generator=generator) * 8  # past the limit 4 often
+    weights, ids = torch.rand(5, 2, generator=generator), torch.randint(0, 3, (5, 2), generator=generator)
     gate_up, down = torch.randn(3, 12, 8, generator=generator), torch.randn(3, 8, 6, generator=generator)
     ours = torch_ref.moe_experts_clamped_silu(hidden, weights, ids, gate_up, down, 4.0)
     expected = torch.zeros_like(hidden)
@@ -140,7 +146,8 @@ def compressor_and_caches(overlap: bool, ratio: int) -> tuple[Compressor, dict[s
     compressor = Compressor("compressor", 32, 16, ratio, overlap, 1e-6, backend=reference_backend())
     for param in compressor.parameters():
         param.data.normal_(0.0, 0.5)
-    caches = {t.name: torch.full(t.cache_shape(NUM_BLOCKS, BLOCK_SIZE), float("nan")) for t in compressor.spec_tensors(torch.float32)}
+    specs = compressor.spec_tensors(torch.float32)
+    caches = {t.name: torch.full(t.cache_shape(NUM_BLOCKS, BLOCK_SIZE), float("nan")) for t in specs}
     return compressor, caches, InterleavedRope(config)
 
 
@@ -150,7 +157,8 @@ def run_compressor(compressor, caches, rope, hidden: torch.Tensor, chunks: list[
         inputs, forward_metadata = metadata([ScheduledSequence([0] * size, done, [blocks])])
         tables = forward_metadata.groups[0]
         rows = token_rows(forward_metadata, size, torch.device("cpu"))
-        compressor(hidden[done : done + size], caches, tables.block_table, rows, inputs.positions, tables.slot_mapping, rope)
+        where = (tables.block_table, rows, inputs.positions, tables.slot_mapping, rope)
+        compressor(hidden[done : done + size], caches, *where)
         done += size
 
 
@@ -186,7 +194,8 @@ def test_compressor_entries_are_the_window_formula_however_the_tokens_are_chunke
     for entry in range(40 // ratio):
         expected = naive_entry(compressor, hidden, entry, rope)
         for _, cache, _ in (whole, chunked):
-            torch.testing.assert_close(entry_of(cache["compressor_entries"], table, 0, entry, ratio), expected, atol=1e-5, rtol=1e-5)
+            ours = entry_of(cache["compressor_entries"], table, 0, entry, ratio)
+            torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_a_compressed_tensor_holds_one_entry_per_ratio_tokens_of_a_block():

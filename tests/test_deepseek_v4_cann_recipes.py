@@ -59,7 +59,8 @@ CANNOT_RUN = {
 @pytest.mark.parametrize("name", mirror_files() or ["none"])
 def test_every_cann_recipes_deepseek_v4_file_validates_or_is_refused_for_its_known_reason(name, tmp_path):
     path = tmp_path / Path(name).name
-    path.write_text(subprocess.run(["git", "-C", str(MIRROR), "show", f"HEAD:{name}"], capture_output=True, text=True).stdout)
+    shown = subprocess.run(["git", "-C", str(MIRROR), "show", f"HEAD:{name}"], capture_output=True, text=True)
+    path.write_text(shown.stdout)
     refusal = CANNOT_RUN.get(path.name)
     if refusal is None:
         assert load_config(path).model_config.model_name == "deepseek_v4"

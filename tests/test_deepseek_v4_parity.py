@@ -211,8 +211,10 @@ def no_sinkhorn(model: DeepseekV4ForCausalLM, monkeypatch: pytest.MonkeyPatch) -
 
 def unmixed_streams(model: DeepseekV4ForCausalLM, monkeypatch: pytest.MonkeyPatch) -> None:
     """Hyper-connections without their comb mixing: each stream keeps itself."""
-    identity = staticmethod(lambda post, comb, output, streams: REAL_MERGE(post, torch.eye(comb.shape[-1]), output, streams))
-    monkeypatch.setattr(HyperConnection, "merge", identity)
+    def unmixed(post: torch.Tensor, comb: torch.Tensor, output: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+        return REAL_MERGE(post, torch.eye(comb.shape[-1]), output, streams)
+
+    monkeypatch.setattr(HyperConnection, "merge", staticmethod(unmixed))
 
 
 def attend_every_entry(model: DeepseekV4ForCausalLM, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -235,7 +237,10 @@ def no_hash_routing(model: DeepseekV4ForCausalLM, monkeypatch: pytest.MonkeyPatc
             layer.mlp.gate.tid2eid.copy_(torch.arange(layer.mlp.gate.top_k).expand_as(layer.mlp.gate.tid2eid))
 
 
-@pytest.mark.parametrize("mutation", [no_sinkhorn, unmixed_streams, attend_every_entry, no_compressed_entries, no_hash_routing])
+MUTATIONS = [no_sinkhorn, unmixed_streams, attend_every_entry, no_compressed_entries, no_hash_routing]
+
+
+@pytest.mark.parametrize("mutation", MUTATIONS)
 def test_breaking_a_mechanism_breaks_the_parity(mutation, tmp_path, monkeypatch):
     hf_model, ours = parity_models(tmp_path, "base_blocks_of_8")
     prompts = random_prompts((30, 37, 17), seed=1)

@@ -97,7 +97,9 @@ class DeepseekV4Attention(KVCacheLayer):
         self.wo_b = ColumnParallelLinear(self.o_groups * self.o_lora_rank, hidden, linear_method=method)
         self.attn_sink = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32), requires_grad=False)
         self.compressor = (
-            Compressor("compressor", hidden, self.head_dim, self.ratio, layer_type == CSA, config.rms_norm_eps, backend=backend)
+            Compressor(
+                "compressor", hidden, self.head_dim, self.ratio, layer_type == CSA, config.rms_norm_eps, backend=backend
+            )
             if self.ratio
             else None
         )
@@ -169,7 +171,8 @@ class DeepseekV4Attention(KVCacheLayer):
         return self.wo_b(self.grouped_output(output))
 
     def grouped_output(self, output: torch.Tensor) -> torch.Tensor:
-        """[T, H, D] in o_groups groups of heads, each through its own o_lora_rank rows of wo_a -> [T, g * o_lora_rank]."""
+        """[T, H, D] in o_groups groups of heads, each through its own o_lora_rank rows of wo_a
+        -> [T, o_groups * o_lora_rank]."""
         groups = output.reshape(output.shape[0], self.o_groups, -1)
         weight = self.wo_a.weight.view(self.o_groups, self.o_lora_rank, -1)
         return torch.einsum("tgi,goi->tgo", groups, weight.to(groups.dtype)).flatten(1)
@@ -197,7 +200,8 @@ class ClampedGatedMLP(GatedMLP):
     """V4's shared expert: GatedMLP with the experts' clamps."""
 
     def __init__(self, config: DeepseekV4Config, parallel: ModelParallel, *, backend: Backend) -> None:
-        super().__init__(config.hidden_size, config.moe_intermediate_size, config.hidden_act, tp=parallel.moe_tp, backend=backend)
+        size = config.moe_intermediate_size
+        super().__init__(config.hidden_size, size, config.hidden_act, tp=parallel.moe_tp, backend=backend)
         self.limit = config.swiglu_limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
