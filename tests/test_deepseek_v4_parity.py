@@ -273,6 +273,14 @@ def test_block_size_must_hold_whole_compressed_windows(tmp_path):
         entries.cache_shape(5, 12)
 
 
+def test_mtp_modules_are_not_built_and_their_tensors_are_skipped():
+    """transformers defines no V4 MTP module (it drops the checkpoints' mtp.* tensors): neither do we,
+    and speculative method mtp names the reason."""
+    ours = DeepseekV4ForCausalLM(deepseek_v4_config(num_nextn_predict_layers=1), backend=cpu_backend())
+    assert ours.num_mtp_layers == 0 and "transformers does not define them" in ours.mtp_absent_reason
+    assert ours.load_weights([("mtp.0.enorm.weight", torch.ones(32)), ("model.mtp.0.eh_proj.weight", torch.ones(1))]) == set()
+
+
 @pytest.mark.slow
 def test_decode_traces_as_one_graph(tmp_path):
     """ge_graph's requirement: a padded decode step compiles as one graph and equals eager."""
