@@ -33,6 +33,7 @@ MODELS = ROOT / "models"
         ("step3p7_flash", "step3p7_flash"),
         ("qwen3.5", "qwen3_5_moe"),
         ("qwen3_next", "qwen3_next"),
+        ("deepseek_v4", "deepseek_v4"),
         ("", models.DEFAULT_MODEL_FOLDER),
     ],
 )
