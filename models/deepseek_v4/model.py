@@ -268,9 +268,10 @@ class DeepseekV4Model(nn.Module):
     def __init__(self, config: DeepseekV4Config, parallel: ModelParallel, backend: Backend) -> None:
         super().__init__()
         self.hc_mult = config.hc_mult
+        self.num_hidden_layers = config.num_hidden_layers  # decoder layers, no MTP layer after them
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel.embed_tp)
         self.layers = nn.ModuleList(
-            [DeepseekV4DecoderLayer(config, index, parallel, backend) for index in range(config.num_hidden_layers)]
+            [DeepseekV4DecoderLayer(config, index, parallel, backend) for index in range(self.num_hidden_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend=backend)
         self.hc_head = HyperHead(config.hc_mult, config.hidden_size, config.hc_eps, config.rms_norm_eps)
