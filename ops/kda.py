@@ -1,0 +1,106 @@
+"""Kimi Delta Attention (KDA) and its short causal convolution: the torch reference.
+
+KDA is a gated delta rule whose decay is per channel: each head keeps a state S [K, V] that, for
+each token, decays row by row (exp(g) [K]), is corrected toward v along k (the delta rule with
+strength beta), and is read by q:
+
+    S <- diag(exp(g_t)) S;   u_t = beta_t (v_t - S^T k_t);   S <- S + k_t u_t^T;   o_t = S^T q_t
+
+with q and k L2-normalized (eps inside the root, as FLA and transformers do) and q scaled by
+K^-1/2. Kimi-Linear and Ling 3 (transformers' kimi_linear and bailing_hybrid) both use it; they
+differ only in how they compute g. A prompt is computed chunk by chunk (chunk_kda: within a chunk
+the delta rule's dependencies form one unit lower-triangular system), a decode token by the
+recurrence (kda_step), both from a carried state, all in fp32.
+
+The q, k, v inputs first go through a depthwise causal convolution over the last W tokens with
+SiLU (causal_conv): the W - 1 inputs before a step are the request's conv state, carried like S.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+CHUNK_SIZE = 64
+L2_NORM_EPS = 1e-6
+
+
+def l2_normalize(x: torch.Tensor, eps: float = L2_NORM_EPS) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim: FLA's form (eps inside the root, not a floor)."""
+    return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def prepare_query_key(query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 q and k, L2-normalized per head, q scaled by K^-1/2: what both forms below take."""
+    query, key = l2_normalize(query.float()), l2_normalize(key.float())
+    return query * query.shape[-1] ** -0.5, key
+
+
+def kda_step(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    gate: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row, all fp32. query, key, gate (log decay) [..., H, K]; value [..., H, V];
+    beta [..., H]; state [..., H, K, V] -> (output [..., H, V], the new state)."""
+    state = state * gate.exp().unsqueeze(-1)
+    memory = (state * key.unsqueeze(-1)).sum(dim=-2)
+    update = (value - memory) * beta.unsqueeze(-1)
+    state = state + key.unsqueeze(-1) * update.unsqueeze(-2)
+    return (state * query.unsqueeze(-1)).sum(dim=-2), state
+
+
+def chunk_kda(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    gate: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    chunk_size: int = CHUNK_SIZE,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence, all fp32: query, key, gate [T, H, K]; value [T, H, V]; beta [T, H]; state
+    [H, K, V] (the state before the first token) -> (output [T, H, V], the state after the last).
+
+    Within a chunk, with G the cumulative log decay from the chunk's start (G_t includes g_t) and
+    S0 the state entering it, the updates u solve (I + A) u = beta (v - (k exp(G)) S0), where
+    A[t, j] = beta_t sum_c k_t[c] k_j[c] exp(G_t[c] - G_j[c]) for j < t; then
+    o_t = (q_t exp(G_t)) S0 + sum_{j<=t} (q_t . k_j exp(G_t - G_j)) u_j and the state leaving is
+    exp(G_last) S0 + sum_j (k_j exp(G_last - G_j)) u_j^T. Decay differences are formed before
+    exponentiating, so no exp(-G) can overflow."""
+    outputs = []
+    for start in range(0, query.shape[0], chunk_size):
+        end = min(start + chunk_size, query.shape[0])
+        q, k, v, g, b = (x[start:end].transpose(0, 1) for x in (query, key, value, gate, beta))  # heads first
+        cumulative = g.cumsum(dim=1)  # [H, C, K]
+        length = end - start
+        causal = torch.ones(length, length, dtype=torch.bool, device=query.device).tril()
+        decay = (cumulative.unsqueeze(2) - cumulative.unsqueeze(1)).masked_fill(~causal[..., None], float("-inf"))
+        decay = decay.exp()  # [H, t, j, K]: exp(G_t - G_j) where j <= t, else 0
+        key_key = torch.einsum("htc,hjc,htjc->htj", k, k, decay)
+        system = torch.eye(length, device=query.device) + (b.unsqueeze(-1) * key_key).tril(diagonal=-1)
+        decayed_key = k * cumulative.exp()
+        rhs = b.unsqueeze(-1) * (v - decayed_key @ state)
+        update = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+        query_key = torch.einsum("htc,hjc,htjc->htj", q, k, decay)
+        outputs.append((q * cumulative.exp()) @ state + query_key @ update)
+        last = cumulative[:, -1:, :]  # [H, 1, K]
+        carried_key = k * (last - cumulative).exp()
+        state = state * last.transpose(1, 2).exp() + carried_key.transpose(1, 2) @ update
+    return torch.cat(outputs, dim=1).transpose(0, 1), state
+
+
+def causal_conv(
+    x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence: x [T, C], depthwise weight [C, W], conv_state [W - 1, C] (the inputs before x)
+    -> (SiLU of the causal convolution [T, C] in x's dtype, the new conv state: the last W - 1 inputs).
+    Computed in the weight's dtype, as transformers does."""
+    width = weight.shape[1]
+    full = torch.cat((conv_state.to(weight.dtype), x.to(weight.dtype)), dim=0)  # [W - 1 + T, C]
+    windows = full.unfold(0, width, 1)  # [T, C, W]
+    output = F.silu((windows * weight).sum(dim=-1))
+    return output.to(x.dtype), full[full.shape[0] - (width - 1) :]

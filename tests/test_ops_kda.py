@@ -1,0 +1,125 @@
+"""KDA's torch reference (ops/kda.py): the chunked form against the per-token recurrence and against
+transformers' own torch fallbacks, the state carried across a split, and the short convolution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.kimi_linear import modeling_kimi_linear as hf_kda
+
+from ops.kda import causal_conv, chunk_kda, kda_step, prepare_query_key
+
+HEADS, KEY_DIM, VALUE_DIM = 3, 8, 6
+
+
+def kda_inputs(length: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random q, k, v [T, H, D], a log decay in (-2, 0) per channel, beta in (0, 1), a start state."""
+    generator = torch.Generator().manual_seed(seed)
+    return dict(
+        query=torch.randn(length, HEADS, KEY_DIM, generator=generator),
+        key=torch.randn(length, HEADS, KEY_DIM, generator=generator),
+        value=torch.randn(length, HEADS, VALUE_DIM, generator=generator),
+        gate=-2 * torch.rand(length, HEADS, KEY_DIM, generator=generator),
+        beta=torch.rand(length, HEADS, generator=generator),
+        state=torch.randn(HEADS, KEY_DIM, VALUE_DIM, generator=generator),
+    )
+
+
+def naive_kda(inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The defining recurrence, one token at a time, every step written out."""
+    query, key = prepare_query_key(inputs["query"], inputs["key"])
+    state = inputs["state"].clone()
+    outputs = []
+    for t in range(query.shape[0]):
+        for h in range(HEADS):
+            decayed = torch.diag(inputs["gate"][t, h].exp()) @ state[h]
+            update = inputs["beta"][t, h] * (inputs["value"][t, h] - decayed.T @ key[t, h])
+            state[h] = decayed + torch.outer(key[t, h], update)
+        outputs.append(torch.einsum("hk,hkv->hv", query[t], state))
+    return torch.stack(outputs), state
+
+
+def chunked(inputs: dict[str, torch.Tensor], chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    query, key = prepare_query_key(inputs["query"], inputs["key"])
+    return chunk_kda(query, key, inputs["value"], inputs["gate"], inputs["beta"], inputs["state"], chunk_size)
+
+
+@pytest.mark.parametrize("length, chunk_size", [(1, 64), (13, 4), (37, 16), (70, 64)])
+def test_chunked_kda_equals_the_recurrence(length: int, chunk_size: int) -> None:
+    inputs = kda_inputs(length)
+    output, state = chunked(inputs, chunk_size)
+    expected_output, expected_state = naive_kda(inputs)
+    torch.testing.assert_close(output, expected_output, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state, expected_state, atol=1e-5, rtol=1e-5)
+
+
+def test_kda_step_is_one_token_of_the_recurrence() -> None:
+    inputs = kda_inputs(1)
+    query, key = prepare_query_key(inputs["query"], inputs["key"])
+    output, state = kda_step(query[0], key[0], inputs["value"][0], inputs["gate"][0], inputs["beta"][0], inputs["state"])
+    expected_output, expected_state = naive_kda(inputs)
+    torch.testing.assert_close(output, expected_output[0])
+    torch.testing.assert_close(state, expected_state)
+
+
+def test_a_split_prompt_carries_the_state() -> None:
+    """Two chunks of one prompt, the second starting from the first's state, equal the whole."""
+    inputs = kda_inputs(30)
+    whole, whole_state = chunked(inputs, 8)
+    first = {name: tensor[:11] if name != "state" else tensor for name, tensor in inputs.items()}
+    head, carried = chunked(first, 8)
+    second = {name: tensor[11:] if name != "state" else carried for name, tensor in inputs.items()}
+    tail, state = chunked(second, 8)
+    torch.testing.assert_close(torch.cat((head, tail)), whole, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state, whole_state, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("length", [5, 70])
+def test_kda_equals_transformers_torch_fallbacks(length: int) -> None:
+    """transformers' chunk_kimi_delta_attention (prefill) and recurrent_kimi_delta_attention (decode),
+    batch 1, with the state carried from one to the other."""
+    inputs = kda_inputs(length + 1)
+    batch = {name: tensor[None] for name, tensor in inputs.items() if name != "state"}
+    prompt = {name: tensor[:, :length] for name, tensor in batch.items()}
+    hf_output, hf_state = hf_kda.chunk_kimi_delta_attention(
+        prompt["query"], prompt["key"], prompt["value"], g=prompt["gate"], beta=prompt["beta"],
+        initial_state=inputs["state"][None].clone(), output_final_state=True, use_qk_l2norm_in_kernel=True,
+    )  # fmt: skip
+    last = {name: tensor[:, length:] for name, tensor in batch.items()}
+    hf_next, hf_next_state = hf_kda.recurrent_kimi_delta_attention(
+        last["query"], last["key"], last["value"], g=last["gate"], beta=last["beta"],
+        initial_state=hf_state, output_final_state=True, use_qk_l2norm_in_kernel=True,
+    )  # fmt: skip
+    output, state = chunked({name: t[:length] if name != "state" else t for name, t in inputs.items()}, 64)
+    torch.testing.assert_close(output, hf_output[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state, hf_state[0], atol=1e-5, rtol=1e-5)
+    query, key = prepare_query_key(inputs["query"][length], inputs["key"][length])
+    step, step_state = kda_step(query, key, inputs["value"][length], inputs["gate"][length], inputs["beta"][length], state)
+    torch.testing.assert_close(step, hf_next[0, 0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(step_state, hf_next_state[0], atol=1e-5, rtol=1e-5)
+
+
+def test_the_decay_matters() -> None:
+    """A zero log decay (no forgetting) gives another output: the gate is not ignored."""
+    inputs = kda_inputs(20)
+    ungated = inputs | {"gate": torch.zeros_like(inputs["gate"])}
+    assert not torch.allclose(chunked(inputs, 8)[0], chunked(ungated, 8)[0], atol=1e-3)
+
+
+def test_causal_conv_equals_transformers_and_carries_its_state() -> None:
+    generator = torch.Generator().manual_seed(1)
+    channels, width, length = 6, 4, 9
+    x = torch.randn(length, channels, generator=generator)
+    weight = torch.randn(channels, width, generator=generator)
+    expected = hf_kda.causal_conv1d_fn(x.T[None], weight, activation="silu")[0].T
+    output, state = causal_conv(x, weight, torch.zeros(width - 1, channels))
+    torch.testing.assert_close(output, expected)
+    torch.testing.assert_close(state, x[-(width - 1) :])
+    head, carried = causal_conv(x[:5], weight, torch.zeros(width - 1, channels))
+    tail, _ = causal_conv(x[5:], weight, carried)
+    torch.testing.assert_close(torch.cat((head, tail)), expected)
+    # transformers' one-token update keeps the last `width` inputs; its output for x's last token:
+    hf_state = F.pad(x[-width:-1].T[None], (1, 0)).clone()
+    step = hf_kda.causal_conv1d_update(x[-1:].T[None], hf_state, weight, activation="silu")[0].T
+    torch.testing.assert_close(causal_conv(x[-1:], weight, x[-width:-1])[0], step)
