@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ops.attention_metadata import TorchAttentionMetadata
+
 CHUNK_SIZE = 64
 L2_NORM_EPS = 1e-6
 
@@ -96,11 +98,77 @@ def chunk_kda(
 def causal_conv(
     x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence: x [T, C], depthwise weight [C, W], conv_state [W - 1, C] (the inputs before x)
-    -> (SiLU of the causal convolution [T, C] in x's dtype, the new conv state: the last W - 1 inputs).
-    Computed in the weight's dtype, as transformers does."""
+    """One sequence: x [T, C], depthwise weight [C, W], conv_state [C, W - 1] (the inputs before x,
+    channels first as transformers keeps them) -> (SiLU of the causal convolution [T, C] in x's
+    dtype, the new conv state: the last W - 1 inputs). Computed in the weight's dtype, as
+    transformers does."""
     width = weight.shape[1]
-    full = torch.cat((conv_state.to(weight.dtype), x.to(weight.dtype)), dim=0)  # [W - 1 + T, C]
+    full = torch.cat((conv_state.T.to(weight.dtype), x.to(weight.dtype)), dim=0)  # [W - 1 + T, C]
     windows = full.unfold(0, width, 1)  # [T, C, W]
     output = F.silu((windows * weight).sum(dim=-1))
-    return output.to(x.dtype), full[full.shape[0] - (width - 1) :]
+    return output.to(x.dtype), full[full.shape[0] - (width - 1) :].T
+
+
+def request_segments(forward_metadata: TorchAttentionMetadata) -> list[tuple[int, int, bool]]:
+    """(first row, end row, starts fresh) per request of a step that is not decode-shaped: a request
+    starts fresh (from zero states) when no token of it was computed before this step."""
+    starts = [0, *forward_metadata.query_ends_list[:-1]]
+    return [
+        (start, end, seq_len == end - start)
+        for start, end, seq_len in zip(starts, forward_metadata.query_ends_list, forward_metadata.seq_lens_list)
+    ]
+
+
+def short_convolution(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_states: torch.Tensor,
+    state_slots: torch.Tensor,
+    forward_metadata: TorchAttentionMetadata,
+) -> torch.Tensor:
+    """A step's packed rows x [T, C] through causal_conv, each request from the conv state in its
+    slot (state_slots [requests]) of conv_states [slots, C, W - 1], written back after. Decode-shaped
+    steps run as one batch with no host read (padded rows use the null slot)."""
+    if forward_metadata.is_decode_shaped:
+        fresh = (forward_metadata.seq_lens <= 1)[:, None, None]
+        states = torch.where(fresh, 0.0, conv_states[state_slots].to(weight.dtype))
+        full = torch.cat((states, x.to(weight.dtype).unsqueeze(-1)), dim=-1)  # [B, C, W]
+        conv_states[state_slots] = full[..., 1:].to(conv_states.dtype)
+        return F.silu((full * weight).sum(dim=-1)).to(x.dtype)
+    outputs = []
+    for (start, end, fresh), slot in zip(request_segments(forward_metadata), state_slots.tolist()):
+        state = torch.zeros_like(conv_states[slot]) if fresh else conv_states[slot]
+        output, conv_states[slot] = causal_conv(x[start:end], weight, state)
+        outputs.append(output)
+    return torch.cat(outputs)
+
+
+def kda_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    gate: torch.Tensor,
+    beta: torch.Tensor,
+    recurrent_states: torch.Tensor,
+    state_slots: torch.Tensor,
+    forward_metadata: TorchAttentionMetadata,
+) -> torch.Tensor:
+    """KDA over a step's packed rows: query, key, gate [T, H, K], value [T, H, V], beta [T, H];
+    each request from the state in its slot of recurrent_states [slots, H, K, V] (fp32), written
+    back after -> [T, H, V] in value's dtype. Prompts chunk_kda, decode-shaped steps kda_step as
+    one batch with no host read."""
+    dtype = value.dtype
+    query, key = prepare_query_key(query, key)
+    value, gate, beta = value.float(), gate.float(), beta.float()
+    if forward_metadata.is_decode_shaped:
+        fresh = (forward_metadata.seq_lens <= 1)[:, None, None, None]
+        states = torch.where(fresh, 0.0, recurrent_states[state_slots])
+        output, recurrent_states[state_slots] = kda_step(query, key, value, gate, beta, states)
+        return output.to(dtype)
+    outputs = []
+    for (start, end, fresh), slot in zip(request_segments(forward_metadata), state_slots.tolist()):
+        state = torch.zeros_like(recurrent_states[slot]) if fresh else recurrent_states[slot]
+        rows = slice(start, end)
+        output, recurrent_states[slot] = chunk_kda(query[rows], key[rows], value[rows], gate[rows], beta[rows], state)
+        outputs.append(output)
+    return torch.cat(outputs).to(dtype)

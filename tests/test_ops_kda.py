@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from transformers.models.kimi_linear import modeling_kimi_linear as hf_kda
 
-from ops.kda import causal_conv, chunk_kda, kda_step, prepare_query_key
+from ops.attention_metadata import TorchAttentionMetadata
+from ops.kda import causal_conv, chunk_kda, kda_attention, kda_step, prepare_query_key, short_convolution
 
 HEADS, KEY_DIM, VALUE_DIM = 3, 8, 6
 
@@ -113,13 +114,61 @@ def test_causal_conv_equals_transformers_and_carries_its_state() -> None:
     x = torch.randn(length, channels, generator=generator)
     weight = torch.randn(channels, width, generator=generator)
     expected = hf_kda.causal_conv1d_fn(x.T[None], weight, activation="silu")[0].T
-    output, state = causal_conv(x, weight, torch.zeros(width - 1, channels))
+    output, state = causal_conv(x, weight, torch.zeros(channels, width - 1))
     torch.testing.assert_close(output, expected)
-    torch.testing.assert_close(state, x[-(width - 1) :])
-    head, carried = causal_conv(x[:5], weight, torch.zeros(width - 1, channels))
+    torch.testing.assert_close(state, x[-(width - 1) :].T)
+    head, carried = causal_conv(x[:5], weight, torch.zeros(channels, width - 1))
     tail, _ = causal_conv(x[5:], weight, carried)
     torch.testing.assert_close(torch.cat((head, tail)), expected)
     # transformers' one-token update keeps the last `width` inputs; its output for x's last token:
     hf_state = F.pad(x[-width:-1].T[None], (1, 0)).clone()
     step = hf_kda.causal_conv1d_update(x[-1:].T[None], hf_state, weight, activation="silu")[0].T
-    torch.testing.assert_close(causal_conv(x[-1:], weight, x[-width:-1])[0], step)
+    torch.testing.assert_close(causal_conv(x[-1:], weight, x[-width:-1].T)[0], step)
+
+
+def step_metadata(query_lens: list[int], seq_lens: list[int]) -> TorchAttentionMetadata:
+    """What the torch builder gives the KDA ops: lengths as a tensor, and as host lists unless decode-shaped."""
+    metadata = TorchAttentionMetadata(max(query_lens), [], seq_lens=torch.tensor(seq_lens))
+    if max(query_lens) > 1:
+        metadata.query_ends_list = torch.tensor(query_lens).cumsum(0).tolist()
+        metadata.seq_lens_list = seq_lens
+    return metadata
+
+
+def test_packed_ops_read_and_write_each_requests_slot() -> None:
+    """Three requests packed (a fresh prompt, a prompt's second chunk, a one-token continuation),
+    then a decode step of all three: each equals its request computed alone from start to end."""
+    lengths = [(0, 7), (5, 4), (9, 1)]  # (tokens computed before, tokens fed)
+    total = [sum(pair) + 1 for pair in lengths]  # and one decode token each
+    sequences = [kda_inputs(length, seed=index) for index, length in enumerate(total)]
+    channels, width = HEADS * KEY_DIM, 4
+    weight = torch.randn(channels, width, generator=torch.Generator().manual_seed(5))
+    slots = torch.tensor([3, 1, 2])
+    conv_states = torch.full((4, channels, width - 1), float("nan"))
+    recurrent_states = torch.full((4, HEADS, KEY_DIM, VALUE_DIM), float("nan"))
+    # The continuing requests' states, as their earlier tokens left them.
+    for (done, _), slot, inputs in zip(lengths, slots.tolist(), sequences, strict=True):
+        if done:
+            _, conv_states[slot] = causal_conv(inputs["key"][:done].flatten(1), weight, torch.zeros(channels, width - 1))
+            zero = {name: t[:done] for name, t in inputs.items() if name != "state"} | {"state": torch.zeros(HEADS, KEY_DIM, VALUE_DIM)}
+            _, recurrent_states[slot] = chunked(zero, 64)
+
+    def run(rows: list[slice], metadata: TorchAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        packed = {name: torch.cat([inputs[name][r] for inputs, r in zip(sequences, rows)]) for name in sequences[0] if name != "state"}
+        conv = short_convolution(packed["key"].flatten(1), weight, conv_states, slots, metadata)
+        output = kda_attention(packed["query"], packed["key"], packed["value"], packed["gate"], packed["beta"], recurrent_states, slots, metadata)
+        return conv, output
+
+    prefill_rows = [slice(done, done + fed) for done, fed in lengths]
+    prefill = run(prefill_rows, step_metadata([fed for _, fed in lengths], [done + fed for done, fed in lengths]))
+    decode = run([slice(t - 1, t) for t in total], step_metadata([1, 1, 1], total))
+    offsets = [0, *torch.tensor([fed for _, fed in lengths]).cumsum(0).tolist()]
+    for index, (inputs, (done, fed)) in enumerate(zip(sequences, lengths, strict=True)):
+        whole = inputs | {"state": torch.zeros(HEADS, KEY_DIM, VALUE_DIM)}
+        conv, _ = causal_conv(inputs["key"].flatten(1), weight, torch.zeros(channels, width - 1))
+        output, _ = naive_kda(whole)
+        rows = slice(offsets[index], offsets[index + 1])
+        torch.testing.assert_close(prefill[0][rows], conv[done : done + fed], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(prefill[1][rows], output[done : done + fed], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(decode[0][index], conv[-1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(decode[1][index], output[-1], atol=1e-5, rtol=1e-5)
