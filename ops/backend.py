@@ -59,6 +59,8 @@ class Backend:
     moe_experts: Op | None = _op()
     moe_experts_clamped_swiglu: Op | None = _op()
     moe_experts_int8: Op | None = _op()  # W8A8 int8 experts (ops/quantized_experts.py's Int8Experts)
+    short_convolution: Op | None = _op()  # linear attention's causal conv over state slots (ops/kda.py)
+    kda_attention: Op | None = _op()  # Kimi delta attention over state slots (ops/kda.py)
 
     def missing(self, op_names: tuple[str, ...]) -> list[str]:
         """Which of `op_names` this backend has no form of."""
@@ -188,11 +190,17 @@ NPU_OPS = (
 )
 
 
+# Ops the NPU record runs as the torch reference (no torch_npu form is in shared/npu-api-facts.md):
+# linear attention's state-slot ops, which read the NPU's own length lists (ops/kda.py).
+NPU_REFERENCE_OPS = ("short_convolution", "kda_attention")
+
+
 def _npu_backend(exe_mode: str, common: dict) -> Backend:
     graph = exe_mode != "eager"
     torch_npu = npu_runtime.torch_npu()
     npu_ops = NpuGraphOps(torch_npu, npu_runtime.torchair()) if graph else NpuOps(torch_npu)
     metadata_builder = functools.partial(NpuMetadataBuilder, lengths_as_tensors=graph)
     ops = {name: getattr(npu_ops, name) for name in NPU_OPS}
+    ops.update({name: REFERENCE_OPS[name] for name in NPU_REFERENCE_OPS})
     linear = linear_methods(PLAIN, npu_linear_methods(torch_npu, PLAIN), "npu")
     return Backend("npu_graph" if graph else "npu", linear=linear, metadata_builder=metadata_builder, **common, **ops)

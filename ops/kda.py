@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ops.attention_metadata import TorchAttentionMetadata
+from executor.types_.model_inputs import ForwardMetaData
+from ops.attention_metadata import NpuAttentionMetadata
 
 CHUNK_SIZE = 64
 L2_NORM_EPS = 1e-6
@@ -109,14 +110,29 @@ def causal_conv(
     return output.to(x.dtype), full[full.shape[0] - (width - 1) :].T
 
 
-def request_segments(forward_metadata: TorchAttentionMetadata) -> list[tuple[int, int, bool]]:
+def step_lengths(forward_metadata: ForwardMetaData) -> tuple[list[int], list[int]]:
+    """(cumulative query ends, KV lengths) per request of a step that is not decode-shaped, from the
+    torch builder's lists or the NPU's (host lists in eager mode, tensors in graph modes)."""
+    if isinstance(forward_metadata, NpuAttentionMetadata):
+        lengths = (forward_metadata.actual_seq_lengths_q, forward_metadata.actual_seq_lengths_kv)
+        return tuple(torch.as_tensor(values).tolist() for values in lengths)
+    return forward_metadata.query_ends_list, forward_metadata.seq_lens_list
+
+
+def decode_fresh(forward_metadata: ForwardMetaData) -> torch.Tensor:
+    """[rows] bool of a decode-shaped step: the requests with no token computed before it (a
+    one-token prompt; padded rows too), read from the lengths tensor without a host read."""
+    if isinstance(forward_metadata, NpuAttentionMetadata):
+        return torch.as_tensor(forward_metadata.actual_seq_lengths_kv) <= 1
+    return forward_metadata.seq_lens <= 1
+
+
+def request_segments(forward_metadata: ForwardMetaData) -> list[tuple[int, int, bool]]:
     """(first row, end row, starts fresh) per request of a step that is not decode-shaped: a request
     starts fresh (from zero states) when no token of it was computed before this step."""
-    starts = [0, *forward_metadata.query_ends_list[:-1]]
-    return [
-        (start, end, seq_len == end - start)
-        for start, end, seq_len in zip(starts, forward_metadata.query_ends_list, forward_metadata.seq_lens_list)
-    ]
+    query_ends, seq_lens = step_lengths(forward_metadata)
+    starts = [0, *query_ends[:-1]]
+    return [(start, end, seq_len == end - start) for start, end, seq_len in zip(starts, query_ends, seq_lens)]
 
 
 def short_convolution(
@@ -124,13 +140,13 @@ def short_convolution(
     weight: torch.Tensor,
     conv_states: torch.Tensor,
     state_slots: torch.Tensor,
-    forward_metadata: TorchAttentionMetadata,
+    forward_metadata: ForwardMetaData,
 ) -> torch.Tensor:
     """A step's packed rows x [T, C] through causal_conv, each request from the conv state in its
     slot (state_slots [requests]) of conv_states [slots, C, W - 1], written back after. Decode-shaped
     steps run as one batch with no host read (padded rows use the null slot)."""
     if forward_metadata.is_decode_shaped:
-        fresh = (forward_metadata.seq_lens <= 1)[:, None, None]
+        fresh = decode_fresh(forward_metadata)[:, None, None]
         states = torch.where(fresh, 0.0, conv_states[state_slots].to(weight.dtype))
         full = torch.cat((states, x.to(weight.dtype).unsqueeze(-1)), dim=-1)  # [B, C, W]
         conv_states[state_slots] = full[..., 1:].to(conv_states.dtype)
@@ -151,7 +167,7 @@ def kda_attention(
     beta: torch.Tensor,
     recurrent_states: torch.Tensor,
     state_slots: torch.Tensor,
-    forward_metadata: TorchAttentionMetadata,
+    forward_metadata: ForwardMetaData,
 ) -> torch.Tensor:
     """KDA over a step's packed rows: query, key, gate [T, H, K], value [T, H, V], beta [T, H];
     each request from the state in its slot of recurrent_states [slots, H, K, V] (fp32), written
@@ -161,7 +177,7 @@ def kda_attention(
     query, key = prepare_query_key(query, key)
     value, gate, beta = value.float(), gate.float(), beta.float()
     if forward_metadata.is_decode_shaped:
-        fresh = (forward_metadata.seq_lens <= 1)[:, None, None, None]
+        fresh = decode_fresh(forward_metadata)[:, None, None, None]
         states = torch.where(fresh, 0.0, recurrent_states[state_slots])
         output, recurrent_states[state_slots] = kda_step(query, key, value, gate, beta, states)
         return output.to(dtype)
