@@ -39,7 +39,11 @@ NOT_BUILT: dict[str, str] = {
     "deepseek_v3_2_exp": "DeepSeek-V3.2-Exp adds sparse attention with a lightning indexer to DeepSeek-V3",
     "deepseek_v4": "DeepSeek-V4 is a new architecture, not DeepSeek-V3's",
     "glm_5": "GLM-5 uses DeepSeek sparse attention (an indexer), which is not built",
-    "bailing_2_5": "Bailing 2.5 (Ling) is not built",
+    "bailing_2_5": (
+        "Bailing 2.5 (Ling 2.5, BailingMoeV2_5) mixes MLA with simple gated linear attention (Lightning "
+        "Attention-2: a fixed per-head slope decay, group RMSNorm), which transformers does not define; "
+        "models/bailing_hybrid is Ling 3 (transformers' bailing_hybrid: Kimi delta attention), another architecture"
+    ),
     "gemma_4": "Gemma 4 is not built",
     "hy3": "Hunyuan 3 is not built",
     "longcat_flash": "LongCat-Flash (zero-computation experts, shortcut MoE) is not built",
@@ -47,7 +51,11 @@ NOT_BUILT: dict[str, str] = {
     "longcat_flash_lite": "LongCat-Flash-Lite (n-gram embeddings) is not built",
     "qwen3.5": "Qwen3.5 (gated delta-net linear attention) is not built",
     "step3p7_flash": "Step-3.7-Flash is not built",
-    "kimi_k3": "Kimi K3 (Kimi linear attention) is not built",
+    "kimi_k3": (
+        "Kimi K3 adds block attention residuals (attn_res_block_size), latent MoE (routed_expert_hidden_size), "
+        "the SiTU activation and an MLA output gate to Kimi-Linear, and nests its text config in a multimodal "
+        "one; transformers does not define it, and models/kimi_linear (transformers' kimi_linear) has none of them"
+    ),
 }
 
 

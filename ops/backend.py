@@ -59,8 +59,8 @@ class Backend:
     moe_experts: Op | None = _op()
     moe_experts_clamped_swiglu: Op | None = _op()
     moe_experts_int8: Op | None = _op()  # W8A8 int8 experts (ops/quantized_experts.py's Int8Experts)
-    short_convolution: Op | None = _op()  # linear attention's causal conv over state slots (ops/kda.py)
-    kda_attention: Op | None = _op()  # Kimi delta attention over state slots (ops/kda.py)
+    chunk_kda: Op | None = _op()  # Kimi delta attention over state slots, prompts (ops/kda.py)
+    recurrent_kda: Op | None = _op()  # the same, one token per row
 
     def missing(self, op_names: tuple[str, ...]) -> list[str]:
         """Which of `op_names` this backend has no form of."""
@@ -191,8 +191,8 @@ NPU_OPS = (
 
 
 # Ops the NPU record runs as the torch reference (no torch_npu form is in shared/npu-api-facts.md):
-# linear attention's state-slot ops, which read the NPU's own length lists (ops/kda.py).
-NPU_REFERENCE_OPS = ("short_convolution", "kda_attention")
+# Kimi delta attention's ops (ops/kda.py).
+NPU_REFERENCE_OPS = ("chunk_kda", "recurrent_kda")
 
 
 def _npu_backend(exe_mode: str, common: dict) -> Backend:

@@ -1,4 +1,4 @@
-"""Kimi Delta Attention (KDA) and its short causal convolution: the torch reference.
+"""Kimi Delta Attention (KDA): the torch reference.
 
 KDA is a gated delta rule whose decay is per channel: each head keeps a state S [K, V] that, for
 each token, decays row by row (exp(g) [K]), is corrected toward v along k (the delta rule with
@@ -8,21 +8,23 @@ strength beta), and is read by q:
 
 with q and k L2-normalized (eps inside the root, as FLA and transformers do) and q scaled by
 K^-1/2. Kimi-Linear and Ling 3 (transformers' kimi_linear and bailing_hybrid) both use it; they
-differ only in how they compute g. A prompt is computed chunk by chunk (chunk_kda: within a chunk
+differ only in how they compute g. A prompt is computed chunk by chunk (kda_chunked: within a chunk
 the delta rule's dependencies form one unit lower-triangular system), a decode token by the
 recurrence (kda_step), both from a carried state, all in fp32.
 
-The q, k, v inputs first go through a depthwise causal convolution over the last W tokens with
-SiLU (causal_conv): the W - 1 inputs before a step are the request's conv state, carried like S.
+The ops a layer calls (Backend fields) read each row's state from its slot of the layer's state
+tensor (RecurrentStateTables: the slot, and whether the row continues a state or starts from zeros)
+and write the state after the row's last token back: chunk_kda for steps whose rows hold several
+tokens (one call per request, so a prompt's chunk continues where the previous one stopped),
+recurrent_kda for decode-shaped steps (shapes that depend only on the number of rows). The short
+convolution in front of KDA is ops/recurrent_ref.py's, shared with Gated DeltaNet.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from executor.types_.model_inputs import ForwardMetaData
-from ops.attention_metadata import NpuAttentionMetadata
+from executor.types_.model_inputs import RecurrentStateTables
 
 CHUNK_SIZE = 64
 L2_NORM_EPS = 1e-6
@@ -56,7 +58,7 @@ def kda_step(
     return (state * query.unsqueeze(-1)).sum(dim=-2), state
 
 
-def chunk_kda(
+def kda_chunked(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -96,95 +98,54 @@ def chunk_kda(
     return torch.cat(outputs, dim=1).transpose(0, 1), state
 
 
-def causal_conv(
-    x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence: x [T, C], depthwise weight [C, W], conv_state [C, W - 1] (the inputs before x,
-    channels first as transformers keeps them) -> (SiLU of the causal convolution [T, C] in x's
-    dtype, the new conv state: the last W - 1 inputs). Computed in the weight's dtype, as
-    transformers does."""
-    width = weight.shape[1]
-    full = torch.cat((conv_state.T.to(weight.dtype), x.to(weight.dtype)), dim=0)  # [W - 1 + T, C]
-    windows = full.unfold(0, width, 1)  # [T, C, W]
-    output = F.silu((windows * weight).sum(dim=-1))
-    return output.to(x.dtype), full[full.shape[0] - (width - 1) :].T
+def _row_states(cache: torch.Tensor, tables: RecurrentStateTables) -> torch.Tensor:
+    """Each row's state from its slot, or zeros where the row starts fresh."""
+    states = cache.index_select(0, tables.state_slots)
+    fresh = ~tables.has_initial_state.view(-1, *[1] * (states.dim() - 1))
+    return torch.where(fresh, torch.zeros((), dtype=states.dtype, device=states.device), states)
 
 
-def step_lengths(forward_metadata: ForwardMetaData) -> tuple[list[int], list[int]]:
-    """(cumulative query ends, KV lengths) per request of a step that is not decode-shaped, from the
-    torch builder's lists or the NPU's (host lists in eager mode, tensors in graph modes)."""
-    if isinstance(forward_metadata, NpuAttentionMetadata):
-        lengths = (forward_metadata.actual_seq_lengths_q, forward_metadata.actual_seq_lengths_kv)
-        return tuple(torch.as_tensor(values).tolist() for values in lengths)
-    return forward_metadata.query_ends_list, forward_metadata.seq_lens_list
-
-
-def decode_fresh(forward_metadata: ForwardMetaData) -> torch.Tensor:
-    """[rows] bool of a decode-shaped step: the requests with no token computed before it (a
-    one-token prompt; padded rows too), read from the lengths tensor without a host read."""
-    if isinstance(forward_metadata, NpuAttentionMetadata):
-        return torch.as_tensor(forward_metadata.actual_seq_lengths_kv) <= 1
-    return forward_metadata.seq_lens <= 1
-
-
-def request_segments(forward_metadata: ForwardMetaData) -> list[tuple[int, int, bool]]:
-    """(first row, end row, starts fresh) per request of a step that is not decode-shaped: a request
-    starts fresh (from zero states) when no token of it was computed before this step."""
-    query_ends, seq_lens = step_lengths(forward_metadata)
-    starts = [0, *query_ends[:-1]]
-    return [(start, end, seq_len == end - start) for start, end, seq_len in zip(starts, query_ends, seq_lens)]
-
-
-def short_convolution(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    conv_states: torch.Tensor,
-    state_slots: torch.Tensor,
-    forward_metadata: ForwardMetaData,
-) -> torch.Tensor:
-    """A step's packed rows x [T, C] through causal_conv, each request from the conv state in its
-    slot (state_slots [requests]) of conv_states [slots, C, W - 1], written back after. Decode-shaped
-    steps run as one batch with no host read (padded rows use the null slot)."""
-    if forward_metadata.is_decode_shaped:
-        fresh = decode_fresh(forward_metadata)[:, None, None]
-        states = torch.where(fresh, 0.0, conv_states[state_slots].to(weight.dtype))
-        full = torch.cat((states, x.to(weight.dtype).unsqueeze(-1)), dim=-1)  # [B, C, W]
-        conv_states[state_slots] = full[..., 1:].to(conv_states.dtype)
-        return F.silu((full * weight).sum(dim=-1)).to(x.dtype)
-    outputs = []
-    for (start, end, fresh), slot in zip(request_segments(forward_metadata), state_slots.tolist()):
-        state = torch.zeros_like(conv_states[slot]) if fresh else conv_states[slot]
-        output, conv_states[slot] = causal_conv(x[start:end], weight, state)
-        outputs.append(output)
-    return torch.cat(outputs)
-
-
-def kda_attention(
+def chunk_kda(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     gate: torch.Tensor,
     beta: torch.Tensor,
-    recurrent_states: torch.Tensor,
-    state_slots: torch.Tensor,
-    forward_metadata: ForwardMetaData,
+    state_cache: torch.Tensor,
+    tables: RecurrentStateTables,
 ) -> torch.Tensor:
-    """KDA over a step's packed rows: query, key, gate [T, H, K], value [T, H, V], beta [T, H];
-    each request from the state in its slot of recurrent_states [slots, H, K, V] (fp32), written
-    back after -> [T, H, V] in value's dtype. Prompts chunk_kda, decode-shaped steps kda_step as
-    one batch with no host read."""
-    dtype = value.dtype
+    """Packed rows of several tokens each (query, key, gate [T, H, K], value [T, H, V], beta [T, H]),
+    each request continuing its state from state_cache [slots, H, K, V] (fp32; zeros where it starts
+    fresh) and leaving its final state there -> output [T, H, V] in value's dtype."""
     query, key = prepare_query_key(query, key)
-    value, gate, beta = value.float(), gate.float(), beta.float()
-    if forward_metadata.is_decode_shaped:
-        fresh = decode_fresh(forward_metadata)[:, None, None, None]
-        states = torch.where(fresh, 0.0, recurrent_states[state_slots])
-        output, recurrent_states[state_slots] = kda_step(query, key, value, gate, beta, states)
-        return output.to(dtype)
-    outputs = []
-    for (start, end, fresh), slot in zip(request_segments(forward_metadata), state_slots.tolist()):
-        state = torch.zeros_like(recurrent_states[slot]) if fresh else recurrent_states[slot]
+    initial = _row_states(state_cache, tables)
+    ends = tables.query_ends_list
+    outputs, finals = [], []
+    for row, (start, end) in enumerate(zip([0, *ends[:-1]], ends, strict=True)):
         rows = slice(start, end)
-        output, recurrent_states[slot] = chunk_kda(query[rows], key[rows], value[rows], gate[rows], beta[rows], state)
+        output, final = kda_chunked(
+            query[rows], key[rows], value[rows].float(), gate[rows].float(), beta[rows].float(), initial[row]
+        )
         outputs.append(output)
-    return torch.cat(outputs).to(dtype)
+        finals.append(final)
+    state_cache.index_copy_(0, tables.state_slots, torch.stack(finals))
+    return torch.cat(outputs).to(value.dtype)
+
+
+def recurrent_kda(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    gate: torch.Tensor,
+    beta: torch.Tensor,
+    state_cache: torch.Tensor,
+    tables: RecurrentStateTables,
+) -> torch.Tensor:
+    """One token per row (query, key, gate [rows, H, K], value [rows, H, V], beta [rows, H]), the
+    state read from and written back to each row's slot, with no host read (graph buckets; padded
+    rows use the null slot) -> output [rows, H, V] in value's dtype."""
+    query, key = prepare_query_key(query, key)
+    states = _row_states(state_cache, tables)
+    output, states = kda_step(query, key, value.float(), gate.float(), beta.float(), states)
+    state_cache.index_copy_(0, tables.state_slots, states)
+    return output.to(value.dtype)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from ops import cuda_quant, quant_math
 from ops.attention_metadata import TorchAttentionMetadata
-from ops.kda import kda_attention, short_convolution  # noqa: F401  linear attention's state-slot ops
+from ops.kda import chunk_kda, recurrent_kda  # noqa: F401  Kimi delta attention over state slots
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

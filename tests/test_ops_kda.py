@@ -1,15 +1,14 @@
 """KDA's torch reference (ops/kda.py): the chunked form against the per-token recurrence and against
-transformers' own torch fallbacks, the state carried across a split, and the short convolution."""
+transformers' own torch fallbacks, the state carried across a split, and the ops over state slots."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from transformers.models.kimi_linear import modeling_kimi_linear as hf_kda
 
-from ops.attention_metadata import TorchAttentionMetadata
-from ops.kda import causal_conv, chunk_kda, kda_attention, kda_step, prepare_query_key, short_convolution
+from executor.types_.model_inputs import RecurrentStateTables
+from ops.kda import chunk_kda, kda_chunked, kda_step, prepare_query_key, recurrent_kda
 
 HEADS, KEY_DIM, VALUE_DIM = 3, 8, 6
 
@@ -43,7 +42,7 @@ def naive_kda(inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tens
 
 def chunked(inputs: dict[str, torch.Tensor], chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     query, key = prepare_query_key(inputs["query"], inputs["key"])
-    return chunk_kda(query, key, inputs["value"], inputs["gate"], inputs["beta"], inputs["state"], chunk_size)
+    return kda_chunked(query, key, inputs["value"], inputs["gate"], inputs["beta"], inputs["state"], chunk_size)
 
 
 @pytest.mark.parametrize("length, chunk_size", [(1, 64), (13, 4), (37, 16), (70, 64)])
@@ -58,7 +57,8 @@ def test_chunked_kda_equals_the_recurrence(length: int, chunk_size: int) -> None
 def test_kda_step_is_one_token_of_the_recurrence() -> None:
     inputs = kda_inputs(1)
     query, key = prepare_query_key(inputs["query"], inputs["key"])
-    output, state = kda_step(query[0], key[0], inputs["value"][0], inputs["gate"][0], inputs["beta"][0], inputs["state"])
+    value, gate, beta = inputs["value"][0], inputs["gate"][0], inputs["beta"][0]
+    output, state = kda_step(query[0], key[0], value, gate, beta, inputs["state"])
     expected_output, expected_state = naive_kda(inputs)
     torch.testing.assert_close(output, expected_output[0])
     torch.testing.assert_close(state, expected_state)
@@ -96,7 +96,8 @@ def test_kda_equals_transformers_torch_fallbacks(length: int) -> None:
     torch.testing.assert_close(output, hf_output[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(state, hf_state[0], atol=1e-5, rtol=1e-5)
     query, key = prepare_query_key(inputs["query"][length], inputs["key"][length])
-    step, step_state = kda_step(query, key, inputs["value"][length], inputs["gate"][length], inputs["beta"][length], state)
+    value, gate, beta = inputs["value"][length], inputs["gate"][length], inputs["beta"][length]
+    step, step_state = kda_step(query, key, value, gate, beta, state)
     torch.testing.assert_close(step, hf_next[0, 0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(step_state, hf_next_state[0], atol=1e-5, rtol=1e-5)
 
@@ -108,67 +109,32 @@ def test_the_decay_matters() -> None:
     assert not torch.allclose(chunked(inputs, 8)[0], chunked(ungated, 8)[0], atol=1e-3)
 
 
-def test_causal_conv_equals_transformers_and_carries_its_state() -> None:
-    generator = torch.Generator().manual_seed(1)
-    channels, width, length = 6, 4, 9
-    x = torch.randn(length, channels, generator=generator)
-    weight = torch.randn(channels, width, generator=generator)
-    expected = hf_kda.causal_conv1d_fn(x.T[None], weight, activation="silu")[0].T
-    output, state = causal_conv(x, weight, torch.zeros(channels, width - 1))
-    torch.testing.assert_close(output, expected)
-    torch.testing.assert_close(state, x[-(width - 1) :].T)
-    head, carried = causal_conv(x[:5], weight, torch.zeros(channels, width - 1))
-    tail, _ = causal_conv(x[5:], weight, carried)
-    torch.testing.assert_close(torch.cat((head, tail)), expected)
-    # transformers' one-token update keeps the last `width` inputs; its output for x's last token:
-    hf_state = F.pad(x[-width:-1].T[None], (1, 0)).clone()
-    step = hf_kda.causal_conv1d_update(x[-1:].T[None], hf_state, weight, activation="silu")[0].T
-    torch.testing.assert_close(causal_conv(x[-1:], weight, x[-width:-1].T)[0], step)
-
-
-def step_metadata(query_lens: list[int], seq_lens: list[int]) -> TorchAttentionMetadata:
-    """What the torch builder gives the KDA ops: lengths as a tensor, and as host lists unless decode-shaped."""
-    metadata = TorchAttentionMetadata(max(query_lens), [], seq_lens=torch.tensor(seq_lens))
-    if max(query_lens) > 1:
-        metadata.query_ends_list = torch.tensor(query_lens).cumsum(0).tolist()
-        metadata.seq_lens_list = seq_lens
-    return metadata
-
-
-def test_packed_ops_read_and_write_each_requests_slot() -> None:
-    """Three requests packed (a fresh prompt, a prompt's second chunk, a one-token continuation),
-    then a decode step of all three: each equals its request computed alone from start to end."""
+def test_the_slot_ops_continue_each_requests_state_and_start_fresh_ones_from_zero() -> None:
+    """Three requests packed (a fresh prompt, a prompt's second chunk, a one-token continuation) over
+    NaN-filled slots, then a decode step of all three: each equals its request computed alone."""
     lengths = [(0, 7), (5, 4), (9, 1)]  # (tokens computed before, tokens fed)
-    total = [sum(pair) + 1 for pair in lengths]  # and one decode token each
+    total = [done + fed + 1 for done, fed in lengths]  # and one decode token each
     sequences = [kda_inputs(length, seed=index) for index, length in enumerate(total)]
-    channels, width = HEADS * KEY_DIM, 4
-    weight = torch.randn(channels, width, generator=torch.Generator().manual_seed(5))
+    for inputs in sequences:
+        inputs["state"] = torch.zeros(HEADS, KEY_DIM, VALUE_DIM)
     slots = torch.tensor([3, 1, 2])
-    conv_states = torch.full((4, channels, width - 1), float("nan"))
-    recurrent_states = torch.full((4, HEADS, KEY_DIM, VALUE_DIM), float("nan"))
-    # The continuing requests' states, as their earlier tokens left them.
+    cache = torch.full((4, HEADS, KEY_DIM, VALUE_DIM), float("nan"))
     for (done, _), slot, inputs in zip(lengths, slots.tolist(), sequences, strict=True):
-        if done:
-            _, conv_states[slot] = causal_conv(inputs["key"][:done].flatten(1), weight, torch.zeros(channels, width - 1))
-            zero = {name: t[:done] for name, t in inputs.items() if name != "state"} | {"state": torch.zeros(HEADS, KEY_DIM, VALUE_DIM)}
-            _, recurrent_states[slot] = chunked(zero, 64)
+        if done:  # the state its earlier tokens left
+            cache[slot] = chunked({name: t[:done] if name != "state" else t for name, t in inputs.items()}, 64)[1]
+    fields = ("query", "key", "value", "gate", "beta")
 
-    def run(rows: list[slice], metadata: TorchAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        packed = {name: torch.cat([inputs[name][r] for inputs, r in zip(sequences, rows)]) for name in sequences[0] if name != "state"}
-        conv = short_convolution(packed["key"].flatten(1), weight, conv_states, slots, metadata)
-        output = kda_attention(packed["query"], packed["key"], packed["value"], packed["gate"], packed["beta"], recurrent_states, slots, metadata)
-        return conv, output
+    def packed(rows: list[slice]) -> list[torch.Tensor]:
+        return [torch.cat([inputs[name][r] for inputs, r in zip(sequences, rows, strict=True)]) for name in fields]
 
-    prefill_rows = [slice(done, done + fed) for done, fed in lengths]
-    prefill = run(prefill_rows, step_metadata([fed for _, fed in lengths], [done + fed for done, fed in lengths]))
-    decode = run([slice(t - 1, t) for t in total], step_metadata([1, 1, 1], total))
-    offsets = [0, *torch.tensor([fed for _, fed in lengths]).cumsum(0).tolist()]
+    has_state = torch.tensor([done > 0 for done, _ in lengths])
+    ends = torch.tensor([fed for _, fed in lengths]).cumsum(0).tolist()
+    prefill_tables = RecurrentStateTables(slots, has_state, ends)
+    prefill = chunk_kda(*packed([slice(d, d + f) for d, f in lengths]), cache, prefill_tables)
+    decode_tables = RecurrentStateTables(slots, torch.ones(3, dtype=torch.bool))
+    decode = recurrent_kda(*packed([slice(t - 1, t) for t in total]), cache, decode_tables)
     for index, (inputs, (done, fed)) in enumerate(zip(sequences, lengths, strict=True)):
-        whole = inputs | {"state": torch.zeros(HEADS, KEY_DIM, VALUE_DIM)}
-        conv, _ = causal_conv(inputs["key"].flatten(1), weight, torch.zeros(channels, width - 1))
-        output, _ = naive_kda(whole)
-        rows = slice(offsets[index], offsets[index + 1])
-        torch.testing.assert_close(prefill[0][rows], conv[done : done + fed], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(prefill[1][rows], output[done : done + fed], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(decode[0][index], conv[-1], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(decode[1][index], output[-1], atol=1e-5, rtol=1e-5)
+        expected, _ = naive_kda(inputs)
+        start = ends[index] - fed
+        torch.testing.assert_close(prefill[start : ends[index]], expected[done : done + fed], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(decode[index], expected[-1], atol=1e-5, rtol=1e-5)

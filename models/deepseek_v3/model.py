@@ -42,7 +42,7 @@ class DeepseekV3MoE(SparseMoeBlock):
         super().__init__(
             self.build_router(config),
             FusedExperts(
-                config.n_routed_experts,
+                self.num_routed_experts(config),
                 config.hidden_size,
                 config.moe_intermediate_size,
                 parallel.moe_tp,
@@ -61,10 +61,14 @@ class DeepseekV3MoE(SparseMoeBlock):
         )
 
     @staticmethod
-    def build_router(config: DeepseekV3Config) -> Router:
+    def num_routed_experts(config: DeepseekV3Config) -> int:
+        return config.n_routed_experts
+
+    @classmethod
+    def build_router(cls, config: DeepseekV3Config) -> Router:
         return TopkRouter(
             config.hidden_size,
-            config.n_routed_experts,
+            cls.num_routed_experts(config),
             config.num_experts_per_tok,
             config.n_group or 1,
             config.topk_group or 1,
@@ -79,8 +83,8 @@ class DeepseekV3DecoderLayer(PreNormDecoderLayer):
 
     def __init__(self, config: DeepseekV3Config, layer_index: int, parallel: ModelParallel, backend: Backend) -> None:
         super().__init__()
-        self.self_attn = self.attention_cls(config, parallel.attn_tp, backend=backend)
-        if layer_index >= config.first_k_dense_replace:
+        self.self_attn = self.build_attention(config, layer_index, parallel, backend)
+        if self.is_moe_layer(config, layer_index):
             self.mlp = self.moe_cls(config, parallel, backend)
         else:
             self.mlp = GatedMLP(
@@ -88,6 +92,16 @@ class DeepseekV3DecoderLayer(PreNormDecoderLayer):
             )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend=backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend=backend)
+
+    def build_attention(
+        self, config: DeepseekV3Config, layer_index: int, parallel: ModelParallel, backend: Backend
+    ) -> nn.Module:
+        """Layer `layer_index`'s attention (hidden, rotary, metadata -> hidden): MLA in every layer here."""
+        return self.attention_cls(config, parallel.attn_tp, backend=backend)
+
+    @staticmethod
+    def is_moe_layer(config: DeepseekV3Config, layer_index: int) -> bool:
+        return layer_index >= config.first_k_dense_replace
 
 
 class DeepseekV3MTPLayer(MTPLayerMixin, DeepseekV3DecoderLayer):
@@ -111,8 +125,7 @@ class DeepseekV3Model(nn.Module):
             ]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend=backend)
-        # One cos/sin table of the rope dims for all layers, looked up once per step.
-        self.rotary_emb = RotaryEmbedding(config, config.qk_rope_head_dim)
+        self.rotary_emb = self.build_rotary(config)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_metadata: ForwardMetaData
@@ -124,6 +137,11 @@ class DeepseekV3Model(nn.Module):
             hidden_states, residual = layer(hidden_states, residual, rotary, forward_metadata)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
+
+    @staticmethod
+    def build_rotary(config: DeepseekV3Config) -> nn.Module:
+        """One cos/sin table of the rope dims for all layers, looked up once per step."""
+        return RotaryEmbedding(config, config.qk_rope_head_dim)
 
     @staticmethod
     def num_mtp_layers(config: DeepseekV3Config) -> int:
@@ -176,6 +194,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         params = dict(self.named_parameters())
         received: dict[str, set[ShardKey]] = {}
         for checkpoint_name, tensor in weights:
+            checkpoint_name = self.checkpoint_name(checkpoint_name)
             if self._is_skipped(checkpoint_name):
                 continue
             try:
@@ -184,6 +203,11 @@ class DeepseekV3ForCausalLM(CausalLM):
                 raise WeightLoadError(f"checkpoint tensor {checkpoint_name!r}: {error}") from None
             received.setdefault(name, set()).add(shard)
         return {name for name, shards in received.items() if len(shards) == self._shards_needed(name)}
+
+    def checkpoint_name(self, name: str) -> str:
+        """A checkpoint tensor's name as this model's modules spell it (a family whose checkpoints
+        name modules otherwise renames them here)."""
+        return name
 
     def _is_skipped(self, checkpoint_name: str) -> bool:
         return (

@@ -1,0 +1,71 @@
+"""What the parity tests of the KDA hybrids (Kimi-Linear, Ling 3) share: mutations that drop one of
+KDA's mechanisms, the two-chunk prefill they must break, and a ge_graph engine run against eager."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from executor.types_.model_inputs import ScheduledSequence
+from module.kda import KimiDeltaAttention
+from tests.engine_harness import make_inference, token_records
+from tests.paged_harness import PagedModel, hf_last_logits, random_prompts
+
+
+def kda_layers(model: torch.nn.Module) -> list[KimiDeltaAttention]:
+    return [m for m in model.modules() if isinstance(m, KimiDeltaAttention)]
+
+
+def no_state_carry(model: torch.nn.Module) -> None:
+    """Every step starts each request's states from zeros, as if its earlier chunks had not run."""
+    for layer in kda_layers(model):
+        tables_of = layer.state_tables
+
+        def fresh_tables(forward_metadata, tables_of=tables_of):
+            tables = tables_of(forward_metadata)
+            return type(tables)(tables.state_slots, torch.zeros_like(tables.has_initial_state), tables.query_ends_list)
+
+        layer.state_tables = fresh_tables
+
+
+def no_decay(model: torch.nn.Module) -> None:
+    """The forget gate dropped: log decay 0, the state never forgets."""
+    for layer in kda_layers(model):
+        layer.forget_gate = lambda hidden, layer=layer: hidden.new_zeros(hidden.shape[0], layer.num_heads, layer.head_dim)
+
+
+def no_beta(model: torch.nn.Module) -> None:
+    """The delta rule's write strength dropped: beta 1 for every token."""
+    for layer in kda_layers(model):
+        layer.b_proj.weight.data.zero_()
+        layer.b_proj.weight.data[:, 0] = 1e4
+
+
+KDA_MUTATIONS = (no_state_carry, no_decay, no_beta)
+
+
+def split_prefill_diff(hf_model: torch.nn.Module, ours: PagedModel, prompts: list[list[int]]) -> float:
+    """The largest |ours - transformers'| over the last-token logits of `prompts` prefilled packed,
+    each in two chunks (6 tokens, then the rest)."""
+    blocks = [ours.allocate(len(p)) for p in prompts]
+    ours.step([ScheduledSequence(p[:6], 0, [b]) for p, b in zip(prompts, blocks, strict=True)])
+    logits = ours.step([ScheduledSequence(p[6:], 6, [b]) for p, b in zip(prompts, blocks, strict=True)])
+    return max((row - hf_last_logits(hf_model, p)).abs().max().item() for p, row in zip(prompts, logits, strict=True))
+
+
+def graph_and_eager_outputs(model_dir: Path, model_name: str) -> tuple[list[list[int]], list[list[int]]]:
+    """The engine's greedy outputs for 5 random prompts under ge_graph (decode buckets 1, 2, 4) and eagerly."""
+    records = token_records(random_prompts((4, 11, 7, 19, 2), seed=7))
+    runs = []
+    for exe_mode in ("ge_graph", "eager"):
+        inference = make_inference(
+            model_dir,
+            model_config={"model_name": model_name, "exe_mode": exe_mode},
+            batch_size=5,
+            graph_buckets=[1, 2, 4],
+            max_new_tokens=8,
+            max_model_len=64,
+        )
+        runs.append([request.output_token_ids for request in inference.generate(records).requests])
+    return runs[0], runs[1]
