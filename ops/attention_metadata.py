@@ -11,7 +11,13 @@ from dataclasses import dataclass
 
 import torch
 
-from executor.types_.model_inputs import CacheGroupTables, ForwardMetaData, ModelInputs, StepLayout
+from executor.types_.model_inputs import (
+    CacheGroupTables,
+    ForwardMetaData,
+    ModelInputs,
+    RecurrentStateTables,
+    StepLayout,
+)
 
 # FIA's compressed causal mask for sparse_mode=3 (bottom-right causal): always 2048x2048, 1 = masked.
 NPU_CAUSAL_MASK_SIZE = 2048
@@ -41,7 +47,8 @@ def block_table_tensor(block_ids: list[list[int]], width: int, device: torch.dev
 
 
 class AttentionMetadataBuilder:
-    """Base: the per-group block tables and slot mappings, which every backend reads."""
+    """Base: the per-group block tables and slot mappings (a recurrent group's state slots), which
+    every backend reads."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -49,14 +56,25 @@ class AttentionMetadataBuilder:
     def build(self, layout: StepLayout) -> ForwardMetaData:
         raise NotImplementedError
 
-    def cache_group_tables(self, layout: StepLayout) -> list[CacheGroupTables]:
+    def cache_group_tables(self, layout: StepLayout) -> list[CacheGroupTables | RecurrentStateTables]:
         return [
-            CacheGroupTables(
+            self.state_tables(layout, block_ids)
+            if group in layout.state_groups
+            else CacheGroupTables(
                 block_table=block_table_tensor(block_ids, layout.max_blocks_per_request, self.device),
                 slot_mapping=to_device(slots, torch.int64, self.device),
             )
-            for block_ids, slots in zip(layout.block_ids, layout.slot_mappings, strict=True)
+            for group, (block_ids, slots) in enumerate(zip(layout.block_ids, layout.slot_mappings, strict=True))
         ]
+
+    def state_tables(self, layout: StepLayout, slots: list[list[int]]) -> RecurrentStateTables:
+        """Each row's state slot (its first; the null slot 0 for a padded row) and whether it continues
+        a state; the query ends as a host list where a row may hold several tokens."""
+        return RecurrentStateTables(
+            state_slots=to_device([row[0] if row else 0 for row in slots], torch.int64, self.device),
+            has_initial_state=to_device(layout.has_initial_state, torch.bool, self.device),
+            query_ends_list=None if layout.max_query_len <= 1 else list(layout.query_ends),
+        )
 
 
 @dataclass(slots=True)

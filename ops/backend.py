@@ -59,8 +59,15 @@ class Backend:
     moe_experts: Op | None = _op()
     moe_experts_clamped_swiglu: Op | None = _op()
     moe_experts_int8: Op | None = _op()  # W8A8 int8 experts (ops/quantized_experts.py's Int8Experts)
-    chunk_kda: Op | None = _op()  # Kimi delta attention over state slots, prompts (ops/kda.py)
-    recurrent_kda: Op | None = _op()  # the same, one token per row
+    # linear attention (ops/recurrent_ref.py): the short conv and the gated delta rule over state slots
+    causal_conv1d_fn: Op | None = _op()
+    causal_conv1d_update: Op | None = _op()
+    chunk_gated_delta_rule: Op | None = _op()
+    recurrent_gated_delta_rule: Op | None = _op()
+    rms_norm_gated: Op | None = _op()
+    # Kimi delta attention over state slots (ops/kda.py): prompts, and one token per row
+    chunk_kda: Op | None = _op()
+    recurrent_kda: Op | None = _op()
 
     def missing(self, op_names: tuple[str, ...]) -> list[str]:
         """Which of `op_names` this backend has no form of."""
@@ -102,6 +109,17 @@ def linear_methods(dense: LinearMethod, native: Mapping[str, LinearMethod], devi
     return MappingProxyType({UNQUANTIZED: dense, **plainly, **native})
 
 
+# The linear-attention ops: no fused form in torch, torch_npu's facts (../shared/npu-api-facts.md) or the
+# CPU's kernels yet, so every record runs their reference.
+RECURRENT_OPS = (
+    "causal_conv1d_fn",
+    "causal_conv1d_update",
+    "chunk_gated_delta_rule",
+    "recurrent_gated_delta_rule",
+    "rms_norm_gated",
+    "chunk_kda",
+    "recurrent_kda",
+)
 REFERENCE_OPS = {name: getattr(torch_ref, name) for name in OP_NAMES}
 
 
@@ -190,17 +208,12 @@ NPU_OPS = (
 )
 
 
-# Ops the NPU record runs as the torch reference (no torch_npu form is in shared/npu-api-facts.md):
-# Kimi delta attention's ops (ops/kda.py).
-NPU_REFERENCE_OPS = ("chunk_kda", "recurrent_kda")
-
-
 def _npu_backend(exe_mode: str, common: dict) -> Backend:
     graph = exe_mode != "eager"
     torch_npu = npu_runtime.torch_npu()
     npu_ops = NpuGraphOps(torch_npu, npu_runtime.torchair()) if graph else NpuOps(torch_npu)
     metadata_builder = functools.partial(NpuMetadataBuilder, lengths_as_tensors=graph)
     ops = {name: getattr(npu_ops, name) for name in NPU_OPS}
-    ops.update({name: REFERENCE_OPS[name] for name in NPU_REFERENCE_OPS})
+    ops.update({name: REFERENCE_OPS[name] for name in RECURRENT_OPS})
     linear = linear_methods(PLAIN, npu_linear_methods(torch_npu, PLAIN), "npu")
     return Backend("npu_graph" if graph else "npu", linear=linear, metadata_builder=metadata_builder, **common, **ops)

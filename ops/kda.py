@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from executor.types_.model_inputs import RecurrentStateTables
+from ops.recurrent_ref import _row_bounds, _row_states  # each row's state from its slot, and its rows
 
 CHUNK_SIZE = 64
 L2_NORM_EPS = 1e-6
@@ -98,13 +99,6 @@ def kda_chunked(
     return torch.cat(outputs, dim=1).transpose(0, 1), state
 
 
-def _row_states(cache: torch.Tensor, tables: RecurrentStateTables) -> torch.Tensor:
-    """Each row's state from its slot, or zeros where the row starts fresh."""
-    states = cache.index_select(0, tables.state_slots)
-    fresh = ~tables.has_initial_state.view(-1, *[1] * (states.dim() - 1))
-    return torch.where(fresh, torch.zeros((), dtype=states.dtype, device=states.device), states)
-
-
 def chunk_kda(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -119,9 +113,8 @@ def chunk_kda(
     fresh) and leaving its final state there -> output [T, H, V] in value's dtype."""
     query, key = prepare_query_key(query, key)
     initial = _row_states(state_cache, tables)
-    ends = tables.query_ends_list
     outputs, finals = [], []
-    for row, (start, end) in enumerate(zip([0, *ends[:-1]], ends, strict=True)):
+    for row, (start, end) in enumerate(_row_bounds(tables)):
         rows = slice(start, end)
         output, final = kda_chunked(
             query[rows], key[rows], value[rows].float(), gate[rows].float(), beta[rows].float(), initial[row]

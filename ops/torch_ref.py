@@ -12,6 +12,9 @@ and KV head, [num_blocks, block_size, Hkv] (dynamic), or per channel, [Hkv, D] (
 ops/quant_math.py). The writes quantize; attention dequantizes what it gathers, and reads every key
 from the cache, the step's own too, so a token attends alike whether its keys came this step or from
 a cached prefix.
+
+The linear-attention ops (the short conv and the gated delta rule over state slots) are defined in
+ops/recurrent_ref.py, Kimi delta attention's in ops/kda.py, and named here with the rest.
 """
 
 from __future__ import annotations
@@ -24,7 +27,14 @@ import torch.nn.functional as F
 
 from ops import cuda_quant, quant_math
 from ops.attention_metadata import TorchAttentionMetadata
-from ops.kda import chunk_kda, recurrent_kda  # noqa: F401  Kimi delta attention over state slots
+from ops.kda import chunk_kda, recurrent_kda  # noqa: F401 (the reference of every op is named here)
+from ops.recurrent_ref import (  # noqa: F401 (the reference of every op is named here)
+    causal_conv1d_fn,
+    causal_conv1d_update,
+    chunk_gated_delta_rule,
+    recurrent_gated_delta_rule,
+    rms_norm_gated,
+)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -111,6 +111,7 @@ class ExecutionEngine:
         request = quantization_request(self.config.model_config)
         quantization = read_quantization(hf_config, request, f"{model_path}/config.json")
         self.worker.init(model_cls, hf_config, model_path, quantization)
+        self._check_speculation_with_states()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.eos_token_ids = self._collect_eos_token_ids(model_path)
         self.kv_cache_manager = size_kv_cache(
@@ -126,6 +127,18 @@ class ExecutionEngine:
         if graph_runner is not None:
             self.worker.init_graphs(graph_runner)
         self.runner = self._make_runner(self.kv_cache_manager, self._make_proposer())
+
+    def _check_speculation_with_states(self) -> None:
+        """Speculative decoding is refused for a model with recurrent states: a verify step would have
+        to keep the state after each draft position (cann-recipes' 1 + next_n slots) so that the
+        accepted prefix's state survives, which no recurrent layer writes yet."""
+        method, _ = self.config.speculation
+        if method and self.worker.state_groups():
+            raise ConfigError(
+                f"speculative decoding ({method}) is not supported for a model with linear-attention layers: "
+                "their recurrent state would need keeping after every draft position, which is not built; "
+                f"turn speculative_config / model_config.next_n off ({self.config.source})"
+            )
 
     @property
     def num_lookahead_tokens(self) -> int:
@@ -227,6 +240,7 @@ class ExecutionEngine:
             max_blocks_per_request=self.max_blocks_per_request,
             pin_host_buffers=self.platform.device_type != "cpu",
             step_timer=self.step_timer,
+            state_groups=self.worker.state_groups(),
         )
 
     def _measure_graph_memory(self) -> int:
