@@ -167,7 +167,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         self.lm_head = ParallelLMHead(
             hf_config.vocab_size, hf_config.hidden_size, parallel.lmhead_tp, backend.linear_method()
         )
-        if hf_config.tie_word_embeddings:
+        if self.ties_word_embeddings(hf_config):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.num_mtp_layers = len(self.model.layers) - hf_config.num_hidden_layers
 
@@ -182,6 +182,11 @@ class DeepseekV3ForCausalLM(CausalLM):
                 f"config scoring_func {scoring_func!r} / topk_method {topk_method!r}: only DeepSeek-V3's "
                 "'sigmoid' / 'noaux_tc' routing is built here (DeepSeek-V2's is models/deepseek_v2/)"
             )
+
+    @staticmethod
+    def ties_word_embeddings(config: DeepseekV3Config) -> bool:
+        """Whether the LM head is the embedding matrix, as transformers' class decides it."""
+        return config.tie_word_embeddings
 
     def mtp_layer(self, layer: int) -> DeepseekV3MTPLayer:
         if not 0 <= layer < self.num_mtp_layers:
@@ -212,7 +217,7 @@ class DeepseekV3ForCausalLM(CausalLM):
     def _is_skipped(self, checkpoint_name: str) -> bool:
         return (
             "rotary_emb.inv_freq" in checkpoint_name
-            or (checkpoint_name == "lm_head.weight" and self.config.tie_word_embeddings)
+            or (checkpoint_name == "lm_head.weight" and self.ties_word_embeddings(self.config))
             or SHARED_MTP_TENSOR.match(checkpoint_name) is not None
         )
 

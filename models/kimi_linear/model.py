@@ -124,6 +124,11 @@ class KimiLinearForCausalLM(DeepseekV3ForCausalLM):
     checkpoint_renames: tuple[tuple[re.Pattern, str], ...] = CHECKPOINT_RENAMES
 
     @staticmethod
+    def ties_word_embeddings(config: PretrainedConfig) -> bool:
+        """Never: transformers' class keeps its own LM head whatever tie_word_embeddings says."""
+        return False
+
+    @staticmethod
     def check_config(config: KimiLinearConfig) -> None:
         """Refuse a layer or MLP type transformers' KimiLinearForCausalLM would not build either."""
         for key, value, built in (
