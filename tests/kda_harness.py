@@ -32,7 +32,8 @@ def no_state_carry(model: torch.nn.Module) -> None:
 def no_decay(model: torch.nn.Module) -> None:
     """The forget gate dropped: log decay 0, the state never forgets."""
     for layer in kda_layers(model):
-        layer.forget_gate = lambda hidden, layer=layer: hidden.new_zeros(hidden.shape[0], layer.num_heads, layer.head_dim)
+        shape = (layer.num_heads, layer.head_dim)
+        layer.forget_gate = lambda hidden, shape=shape: hidden.new_zeros(hidden.shape[0], *shape)
 
 
 def no_beta(model: torch.nn.Module) -> None:
