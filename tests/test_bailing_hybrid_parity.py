@@ -17,9 +17,11 @@ import pytest
 import safetensors.torch
 import torch
 import transformers
+import yaml
 
+from executor.core.config import ConfigError
+from executor.core.config.model_registry import check_model_name
 from executor.offline.__main__ import main as offline_main
-from models import NOT_BUILT
 from models.bailing_hybrid import BailingHybridForCausalLM
 from models.bailing_hybrid.model import BailingHybridMLA
 from tests import paged_harness
@@ -123,8 +125,11 @@ def test_the_mtp_layers_after_the_decoder_are_skipped_as_transformers_skips_them
     assert split_prefill_diff(hf_model, ours, random_prompts((9, 12), seed=2)) <= TOLERANCE
 
 
-def test_bailing_2_5_is_refused_as_another_architecture():
-    assert "Lightning" in NOT_BUILT["bailing_2_5"] and "models/bailing_hybrid" in NOT_BUILT["bailing_2_5"]
+def test_cann_recipes_bailing_2_5_is_refused_as_another_architecture():
+    """cann-recipes' bailing_2_5 (our copy of its file) names Ling 2.5, not Ling 3."""
+    raw = yaml.safe_load((ROOT / "tests" / "data" / "cann_recipes" / "bailing_2_5.yaml").read_text())
+    with pytest.raises(ConfigError, match=r"not built here: Bailing 2.5 \(Ling 2.5, BailingMoeV2_5\)"):
+        check_model_name(raw["model_config"]["model_name"], "bailing_2_5.yaml")
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+import yaml
 
+from executor.core.config import ConfigError
+from executor.core.config.model_registry import check_model_name
 from executor.offline.__main__ import main as offline_main
-from models import NOT_BUILT
 from models.kimi_linear import KimiLinearForCausalLM
 from tests import paged_harness
 from tests.backends import cpu_backend
@@ -103,8 +105,11 @@ def test_an_unknown_layer_type_is_refused():
         KimiLinearForCausalLM(config, backend=cpu_backend())
 
 
-def test_kimi_k3_is_refused_as_another_architecture():
-    assert "attn_res_block_size" in NOT_BUILT["kimi_k3"] and "models/kimi_linear" in NOT_BUILT["kimi_k3"]
+def test_cann_recipes_kimi_k3_is_refused_as_another_architecture():
+    """cann-recipes' kimi_k3 (our copy of its flattened-schema file) names Kimi K3, not Kimi-Linear."""
+    raw = yaml.safe_load((ROOT / "tests" / "data" / "cann_recipes_flat" / "kimi_k3.yaml").read_text())
+    with pytest.raises(ConfigError, match="not built here: Kimi K3 adds block attention residuals"):
+        check_model_name(raw["model_name"], "kimi_k3.yaml")
 
 
 @pytest.fixture(scope="module")
