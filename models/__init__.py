@@ -49,7 +49,6 @@ NOT_BUILT: dict[str, str] = {
     "longcat_flash": "LongCat-Flash (zero-computation experts, shortcut MoE) is not built",
     "longcat_flash_ffn": "LongCat-Flash is not built",
     "longcat_flash_lite": "LongCat-Flash-Lite (n-gram embeddings) is not built",
-    "qwen3.5": "Qwen3.5 (gated delta-net linear attention) is not built",
     "step3p7_flash": "Step-3.7-Flash is not built",
     "kimi_k3": (
         "Kimi K3 adds block attention residuals (attn_res_block_size), latent MoE (routed_expert_hidden_size), "

@@ -18,7 +18,7 @@ from module.attention import Attention
 from module.causal_lm import CausalLM
 from module.decoder_layer import PreNormDecoderLayer
 from module.embedding import ParallelLMHead, VocabParallelEmbedding
-from module.linear import QKVParallelLinear, RowParallelLinear
+from module.linear import QKVParallelLinear, RowParallelLinear, divide
 from module.mlp import GatedMLP
 from module.mtp import MTPLayerMixin, mtp_layer_class, mtp_parameter_name, num_mtp_layers_of
 from module.norm import RMSNorm
@@ -26,6 +26,7 @@ from module.parallel_group import ONE_PROCESS, ModelParallel
 from module.rotary import RotaryEmbedding
 from module.weights import fused_shards_needed, load_fused_tensor
 from ops.backend import Backend
+from ops.linear_method import LinearMethod
 
 
 def head_dim_of(config: PretrainedConfig) -> int:
@@ -43,16 +44,8 @@ class LlamaAttention(nn.Module):
         method = backend.linear_method()
         qkv_bias, output_bias = self.projection_biases(config)
         self.head_dim = head_dim_of(config)
-        self.qkv_proj = QKVParallelLinear(
-            config.hidden_size,
-            self.head_dim,
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            bias=qkv_bias,
-            tp=parallel.attn_tp,
-            linear_method=method,
-        )
-        self.num_heads = self.qkv_proj.num_heads
+        self.qkv_proj = self.build_qkv_proj(config, parallel, qkv_bias, method)
+        self.num_heads = divide(config.num_attention_heads, parallel.attn_tp.size)
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(
             config.num_attention_heads * self.head_dim,
@@ -62,6 +55,20 @@ class LlamaAttention(nn.Module):
             linear_method=method,
         )
         self.attn = self.build_attention(config, self.layer_sliding_window(config, layer_index), parallel)
+
+    def build_qkv_proj(
+        self, config: PretrainedConfig, parallel: ModelParallel, bias: bool, method: LinearMethod
+    ) -> QKVParallelLinear:
+        """The fused q/k/v projection over this rank's heads (gated attention widens its q part)."""
+        return QKVParallelLinear(
+            config.hidden_size,
+            self.head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            bias=bias,
+            tp=parallel.attn_tp,
+            linear_method=method,
+        )
 
     def build_attention(
         self, config: PretrainedConfig, sliding_window: int | None, parallel: ModelParallel
@@ -110,10 +117,17 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
 
     def __init__(self, config: PretrainedConfig, layer_index: int, parallel: ModelParallel, backend: Backend) -> None:
         super().__init__()
-        self.self_attn = self.attention_cls(config, layer_index, parallel, backend)
+        self.build_token_mixer(config, layer_index, parallel, backend)
         self.mlp = self.build_mlp(config, layer_index, parallel, backend)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend=backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend=backend)
+
+    def build_token_mixer(
+        self, config: PretrainedConfig, layer_index: int, parallel: ModelParallel, backend: Backend
+    ) -> None:
+        """The layer's token mixer under the checkpoint's name for it: `self_attn` (attention_cls)
+        here; a hybrid model builds a linear-attention layer instead in some layers."""
+        self.self_attn = self.attention_cls(config, layer_index, parallel, backend)
 
     def build_mlp(
         self, config: PretrainedConfig, layer_index: int, parallel: ModelParallel, backend: Backend
@@ -144,7 +158,12 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend=backend)
         # One cos/sin table for all layers, looked up once per step.
-        self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
+        self.rotary_emb = self.build_rotary(config)
+
+    @staticmethod
+    def build_rotary(config: PretrainedConfig) -> RotaryEmbedding:
+        """The cos/sin table; rope over the whole head here (a model with partial rope says so)."""
+        return RotaryEmbedding(config, head_dim_of(config))
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_metadata: ForwardMetaData
@@ -163,6 +182,7 @@ class LlamaForCausalLM(CausalLM):
     loading goes one checkpoint tensor at a time through _load_tensor, which they may extend."""
 
     decoder_layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    base_model_cls: type[LlamaModel] = LlamaModel
     # checkpoint module name -> (our fused module, shard id passed to its weight_loader)
     packed_modules_mapping: dict[str, tuple[str, int | str]] = {
         "q_proj": ("qkv_proj", "q"),
@@ -175,7 +195,7 @@ class LlamaForCausalLM(CausalLM):
     def __init__(self, hf_config: PretrainedConfig, *, parallel: ModelParallel = ONE_PROCESS, backend: Backend) -> None:
         super().__init__()
         self.config = hf_config
-        self.model = LlamaModel(hf_config, parallel, self.decoder_layer_cls, backend)
+        self.model = self.base_model_cls(hf_config, parallel, self.decoder_layer_cls, backend)
         self.lm_head = ParallelLMHead(
             hf_config.vocab_size, hf_config.hidden_size, parallel.lmhead_tp, backend.linear_method()
         )

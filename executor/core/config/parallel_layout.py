@@ -117,8 +117,12 @@ def model_fit_problems(layout: ParallelLayout, hf_config: Any) -> list[str]:
         ("attn_tp_size", layout.attn_tp_size, "num_attention_heads", hf_config.num_attention_heads),
         ("embed_tp_size", layout.embed_tp_size, "vocab_size", hf_config.vocab_size),
         ("lmhead_tp_size", layout.lmhead_tp_size, "vocab_size", hf_config.vocab_size),
-        ("dense_tp_size", layout.dense_tp_size, "intermediate_size", hf_config.intermediate_size),
     ]
+    # the dense MLPs' width; a model whose every layer is MoE has its shared expert's instead
+    for dense_key in ("intermediate_size", "shared_expert_intermediate_size"):
+        if getattr(hf_config, dense_key, None):
+            splits.append(("dense_tp_size", layout.dense_tp_size, dense_key, getattr(hf_config, dense_key)))
+            break
     if getattr(hf_config, "kv_lora_rank", None) is None:  # MLA's latent cache is not split by heads
         kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
         splits.append(("attn_tp_size", layout.attn_tp_size, "num_key_value_heads", kv_heads))
