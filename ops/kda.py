@@ -87,7 +87,7 @@ def kda_chunked(
         decay = (cumulative.unsqueeze(2) - cumulative.unsqueeze(1)).masked_fill(~causal[..., None], float("-inf"))
         decay = decay.exp()  # [H, t, j, K]: exp(G_t - G_j) where j <= t, else 0
         key_key = torch.einsum("htc,hjc,htjc->htj", k, k, decay)
-        system = torch.eye(length, device=query.device) + (b.unsqueeze(-1) * key_key).tril(diagonal=-1)
+        system = torch.eye(length, dtype=key_key.dtype, device=query.device) + (b.unsqueeze(-1) * key_key).tril(-1)
         decayed_key = k * cumulative.exp()
         rhs = b.unsqueeze(-1) * (v - decayed_key @ state)
         update = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
