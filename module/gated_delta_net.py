@@ -9,7 +9,8 @@ in the layer's state slots: a step whose rows hold several tokens (prefill, prom
 chunked rule from each request's state, a decode-shaped step the one-token recurrence.
 
 transformers' Qwen3_5GatedDeltaNet op for op; the parameters keep its names (in_proj_qkv, in_proj_z,
-in_proj_b, in_proj_a, conv1d.weight [C, 1, K], dt_bias, A_log, norm.weight, out_proj). One process
+in_proj_b, in_proj_a, conv1d.weight [C, 1, K], dt_bias, A_log, norm.weight, out_proj). Qwen3-Next
+fuses the input projections otherwise (models/qwen3_next: build_projections and project). One process
 only: the heads are not split over attention TP ranks (the model refuses a TP group, naming it).
 """
 
@@ -24,6 +25,7 @@ from executor.types_.model_inputs import ForwardMetaData
 from module.linear import ColumnParallelLinear, RowParallelLinear
 from module.recurrent import RecurrentStateLayer
 from ops.backend import Backend
+from ops.linear_method import LinearMethod
 
 GATED_DELTA_NET_OPS = (
     "causal_conv1d_fn",
@@ -43,6 +45,8 @@ class DepthwiseConvWeight(nn.Module):
 
 
 class GatedDeltaNet(RecurrentStateLayer):
+    keeps_position_states = True  # ops/recurrent_ref.py's ops keep a verify step's states per position
+
     def __init__(
         self,
         hidden_size: int,
@@ -69,16 +73,29 @@ class GatedDeltaNet(RecurrentStateLayer):
         self.activation = activation
         self.eps = eps
         self.state_dtype = torch.get_default_dtype()  # the conv state's; the recurrent state is fp32
-        self.in_proj_qkv = ColumnParallelLinear(hidden_size, self.conv_dim, linear_method=method)
-        self.in_proj_z = ColumnParallelLinear(hidden_size, self.value_dim, linear_method=method)
-        self.in_proj_b = ColumnParallelLinear(hidden_size, num_v_heads, linear_method=method)
-        self.in_proj_a = ColumnParallelLinear(hidden_size, num_v_heads, linear_method=method)
+        self.build_projections(hidden_size, method)
         self.conv1d = DepthwiseConvWeight(self.conv_dim, conv_width)
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.zeros(num_v_heads), requires_grad=False)
         self.norm = nn.Module()
         self.norm.weight = nn.Parameter(torch.ones(head_v_dim), requires_grad=False)
         self.out_proj = RowParallelLinear(self.value_dim, hidden_size, linear_method=method)
+
+    def build_projections(self, hidden_size: int, method: LinearMethod) -> None:
+        """The input projections, as Qwen3.5's checkpoints name them: q/k/v, z, b and a apart."""
+        self.in_proj_qkv = ColumnParallelLinear(hidden_size, self.conv_dim, linear_method=method)
+        self.in_proj_z = ColumnParallelLinear(hidden_size, self.value_dim, linear_method=method)
+        self.in_proj_b = ColumnParallelLinear(hidden_size, self.num_v_heads, linear_method=method)
+        self.in_proj_a = ColumnParallelLinear(hidden_size, self.num_v_heads, linear_method=method)
+
+    def project(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden [T, hidden] -> (q|k|v [T, conv_dim] before the conv, z [T, value_dim], b and a [T, Hv])."""
+        return (
+            self.in_proj_qkv(hidden_states),
+            self.in_proj_z(hidden_states),
+            self.in_proj_b(hidden_states),
+            self.in_proj_a(hidden_states),
+        )
 
     def state_tensors(self) -> tuple[KVTensorSpec, ...]:
         return (
@@ -91,7 +108,7 @@ class GatedDeltaNet(RecurrentStateLayer):
         tables = self.state_tables(forward_metadata)
         decode = forward_metadata.is_decode_shaped
         conv_weight = self.conv1d.weight.squeeze(1)
-        mixed = self.in_proj_qkv(hidden_states)
+        mixed, gate, b, a = self.project(hidden_states)
         conv = self.ops.causal_conv1d_update if decode else self.ops.causal_conv1d_fn
         mixed = conv(mixed, conv_weight, self.state_caches["conv_state"], tables, self.activation)
         query, key, value = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
@@ -99,10 +116,10 @@ class GatedDeltaNet(RecurrentStateLayer):
         query = query.reshape(num_tokens, self.num_k_heads, self.head_k_dim)
         key = key.reshape(num_tokens, self.num_k_heads, self.head_k_dim)
         value = value.reshape(num_tokens, self.num_v_heads, self.head_v_dim)
-        beta = self.in_proj_b(hidden_states).sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden_states).float() + self.dt_bias)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         rule = self.ops.recurrent_gated_delta_rule if decode else self.ops.chunk_gated_delta_rule
         output = rule(query, key, value, g, beta, self.state_caches["recurrent_state"], tables, True)
-        gate = self.in_proj_z(hidden_states).reshape(-1, self.head_v_dim)
+        gate = gate.reshape(-1, self.head_v_dim)
         output = self.ops.rms_norm_gated(output.reshape(-1, self.head_v_dim), gate, self.norm.weight, self.eps)
         return self.out_proj(output.reshape(num_tokens, self.value_dim))

@@ -19,7 +19,14 @@ from module.attention import KVCacheLayer
 
 
 class RecurrentStateLayer(KVCacheLayer):
-    """A layer with per-request states in slots; subclasses name them in `state_tensors`."""
+    """A layer with per-request states in slots; subclasses name them in `state_tensors`.
+
+    `keeps_position_states`: its ops honour RecurrentStateTables' ring (read `state_slots`, write
+    `write_slots`, and in a verify step every position's state to `position_state_slots`), which
+    speculative decoding needs; the engine refuses speculative decoding for a model with a layer
+    that does not."""
+
+    keeps_position_states: bool = False
 
     def __init__(self) -> None:
         super().__init__()

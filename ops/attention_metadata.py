@@ -68,12 +68,26 @@ class AttentionMetadataBuilder:
         ]
 
     def state_tables(self, layout: StepLayout, slots: list[list[int]]) -> RecurrentStateTables:
-        """Each row's state slot (its first; the null slot 0 for a padded row) and whether it continues
-        a state; the query ends as a host list where a row may hold several tokens."""
+        """Each row's slots in its request's ring (RecurrentStateTables; the null slot 0 for a padded
+        row): the one it reads, the one its final state goes to, and in a multi-token step those of
+        each position where the row fits its ring; whether it continues a state; the query ends as a
+        host list where a row may hold several tokens."""
+        starts = [0, *layout.query_ends[:-1]]
+        read, final, positions = [], [], []
+        for ring, seq_len, start, end in zip(slots, layout.seq_lens, starts, layout.query_ends, strict=True):
+            ring = ring or [0]
+            computed = seq_len - (end - start)  # the row's first position
+            read.append(ring[(computed - 1) % len(ring)])
+            final.append(ring[(seq_len - 1) % len(ring)])
+            fits = end - start <= len(ring)
+            positions.append([ring[p % len(ring)] for p in range(computed, seq_len)] if fits else None)
+        multi_token = layout.max_query_len > 1
         return RecurrentStateTables(
-            state_slots=to_device([row[0] if row else 0 for row in slots], torch.int64, self.device),
+            state_slots=to_device(read, torch.int64, self.device),
             has_initial_state=to_device(layout.has_initial_state, torch.bool, self.device),
-            query_ends_list=None if layout.max_query_len <= 1 else list(layout.query_ends),
+            query_ends_list=list(layout.query_ends) if multi_token else None,
+            final_state_slots=to_device(final, torch.int64, self.device),
+            position_state_slots=positions if multi_token else None,
         )
 
 

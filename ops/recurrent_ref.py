@@ -9,8 +9,10 @@ whether the row continues a state or starts from zeros), run the math, and write
 row's last token back to the slot:
 
 - `causal_conv1d_fn` / `chunk_gated_delta_rule`: a step whose rows hold several tokens (prefill, a
-  prompt chunk): one call per request over the packed TND rows (the query ends as a host list),
-  so a chunk continues where the previous chunk of its prompt stopped;
+  prompt chunk, a verify step): one call per request over the packed TND rows (the query ends as a
+  host list), so a chunk continues where the previous chunk of its prompt stopped; a row that fits
+  its request's ring of slots (a verify step's k + 1 tokens) keeps the state after each position,
+  token by token, so that the next step finds the accepted prefix's state;
 - `causal_conv1d_update` / `recurrent_gated_delta_rule`: a decode-shaped step, one token per row,
   with shapes that depend only on the number of rows (graph buckets; padded rows read and write the
   null slot 0 and start from zeros).
@@ -128,6 +130,34 @@ def gated_delta_rule_step(
     return output.to(value.dtype), state
 
 
+def gated_delta_rule_positions(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    use_qk_l2norm: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One short sequence token by token, keeping every state: (output [L, Hv, Dv], the state after
+    each position [L, Hv, Dk, Dv] fp32), for a verify step whose accepted prefix is known only after."""
+    length, num_v_heads, v_dim = value.shape
+    state = (
+        torch.zeros(1, num_v_heads, query.shape[-1], v_dim, dtype=torch.float32, device=value.device)
+        if initial_state is None
+        else initial_state.float().unsqueeze(0)
+    )
+    outputs, states = [], []
+    for t in range(length):
+        rows = slice(t, t + 1)
+        output, state = gated_delta_rule_step(
+            query[rows], key[rows], value[rows], g[rows], beta[rows], state, use_qk_l2norm
+        )
+        outputs.append(output)
+        states.append(state)
+    return torch.cat(outputs), torch.cat(states)
+
+
 def _activate(x: torch.Tensor, activation: str | None) -> torch.Tensor:
     if activation is None:
         return x
@@ -147,6 +177,15 @@ def conv1d_with_state(
     inputs = torch.cat([initial_state.to(x.dtype), x], dim=0)  # [L + K - 1, C]
     output = F.conv1d(inputs.t().unsqueeze(0).to(weight.dtype), weight.unsqueeze(1), groups=weight.shape[0])
     return _activate(output[0].t(), activation).to(x.dtype), inputs[-(width - 1) :]
+
+
+def conv1d_position_states(x: torch.Tensor, initial_state: torch.Tensor | None, width: int) -> torch.Tensor:
+    """The conv state after each position of x [L, C] from `initial_state` [K - 1, C] (None: zeros):
+    [L, K - 1, C], the last K - 1 inputs up to and including that position."""
+    if initial_state is None:
+        initial_state = x.new_zeros(width - 1, x.shape[-1])
+    inputs = torch.cat([initial_state.to(x.dtype), x], dim=0)
+    return torch.stack([inputs[t + 1 : t + width] for t in range(x.shape[0])])
 
 
 def conv1d_step(
@@ -172,6 +211,23 @@ def _row_bounds(tables: RecurrentStateTables) -> list[tuple[int, int]]:
     return list(zip([0, *ends[:-1]], ends, strict=True))
 
 
+def _position_slots(tables: RecurrentStateTables, num_rows: int) -> list[list[int] | None]:
+    """Per row of a multi-token step: the slots of the state after each position, or None (final only)."""
+    return tables.position_state_slots if tables.position_state_slots is not None else [None] * num_rows
+
+
+def _write_states(
+    cache: torch.Tensor, tables: RecurrentStateTables, finals: list[torch.Tensor], kept: list[tuple[list[int], torch.Tensor]]
+) -> None:
+    """Each row's final state to its final slot, or (kept) every position's state to its slot."""
+    final_rows = [row for row, final in enumerate(finals) if final is not None]
+    final_index = tables.write_slots[torch.tensor(final_rows, dtype=torch.int64, device=cache.device)]
+    kept_slots = [slot for position_slots, _ in kept for slot in position_slots]
+    index = torch.cat([final_index, torch.tensor(kept_slots, dtype=torch.int64, device=cache.device)])
+    states = [finals[row] for row in final_rows] + [state for _, states in kept for state in states.unbind(0)]
+    cache.index_copy_(0, index, torch.stack(states).to(cache.dtype))
+
+
 def causal_conv1d_fn(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -180,14 +236,20 @@ def causal_conv1d_fn(
     activation: str | None = "silu",
 ) -> torch.Tensor:
     """Packed rows x [T, C] of several tokens each through the conv, each request continuing its conv
-    state from conv_cache [slots, K - 1, C] (or zeros) and leaving its last K - 1 inputs there."""
+    state from conv_cache [slots, K - 1, C] (or zeros) and leaving its last K - 1 inputs in its final
+    slot (after each position, in a row that fits its ring)."""
     initial = _row_states(conv_cache, tables)
-    outputs, finals = [], []
-    for row, (start, end) in enumerate(_row_bounds(tables)):
+    bounds = _row_bounds(tables)
+    outputs, finals, kept = [], [], []
+    for row, ((start, end), position_slots) in enumerate(zip(bounds, _position_slots(tables, len(bounds)), strict=True)):
         output, final = conv1d_with_state(x[start:end], weight, initial[row], activation)
         outputs.append(output)
-        finals.append(final)
-    conv_cache.index_copy_(0, tables.state_slots, torch.stack(finals).to(conv_cache.dtype))
+        if position_slots is None:
+            finals.append(final)
+        else:
+            finals.append(None)
+            kept.append((position_slots, conv1d_position_states(x[start:end], initial[row], weight.shape[-1])))
+    _write_states(conv_cache, tables, finals, kept)
     return torch.cat(outputs)
 
 
@@ -198,9 +260,10 @@ def causal_conv1d_update(
     tables: RecurrentStateTables,
     activation: str | None = "silu",
 ) -> torch.Tensor:
-    """One token per row x [rows, C] through the conv, the state read from and written to each row's slot."""
+    """One token per row x [rows, C] through the conv, the state read from each row's slot and written
+    to its final slot."""
     output, state = conv1d_step(x, weight, _row_states(conv_cache, tables), activation)
-    conv_cache.index_copy_(0, tables.state_slots, state.to(conv_cache.dtype))
+    conv_cache.index_copy_(0, tables.write_slots, state.to(conv_cache.dtype))
     return output
 
 
@@ -216,17 +279,22 @@ def chunk_gated_delta_rule(
 ) -> torch.Tensor:
     """Packed rows (q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta [T, Hv]) of several tokens each, each
     request continuing its state from state_cache [slots, Hv, Dk, Dv] (or zeros) and leaving its
-    final state there -> output [T, Hv, Dv]."""
+    final state in its final slot (a row that fits its ring: the state after each position, token by
+    token) -> output [T, Hv, Dv]."""
     initial = _row_states(state_cache, tables)
-    outputs, finals = [], []
-    for row, (start, end) in enumerate(_row_bounds(tables)):
-        rows = slice(start, end)
-        output, final = gated_delta_rule_chunked(
-            query[rows], key[rows], value[rows], g[rows], beta[rows], initial[row], use_qk_l2norm=use_qk_l2norm
-        )
+    bounds = _row_bounds(tables)
+    outputs, finals, kept = [], [], []
+    for row, ((start, end), position_slots) in enumerate(zip(bounds, _position_slots(tables, len(bounds)), strict=True)):
+        args = (query[start:end], key[start:end], value[start:end], g[start:end], beta[start:end], initial[row])
+        if position_slots is None:
+            output, final = gated_delta_rule_chunked(*args, use_qk_l2norm=use_qk_l2norm)
+            finals.append(final)
+        else:
+            output, states = gated_delta_rule_positions(*args, use_qk_l2norm=use_qk_l2norm)
+            finals.append(None)
+            kept.append((position_slots, states))
         outputs.append(output)
-        finals.append(final)
-    state_cache.index_copy_(0, tables.state_slots, torch.stack(finals).to(state_cache.dtype))
+    _write_states(state_cache, tables, finals, kept)
     return torch.cat(outputs)
 
 
@@ -241,11 +309,11 @@ def recurrent_gated_delta_rule(
     use_qk_l2norm: bool = True,
 ) -> torch.Tensor:
     """One token per row (q, k [rows, Hk, Dk], v [rows, Hv, Dv], g, beta [rows, Hv]), the state read
-    from and written back to each row's slot -> output [rows, Hv, Dv]."""
+    from each row's slot and written to its final slot -> output [rows, Hv, Dv]."""
     output, state = gated_delta_rule_step(
         query, key, value, g, beta, _row_states(state_cache, tables), use_qk_l2norm
     )
-    state_cache.index_copy_(0, tables.state_slots, state.to(state_cache.dtype))
+    state_cache.index_copy_(0, tables.write_slots, state.to(state_cache.dtype))
     return output
 
 

@@ -49,7 +49,7 @@ def test_an_unknown_model_name_lists_folders_and_names_on_one_line():
     message = str(err.value)
     folders = (
         "bailing_hybrid, deepseek_v2, deepseek_v3, gpt_oss, kimi_linear, llama, qwen2, qwen3, qwen3_5, qwen3_5_moe, "
-        "qwen3_moe"
+        "qwen3_moe, qwen3_next"
     )
     assert "\n" not in message and f"available folders: {folders}" in message and "deepseek_r1" in message
 

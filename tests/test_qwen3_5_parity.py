@@ -1,5 +1,5 @@
-"""models/qwen3_5 and models/qwen3_5_moe against transformers' Qwen3_5ForCausalLM and
-Qwen3_5MoeForCausalLM (text models) with the same weights.
+"""models/qwen3_5, models/qwen3_5_moe and models/qwen3_next against transformers' Qwen3_5ForCausalLM,
+Qwen3_5MoeForCausalLM (text models) and Qwen3NextForCausalLM with the same weights.
 
 On the paged path (tests/paged_harness.py): prompts packed over NaN-filled caches and state slots,
 prefill logits (fp32, max-abs-diff <= 1e-4) of prompts shorter and longer than the delta rule's
@@ -8,9 +8,10 @@ to a graph bucket (padded rows on the null state slot). Mutation checks: without
 from one step to the next, without the decay g or the write strength beta, or without the attention's
 output gate, the logits part from transformers'. The whole engine with chunked prefill (chunks of 16
 tokens inside the prompts) and a pool small enough to preempt, token for token against transformers'
-greedy output per prompt; the states' bytes in the sizing; prefix caching and speculative decoding
-refused with their reasons; the tiny YAMLs and cann-recipes' `qwen3.5` file end to end; ge_graph
-decode equal to eager (slow).
+greedy output per prompt; the states' bytes in the sizing; prefix caching off; n-gram speculation
+(verify steps keeping the state after each position in the request's ring of slots) equal to
+transformers' greedy output, and wrong without the per-position states; the tiny YAMLs and
+cann-recipes' `qwen3.5` file end to end; ge_graph decode equal to eager (slow).
 """
 
 from __future__ import annotations
@@ -30,12 +31,15 @@ from executor.offline.offline_inference import OfflineInference
 from executor.types_.model_inputs import RecurrentStateTables, ScheduledSequence
 from models.qwen3_5 import Qwen3_5ForCausalLM
 from models.qwen3_5_moe import Qwen3_5MoeForCausalLM
+from models.qwen3_next import Qwen3NextForCausalLM
 from module.gated_delta_net import GatedDeltaNet
+from ops.attention_metadata import AttentionMetadataBuilder
 from tests.backends import cpu_backend
 from tests.engine_harness import (
     ENGINE_CONFIG,
     check_engine_greedy,
     generate_random_prompts,
+    hf_greedy,
     make_inference,
     token_records,
 )
@@ -62,6 +66,7 @@ FAMILIES: dict[str, tuple[type, type, type, str]] = {
         Qwen3_5MoeForCausalLM,
         "qwen3_5_moe",
     ),
+    "qwen3_next": (transformers.Qwen3NextForCausalLM, transformers.Qwen3NextConfig, Qwen3NextForCausalLM, "qwen3_next"),
 }
 LINEAR, FULL = "linear_attention", "full_attention"
 # name -> (model_type, config overrides, KV block size)
@@ -73,13 +78,14 @@ CONFIGS = {
         16,
     ),
     "moe_untied": ("qwen3_5_moe_text", {}, 8),
+    "next_dense_then_sparse_unnormalised": ("qwen3_next", {"norm_topk_prob": False}, 8),
 }
 
 
 def qwen3_5_config(model_type: str, **overrides: object) -> transformers.PretrainedConfig:
     """Four tiny layers (three Gated DeltaNet, then gated attention, unless overridden), GQA (4 heads
     over 2), head_dim 16 with a quarter under rope, DeltaNet key heads 2 and value heads 4 of 8 dims,
-    a conv of width 4; for MoE 8 experts choosing 2 and a shared expert."""
+    a conv of width 4; for MoE 8 experts choosing 2 and a shared expert (Qwen3-Next: layer 0 dense)."""
     settings: dict[str, object] = dict(
         num_hidden_layers=4,
         num_key_value_heads=2,
@@ -90,10 +96,13 @@ def qwen3_5_config(model_type: str, **overrides: object) -> transformers.Pretrai
         linear_value_head_dim=8,
         linear_conv_kernel_dim=4,
     )
-    if model_type == "qwen3_5_moe_text":
-        settings |= dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
-    else:
+    experts = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+    if model_type != "qwen3_5_moe_text":
         settings |= dict(intermediate_size=96)
+    if model_type != "qwen3_5_text":
+        settings |= experts
+    if model_type == "qwen3_next":  # layer 0 dense, the others sparse
+        settings |= dict(mlp_only_layers=[0], decoder_sparse_step=1)
     return FAMILIES[model_type][1](**(PARITY_SETTINGS | settings | overrides))
 
 
@@ -265,24 +274,83 @@ def test_prefix_caching_is_off_for_a_model_with_states(engine_run):
     assert result.summary["prefix_cache_queried_tokens"] == 0
 
 
-def test_speculative_decoding_is_refused_for_a_model_with_states(engine_run):
-    model_type, _, inference, _, _ = engine_run
-    model_dir = inference.engine.config.model_config.model_path
-    folder = FAMILIES[model_type][3]
+def speculative_run(model_dir: Path, records: list, **speculative: object):
     config = build_config(
         {
-            "model_config": {"model_path": model_dir, "model_name": folder, "device": "cpu", "dtype": "float32"},
+            "model_config": {"model_path": str(model_dir), "model_name": "qwen3_5", "device": "cpu", "dtype": "float32"},
             "data_config": {"apply_chat_template": False},
-            "scheduler_config": {"block_size": 16, "max_model_len": 128},
-            "speculative_config": {"method": "ngram", "num_speculative_tokens": 2},
+            "scheduler_config": {"block_size": 16, "batch_size": 4, "num_blocks": 40, "max_model_len": 128},
+            "speculative_config": speculative,
         },
         source="spec.yaml",
     )
-    with pytest.raises(ConfigError, match="speculative decoding \\(ngram\\) is not supported for a model with linear"):
-        OfflineInference(config, model_dir)
+    return OfflineInference(config, str(model_dir)).generate(records)
 
 
-@pytest.mark.parametrize("folder", ["qwen3_5", "qwen3_5_moe"])
+@pytest.fixture(scope="module")
+def looping_model(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    """A tiny Qwen3.5 with tied embeddings drawn large (std 0.3) so that it tends to repeat tokens,
+    in runs that its states decide: n-gram drafts are then accepted in part, which is what a test of
+    the verify step's states needs (a plain random model rejects every draft)."""
+    path = tmp_path_factory.mktemp("looping_qwen3_5")
+    config = qwen3_5_config("qwen3_5_text", **ENGINE_CONFIG, tie_word_embeddings=True)
+    redraw = {"linear_attn.norm.weight": (1.0, 0.1), "norm.weight": (0.0, 0.1), "dt_bias": (1.0, 0.1)}
+    hf_model = save_random_model(path, transformers.Qwen3_5ForCausalLM, config, redraw=redraw | {"embed_tokens.weight": (0.0, 0.3)})
+    tiny_tokenizer().save_pretrained(path)
+    return path, hf_model
+
+
+def repetitive_records() -> list:
+    """A phrase three times and then its first 1 to 4 tokens (n-grams recur, so drafts are proposed),
+    each request stopping at its own step."""
+    phrase = random_prompts([7], seed=11)[0]
+    records = token_records([phrase * 3 + phrase[:cut] for cut in (1, 2, 3, 4)])
+    for index, record in enumerate(records):
+        record.sampling_overrides["max_new_tokens"] = 16 + 3 * index
+    return records
+
+
+def greedy_outputs(hf_model: torch.nn.Module, records: list) -> list[list[int]]:
+    return [hf_greedy(hf_model, r.prompt_token_ids, r.sampling_overrides["max_new_tokens"]) for r in records]
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+
+
+def test_ngram_speculation_keeps_the_accepted_prefixs_state_and_gives_greedy_output(looping_model):
+    """Verify steps of 1 + 3 tokens keep the state after each position in the request's 4 slots; the
+    next step reads the accepted prefix's, so the output is transformers' greedy output."""
+    path, hf_model = looping_model
+    records = repetitive_records()
+    result = speculative_run(path, records, **NGRAM)
+    stats = result.summary["speculative"]
+    assert stats["draft_tokens"] > 0 and 0 < stats["accept_rate"] < 1  # drafts accepted and rejected
+    assert [request.output_token_ids for request in result.requests] == greedy_outputs(hf_model, records)
+
+
+def test_speculation_is_wrong_without_the_states_kept_per_position(looping_model, monkeypatch):
+    """The mutation: a verify step keeping only the state after its last draft, accepted or not."""
+    path, hf_model = looping_model
+    keeping_all = AttentionMetadataBuilder.state_tables
+
+    def keeping_the_final_state_only(builder, layout, slots):
+        tables = keeping_all(builder, layout, slots)
+        tables.position_state_slots = None
+        return tables
+
+    monkeypatch.setattr(AttentionMetadataBuilder, "state_tables", keeping_the_final_state_only)
+    records = repetitive_records()
+    result = speculative_run(path, records, **NGRAM)
+    assert [request.output_token_ids for request in result.requests] != greedy_outputs(hf_model, records)
+
+
+def test_speculative_decoding_is_refused_where_a_recurrent_layer_keeps_no_position_states(looping_model, monkeypatch):
+    monkeypatch.setattr(GatedDeltaNet, "keeps_position_states", False)
+    with pytest.raises(ConfigError, match="do not keep their recurrent state after every draft position"):
+        speculative_run(looping_model[0], repetitive_records(), **NGRAM)
+
+
+@pytest.mark.parametrize("folder", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
 def test_tiny_random_yaml_runs_end_to_end(folder, tmp_path, caplog):
     """models/<folder>/config/tiny_random.yaml: random weights, byte-level tokenizer, the shipped prompts."""
     caplog.set_level(logging.WARNING)

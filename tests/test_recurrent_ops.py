@@ -165,3 +165,28 @@ def test_gated_rms_norm_matches_transformers():
     torch.nn.init.normal_(norm.weight)
     x, gate = torch.randn(5, DV), torch.randn(5, DV)
     torch.testing.assert_close(ref.rms_norm_gated(x, gate, norm.weight.data, 1e-6), norm(x, gate).detach())
+
+
+def test_a_row_that_fits_its_ring_keeps_the_state_after_each_position():
+    """A verify row of 3 tokens: the state after each position in its slot (the naive formula's), its
+    output the chunked rule's; the conv likewise keeps its last K - 1 inputs after each position."""
+    q, k, v, g, beta = inputs(3)
+    cache = torch.full((5, HV, DK, DV), float("nan"))
+    cache[1] = torch.randn(HV, DK, DV)
+    initial = cache[1].clone()
+    step = RecurrentStateTables(
+        torch.tensor([1]), torch.tensor([True]), [3], torch.tensor([2]), position_state_slots=[[3, 4, 2]]
+    )
+    output = ref.chunk_gated_delta_rule(q, k, v, g, beta, cache, step)
+    torch.testing.assert_close(output, ref.gated_delta_rule_chunked(q, k, v, g, beta, initial)[0])
+    for position, slot in enumerate([3, 4, 2]):
+        _, expected = naive_delta_rule(q[: position + 1], k[: position + 1], v[: position + 1],
+                                       g[: position + 1], beta[: position + 1], initial)
+        torch.testing.assert_close(cache[slot].double(), expected, atol=1e-5, rtol=1e-5)
+    x = torch.randn(3, CONV_CHANNELS)
+    weight = torch.randn(CONV_CHANNELS, WIDTH)
+    conv_cache = torch.zeros(5, WIDTH - 1, CONV_CHANNELS)
+    ref.causal_conv1d_fn(x, weight, conv_cache, step)
+    history = torch.cat([torch.zeros(WIDTH - 1, CONV_CHANNELS), x])
+    for position, slot in enumerate([3, 4, 2]):
+        torch.testing.assert_close(conv_cache[slot], history[position + 1 : position + WIDTH])

@@ -153,3 +153,20 @@ def test_padded_decode_rows_read_and_write_the_null_slot_from_zeros():
 def test_the_recurrent_manager_serves_recurrent_specs_only():
     with pytest.raises(AssertionError, match="recurrent spec"):
         RecurrentStateManager(FULL, hybrid_manager().block_pool, BLOCK_SIZE, 0, num_slots=3)
+
+
+def test_a_request_with_draft_slots_uses_them_as_a_ring_keeping_a_verify_steps_states_per_position():
+    """Three slots [4, 5, 6]: the state after position p lives in slot p mod 3. A verify row at
+    positions 5..7 reads the state after 4 (slot 5) and keeps each position's (6, 4, 5); a prompt
+    chunk longer than the ring keeps its final state only."""
+    verify = ScheduledSequence(token_ids=[1, 2, 3], num_computed_tokens=5, block_ids=[[1, 2], [4, 5, 6]])
+    chunk = ScheduledSequence(token_ids=list(range(7)), num_computed_tokens=0, block_ids=[[3, 7], [8, 9, 10]])
+    layout = build_step_layout([verify, chunk], block_size=BLOCK_SIZE, max_blocks_per_request=4, state_groups=(1,))
+    tables = TorchMetadataBuilder(torch.device("cpu")).build(layout).groups[1]
+    assert tables.state_slots.tolist() == [5, 10]  # the chunk starts fresh; its read slot is unused
+    assert tables.position_state_slots == [[6, 4, 5], None]
+    assert tables.final_state_slots.tolist() == [5, 8]  # after position 7 (7 mod 3 = 1), after position 6 (0)
+    decode = ScheduledSequence(token_ids=[9], num_computed_tokens=7, block_ids=[[1, 2], [4, 5, 6]])
+    layout = build_step_layout([decode], block_size=BLOCK_SIZE, max_blocks_per_request=4, state_groups=(1,))
+    tables = TorchMetadataBuilder(torch.device("cpu")).build(layout).groups[1]
+    assert tables.state_slots.tolist() == [4] and tables.final_state_slots.tolist() == [5]

@@ -29,15 +29,33 @@ class CacheGroupTables:
 @dataclass(slots=True)
 class RecurrentStateTables:
     """Where one recurrent group's states live for the step's rows (linear attention): each row reads
-    its state from its slot (unless it starts fresh) and writes the state after its last token back."""
+    its state from a slot (unless it starts fresh) and writes the state after its last token to a slot.
 
-    state_slots: torch.Tensor  # [rows] int64 state slot of each row; 0 (the null slot) for padded rows
+    A request holds S slots (1, or 1 + k with k draft tokens per verify step) used as a ring: the
+    state after position p lives in the request's slot p mod S. A row whose tokens fit its ring (a
+    decode or verify step) keeps the state after each of its positions, so that a verify step's
+    accepted prefix leaves its state where the next step reads it; a longer row (a prompt chunk)
+    keeps the state after its last token only. With one slot, every row reads and writes that slot.
+    """
+
+    state_slots: torch.Tensor  # [rows] int64 slot each row reads its state from; 0 (the null slot) for padded rows
     # [rows] bool: the row continues a state (tokens were computed before this step); False for a
     # request's first chunk (or its recompute after a preemption) and for padded rows, which start from zeros
     has_initial_state: torch.Tensor
     # cumulative query ends [rows] as a host list, for the per-request loops of multi-token steps
     # (None in decode-shaped steps, whose shapes depend only on the number of rows)
     query_ends_list: list[int] | None = None
+    # [rows] int64 slot the state after each row's last token goes to (its ring's next slot; the
+    # same as state_slots with one slot per request); None: state_slots
+    final_state_slots: torch.Tensor | None = None
+    # multi-token steps, per row: the slot of the state after each of its positions where the row
+    # fits its ring (a verify step), else None (only the final state is kept); None in decode steps
+    position_state_slots: list[list[int] | None] | None = None
+
+    @property
+    def write_slots(self) -> torch.Tensor:
+        """[rows] the slot each row's final state goes to."""
+        return self.state_slots if self.final_state_slots is None else self.final_state_slots
 
 
 @dataclass(slots=True)

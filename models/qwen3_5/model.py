@@ -87,8 +87,10 @@ class Qwen3_5Attention(Qwen3Attention):
         )
 
 
-def build_gated_delta_net(config: PretrainedConfig, backend: Backend) -> GatedDeltaNet:
-    return GatedDeltaNet(
+def build_gated_delta_net(
+    config: PretrainedConfig, backend: Backend, layer_cls: type[GatedDeltaNet] = GatedDeltaNet
+) -> GatedDeltaNet:
+    return layer_cls(
         config.hidden_size,
         config.linear_num_key_heads,
         config.linear_num_value_heads,
@@ -103,6 +105,7 @@ def build_gated_delta_net(config: PretrainedConfig, backend: Backend) -> GatedDe
 
 class Qwen3_5DecoderLayer(Qwen3DecoderLayer):
     attention_cls = Qwen3_5Attention
+    linear_attention_cls: type[GatedDeltaNet] = GatedDeltaNet
 
     def build_token_mixer(
         self, config: PretrainedConfig, layer_index: int, parallel: ModelParallel, backend: Backend
@@ -115,7 +118,7 @@ class Qwen3_5DecoderLayer(Qwen3DecoderLayer):
                     f"Gated DeltaNet layers are not split over attention TP ranks (attn_tp_size "
                     f"{parallel.attn_tp.size}); run Qwen3.5 with attn_tp_size 1"
                 )
-            self.linear_attn = build_gated_delta_net(config, backend)
+            self.linear_attn = build_gated_delta_net(config, backend, self.linear_attention_cls)
         else:
             super().build_token_mixer(config, layer_index, parallel, backend)
 

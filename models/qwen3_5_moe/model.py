@@ -21,12 +21,18 @@ from ops.backend import Backend
 
 
 class Qwen3_5MoeSparseMoeBlock(SparseMoeBlock):
-    """Softmax top-k routing (renormalised) over the routed experts, and one shared expert whose
-    output each token scales by sigmoid(shared_expert_gate(x))."""
+    """Softmax top-k routing (renormalised, or as the config's norm_topk_prob says: Qwen3-Next) over
+    the routed experts, and one shared expert whose output each token scales by
+    sigmoid(shared_expert_gate(x))."""
 
     def __init__(self, config: PretrainedConfig, parallel: ModelParallel, backend: Backend) -> None:
         super().__init__(
-            SoftmaxTopkRouter(config.hidden_size, config.num_experts, config.num_experts_per_tok, norm_topk_prob=True),
+            SoftmaxTopkRouter(
+                config.hidden_size,
+                config.num_experts,
+                config.num_experts_per_tok,
+                norm_topk_prob=getattr(config, "norm_topk_prob", True),  # Qwen3.5 always renormalises
+            ),
             FusedExperts(
                 config.num_experts,
                 config.hidden_size,

@@ -129,14 +129,21 @@ class ExecutionEngine:
         self.runner = self._make_runner(self.kv_cache_manager, self._make_proposer())
 
     def _check_speculation_with_states(self) -> None:
-        """Speculative decoding is refused for a model with recurrent states: a verify step would have
-        to keep the state after each draft position (cann-recipes' 1 + next_n slots) so that the
-        accepted prefix's state survives, which no recurrent layer writes yet."""
+        """Speculative decoding with recurrent states needs every recurrent layer to keep the state
+        after each position of a verify step (in the request's 1 + k slots, as cann-recipes keeps
+        1 + next_n), so that the accepted prefix's state survives; refused where a layer does not."""
         method, _ = self.config.speculation
-        if method and self.worker.state_groups():
+        lacking = sorted(
+            {
+                type(layer).__name__
+                for layer in self.worker.kv_cache_layers.values()
+                if layer.kv_cache_spec().is_recurrent and not getattr(layer, "keeps_position_states", False)
+            }
+        )
+        if method and lacking:
             raise ConfigError(
-                f"speculative decoding ({method}) is not supported for a model with linear-attention layers: "
-                "their recurrent state would need keeping after every draft position, which is not built; "
+                f"speculative decoding ({method}) is not supported for this model: its linear-attention layers "
+                f"({', '.join(lacking)}) do not keep their recurrent state after every draft position; "
                 f"turn speculative_config / model_config.next_n off ({self.config.source})"
             )
 

@@ -5,9 +5,9 @@ There is no point holding more than the worst case of a full batch (batch_size r
 max_model_len tokens in every cache group), so the budget is capped there. Every rank sizes the
 smallest pool any rank can hold, so that all ranks schedule alike.
 
-Recurrent groups (linear attention) hold one state slot per running request instead of blocks:
-1 + batch_size slots (slot 0 the null slot), whose bytes come off the budget before the blocks
-are counted.
+Recurrent groups (linear attention) hold state slots per running request instead of blocks: 1 +
+batch_size x (1 + k) slots (slot 0 the null slot; k draft tokens per verify step, 0 without
+speculative decoding), whose bytes come off the budget before the blocks are counted.
 """
 
 from __future__ import annotations
@@ -59,9 +59,15 @@ def plan_num_blocks(
     return min(max_blocks_in_use + 1, affordable)
 
 
-def num_state_slots(worker: ModelWorker, max_running_requests: int) -> int:
-    """State slots of each recurrent group: one per running request and the null slot; 0 without any."""
-    return 1 + max_running_requests if worker.state_groups() else 0
+def state_slots_per_request(config: InferenceConfig) -> int:
+    """A request's state slots in each recurrent group: 1, or 1 + k with k draft tokens per verify step
+    (the state after each of its positions is kept until the accepted prefix is known)."""
+    return 1 + config.speculation[1]
+
+
+def num_state_slots(worker: ModelWorker, config: InferenceConfig, max_running_requests: int) -> int:
+    """State slots of each recurrent group: the null slot and each running request's; 0 without any."""
+    return 1 + max_running_requests * state_slots_per_request(config) if worker.state_groups() else 0
 
 
 def bind_kv_cache(
@@ -70,12 +76,19 @@ def bind_kv_cache(
     """Allocate and bind `num_blocks` blocks and the state slots of `max_running_requests` (none:
     release the cache) and a manager over them."""
     sched = config.scheduler_config
-    slots = num_state_slots(worker, max_running_requests) if num_blocks else 0
+    slots = num_state_slots(worker, config, max_running_requests) if num_blocks else 0
     worker.init_kv_cache(num_blocks, sched.block_size, slots)
     if not num_blocks:
         return None
     specs = [group.spec for group in worker.kv_cache_groups]
-    return KVCacheManager(num_blocks, sched.block_size, specs, sched.enable_prefix_caching, num_state_slots=slots)
+    return KVCacheManager(
+        num_blocks,
+        sched.block_size,
+        specs,
+        sched.enable_prefix_caching,
+        num_state_slots=slots,
+        state_slots_per_request=state_slots_per_request(config),
+    )
 
 
 def size_kv_cache(
@@ -105,7 +118,7 @@ def size_kv_cache(
     bind_kv_cache(worker, config, 0)  # drop the probe before measuring what the real cache may take
     memory = platform.memory_info_bytes()
     free_bytes = (memory[0] - graph_bytes) if memory is not None else host_available_bytes()
-    state_bytes = num_state_slots(worker, sched.batch_size) * worker.state_bytes_per_slot()
+    state_bytes = num_state_slots(worker, config, sched.batch_size) * worker.state_bytes_per_slot()
     num_blocks = plan_num_blocks(
         num_blocks=sched.num_blocks,
         bytes_per_block=worker.kv_cache_bytes_per_block(sched.block_size),
@@ -136,7 +149,7 @@ def size_kv_cache(
     if state_bytes:
         logger.info(
             "recurrent states: %d slots (slot 0 the null slot) of %d B each, %.1f MiB",
-            num_state_slots(worker, sched.batch_size),
+            num_state_slots(worker, config, sched.batch_size),
             worker.state_bytes_per_slot(),
             state_bytes / 2**20,
         )

@@ -5,15 +5,16 @@ recurrent state), not K/V per token, so its group holds no blocks: each request 
 `slots_per_request` state slots when it is first allocated (at admission) and keeps them until it
 finishes or is preempted. Slot 0 is the null slot, never handed out: padded graph rows read and
 write it. The state tensors are [num_slots, *shape] per layer (ModelWorker.init_kv_cache); the
-request's row of the group's "block table" is its slots, the first of which holds its state.
+request's row of the group's "block table" is its slots.
 
-Every step reads a request's state from its first slot (unless the request starts fresh: no token
-computed yet) and writes the state after its last fed token back there, so a prompt prefilled in
+Every step reads a request's state from its slot (unless the request starts fresh: no token
+computed yet) and writes the state after its last fed token back, so a prompt prefilled in
 chunks carries its state from chunk to chunk, and a preempted request, whose slots are freed,
-recomputes from a fresh state. `slots_per_request` > 1 reserves the 1 + next_n slots cann-recipes
-keeps per request for a speculative verify step's per-position states; the engine refuses
-speculative decoding for models with a recurrent group (it asks 1 slot), since no step writes
-those states yet.
+recomputes from a fresh state. With speculative decoding a request holds the 1 + k slots
+cann-recipes keeps (1 + next_n), used as a ring: the state after position p lives in its slot
+p mod (1 + k), and a verify step keeps the state after each of its positions, so the next step
+reads the accepted prefix's (RecurrentStateTables, built in ops/attention_metadata.py): the
+manager only hands the slots out and takes them back.
 
 A state describes a whole prefix, not a block, so a recurrent group finds no cached prefix: the
 KVCacheManager turns prefix caching off for a model that has one (and says why).
