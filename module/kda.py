@@ -75,7 +75,10 @@ class GatedRMSNorm(nn.Module):
 
 class KimiDeltaAttention(RecurrentStateLayer):
     """Checkpoint names as Kimi-Linear's and Ling 3's: q_proj, k_proj, v_proj, {q,k,v}_conv1d,
-    b_proj, A_log, dt_bias, o_norm, o_proj, plus each family's gate projections."""
+    b_proj, A_log, dt_bias, o_norm, o_proj, plus each family's gate projections. Its ops keep a verify
+    step's state after every position (speculative decoding)."""
+
+    keeps_position_states = True
 
     def __init__(self, config: PretrainedConfig, tp: ParallelGroup = SINGLE, *, backend: Backend) -> None:
         super().__init__()

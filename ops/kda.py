@@ -15,8 +15,9 @@ recurrence (kda_step), both from a carried state, all in fp32.
 The ops a layer calls (Backend fields) read each row's state from its slot of the layer's state
 tensor (RecurrentStateTables: the slot, and whether the row continues a state or starts from zeros)
 and write the state after the row's last token back: chunk_kda for steps whose rows hold several
-tokens (one call per request, so a prompt's chunk continues where the previous one stopped),
-recurrent_kda for decode-shaped steps (shapes that depend only on the number of rows). The short
+tokens (one call per request, so a prompt's chunk continues where the previous one stopped; a
+verify step keeps the state after each of its positions, kda_positions), recurrent_kda for
+decode-shaped steps (shapes that depend only on the number of rows). The short
 convolution in front of KDA is ops/recurrent_ref.py's, shared with Gated DeltaNet.
 """
 
@@ -25,7 +26,12 @@ from __future__ import annotations
 import torch
 
 from executor.types_.model_inputs import RecurrentStateTables
-from ops.recurrent_ref import _row_bounds, _row_states  # each row's state from its slot, and its rows
+from ops.recurrent_ref import (  # the slots: each row's state, its rows, its kept positions, the writes
+    _position_slots,
+    _row_bounds,
+    _row_states,
+    _write_states,
+)
 
 CHUNK_SIZE = 64
 L2_NORM_EPS = 1e-6
@@ -99,6 +105,25 @@ def kda_chunked(
     return torch.cat(outputs, dim=1).transpose(0, 1), state
 
 
+def kda_positions(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    gate: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One short sequence token by token (the shapes of kda_chunked), keeping every state:
+    (output [L, H, V], the state after each position [L, H, K, V]), for a verify step whose accepted
+    prefix is known only after it."""
+    outputs, states = [], []
+    for t in range(query.shape[0]):
+        output, state = kda_step(query[t], key[t], value[t], gate[t], beta[t], state)
+        outputs.append(output)
+        states.append(state)
+    return torch.stack(outputs), torch.stack(states)
+
+
 def chunk_kda(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -110,18 +135,26 @@ def chunk_kda(
 ) -> torch.Tensor:
     """Packed rows of several tokens each (query, key, gate [T, H, K], value [T, H, V], beta [T, H]),
     each request continuing its state from state_cache [slots, H, K, V] (fp32; zeros where it starts
-    fresh) and leaving its final state there -> output [T, H, V] in value's dtype."""
+    fresh) and leaving its final state in its final slot, or, in a row that fits its ring of slots (a
+    verify step), the state after each position in that position's slot -> output [T, H, V] in
+    value's dtype."""
     query, key = prepare_query_key(query, key)
     initial = _row_states(state_cache, tables)
-    outputs, finals = [], []
-    for row, (start, end) in enumerate(_row_bounds(tables)):
+    bounds = _row_bounds(tables)
+    position_slots_per_row = _position_slots(tables, len(bounds))
+    outputs, finals, kept = [], [], []
+    for row, ((start, end), position_slots) in enumerate(zip(bounds, position_slots_per_row, strict=True)):
         rows = slice(start, end)
-        output, final = kda_chunked(
-            query[rows], key[rows], value[rows].float(), gate[rows].float(), beta[rows].float(), initial[row]
-        )
+        args = (query[rows], key[rows], value[rows].float(), gate[rows].float(), beta[rows].float(), initial[row])
+        if position_slots is None:
+            output, final = kda_chunked(*args)
+            finals.append(final)
+        else:
+            output, states = kda_positions(*args)
+            finals.append(None)
+            kept.append((position_slots, states))
         outputs.append(output)
-        finals.append(final)
-    state_cache.index_copy_(0, tables.state_slots, torch.stack(finals))
+    _write_states(state_cache, tables, finals, kept)
     return torch.cat(outputs).to(value.dtype)
 
 
@@ -135,10 +168,10 @@ def recurrent_kda(
     tables: RecurrentStateTables,
 ) -> torch.Tensor:
     """One token per row (query, key, gate [rows, H, K], value [rows, H, V], beta [rows, H]), the
-    state read from and written back to each row's slot, with no host read (graph buckets; padded
-    rows use the null slot) -> output [rows, H, V] in value's dtype."""
+    state read from each row's slot and written to its final slot, with no host read (graph buckets;
+    padded rows use the null slot) -> output [rows, H, V] in value's dtype."""
     query, key = prepare_query_key(query, key)
     states = _row_states(state_cache, tables)
     output, states = kda_step(query, key, value.float(), gate.float(), beta.float(), states)
-    state_cache.index_copy_(0, tables.state_slots, states)
+    state_cache.index_copy_(0, tables.write_slots, states)
     return output.to(value.dtype)

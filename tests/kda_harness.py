@@ -1,5 +1,6 @@
 """What the parity tests of the KDA hybrids (Kimi-Linear, Ling 3) share: mutations that drop one of
-KDA's mechanisms, the two-chunk prefill they must break, and a ge_graph engine run against eager."""
+KDA's mechanisms, the two-chunk prefill they must break, a ge_graph engine run against eager, and
+n-gram speculation over the states (with Qwen3.5's repetitive prompts)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,14 @@ from pathlib import Path
 
 import torch
 
+from executor.core.config import build_config
+from executor.offline.offline_inference import OfflineInference
 from executor.types_.model_inputs import ScheduledSequence
 from module.kda import KimiDeltaAttention
 from tests.engine_harness import make_inference, token_records
+from tests.factories import tiny_tokenizer
 from tests.paged_harness import PagedModel, hf_last_logits, random_prompts
+from tests.test_qwen3_5_parity import NGRAM, greedy_outputs, repetitive_records
 
 
 def kda_layers(model: torch.nn.Module) -> list[KimiDeltaAttention]:
@@ -70,3 +75,35 @@ def graph_and_eager_outputs(model_dir: Path, model_name: str) -> tuple[list[list
         )
         runs.append([request.output_token_ids for request in inference.generate(records).requests])
     return runs[0], runs[1]
+
+
+def make_looping(hf_model: torch.nn.Module, path: Path) -> None:
+    """Embeddings drawn large (std 0.3) and copied into the LM head, saved again to `path` with the
+    tiny tokenizer: the model then tends to repeat tokens in runs its states decide, so n-gram drafts
+    are accepted in part (a plain random model rejects every draft)."""
+    with torch.no_grad():
+        embeddings = hf_model.get_input_embeddings().weight
+        embeddings.normal_(0.0, 0.3)
+        hf_model.lm_head.weight.copy_(embeddings)
+    hf_model.save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+
+
+def ngram_outputs(
+    hf_model: torch.nn.Module, path: Path, model_name: str
+) -> tuple[dict, list[list[int]], list[list[int]]]:
+    """n-gram speculation (3 drafts) on Qwen3.5's repetitive prompts -> (the speculative stats, our
+    outputs, transformers' greedy outputs)."""
+    config = build_config(
+        {
+            "model_config": {"model_path": str(path), "model_name": model_name, "device": "cpu", "dtype": "float32"},
+            "data_config": {"apply_chat_template": False},
+            "scheduler_config": {"block_size": 16, "batch_size": 4, "num_blocks": 40, "max_model_len": 128},
+            "speculative_config": NGRAM,
+        },
+        source="spec.yaml",
+    )
+    records = repetitive_records()
+    result = OfflineInference(config, str(path)).generate(records)
+    outputs = [request.output_token_ids for request in result.requests]
+    return result.summary["speculative"], outputs, greedy_outputs(hf_model, records)

@@ -21,11 +21,18 @@ from executor.core.config import ConfigError
 from executor.core.config.model_registry import check_model_name
 from executor.offline.__main__ import main as offline_main
 from models.kimi_linear import KimiLinearForCausalLM
+from ops import kda
 from tests import paged_harness
 from tests.backends import cpu_backend
 from tests.engine_harness import ENGINE_CONFIG, check_engine_greedy, generate_random_prompts
 from tests.factories import kimi_linear_config
-from tests.kda_harness import KDA_MUTATIONS, graph_and_eager_outputs, split_prefill_diff
+from tests.kda_harness import (
+    KDA_MUTATIONS,
+    graph_and_eager_outputs,
+    make_looping,
+    ngram_outputs,
+    split_prefill_diff,
+)
 from tests.paged_harness import (
     PagedModel,
     PagedParityTests,
@@ -136,6 +143,29 @@ def test_engine_greedy_with_chunked_prefill_and_preemption_equals_transformers(e
     assert max(len(p) for p in prompts) > 16
     assert all(step.num_tokens <= 16 for step in result.steps if step.phase == "prefill")
     check_engine_greedy(hf_model, prompts, result)
+
+
+@pytest.fixture(scope="module")
+def looping_checkpoint(tmp_path_factory) -> tuple[torch.nn.Module, Path]:
+    path = tmp_path_factory.mktemp("looping_kimi_linear")
+    hf_model = save_checkpoint(path, kimi_linear_config(**ENGINE_CONFIG))
+    make_looping(hf_model, path)
+    return hf_model, path
+
+
+def test_ngram_speculation_keeps_each_positions_state_and_gives_greedy_output(looping_checkpoint):
+    """Verify steps of 1 + 3 tokens keep KDA's state after each position in the request's ring of
+    slots; the next step reads the accepted prefix's: drafts accepted and rejected, greedy output."""
+    stats, outputs, expected = ngram_outputs(*looping_checkpoint, "kimi_linear")
+    assert stats["draft_tokens"] > 0 and 0 < stats["accept_rate"] < 1
+    assert outputs == expected
+
+
+def test_speculation_is_wrong_without_kdas_states_kept_per_position(looping_checkpoint, monkeypatch):
+    """The mutation: KDA's verify rows keep only the state after their last draft, accepted or not."""
+    monkeypatch.setattr(kda, "_position_slots", lambda tables, num_rows: [None] * num_rows)
+    _, outputs, expected = ngram_outputs(*looping_checkpoint, "kimi_linear")
+    assert outputs != expected
 
 
 @pytest.mark.slow

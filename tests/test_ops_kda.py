@@ -138,3 +138,21 @@ def test_the_slot_ops_continue_each_requests_state_and_start_fresh_ones_from_zer
         start = ends[index] - fed
         torch.testing.assert_close(prefill[start : ends[index]], expected[done : done + fed], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(decode[index], expected[-1], atol=1e-5, rtol=1e-5)
+
+
+def test_a_verify_row_keeps_the_state_after_each_position_in_its_slot() -> None:
+    """A row of 4 tokens that fits its ring of 4 slots (a verify step of 3 drafts): the state after
+    position p goes to slot ring[p], each the recurrence's state after that many tokens."""
+    inputs = kda_inputs(4)
+    cache = torch.full((6, HEADS, KEY_DIM, VALUE_DIM), float("nan"))
+    cache[5] = inputs["state"]
+    ring = [2, 3, 4, 5]
+    tables = RecurrentStateTables(
+        torch.tensor([5]), torch.tensor([True]), [4], final_state_slots=torch.tensor([4]), position_state_slots=[ring]
+    )
+    output = chunk_kda(*(inputs[name] for name in ("query", "key", "value", "gate", "beta")), cache, tables)
+    expected, _ = naive_kda(inputs)
+    torch.testing.assert_close(output, expected, atol=1e-5, rtol=1e-5)
+    for position, slot in enumerate(ring):
+        prefix = {name: t[: position + 1] if name != "state" else t for name, t in inputs.items()}
+        torch.testing.assert_close(cache[slot], naive_kda(prefix)[1], atol=1e-5, rtol=1e-5)
