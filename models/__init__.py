@@ -38,7 +38,11 @@ DEFAULT_CHECKPOINT = WheelCheckpoint(
 NOT_BUILT: dict[str, str] = {
     "deepseek_v3_2_exp": "DeepSeek-V3.2-Exp adds sparse attention with a lightning indexer to DeepSeek-V3",
     "glm_5": "GLM-5 uses DeepSeek sparse attention (an indexer), which is not built",
-    "bailing_2_5": "Bailing 2.5 (Ling) is not built",
+    "bailing_2_5": (
+        "Bailing 2.5 (Ling 2.5, BailingMoeV2_5) mixes MLA with simple gated linear attention (Lightning "
+        "Attention-2: a fixed per-head slope decay, group RMSNorm), which transformers does not define; "
+        "models/bailing_hybrid is Ling 3 (transformers' bailing_hybrid: Kimi delta attention), another architecture"
+    ),
     "gemma_4": "Gemma 4 is not built",
     "hy3": (
         "Hunyuan 3 is not built yet: transformers 5.24 defines it (model_type hy_v3, HYV3ForCausalLM: QK-norm "
@@ -58,7 +62,11 @@ NOT_BUILT: dict[str, str] = {
         "DeepSeek sparse attention (a lightning indexer) with sink and sliding-window selection and n-gram "
         "(over-)embeddings, none of which transformers defines or is built here"
     ),
-    "kimi_k3": "Kimi K3 (Kimi linear attention) is not built",
+    "kimi_k3": (
+        "Kimi K3 adds block attention residuals (attn_res_block_size), latent MoE (routed_expert_hidden_size), "
+        "the SiTU activation and an MLA output gate to Kimi-Linear, and nests its text config in a multimodal "
+        "one; transformers does not define it, and models/kimi_linear (transformers' kimi_linear) has none of them"
+    ),
 }
 
 

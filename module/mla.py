@@ -81,8 +81,7 @@ class MLAAttention(KVCacheLayer):
         self.o_proj = RowParallelLinear(
             total_heads * self.v_head_dim, hidden_size, bias=config.attention_bias, tp=tp, linear_method=method
         )
-        # yarn's mscale enters the softmax scale too, as in transformers (a no-op for other rope types).
-        self.scale = yarn_apply_mscale(config.rope_parameters, qk_head_dim**-0.5)
+        self.scale = self.softmax_scale(config, qk_head_dim)
         self.cache_dtype = torch.get_default_dtype()  # the worker builds the model under its dtype
         self.latent_cache = torch.empty(0)
         self.latent_scale_cache: torch.Tensor | None = None  # a dynamic C8 cache's scales [N, block, 1]
@@ -101,6 +100,23 @@ class MLAAttention(KVCacheLayer):
     def normed_latent(self, latent: torch.Tensor) -> torch.Tensor:
         """The compressed KV [T, kv_lora_rank] as cached and decompressed: kv_a_layernorm's output."""
         return self.kv_a_layernorm(latent)
+
+    @staticmethod
+    def softmax_scale(config: PretrainedConfig, qk_head_dim: int) -> float:
+        """qk_head_dim^-1/2, times yarn's mscale as in transformers (a no-op for other rope types)."""
+        return yarn_apply_mscale(config.rope_parameters, qk_head_dim**-0.5)
+
+    def rotate(
+        self, q_pe: torch.Tensor, k_pe: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rope parts of the queries [T, heads, R] and of the shared key [T, 1, R], rotated."""
+        if self.rope_interleave:
+            q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
+        return self.ops.apply_rotary(q_pe, k_pe, *rotary)
+
+    def gate_output(self, output: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The attention output [T, heads, v_head_dim] before o_proj; a gated variant scales it here."""
+        return output
 
     def kv_cache_spec(self) -> KVCacheSpec:
         return mla_spec(self.kv_lora_rank, self.qk_rope_head_dim, self.cache_dtype, self.kv_scheme)
@@ -141,10 +157,7 @@ class MLAAttention(KVCacheLayer):
             [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1
         )
         latent, k_pe = self.kv_a_proj_with_mqa(hidden_states).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        k_pe = k_pe.unsqueeze(1)  # [T, 1, R]: one rope key for every head
-        if self.rope_interleave:
-            q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
-        q_pe, k_pe = self.ops.apply_rotary(q_pe, k_pe, *rotary)
+        q_pe, k_pe = self.rotate(q_pe, k_pe.unsqueeze(1), rotary)  # k_pe [T, 1, R]: one rope key for every head
         tables = forward_metadata.groups[self.kv_cache_group_id]
         # The cached latent is kv_b_proj's input: quantized as its scheme quantizes inputs (a no-op
         # unquantized), which the absorbed decode and the decompressing prefill then both read.
@@ -166,4 +179,4 @@ class MLAAttention(KVCacheLayer):
             self.scale,
             latent_scale,
         )
-        return self.o_proj(output.flatten(1))
+        return self.o_proj(self.gate_output(output, hidden_states).flatten(1))

@@ -70,6 +70,9 @@ class Backend:
     chunk_gated_delta_rule: Op | None = _op()
     recurrent_gated_delta_rule: Op | None = _op()
     rms_norm_gated: Op | None = _op()
+    # Kimi delta attention over state slots (ops/kda.py): prompts, and one token per row
+    chunk_kda: Op | None = _op()
+    recurrent_kda: Op | None = _op()
 
     def missing(self, op_names: tuple[str, ...]) -> list[str]:
         """Which of `op_names` this backend has no form of."""
@@ -119,6 +122,8 @@ RECURRENT_OPS = (
     "chunk_gated_delta_rule",
     "recurrent_gated_delta_rule",
     "rms_norm_gated",
+    "chunk_kda",
+    "recurrent_kda",
 )
 # The torch reference of every op: ops/torch_ref.py, and DeepSeek-V4's compressed KV in ops/compressed_kv.py.
 COMPRESSED_KV_OPS = ("compressed_kv_attention", "indexer_topk")

@@ -14,7 +14,7 @@ from the cache, the step's own too, so a token attends alike whether its keys ca
 a cached prefix.
 
 The linear-attention ops (the short conv and the gated delta rule over state slots) are defined in
-ops/recurrent_ref.py and named here with the rest.
+ops/recurrent_ref.py, Kimi delta attention's in ops/kda.py, and named here with the rest.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from ops import cuda_quant, quant_math
 from ops.attention_metadata import TorchAttentionMetadata
+from ops.kda import chunk_kda, recurrent_kda  # noqa: F401 (the reference of every op is named here)
 from ops.recurrent_ref import (  # noqa: F401 (the reference of every op is named here)
     causal_conv1d_fn,
     causal_conv1d_update,

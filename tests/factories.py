@@ -259,3 +259,41 @@ def deepseek_v4_config(**overrides: object) -> transformers.DeepseekV4Config:
         num_nextn_predict_layers=0,
     )
     return parity_config(transformers.DeepseekV4Config, settings, overrides)
+
+
+# What the tiny Kimi-Linear and Ling 3 configs share: DeepSeek's MLA dims and MoE sizes under their
+# names (num_local_experts), KDA layers of 4 heads of 16, four layers (the first dense).
+KDA_HYBRID_SETTINGS: dict[str, object] = dict(
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=4,
+    num_key_value_heads=4,
+    n_shared_experts=1,
+    num_local_experts=8,
+    num_experts_per_tok=3,
+    kv_lora_rank=32,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=12,
+    linear_num_heads=4,
+)
+
+
+def kimi_linear_config(**overrides: object) -> transformers.KimiLinearConfig:
+    """KDA, KDA, MLA, KDA; one group of 8 experts (Kimi-Linear-48B's routing); routed_scaling_factor
+    2.446 as released. Overrides change any field."""
+    settings = KDA_HYBRID_SETTINGS | dict(
+        linear_head_dim=16,
+        q_lora_rank=None,
+        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+    )
+    return parity_config(transformers.KimiLinearConfig, settings, overrides)
+
+
+def bailing_hybrid_config(**overrides: object) -> transformers.BailingHybridConfig:
+    """KDA and MLA alternating (layer_group_size 2), 8 experts in 4 groups of which 2 are kept, the
+    bounded forget gate, no MTP layer. Overrides change any field (head_dim is KDA's head size)."""
+    settings = KDA_HYBRID_SETTINGS | dict(
+        head_dim=16, layer_group_size=2, first_k_dense_replace=1, n_group=4, topk_group=2, num_mtp_layers=0
+    )
+    return parity_config(transformers.BailingHybridConfig, settings, overrides)

@@ -18,6 +18,7 @@ import transformers
 from executor.model_loader.default_loader import safetensors_weights
 from executor.types_.model_inputs import ModelInputs, ScheduledSequence, build_step_layout
 from module.attention import KVCacheLayer
+from module.recurrent import RecurrentStateLayer
 from ops.attention_metadata import TorchMetadataBuilder, build_model_inputs
 from tests.backends import cpu_backend
 from tests.factories import TINY_VOCAB
@@ -216,16 +217,21 @@ def check_batched_greedy(
 
 def check_decode_traces_as_one_graph(ours: PagedModel, prompts: list[list[int]]) -> None:
     """What the graph modes need (fullgraph, static shapes): after a packed prefill, a decode step
-    padded to 4 rows compiles as one graph and gives eager's hidden states."""
+    padded to 4 rows compiles as one graph and gives eager's hidden states. A recurrent layer's
+    states, which the step advances, are put back before the eager run."""
     blocks = [ours.allocate(len(p) + 2) for p in prompts]
     tokens = ours.step([ScheduledSequence(p, 0, [b]) for p, b in zip(prompts, blocks, strict=True)]).argmax(-1)
     decode = [ScheduledSequence([t], len(p), [b]) for t, p, b in zip(tokens.tolist(), prompts, blocks, strict=True)]
     inputs = ours.inputs(decode, pad_to=4)
+    states = [t for m in ours.model.modules() if isinstance(m, RecurrentStateLayer) for t in m.kv_caches().values()]
+    before = [state.clone() for state in states]
     counter = torch._dynamo.testing.CompileCounterWithBackend("eager")
     torch._dynamo.reset()
     compiled = torch.compile(ours.model, backend=counter, fullgraph=True, dynamic=False)
     with torch.no_grad():
         traced = compiled(*inputs.forward_args())
+        for state, saved in zip(states, before, strict=True):
+            state.copy_(saved)
         eager = ours.model(*inputs.forward_args())  # writes the same cache entries to the same slots again
     torch._dynamo.reset()
     assert counter.frame_count == 1

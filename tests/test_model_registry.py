@@ -34,6 +34,8 @@ MODELS = ROOT / "models"
         ("qwen3.5", "qwen3_5_moe"),
         ("qwen3_next", "qwen3_next"),
         ("deepseek_v4", "deepseek_v4"),
+        ("kimi_linear", "kimi_linear"),
+        ("bailing_hybrid", "bailing_hybrid"),
         ("", models.DEFAULT_MODEL_FOLDER),
     ],
 )

@@ -42,7 +42,7 @@ class DeepseekV3MoE(SparseMoeBlock):
         super().__init__(
             self.build_router(config),
             FusedExperts(
-                config.n_routed_experts,
+                self.num_routed_experts(config),
                 config.hidden_size,
                 config.moe_intermediate_size,
                 parallel.moe_tp,
@@ -61,10 +61,14 @@ class DeepseekV3MoE(SparseMoeBlock):
         )
 
     @staticmethod
-    def build_router(config: DeepseekV3Config) -> Router:
+    def num_routed_experts(config: DeepseekV3Config) -> int:
+        return config.n_routed_experts
+
+    @classmethod
+    def build_router(cls, config: DeepseekV3Config) -> Router:
         return TopkRouter(
             config.hidden_size,
-            config.n_routed_experts,
+            cls.num_routed_experts(config),
             config.num_experts_per_tok,
             config.n_group or 1,
             config.topk_group or 1,
@@ -79,8 +83,8 @@ class DeepseekV3DecoderLayer(PreNormDecoderLayer):
 
     def __init__(self, config: DeepseekV3Config, layer_index: int, parallel: ModelParallel, backend: Backend) -> None:
         super().__init__()
-        self.self_attn = self.attention_cls(config, parallel.attn_tp, backend=backend)
-        if layer_index >= config.first_k_dense_replace:
+        self.self_attn = self.build_attention(config, layer_index, parallel, backend)
+        if self.is_moe_layer(config, layer_index):
             self.mlp = self.moe_cls(config, parallel, backend)
         else:
             self.mlp = GatedMLP(
@@ -88,6 +92,16 @@ class DeepseekV3DecoderLayer(PreNormDecoderLayer):
             )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend=backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend=backend)
+
+    def build_attention(
+        self, config: DeepseekV3Config, layer_index: int, parallel: ModelParallel, backend: Backend
+    ) -> nn.Module:
+        """Layer `layer_index`'s attention (hidden, rotary, metadata -> hidden): MLA in every layer here."""
+        return self.attention_cls(config, parallel.attn_tp, backend=backend)
+
+    @staticmethod
+    def is_moe_layer(config: DeepseekV3Config, layer_index: int) -> bool:
+        return layer_index >= config.first_k_dense_replace
 
 
 class DeepseekV3MTPLayer(MTPLayerMixin, DeepseekV3DecoderLayer):
@@ -111,8 +125,7 @@ class DeepseekV3Model(nn.Module):
             ]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend=backend)
-        # One cos/sin table of the rope dims for all layers, looked up once per step.
-        self.rotary_emb = RotaryEmbedding(config, config.qk_rope_head_dim)
+        self.rotary_emb = self.build_rotary(config)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_metadata: ForwardMetaData
@@ -129,6 +142,11 @@ class DeepseekV3Model(nn.Module):
     def num_decoder_layers(config: DeepseekV3Config) -> int:
         """How many decoder layers `layers` holds before the MTP ones (LongCat's hold two attention blocks each)."""
         return config.num_hidden_layers
+
+    @staticmethod
+    def build_rotary(config: DeepseekV3Config) -> nn.Module:
+        """One cos/sin table of the rope dims for all layers, looked up once per step."""
+        return RotaryEmbedding(config, config.qk_rope_head_dim)
 
     @staticmethod
     def num_mtp_layers(config: DeepseekV3Config) -> int:
@@ -155,7 +173,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         self.lm_head = ParallelLMHead(
             hf_config.vocab_size, hf_config.hidden_size, parallel.lmhead_tp, backend.linear_method()
         )
-        if hf_config.tie_word_embeddings:
+        if self.ties_word_embeddings(hf_config):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.num_mtp_layers = len(self.model.layers) - self.model.num_hidden_layers
 
@@ -171,6 +189,11 @@ class DeepseekV3ForCausalLM(CausalLM):
                 "'sigmoid' / 'noaux_tc' routing is built here (DeepSeek-V2's is models/deepseek_v2/)"
             )
 
+    @staticmethod
+    def ties_word_embeddings(config: DeepseekV3Config) -> bool:
+        """Whether the LM head is the embedding matrix, as transformers' class decides it."""
+        return config.tie_word_embeddings
+
     def mtp_layer(self, layer: int) -> DeepseekV3MTPLayer:
         if not 0 <= layer < self.num_mtp_layers:
             raise IndexError(f"MTP layer {layer} does not exist: the model has {self.num_mtp_layers}")
@@ -182,6 +205,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         params = dict(self.named_parameters())
         received: dict[str, set[ShardKey]] = {}
         for checkpoint_name, tensor in weights:
+            checkpoint_name = self.checkpoint_name(checkpoint_name)
             if self._is_skipped(checkpoint_name):
                 continue
             try:
@@ -191,10 +215,15 @@ class DeepseekV3ForCausalLM(CausalLM):
             received.setdefault(name, set()).add(shard)
         return {name for name, shards in received.items() if len(shards) == self._shards_needed(name)}
 
+    def checkpoint_name(self, name: str) -> str:
+        """A checkpoint tensor's name as this model's modules spell it (a family whose checkpoints
+        name modules otherwise renames them here)."""
+        return name
+
     def _is_skipped(self, checkpoint_name: str) -> bool:
         return (
             "rotary_emb.inv_freq" in checkpoint_name
-            or (checkpoint_name == "lm_head.weight" and self.config.tie_word_embeddings)
+            or (checkpoint_name == "lm_head.weight" and self.ties_word_embeddings(self.config))
             or SHARED_MTP_TENSOR.match(checkpoint_name) is not None
         )
 
