@@ -178,3 +178,19 @@ def longcat_flash_config(**overrides: object) -> transformers.LongcatFlashConfig
         routed_scaling_factor=1.5,
     )
     return parity_config(transformers.LongcatFlashConfig, settings, overrides)
+
+
+def hy3_config(**overrides: object) -> transformers.HYV3Config:
+    """Three tiny layers (the first dense, as transformers' default mlp_layer_types), GQA (4 heads over
+    2, head_dim 16), 8 experts choosing 2 plus one shared expert, router_scaling_factor 2.826 (Hy3's,
+    so that a lost scale shows); overrides change any field."""
+    settings = dict(
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+    )
+    return parity_config(transformers.HYV3Config, settings, overrides)
