@@ -41,7 +41,6 @@ NOT_BUILT: dict[str, str] = {
     "glm_5": "GLM-5 uses DeepSeek sparse attention (an indexer), which is not built",
     "bailing_2_5": "Bailing 2.5 (Ling) is not built",
     "gemma_4": "Gemma 4 is not built",
-    "hy3": "Hunyuan 3 is not built",
     "longcat_flash_ffn": (
         "cann-recipes' FFN-side model of LongCat-Flash under attention-FFN disaggregation "
         "(custom_params.enable_afd), which is not built; the whole model is longcat_flash"
