@@ -21,7 +21,9 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from executor.types_.model_inputs import ScheduledSequence
+from models.hy3 import Hy3ForCausalLM
 from models.hy3.model import Hy3MoE
+from tests.backends import cpu_backend
 from tests.factories import hy3_config
 from tests.paged_harness import (
     PagedModel,
@@ -136,3 +138,13 @@ def test_the_closing_norm_is_the_checkpoints_final_layernorm(setup):
     config, hf_model, checkpoint, ours = setup
     norm = ours.model.mtp_layer(0).shared_head.norm.weight
     assert torch.equal(norm, checkpoint[f"model.layers.{config.num_hidden_layers}.final_layernorm.weight"])
+
+
+def test_without_the_config_key_the_checkpoints_mtp_tensors_are_skipped(setup):
+    """As transformers skips them: a config without num_nextn_predict_layers loads the main model alone."""
+    config, _, checkpoint, _ = setup
+    plain = copy.deepcopy(config)
+    plain.num_nextn_predict_layers = 0
+    model = Hy3ForCausalLM(plain, backend=cpu_backend())
+    assert model.num_mtp_layers == 0
+    assert model.load_weights(checkpoint.items()) == {name for name, _ in model.named_parameters()}

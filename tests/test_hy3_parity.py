@@ -11,6 +11,7 @@ shared experts, the q/k norms, the layer types) must break the parity.
 
 from __future__ import annotations
 
+import json
 import types
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +21,9 @@ import torch
 import torch.nn.functional as F
 import transformers
 
+from executor.core.config import load_config
+from executor.core.config.model_registry import model_folder
+from executor.offline.__main__ import main as offline_main
 from models.hy3 import Hy3ForCausalLM
 from models.hy3.model import Hy3MoE
 from module.moe import SigmoidTopkRouter, chosen_weights
@@ -38,6 +42,9 @@ from tests.paged_harness import (
     single_thread,  # noqa: F401 (an autouse fixture)
 )
 
+ROOT = Path(__file__).resolve().parents[1]
+CANN_HY3_KEYS = ROOT / "tests" / "data" / "cann_recipes" / "hy3.yaml"
+CANN_HY3_RUN = ROOT / "tests" / "data" / "cann_recipes" / "runs" / "hy3.yaml"
 TOLERANCE = PagedParityTests.tolerance
 
 # name -> (HYV3Config overrides, KV block size)
@@ -227,6 +234,15 @@ def test_breaking_a_hy3_mechanism_breaks_the_parity(mutation: Callable[[Hy3ForCa
     assert max_prefill_diff(hf_model, ours, prompts) > 100 * TOLERANCE
 
 
+def test_a_bf16_add_is_the_fp32_combine_of_enable_moe_fp32_combine():
+    """Why Hy3MoE adds its routed and shared outputs plainly: torch adds two bf16 tensors in fp32
+    and rounds once, as transformers' fp32 combine does, over magnitudes far apart too."""
+    generator = torch.Generator().manual_seed(0)
+    routed, shared = (torch.randn(4096, generator=generator) * torch.logspace(-6, 6, 4096) for _ in range(2))
+    routed, shared = routed.bfloat16(), shared.bfloat16()
+    assert torch.equal(routed + shared, (routed.float() + shared.float()).to(torch.bfloat16))
+
+
 def test_the_layers_are_sparse_where_mlp_layer_types_says(base_checkpoint):
     _, _, config = base_checkpoint
     overrides = CONFIGS["biases_two_shared_sparse_dense_sparse_top3"][0]
@@ -267,3 +283,43 @@ def test_engine_greedy_with_chunked_prefill_and_preemption_equals_transformers(e
     assert max(len(p) for p in prompts) > 16
     assert all(step.num_tokens <= 16 for step in result.steps if step.phase == "prefill")
     check_engine_greedy(hf_model, prompts, result)
+
+
+def test_tiny_random_yaml_runs_end_to_end(tmp_path):
+    """models/hy3/config/tiny_random.yaml: random weights, byte-level tokenizer, the shipped prompts."""
+    output_dir = tmp_path / "run"
+    overrides = [
+        "data_config.num_prompts=3",
+        "scheduler_config.max_new_tokens=4",
+        f"model_config.output_path={output_dir}",
+    ]
+    yaml = ROOT / "models" / "hy3" / "config" / "tiny_random.yaml"
+    assert offline_main(["--yaml", str(yaml), *(arg for o in overrides for arg in ("--set", o))]) == 0
+    assert len((output_dir / "outputs.jsonl").read_text().splitlines()) == 3
+
+
+def test_the_cann_recipes_hy3_key_file_validates_and_finds_the_folder():
+    """tests/data/cann_recipes/hy3.yaml (cann-recipes' keys at their released values: 16 ranks, a
+    checkpoint that is not here) loads with no unknown key and names this folder."""
+    config = load_config(CANN_HY3_KEYS)
+    assert model_folder(config.model_config.model_name) == "hy3"
+    assert config.model_config.next_n == 2
+
+
+def test_a_cann_recipes_hy3_yaml_validates_finds_the_folder_and_runs(tmp_path, monkeypatch):
+    """tests/data/cann_recipes/runs/hy3.yaml: cann-recipes' keys, no unknown one, the folder found by
+    model_name, random weights end to end, drafting with the MTP module (next_n 1)."""
+    monkeypatch.chdir(ROOT)  # its model_path is relative, as cann-recipes' are to where one runs
+    config = load_config(CANN_HY3_RUN)
+    assert model_folder(config.model_config.model_name) == "hy3"
+    out = tmp_path / "out"
+    settings = [
+        f"model_config.output_path={out}",
+        "model_config.device=cpu",
+        "scheduler_config.batch_size_meaning=num_requests",  # cann-recipes' batch_size: 4 requests
+        "data_config.apply_chat_template=false",  # the tiny tokenizer has no chat template
+    ]
+    assert offline_main(["--yaml", str(CANN_HY3_RUN), *(arg for s in settings for arg in ("--set", s))]) == 0
+    lines = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
+    assert len(lines) == 4 and all(line["error"] is None and len(line["output_token_ids"]) == 6 for line in lines)
+    assert "hy3 main and mtp model average inference time cost is " in (out / "steps.log").read_text()

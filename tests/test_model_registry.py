@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
         ("qwen3_moe", "qwen3_moe"),
         ("gpt_oss", "gpt_oss"),
         ("longcat_flash", "longcat_flash"),
+        ("hy3", "hy3"),
         ("", models.DEFAULT_MODEL_FOLDER),
     ],
 )
@@ -48,7 +49,7 @@ def test_an_unknown_model_name_lists_folders_and_names_on_one_line():
     with pytest.raises(ConfigError) as err:
         check_model_name("gpt9", "run.yaml")
     message = str(err.value)
-    folders = "deepseek_v2, deepseek_v3, gpt_oss, llama, longcat_flash, qwen2, qwen3, qwen3_moe"
+    folders = "deepseek_v2, deepseek_v3, gpt_oss, hy3, llama, longcat_flash, qwen2, qwen3, qwen3_moe"
     assert "\n" not in message and f"available folders: {folders}" in message and "deepseek_r1" in message
 
 

@@ -13,7 +13,7 @@ Checkpoints name the router, its bias and the shared experts otherwise than thes
 from __future__ import annotations
 
 import re
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 
 import torch
 from torch import nn
@@ -36,6 +36,7 @@ CHECKPOINT_RENAMES = (
     (re.compile(r"^(mtp_layers\.\d+)\.final_layernorm\."), r"\1.shared_head.norm."),
 )
 MLP_LAYER_TYPES = ("dense", "sparse")
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 class Hy3Attention(Qwen3Attention):
@@ -106,6 +107,17 @@ class Hy3ForCausalLM(Qwen3MoeForCausalLM):
             raise ValueError(f"config num_shared_experts {config.num_shared_experts}: Hy3 has shared experts")
         if getattr(config, "num_nextn_predict_layers", None) and types[config.num_hidden_layers - 1] != "sparse":
             raise ValueError("config num_nextn_predict_layers: Hy3's MTP layer is sparse, built as the last layer is")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Without MTP layers (num_nextn_predict_layers 0 or absent), the checkpoint's MTP tensors
+        (model.layers.N.*) are skipped, as transformers skips them."""
+        if self.num_mtp_layers == 0:
+            weights = ((name, tensor) for name, tensor in weights if not self._is_mtp_tensor(name))
+        return super().load_weights(weights)
+
+    def _is_mtp_tensor(self, checkpoint_name: str) -> bool:
+        match = _LAYER_INDEX.match(checkpoint_name)
+        return match is not None and int(match[1]) >= self.config.num_hidden_layers
 
     def _load_tensor(
         self, checkpoint_name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter]
