@@ -54,8 +54,6 @@ NOT_BUILT: dict[str, str] = {
         "DeepSeek sparse attention (a lightning indexer) with sink and sliding-window selection and n-gram "
         "(over-)embeddings, none of which transformers defines or is built here"
     ),
-    "qwen3.5": "Qwen3.5 (gated delta-net linear attention) is not built",
-    "step3p7_flash": "Step-3.7-Flash is not built",
     "kimi_k3": "Kimi K3 (Kimi linear attention) is not built",
 }
 

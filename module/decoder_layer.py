@@ -11,7 +11,8 @@ from module.norm import RMSNorm
 
 
 class PreNormDecoderLayer(nn.Module):
-    """Subclasses build `self_attn` (hidden, rotary, metadata -> hidden), `mlp`, and the two norms."""
+    """Subclasses build `self_attn` (hidden, rotary, metadata -> hidden) or another token mixer
+    (mix_tokens), `mlp`, and the two norms."""
 
     self_attn: nn.Module
     mlp: nn.Module
@@ -30,6 +31,12 @@ class PreNormDecoderLayer(nn.Module):
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(hidden_states, rotary, forward_metadata)
+        hidden_states = self.mix_tokens(hidden_states, rotary, forward_metadata)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
+
+    def mix_tokens(
+        self, hidden_states: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], forward_metadata: ForwardMetaData
+    ) -> torch.Tensor:
+        """The layer's token mixer: self-attention; a linear-attention layer of a hybrid model overrides it."""
+        return self.self_attn(hidden_states, rotary, forward_metadata)

@@ -40,5 +40,9 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.spans_replicas:
             all_rows, own = self.tp.gather_rows(x)
-            return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(all_rows)))[own]
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+            return self.down_proj(self.activation(self.gate_up_proj(all_rows)))[own]
+        return self.down_proj(self.activation(self.gate_up_proj(x)))
+
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[T, 2I] (gate, then up) -> [T, I]: silu(gate) * up."""
+        return self.ops.silu_and_mul(gate_up)

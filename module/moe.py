@@ -413,6 +413,10 @@ class SparseMoeBlock(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         tokens, own = self.experts.gather_tokens(hidden_states)
         output = self.experts(tokens, *self.gate(tokens))[own]
-        if self.shared_experts is not None:
-            output = output + self.shared_experts(hidden_states)
-        return output
+        shared = self.shared_output(hidden_states)
+        return output if shared is None else output + shared
+
+    def shared_output(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """What every token gets from the shared experts (None without them); a family that gates
+        them (Qwen3.5's sigmoid gate) overrides it."""
+        return None if self.shared_experts is None else self.shared_experts(hidden_states)

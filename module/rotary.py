@@ -12,14 +12,20 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 
-def rope_inv_freq(config: PretrainedConfig) -> tuple[torch.Tensor, float]:
-    """(inv_freq [D/2] fp32, attention_scaling) for the config's rope_type."""
+def rope_inv_freq(config: PretrainedConfig, head_dim: int | None = None) -> tuple[torch.Tensor, float]:
+    """(inv_freq [rotary_dim/2] fp32, attention_scaling) for the config's rope_type; a default rope
+    with rope_parameters' partial_rotary_factor < 1 covers int(head_dim x factor) dims only."""
     rope_type = config.rope_parameters["rope_type"]
     if "dynamic" in rope_type or rope_type == "longrope":
         raise ValueError(
             f"rope_type {rope_type!r} changes its frequencies with the sequence length, which a "
             "precomputed cos/sin table cannot follow; it is not supported"
         )
+    factor = config.rope_parameters.get("partial_rotary_factor", 1.0)
+    if rope_type == "default" and factor != 1.0 and head_dim is not None:
+        dim = int(head_dim * factor)
+        exponents = torch.arange(0, dim, 2, dtype=torch.float) / dim
+        return 1.0 / (config.rope_parameters["rope_theta"] ** exponents), 1.0
     if rope_type == "default":
         return LlamaRotaryEmbedding.compute_default_rope_parameters(config)
     if rope_type not in ROPE_INIT_FUNCTIONS:
@@ -28,12 +34,23 @@ def rope_inv_freq(config: PretrainedConfig) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, config: PretrainedConfig, head_dim: int) -> None:
+    """The table of rope_inv_freq(config), or of `frequencies` (inv_freq, attention_scaling) where a
+    family has transformers compute them otherwise (per layer type, say). `partial`: the model rotates
+    the first rotary_dim dims of each head only (and says so); else rope must cover the whole head."""
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        head_dim: int,
+        partial: bool = False,
+        frequencies: tuple[torch.Tensor, float] | None = None,
+    ) -> None:
         super().__init__()
-        inv_freq, attention_scaling = rope_inv_freq(config)
-        if 2 * inv_freq.numel() != head_dim:
+        inv_freq, attention_scaling = frequencies or rope_inv_freq(config, head_dim)
+        self.rotary_dim = 2 * inv_freq.numel()
+        if self.rotary_dim > head_dim or (self.rotary_dim != head_dim and not partial):
             raise ValueError(
-                f"rope covers {2 * inv_freq.numel()} of head_dim {head_dim}: partial rotary is not supported"
+                f"rope covers {self.rotary_dim} of head_dim {head_dim}: partial rotary is not supported here"
             )
         positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq.float())
@@ -43,6 +60,6 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> (cos, sin) [T, D] in `dtype`, for ops.apply_rotary."""
+        """positions [T] -> (cos, sin) [T, rotary_dim] in `dtype`, for ops.apply_rotary."""
         cos, sin = self.cos_sin_cache[positions].to(dtype).chunk(2, dim=-1)
         return cos.repeat(1, 2), sin.repeat(1, 2)

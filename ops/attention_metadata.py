@@ -11,7 +11,13 @@ from dataclasses import dataclass
 
 import torch
 
-from executor.types_.model_inputs import CacheGroupTables, ForwardMetaData, ModelInputs, StepLayout
+from executor.types_.model_inputs import (
+    CacheGroupTables,
+    ForwardMetaData,
+    ModelInputs,
+    RecurrentStateTables,
+    StepLayout,
+)
 
 # FIA's compressed causal mask for sparse_mode=3 (bottom-right causal): always 2048x2048, 1 = masked.
 NPU_CAUSAL_MASK_SIZE = 2048
@@ -41,7 +47,8 @@ def block_table_tensor(block_ids: list[list[int]], width: int, device: torch.dev
 
 
 class AttentionMetadataBuilder:
-    """Base: the per-group block tables and slot mappings, which every backend reads."""
+    """Base: the per-group block tables and slot mappings (a recurrent group's state slots), which
+    every backend reads."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -49,14 +56,39 @@ class AttentionMetadataBuilder:
     def build(self, layout: StepLayout) -> ForwardMetaData:
         raise NotImplementedError
 
-    def cache_group_tables(self, layout: StepLayout) -> list[CacheGroupTables]:
+    def cache_group_tables(self, layout: StepLayout) -> list[CacheGroupTables | RecurrentStateTables]:
         return [
-            CacheGroupTables(
+            self.state_tables(layout, block_ids)
+            if group in layout.state_groups
+            else CacheGroupTables(
                 block_table=block_table_tensor(block_ids, layout.max_blocks_per_request, self.device),
                 slot_mapping=to_device(slots, torch.int64, self.device),
             )
-            for block_ids, slots in zip(layout.block_ids, layout.slot_mappings, strict=True)
+            for group, (block_ids, slots) in enumerate(zip(layout.block_ids, layout.slot_mappings, strict=True))
         ]
+
+    def state_tables(self, layout: StepLayout, slots: list[list[int]]) -> RecurrentStateTables:
+        """Each row's slots in its request's ring (RecurrentStateTables; the null slot 0 for a padded
+        row): the one it reads, the one its final state goes to, and in a multi-token step those of
+        each position where the row fits its ring; whether it continues a state; the query ends as a
+        host list where a row may hold several tokens."""
+        starts = [0, *layout.query_ends[:-1]]
+        read, final, positions = [], [], []
+        for ring, seq_len, start, end in zip(slots, layout.seq_lens, starts, layout.query_ends, strict=True):
+            ring = ring or [0]
+            computed = seq_len - (end - start)  # the row's first position
+            read.append(ring[(computed - 1) % len(ring)])
+            final.append(ring[(seq_len - 1) % len(ring)])
+            fits = end - start <= len(ring)
+            positions.append([ring[p % len(ring)] for p in range(computed, seq_len)] if fits else None)
+        multi_token = layout.max_query_len > 1
+        return RecurrentStateTables(
+            state_slots=to_device(read, torch.int64, self.device),
+            has_initial_state=to_device(layout.has_initial_state, torch.bool, self.device),
+            query_ends_list=list(layout.query_ends) if multi_token else None,
+            final_state_slots=to_device(final, torch.int64, self.device),
+            position_state_slots=positions if multi_token else None,
+        )
 
 
 @dataclass(slots=True)

@@ -51,6 +51,7 @@ class Backend:
     add_rms_norm: Op | None = _op()
     apply_rotary: Op | None = _op()
     silu_and_mul: Op | None = _op()
+    clamped_silu_and_mul: Op | None = _op()
     write_kv_cache: Op | None = _op()
     paged_attention: Op | None = _op()
     paged_attention_with_sinks: Op | None = _op()
@@ -58,7 +59,14 @@ class Backend:
     mla_attention: Op | None = _op()
     moe_experts: Op | None = _op()
     moe_experts_clamped_swiglu: Op | None = _op()
+    moe_experts_clamped_silu: Op | None = _op()
     moe_experts_int8: Op | None = _op()  # W8A8 int8 experts (ops/quantized_experts.py's Int8Experts)
+    # linear attention (ops/recurrent_ref.py): the short conv and the gated delta rule over state slots
+    causal_conv1d_fn: Op | None = _op()
+    causal_conv1d_update: Op | None = _op()
+    chunk_gated_delta_rule: Op | None = _op()
+    recurrent_gated_delta_rule: Op | None = _op()
+    rms_norm_gated: Op | None = _op()
 
     def missing(self, op_names: tuple[str, ...]) -> list[str]:
         """Which of `op_names` this backend has no form of."""
@@ -100,6 +108,15 @@ def linear_methods(dense: LinearMethod, native: Mapping[str, LinearMethod], devi
     return MappingProxyType({UNQUANTIZED: dense, **plainly, **native})
 
 
+# The linear-attention ops: no fused form in torch, torch_npu's facts (../shared/npu-api-facts.md) or the
+# CPU's kernels yet, so every record runs their reference.
+RECURRENT_OPS = (
+    "causal_conv1d_fn",
+    "causal_conv1d_update",
+    "chunk_gated_delta_rule",
+    "recurrent_gated_delta_rule",
+    "rms_norm_gated",
+)
 REFERENCE_OPS = {name: getattr(torch_ref, name) for name in OP_NAMES}
 
 
@@ -175,7 +192,8 @@ def _cpu_quantized_methods(kernels: object | None, dense: LinearMethod, dtype: t
 
 
 # The ops ops/npu.py implements. The others have a torch reference only so far (MLA and MoE for
-# DeepSeek-V3; attention sinks and biased clamped-SwiGLU experts for gpt-oss): None in the NPU
+# DeepSeek-V3; attention sinks and biased clamped-SwiGLU experts for gpt-oss; the clamped SiLU-and-mul,
+# dense and in experts, for Step-3.7-Flash): None in the NPU
 # record, so a model needing them is refused there when it is built.
 NPU_OPS = (
     "rms_norm",
@@ -194,5 +212,6 @@ def _npu_backend(exe_mode: str, common: dict) -> Backend:
     npu_ops = NpuGraphOps(torch_npu, npu_runtime.torchair()) if graph else NpuOps(torch_npu)
     metadata_builder = functools.partial(NpuMetadataBuilder, lengths_as_tensors=graph)
     ops = {name: getattr(npu_ops, name) for name in NPU_OPS}
+    ops.update({name: REFERENCE_OPS[name] for name in RECURRENT_OPS})
     linear = linear_methods(PLAIN, npu_linear_methods(torch_npu, PLAIN), "npu")
     return Backend("npu_graph" if graph else "npu", linear=linear, metadata_builder=metadata_builder, **common, **ops)

@@ -12,6 +12,9 @@ and KV head, [num_blocks, block_size, Hkv] (dynamic), or per channel, [Hkv, D] (
 ops/quant_math.py). The writes quantize; attention dequantizes what it gathers, and reads every key
 from the cache, the step's own too, so a token attends alike whether its keys came this step or from
 a cached prefix.
+
+The linear-attention ops (the short conv and the gated delta rule over state slots) are defined in
+ops/recurrent_ref.py and named here with the rest.
 """
 
 from __future__ import annotations
@@ -24,6 +27,13 @@ import torch.nn.functional as F
 
 from ops import cuda_quant, quant_math
 from ops.attention_metadata import TorchAttentionMetadata
+from ops.recurrent_ref import (  # noqa: F401 (the reference of every op is named here)
+    causal_conv1d_fn,
+    causal_conv1d_update,
+    chunk_gated_delta_rule,
+    recurrent_gated_delta_rule,
+    rms_norm_gated,
+)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -61,6 +71,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[T, 2I] -> [T, I]: silu(gate) * up, with the gate in the first half."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def clamped_silu_and_mul(x: torch.Tensor, limit: float) -> torch.Tensor:
+    """[T, 2I] -> [T, I], gate first: silu(gate) clamped from above at `limit`, times up clamped to
+    [-limit, limit] (Step-3.7-Flash's SwiGLU on its last layers, as transformers computes it)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate).clamp(max=limit) * up.clamp(-limit, limit)
 
 
 def write_kv_cache(
@@ -610,6 +627,18 @@ def moe_experts_clamped_swiglu(
     )
 
 
+def moe_experts_clamped_silu(
+    hidden_states: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
+    """moe_experts with clamped_silu_and_mul(limit) in place of silu(gate) * up; same layouts."""
+    return grouped_experts(hidden_states, topk_weights, topk_ids, gate_up_proj, down_proj, silu_limit=limit)
+
+
 def clamped_swiglu(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     """[T, 2I] -> [T, I], gate first: (up + 1) * gate * sigmoid(alpha * gate), with the gate clamped
     from above at `limit` and up to [-limit, limit] (gpt-oss's experts, as transformers computes them)."""
@@ -658,11 +687,15 @@ def grouped_experts(
     down_bias: torch.Tensor | None = None,
     swiglu_alpha: float | None = None,
     swiglu_limit: float | None = None,
+    silu_limit: float | None = None,
 ) -> torch.Tensor:
-    """The body of moe_experts and moe_experts_clamped_swiglu: one matmul pair per expert over its
-    tokens only (run_grouped), adding the biases that are given, with silu(gate) * up or, given
-    swiglu_alpha and swiglu_limit, clamped_swiglu(swiglu_alpha, swiglu_limit)."""
-    if swiglu_alpha is None or swiglu_limit is None:
+    """The body of moe_experts, moe_experts_clamped_swiglu and moe_experts_clamped_silu: one matmul
+    pair per expert over its tokens only (run_grouped), adding the biases that are given, with
+    silu(gate) * up or, given swiglu_alpha and swiglu_limit, clamped_swiglu(swiglu_alpha,
+    swiglu_limit), or, given silu_limit, clamped_silu_and_mul(silu_limit)."""
+    if silu_limit is not None:
+        activation = functools.partial(clamped_silu_and_mul, limit=silu_limit)
+    elif swiglu_alpha is None or swiglu_limit is None:
         activation = silu_and_mul
     else:
         activation = functools.partial(clamped_swiglu, alpha=swiglu_alpha, limit=swiglu_limit)

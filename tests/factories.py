@@ -180,6 +180,53 @@ def longcat_flash_config(**overrides: object) -> transformers.LongcatFlashConfig
     return parity_config(transformers.LongcatFlashConfig, settings, overrides)
 
 
+STEP3P7_WINDOW = 8  # step3p7_config's sliding window
+# Four layers (sliding, full, sliding, full; the first dense, the others MoE), GQA with more heads on
+# the sliding layers, partial rope with llama3 scaling on the full layers and another theta on the
+# sliding ones, 8 experts choosing 3, a shared expert, and clamped SwiGLUs on the last layer.
+STEP3P7_SETTINGS: dict[str, object] = dict(
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    share_expert_dim=48,
+    num_hidden_layers=4,
+    num_key_value_heads=2,
+    num_sliding_attention_heads=6,
+    head_dim=16,
+    n_routed_experts=8,
+    num_experts_per_tok=3,
+    layer_types=["sliding_attention", "full_attention"] * 2,
+    mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+    sliding_window=STEP3P7_WINDOW,
+    rope_theta=[10000.0, 500000.0] * 2,
+    partial_rotary_factors=[1.0, 0.5] * 2,
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 2.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    },
+    moe_router_scaling_factor=2.5,
+    swiglu_limits=[0.0, 0.0, 0.0, 0.5],
+    swiglu_limits_shared=[0.0, 0.0, 0.0, 0.5],
+    tie_word_embeddings=False,
+    pad_token_id=0,  # an int, not None, in Step3p7TextConfig
+)
+
+
+def step3p7_config(**overrides: object) -> transformers.Step3p7Config:
+    """Step-3.7-Flash's multimodal config (as its checkpoints ship it) over STEP3P7_SETTINGS' text
+    config and a one-layer vision tower that text-only runs never call; overrides change text fields."""
+    text_config = parity_config(transformers.Step3p7TextConfig, STEP3P7_SETTINGS, overrides)
+    vision_config = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)
+    return transformers.Step3p7Config(
+        text_config=text_config.to_dict(),
+        vision_config=vision_config,
+        tie_word_embeddings=text_config.tie_word_embeddings,
+        attn_implementation="eager",
+    )
+
+
 def hy3_config(**overrides: object) -> transformers.HYV3Config:
     """Three tiny layers (the first dense, as transformers' default mlp_layer_types), GQA (4 heads over
     2, head_dim 16), 8 experts choosing 2 plus one shared expert, router_scaling_factor 2.826 (Hy3's,

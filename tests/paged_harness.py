@@ -5,6 +5,7 @@ blocks, packed (TND) steps, and transformers' outputs for each prompt alone; tin
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -67,16 +68,20 @@ def load_ours(model_cls: type[torch.nn.Module], path: Path, config: object) -> t
 class PagedModel:
     """One of our models with NaN-filled caches (from each layer's spec) and a shuffled free list of
     blocks, driven like the engine: every step packed (TND), block tables of fixed width padded
-    with the null block 0."""
+    with the null block 0. A hybrid model's recurrent layers (linear attention) form group 1, whose
+    NaN-filled states have a slot per block id: a request's state slot is its first block's id."""
 
     def __init__(self, model: torch.nn.Module, block_size: int, max_model_len: int = 128) -> None:
         self.model = model
         self.block_size = block_size
         num_blocks = 4 * max_model_len // block_size * 4
+        self.state_groups: tuple[int, ...] = ()
         for layer in (m for m in model.modules() if isinstance(m, KVCacheLayer)):
             spec = layer.kv_cache_spec()
-            caches = {t.name: torch.full((num_blocks, block_size, *t.shape), float("nan")) for t in spec.tensors}
-            layer.bind_kv_cache(caches, group_id=0)
+            leading = (num_blocks,) if spec.is_recurrent else (num_blocks, block_size)
+            caches = {t.name: torch.full((*leading, *t.shape), float("nan")) for t in spec.tensors}
+            layer.bind_kv_cache(caches, group_id=1 if spec.is_recurrent else 0)
+            self.state_groups = (1,) if spec.is_recurrent else self.state_groups
         self.max_blocks_per_request = -(-max_model_len // block_size)
         self.free_blocks = random.Random(0).sample(range(1, num_blocks), num_blocks - 1)  # 0 is the null block
 
@@ -90,8 +95,15 @@ class PagedModel:
         return blocks[: -(-num_tokens // self.block_size)]
 
     def inputs(self, sequences: list[ScheduledSequence], pad_to: int = 0) -> ModelInputs:
+        if self.state_groups:  # each request's state slot: its first block's id
+            sequences = [
+                dataclasses.replace(seq, block_ids=[*seq.block_ids, seq.block_ids[0][:1]]) for seq in sequences
+            ]
         layout = build_step_layout(
-            sequences, block_size=self.block_size, max_blocks_per_request=self.max_blocks_per_request
+            sequences,
+            block_size=self.block_size,
+            max_blocks_per_request=self.max_blocks_per_request,
+            state_groups=self.state_groups,
         )
         if pad_to:
             layout = layout.pad_to(pad_to)
@@ -148,7 +160,11 @@ def hf_last_logits(hf_model: torch.nn.Module, prompt: list[int]) -> torch.Tensor
 
 @torch.no_grad()
 def hf_generate(hf_model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
-    out = hf_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens)
+    input_ids = torch.tensor([prompt])
+    # The mask given, so that no prompt token is taken for padding (a config whose pad_token_id is an int).
+    out = hf_model.generate(
+        input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False, max_new_tokens=max_new_tokens
+    )
     return out[0, len(prompt) :].tolist()
 
 
@@ -171,7 +187,7 @@ def check_prefill_logits(
 ) -> None:
     """The prompts prefilled packed in one step: one row of logits each, transformers' for that prompt alone."""
     logits = ours.step([ScheduledSequence(p, 0, [ours.allocate(len(p))]) for p in prompts])
-    assert logits.shape == (len(prompts), hf_model.config.vocab_size)
+    assert logits.shape == (len(prompts), hf_model.config.get_text_config().vocab_size)
     assert_last_logits_match(hf_model, prompts, logits, tolerance)
 
 

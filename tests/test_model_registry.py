@@ -12,6 +12,7 @@ from executor.core.config import ConfigError
 from executor.core.config.model_registry import check_model_name, model_folder
 
 ROOT = Path(__file__).resolve().parents[1]
+MODELS = ROOT / "models"
 
 
 @pytest.mark.parametrize(
@@ -37,9 +38,7 @@ def test_a_folder_or_a_cann_recipes_model_name_finds_its_folder(model_name, fold
     assert model_folder(model_name) == folder
 
 
-@pytest.mark.parametrize(
-    "model_name", ["deepseek_v3_2_exp", "glm_5", "deepseek_v4", "longcat_flash_ffn", "longcat_flash_lite", "longcat-2.0"]
-)
+@pytest.mark.parametrize("model_name", sorted(models.NOT_BUILT))
 def test_a_cann_recipes_model_of_an_architecture_not_built_says_so(model_name):
     with pytest.raises(ConfigError, match=f"'{model_name}' in run.yaml: its architecture is not built here"):
         check_model_name(model_name, "run.yaml")
@@ -49,10 +48,10 @@ def test_an_unknown_model_name_lists_folders_and_names_on_one_line():
     with pytest.raises(ConfigError) as err:
         check_model_name("gpt9", "run.yaml")
     message = str(err.value)
-    folders = "deepseek_v2, deepseek_v3, gpt_oss, hy3, llama, longcat_flash, qwen2, qwen3, qwen3_moe"
+    folders = ", ".join(sorted(path.parent.name for path in MODELS.glob("*/__init__.py")))
     assert "\n" not in message and f"available folders: {folders}" in message and "deepseek_r1" in message
 
 
 def test_every_model_package_declares_its_cann_recipes_names():
-    for package in (ROOT / "models").glob("*/__init__.py"):
+    for package in MODELS.glob("*/__init__.py"):
         assert "model_names" in package.read_text(), package

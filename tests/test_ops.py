@@ -255,6 +255,37 @@ def test_moe_experts_clamped_swiglu_matches_the_per_token_formula_and_clamps():
     torch.testing.assert_close(cpu_backend().moe_experts_clamped_swiglu(*args), naive_clamped_swiglu_experts(*args))
 
 
+def naive_clamped_silu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """Step-3.7-Flash's clamped SwiGLU, one element at a time: min(silu(g), limit) * clip(u, ±limit)."""
+    flat = [
+        min(g / (1 + math.exp(-g)), limit) * max(-limit, min(u, limit))
+        for g, u in zip(gate.flatten().tolist(), up.flatten().tolist(), strict=True)
+    ]
+    return torch.tensor(flat, dtype=gate.dtype).view(gate.shape)
+
+
+def test_clamped_silu_and_mul_matches_the_elementwise_formula_and_clamps():
+    gate_up = 4 * torch.randn(5, 12)
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert (F.silu(gate) > 2.0).any() and (up.abs() > 2.0).any()  # both clamps bite
+    torch.testing.assert_close(cpu_backend().clamped_silu_and_mul(gate_up, 2.0), naive_clamped_silu(gate, up, 2.0))
+
+
+def test_moe_experts_clamped_silu_matches_the_per_token_formula():
+    num_experts, hidden, intermediate = 5, 8, 6
+    hidden_states = 3 * torch.randn(7, hidden)
+    topk_ids = torch.tensor([[0, 1], [1, 0], [2, 4], [0, 2], [1, 2], [4, 1], [2, 0]])  # expert 3: no token
+    topk_weights = torch.rand(7, 2)
+    gate_up, down = torch.randn(num_experts, 2 * intermediate, hidden), torch.randn(num_experts, hidden, intermediate)
+    expected = torch.zeros_like(hidden_states)
+    for token, (weights, experts) in enumerate(zip(topk_weights, topk_ids, strict=True)):
+        for weight, expert in zip(weights, experts.tolist(), strict=True):
+            gate, up = (gate_up[expert] @ hidden_states[token]).chunk(2)
+            expected[token] += weight * (down[expert] @ naive_clamped_silu(gate, up, 3.0))
+    result = cpu_backend().moe_experts_clamped_silu(hidden_states, topk_weights, topk_ids, gate_up, down, 3.0)
+    torch.testing.assert_close(result, expected)
+
+
 def test_decode_attention_reads_only_up_to_the_longest_sequence_not_the_table_width():
     """The block table is as wide as max_model_len; the op must gather only the real K/V."""
     key_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)

@@ -2,7 +2,7 @@
 
 from executor.types_.batch import Batch, StepResult, StepRunner
 from executor.types_.block_hash import BlockHash
-from executor.types_.kv_cache_spec import AttentionKind, KVCacheSpec, KVTensorSpec, attention_spec
+from executor.types_.kv_cache_spec import AttentionKind, KVCacheSpec, KVTensorSpec, attention_spec, recurrent_spec
 from executor.types_.model_inputs import (
     CacheGroupTables,
     ForwardMetaData,
@@ -33,4 +33,5 @@ __all__ = [
     "TokenLogprobs",
     "attention_spec",
     "build_step_layout",
+    "recurrent_spec",
 ]

@@ -4,6 +4,10 @@ The worker sizes and allocates the cache from these specs (bytes per block is a 
 layers with equal specs share one cache group: one block table, one SingleTypeKVCacheManager. An
 int8 cache (C8, `kv_scheme`) stores int8 values, plus, when its scales are dynamic, one fp32 scale
 per token and KV head beside them (`<name>_scale`); static scales are layer parameters instead.
+
+A recurrent spec (linear attention: a delta-rule or similar recurrence) stores no tensor per
+token: its tensors (a short-convolution state, a recurrent state) are per request, of a fixed size
+whatever the sequence's length, held in state slots rather than blocks (RecurrentStateManager).
 """
 
 from __future__ import annotations
@@ -20,20 +24,27 @@ from executor.types_.quant_scheme import KVCacheScheme
 class AttentionKind(str, enum.Enum):
     FULL = "full"  # every token of the sequence stays in the cache
     SLIDING_WINDOW = "sliding_window"  # only the last `sliding_window` tokens are attended to
+    RECURRENT = "recurrent"  # a fixed-size state per request (linear attention), no tensor per token
 
 
 @dataclass(frozen=True, slots=True)
 class KVTensorSpec:
     """One named cache tensor: `shape` per token (K and V: (num_kv_heads, head_dim); an MLA latent:
-    (kv_lora_rank + qk_rope_head_dim,))."""
+    (kv_lora_rank + qk_rope_head_dim,)), or per state slot in a recurrent spec (a conv state:
+    (channels, kernel - 1); a recurrent state: (heads, key_dim, value_dim))."""
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
 
     @property
-    def bytes_per_token(self) -> int:
+    def num_bytes(self) -> int:
+        """Bytes of one token's (or one state slot's) tensor."""
         return math.prod(self.shape) * self.dtype.itemsize
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.num_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,8 +60,19 @@ class KVCacheSpec:
         )
 
     @property
+    def is_recurrent(self) -> bool:
+        """Whether the spec's tensors are per request (state slots) rather than per token (blocks)."""
+        return self.kind is AttentionKind.RECURRENT
+
+    @property
     def bytes_per_token(self) -> int:
-        return sum(tensor.bytes_per_token for tensor in self.tensors)
+        """Bytes one token takes in the paged pool: none for a recurrent spec (see bytes_per_slot)."""
+        return 0 if self.is_recurrent else sum(tensor.num_bytes for tensor in self.tensors)
+
+    @property
+    def bytes_per_slot(self) -> int:
+        """Bytes one state slot takes (a recurrent spec; 0 for paged ones)."""
+        return sum(tensor.num_bytes for tensor in self.tensors) if self.is_recurrent else 0
 
     def bytes_per_block(self, block_size: int) -> int:
         return block_size * self.bytes_per_token
@@ -89,3 +111,9 @@ def mla_spec(
     kv_lora_rank part K and V are decompressed from, then the rotated rope key), kept for the
     whole sequence; int8 with `kv_scheme` (dynamic: one scale per token for the whole latent)."""
     return KVCacheSpec(tuple(_stored("latent", (kv_lora_rank + qk_rope_head_dim,), dtype, kv_scheme)))
+
+
+def recurrent_spec(*tensors: KVTensorSpec) -> KVCacheSpec:
+    """Linear attention: named state tensors of a fixed shape per request (per state slot), kept from
+    one step to the next and replaced as the request advances; no tensor per token."""
+    return KVCacheSpec(tuple(tensors), AttentionKind.RECURRENT)

@@ -27,11 +27,44 @@ class CacheGroupTables:
 
 
 @dataclass(slots=True)
+class RecurrentStateTables:
+    """Where one recurrent group's states live for the step's rows (linear attention): each row reads
+    its state from a slot (unless it starts fresh) and writes the state after its last token to a slot.
+
+    A request holds S slots (1, or 1 + k with k draft tokens per verify step) used as a ring: the
+    state after position p lives in the request's slot p mod S. A row whose tokens fit its ring (a
+    decode or verify step) keeps the state after each of its positions, so that a verify step's
+    accepted prefix leaves its state where the next step reads it; a longer row (a prompt chunk)
+    keeps the state after its last token only. With one slot, every row reads and writes that slot.
+    """
+
+    state_slots: torch.Tensor  # [rows] int64 slot each row reads its state from; 0 (the null slot) for padded rows
+    # [rows] bool: the row continues a state (tokens were computed before this step); False for a
+    # request's first chunk (or its recompute after a preemption) and for padded rows, which start from zeros
+    has_initial_state: torch.Tensor
+    # cumulative query ends [rows] as a host list, for the per-request loops of multi-token steps
+    # (None in decode-shaped steps, whose shapes depend only on the number of rows)
+    query_ends_list: list[int] | None = None
+    # [rows] int64 slot the state after each row's last token goes to (its ring's next slot; the
+    # same as state_slots with one slot per request); None: state_slots
+    final_state_slots: torch.Tensor | None = None
+    # multi-token steps, per row: the slot of the state after each of its positions where the row
+    # fits its ring (a verify step), else None (only the final state is kept); None in decode steps
+    position_state_slots: list[list[int] | None] | None = None
+
+    @property
+    def write_slots(self) -> torch.Tensor:
+        """[rows] the slot each row's final state goes to."""
+        return self.state_slots if self.final_state_slots is None else self.final_state_slots
+
+
+@dataclass(slots=True)
 class ForwardMetaData:
     """The part every ops backend reads; backends subclass it with their own fields."""
 
     max_query_len: int  # longest query of the step: 1 in decode, k+1 in a verify step
-    groups: list[CacheGroupTables]  # indexed by the layers' cache group id
+    # indexed by the layers' cache group id; a recurrent group's entry is its RecurrentStateTables
+    groups: list[CacheGroupTables | RecurrentStateTables]
 
     @property
     def is_decode_shaped(self) -> bool:
@@ -45,7 +78,9 @@ class ScheduledSequence:
 
     token_ids: list[int]  # the tokens fed this step (a prompt or a chunk of it, the last token, ...)
     num_computed_tokens: int  # tokens already in the KV cache before this step
-    block_ids: list[list[int]]  # per cache group: blocks holding positions 0 .. num_computed + len(token_ids) - 1
+    # per cache group: blocks holding positions 0 .. num_computed + len(token_ids) - 1 (a recurrent
+    # group: the request's state slots)
+    block_ids: list[list[int]]
     # Rows at the end of this sequence whose logits the step samples: 1 normally, 0 for a prompt
     # chunk that does not reach the prompt's end, k + 1 for a verify step of k draft tokens.
     num_sampled_rows: int = 1
@@ -59,7 +94,8 @@ class StepLayout:
     """One step's packed inputs as host lists, before any backend turns them into tensors.
 
     Request i owns rows query_ends[i-1]:query_ends[i] (cumulative, as the NPU's TND attention wants
-    them) and has seq_lens[i] tokens of K/V after this step.
+    them) and has seq_lens[i] tokens of K/V after this step. The groups in `state_groups` are
+    recurrent: block_ids holds each request's state slots there, and they have no slot mapping.
     """
 
     input_ids: list[int]
@@ -72,10 +108,17 @@ class StepLayout:
     max_blocks_per_request: int  # the fixed width of every block table
     # rows whose logits score a prompt token (ScheduledSequence.prompt_logprob_rows), never sampled
     prompt_logprob_indices: list[int] = field(default_factory=list)
+    state_groups: tuple[int, ...] = ()  # recurrent cache groups (state slots, no blocks)
 
     @property
     def num_rows(self) -> int:
         return len(self.seq_lens)
+
+    @property
+    def has_initial_state(self) -> list[bool]:
+        """Per row: whether tokens were computed before this step (a recurrent state to continue)."""
+        starts = [0, *self.query_ends[:-1]]
+        return [seq_len > end - start for seq_len, start, end in zip(self.seq_lens, starts, self.query_ends, strict=True)]
 
     @property
     def max_query_len(self) -> int:
@@ -83,10 +126,20 @@ class StepLayout:
         return max((end - start for start, end in zip(starts, self.query_ends, strict=False)), default=0)
 
     @classmethod
-    def padding(cls, num_rows: int, num_groups: int, max_blocks_per_request: int) -> StepLayout:
+    def padding(
+        cls, num_rows: int, num_groups: int, max_blocks_per_request: int, state_groups: tuple[int, ...] = ()
+    ) -> StepLayout:
         """A decode step of `num_rows` padding rows only: what graph buffers are allocated from."""
         empty = cls(
-            [], [], [], [], [[] for _ in range(num_groups)], [[] for _ in range(num_groups)], [], max_blocks_per_request
+            [],
+            [],
+            [],
+            [],
+            [[] for _ in range(num_groups)],
+            [[] for _ in range(num_groups)],
+            [],
+            max_blocks_per_request,
+            state_groups=state_groups,
         )
         return empty.pad_to(num_rows)
 
@@ -94,7 +147,8 @@ class StepLayout:
         """A decode-shaped step padded with rows that read and write only the null block's slot 0.
 
         A padded row is one token 0 at position 0, with one token of K/V (the one it writes) and an
-        all-null block table row; its logits are never taken.
+        all-null block table row (in a recurrent group: the null state slot, started fresh); its
+        logits are never taken.
         """
         assert self.max_query_len <= 1, "only decode-shaped steps are padded"
         extra = num_rows - self.num_rows
@@ -106,17 +160,26 @@ class StepLayout:
             query_ends=self.query_ends + list(range(last_end + 1, last_end + extra + 1)),
             seq_lens=self.seq_lens + [1] * extra,
             block_ids=[group + [[]] * extra for group in self.block_ids],
-            slot_mappings=[slots + [0] * extra for slots in self.slot_mappings],
+            slot_mappings=[
+                slots if group in self.state_groups else slots + [0] * extra
+                for group, slots in enumerate(self.slot_mappings)
+            ],
             logits_indices=list(self.logits_indices),
             max_blocks_per_request=self.max_blocks_per_request,
             prompt_logprob_indices=list(self.prompt_logprob_indices),
+            state_groups=self.state_groups,
         )
 
 
 def build_step_layout(
-    sequences: list[ScheduledSequence], *, block_size: int, max_blocks_per_request: int
+    sequences: list[ScheduledSequence],
+    *,
+    block_size: int,
+    max_blocks_per_request: int,
+    state_groups: tuple[int, ...] = (),
 ) -> StepLayout:
-    """Pack `sequences` into token ids, positions, per-group slot mappings and lengths."""
+    """Pack `sequences` into token ids, positions, per-group slot mappings and lengths; the groups in
+    `state_groups` keep each request's state slots and no slot mapping."""
     assert sequences, "a step needs at least one sequence"
     num_groups = len(sequences[0].block_ids)
     layout = StepLayout(
@@ -128,6 +191,7 @@ def build_step_layout(
         slot_mappings=[[] for _ in range(num_groups)],
         logits_indices=[],
         max_blocks_per_request=max_blocks_per_request,
+        state_groups=state_groups,
     )
     for seq in sequences:
         start = seq.num_computed_tokens
@@ -139,8 +203,11 @@ def build_step_layout(
         layout.input_ids.extend(seq.token_ids)
         layout.positions.extend(range(start, end))
         for group, block_ids in enumerate(seq.block_ids):
-            assert len(block_ids) * block_size >= end, "sequence has too few blocks for its tokens"
             layout.block_ids[group].append(block_ids)
+            if group in state_groups:
+                assert block_ids, "a request in a recurrent group holds a state slot"
+                continue
+            assert len(block_ids) * block_size >= end, "sequence has too few blocks for its tokens"
             layout.slot_mappings[group].extend(_slots(block_ids, start, end, block_size))
         layout.query_ends.append(len(layout.input_ids))
         layout.seq_lens.append(end)

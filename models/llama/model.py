@@ -18,7 +18,7 @@ from module.attention import Attention
 from module.causal_lm import CausalLM
 from module.decoder_layer import PreNormDecoderLayer
 from module.embedding import ParallelLMHead, VocabParallelEmbedding
-from module.linear import QKVParallelLinear, RowParallelLinear
+from module.linear import QKVParallelLinear, RowParallelLinear, divide
 from module.mlp import GatedMLP
 from module.mtp import MTPLayerMixin, mtp_layer_class, mtp_parameter_name, num_mtp_layers_of
 from module.norm import RMSNorm
@@ -26,6 +26,7 @@ from module.parallel_group import ONE_PROCESS, ModelParallel
 from module.rotary import RotaryEmbedding
 from module.weights import fused_shards_needed, load_fused_tensor
 from ops.backend import Backend
+from ops.linear_method import LinearMethod
 
 
 def head_dim_of(config: PretrainedConfig) -> int:
@@ -34,8 +35,9 @@ def head_dim_of(config: PretrainedConfig) -> int:
 
 class LlamaAttention(nn.Module):
     """GQA attention with rope. Subclasses change what differs through the hooks: the projections'
-    biases, a layer's sliding window, the attention op's layer (build_attention), and q/k/v before rope
-    (project_qkv)."""
+    biases, a layer's sliding window, the attention op's layer (build_attention) and its scale,
+    q/k/v before rope (project_qkv), the rope itself (rotate), and the heads' output before o_proj
+    (attend)."""
 
     def __init__(self, config: PretrainedConfig, layer_index: int, parallel: ModelParallel, backend: Backend) -> None:
         super().__init__()
@@ -43,16 +45,8 @@ class LlamaAttention(nn.Module):
         method = backend.linear_method()
         qkv_bias, output_bias = self.projection_biases(config)
         self.head_dim = head_dim_of(config)
-        self.qkv_proj = QKVParallelLinear(
-            config.hidden_size,
-            self.head_dim,
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            bias=qkv_bias,
-            tp=parallel.attn_tp,
-            linear_method=method,
-        )
-        self.num_heads = self.qkv_proj.num_heads
+        self.qkv_proj = self.build_qkv_proj(config, parallel, qkv_bias, method)
+        self.num_heads = divide(config.num_attention_heads, parallel.attn_tp.size)
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(
             config.num_attention_heads * self.head_dim,
@@ -63,6 +57,20 @@ class LlamaAttention(nn.Module):
         )
         self.attn = self.build_attention(config, self.layer_sliding_window(config, layer_index), parallel)
 
+    def build_qkv_proj(
+        self, config: PretrainedConfig, parallel: ModelParallel, bias: bool, method: LinearMethod
+    ) -> QKVParallelLinear:
+        """The fused q/k/v projection over this rank's heads (gated attention widens its q part)."""
+        return QKVParallelLinear(
+            config.hidden_size,
+            self.head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            bias=bias,
+            tp=parallel.attn_tp,
+            linear_method=method,
+        )
+
     def build_attention(
         self, config: PretrainedConfig, sliding_window: int | None, parallel: ModelParallel
     ) -> Attention:
@@ -71,10 +79,14 @@ class LlamaAttention(nn.Module):
             self.num_heads,
             self.num_kv_heads,
             self.head_dim,
-            scale=self.head_dim**-0.5,
+            scale=self.attention_scale(config),
             sliding_window=sliding_window,
             backend=self.ops,
         )
+
+    def attention_scale(self, config: PretrainedConfig) -> float:
+        """The softmax scale: 1/sqrt(head_dim)."""
+        return self.head_dim**-0.5
 
     @staticmethod
     def projection_biases(config: PretrainedConfig) -> tuple[bool, bool]:
@@ -96,13 +108,24 @@ class LlamaAttention(nn.Module):
             value.view(-1, self.num_kv_heads, self.head_dim),
         )
 
+    def rotate(
+        self, query: torch.Tensor, key: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rope on query [T, H, D] and key [T, Hkv, D] by the step's (cos, sin) [T, D]."""
+        return self.ops.apply_rotary(query, key, *rotary)
+
+    def attend(
+        self, hidden_states: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], forward_metadata: ForwardMetaData
+    ) -> torch.Tensor:
+        """hidden [T, hidden] -> the attention's output per head [T, H, D], before o_proj."""
+        query, key, value = self.project_qkv(hidden_states)
+        query, key = self.rotate(query, key, rotary)
+        return self.attn(query, key, value, forward_metadata)
+
     def forward(
         self, hidden_states: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], forward_metadata: ForwardMetaData
     ) -> torch.Tensor:
-        query, key, value = self.project_qkv(hidden_states)
-        query, key = self.ops.apply_rotary(query, key, *rotary)
-        output = self.attn(query, key, value, forward_metadata)
-        return self.o_proj(output.flatten(1))
+        return self.o_proj(self.attend(hidden_states, rotary, forward_metadata).flatten(1))
 
 
 class LlamaDecoderLayer(PreNormDecoderLayer):
@@ -110,10 +133,17 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
 
     def __init__(self, config: PretrainedConfig, layer_index: int, parallel: ModelParallel, backend: Backend) -> None:
         super().__init__()
-        self.self_attn = self.attention_cls(config, layer_index, parallel, backend)
+        self.build_token_mixer(config, layer_index, parallel, backend)
         self.mlp = self.build_mlp(config, layer_index, parallel, backend)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend=backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend=backend)
+
+    def build_token_mixer(
+        self, config: PretrainedConfig, layer_index: int, parallel: ModelParallel, backend: Backend
+    ) -> None:
+        """The layer's token mixer under the checkpoint's name for it: `self_attn` (attention_cls)
+        here; a hybrid model builds a linear-attention layer instead in some layers."""
+        self.self_attn = self.attention_cls(config, layer_index, parallel, backend)
 
     def build_mlp(
         self, config: PretrainedConfig, layer_index: int, parallel: ModelParallel, backend: Backend
@@ -143,8 +173,14 @@ class LlamaModel(nn.Module):
             [decoder_layer_cls(config, index, parallel, backend) for index in range(config.num_hidden_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend=backend)
-        # One cos/sin table for all layers, looked up once per step.
-        self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
+        self.rotary_emb = self.build_rotary(config)
+
+    @staticmethod
+    def build_rotary(config: PretrainedConfig) -> nn.Module:
+        """(positions [T], dtype) -> what every layer's attention rotates by: here one cos/sin table
+        over the whole head for all layers, looked up once per step (a model with partial rope or a
+        table per layer type says so)."""
+        return RotaryEmbedding(config, head_dim_of(config))
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_metadata: ForwardMetaData
@@ -163,6 +199,7 @@ class LlamaForCausalLM(CausalLM):
     loading goes one checkpoint tensor at a time through _load_tensor, which they may extend."""
 
     decoder_layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    base_model_cls: type[LlamaModel] = LlamaModel
     # checkpoint module name -> (our fused module, shard id passed to its weight_loader)
     packed_modules_mapping: dict[str, tuple[str, int | str]] = {
         "q_proj": ("qkv_proj", "q"),
@@ -175,20 +212,25 @@ class LlamaForCausalLM(CausalLM):
     def __init__(self, hf_config: PretrainedConfig, *, parallel: ModelParallel = ONE_PROCESS, backend: Backend) -> None:
         super().__init__()
         self.config = hf_config
-        self.model = LlamaModel(hf_config, parallel, self.decoder_layer_cls, backend)
+        self.model = self.base_model_cls(hf_config, parallel, self.decoder_layer_cls, backend)
         self.lm_head = ParallelLMHead(
             hf_config.vocab_size, hf_config.hidden_size, parallel.lmhead_tp, backend.linear_method()
         )
         if hf_config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         # config.num_nextn_predict_layers of them; none (an empty list, no parameters) without the key.
-        self.num_mtp_layers = num_mtp_layers_of(hf_config)
+        self.num_mtp_layers = self.mtp_layers_to_build(hf_config)
         self.mtp_layers = nn.ModuleList(
             [
                 mtp_layer_class(self.decoder_layer_cls)(hf_config, hf_config.num_hidden_layers - 1, parallel, backend)
                 for _ in range(self.num_mtp_layers)
             ]
         )
+
+    @staticmethod
+    def mtp_layers_to_build(config: PretrainedConfig) -> int:
+        """The config's num_nextn_predict_layers; a family whose MTP layers are not built here says 0."""
+        return num_mtp_layers_of(config)
 
     def mtp_layer(self, layer: int) -> MTPLayerMixin:
         if not 0 <= layer < self.num_mtp_layers:

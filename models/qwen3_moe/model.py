@@ -65,10 +65,9 @@ class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
         return super().build_mlp(config, layer_index, parallel, backend)
 
 
-class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
-    """Checkpoints store one tensor per routed expert and projection; they fill the stacked experts."""
-
-    decoder_layer_cls = Qwen3MoeDecoderLayer
+class PerExpertCheckpoint:
+    """Loading for a causal LM whose checkpoints store one tensor per routed expert and projection:
+    they fill the stacked experts (mixed in before the LM class, whose loading handles the rest)."""
 
     def _load_tensor(
         self, checkpoint_name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter]
@@ -82,3 +81,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         if isinstance(experts, FusedExperts):
             return experts.checkpoint_tensors_needed(param_name)
         return super()._shards_needed(name)
+
+
+class Qwen3MoeForCausalLM(PerExpertCheckpoint, Qwen3ForCausalLM):
+    decoder_layer_cls = Qwen3MoeDecoderLayer

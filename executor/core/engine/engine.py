@@ -111,6 +111,7 @@ class ExecutionEngine:
         request = quantization_request(self.config.model_config)
         quantization = read_quantization(hf_config, request, f"{model_path}/config.json")
         self.worker.init(model_cls, hf_config, model_path, quantization)
+        self._check_speculation_with_states()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.eos_token_ids = self._collect_eos_token_ids(model_path)
         self.kv_cache_manager = size_kv_cache(
@@ -126,6 +127,25 @@ class ExecutionEngine:
         if graph_runner is not None:
             self.worker.init_graphs(graph_runner)
         self.runner = self._make_runner(self.kv_cache_manager, self._make_proposer())
+
+    def _check_speculation_with_states(self) -> None:
+        """Speculative decoding with recurrent states needs every recurrent layer to keep the state
+        after each position of a verify step (in the request's 1 + k slots, as cann-recipes keeps
+        1 + next_n), so that the accepted prefix's state survives; refused where a layer does not."""
+        method, _ = self.config.speculation
+        lacking = sorted(
+            {
+                type(layer).__name__
+                for layer in self.worker.kv_cache_layers.values()
+                if layer.kv_cache_spec().is_recurrent and not getattr(layer, "keeps_position_states", False)
+            }
+        )
+        if method and lacking:
+            raise ConfigError(
+                f"speculative decoding ({method}) is not supported for this model: its linear-attention layers "
+                f"({', '.join(lacking)}) do not keep their recurrent state after every draft position; "
+                f"turn speculative_config / model_config.next_n off ({self.config.source})"
+            )
 
     @property
     def num_lookahead_tokens(self) -> int:
@@ -227,6 +247,7 @@ class ExecutionEngine:
             max_blocks_per_request=self.max_blocks_per_request,
             pin_host_buffers=self.platform.device_type != "cpu",
             step_timer=self.step_timer,
+            state_groups=self.worker.state_groups(),
         )
 
     def _measure_graph_memory(self) -> int:

@@ -4,6 +4,10 @@ after the weights, a warm-up on a small probe cache and the graphs allows.
 There is no point holding more than the worst case of a full batch (batch_size requests of
 max_model_len tokens in every cache group), so the budget is capped there. Every rank sizes the
 smallest pool any rank can hold, so that all ranks schedule alike.
+
+Recurrent groups (linear attention) hold state slots per running request instead of blocks: 1 +
+batch_size x (1 + k) slots (slot 0 the null slot; k draft tokens per verify step, 0 without
+speculative decoding), whose bytes come off the budget before the blocks are counted.
 """
 
 from __future__ import annotations
@@ -55,14 +59,36 @@ def plan_num_blocks(
     return min(max_blocks_in_use + 1, affordable)
 
 
-def bind_kv_cache(worker: ModelWorker, config: InferenceConfig, num_blocks: int) -> KVCacheManager | None:
-    """Allocate and bind `num_blocks` blocks (none: release the cache) and a manager over them."""
+def state_slots_per_request(config: InferenceConfig) -> int:
+    """A request's state slots in each recurrent group: 1, or 1 + k with k draft tokens per verify step
+    (the state after each of its positions is kept until the accepted prefix is known)."""
+    return 1 + config.speculation[1]
+
+
+def num_state_slots(worker: ModelWorker, config: InferenceConfig, max_running_requests: int) -> int:
+    """State slots of each recurrent group: the null slot and each running request's; 0 without any."""
+    return 1 + max_running_requests * state_slots_per_request(config) if worker.state_groups() else 0
+
+
+def bind_kv_cache(
+    worker: ModelWorker, config: InferenceConfig, num_blocks: int, max_running_requests: int = 0
+) -> KVCacheManager | None:
+    """Allocate and bind `num_blocks` blocks and the state slots of `max_running_requests` (none:
+    release the cache) and a manager over them."""
     sched = config.scheduler_config
-    worker.init_kv_cache(num_blocks, sched.block_size)
+    slots = num_state_slots(worker, config, max_running_requests) if num_blocks else 0
+    worker.init_kv_cache(num_blocks, sched.block_size, slots)
     if not num_blocks:
         return None
     specs = [group.spec for group in worker.kv_cache_groups]
-    return KVCacheManager(num_blocks, sched.block_size, specs, sched.enable_prefix_caching)
+    return KVCacheManager(
+        num_blocks,
+        sched.block_size,
+        specs,
+        sched.enable_prefix_caching,
+        num_state_slots=slots,
+        state_slots_per_request=state_slots_per_request(config),
+    )
 
 
 def size_kv_cache(
@@ -78,26 +104,31 @@ def size_kv_cache(
     one from the memory left after the weights, the warm-up and the graphs (device memory on
     CUDA/NPU, MemAvailable on CPU), or from scheduler_config.num_blocks."""
     sched = config.scheduler_config
-    groups = worker.kv_cache_groups
+    # groups of blocks; a recurrent group holds state slots instead (at least one paged group is assumed)
+    num_paged_groups = max(1, len(worker.kv_cache_groups) - len(worker.state_groups()))
     max_blocks_per_request = cdiv(max_model_len, sched.block_size)
     warm_up_tokens = min(WARM_UP_PROMPT_TOKENS, max_model_len - 1)
     # room for the prompt and the two tokens the warm-up request generates
-    probe = bind_kv_cache(worker, config, len(groups) * cdiv(warm_up_tokens + 2, sched.block_size) + 1)
+    probe = bind_kv_cache(
+        worker, config, num_paged_groups * cdiv(warm_up_tokens + 2, sched.block_size) + 1, max_running_requests=1
+    )
     assert probe is not None
     warm_up(probe, warm_up_tokens)
     graph_bytes = measure_graph_memory()
     bind_kv_cache(worker, config, 0)  # drop the probe before measuring what the real cache may take
     memory = platform.memory_info_bytes()
     free_bytes = (memory[0] - graph_bytes) if memory is not None else host_available_bytes()
+    state_bytes = num_state_slots(worker, config, sched.batch_size) * worker.state_bytes_per_slot()
     num_blocks = plan_num_blocks(
         num_blocks=sched.num_blocks,
         bytes_per_block=worker.kv_cache_bytes_per_block(sched.block_size),
-        max_blocks_in_use=sched.batch_size * max_blocks_per_request * len(groups),
-        free_memory_bytes=free_bytes,
+        max_blocks_in_use=sched.batch_size * max_blocks_per_request * num_paged_groups,
+        # the states take their bytes out of the fraction the cache may use: free x fraction - states
+        free_memory_bytes=max(0, free_bytes - int(state_bytes / sched.mem_fraction_static)),
         mem_fraction_static=sched.mem_fraction_static,
     )
     num_blocks = comm.min_over_world(num_blocks)
-    blocks_per_request = len(groups) * max_blocks_per_request
+    blocks_per_request = num_paged_groups * max_blocks_per_request
     if num_blocks - 1 < blocks_per_request:
         source = (
             f"num_blocks {sched.num_blocks}"
@@ -107,21 +138,39 @@ def size_kv_cache(
         raise ConfigError(
             f"the KV cache budget ({source}: {num_blocks - 1} usable blocks of {sched.block_size} tokens) cannot "
             f"hold one request of max_model_len {max_model_len}, which needs {blocks_per_request} blocks "
-            f"over {len(groups)} cache group(s); raise the budget or lower scheduler_config.max_model_len "
+            f"over {num_paged_groups} cache group(s); raise the budget or lower scheduler_config.max_model_len "
             f"({config.source})"
         )
-    manager = bind_kv_cache(worker, config, num_blocks)
+    manager = bind_kv_cache(worker, config, num_blocks, max_running_requests=sched.batch_size)
     assert manager is not None
-    _log_kv_cache(worker, sched.block_size, num_blocks, blocks_per_request, max_model_len)
+    _log_kv_cache(worker, sched.block_size, num_blocks, blocks_per_request, max_model_len, num_paged_groups)
+    if manager.prefix_caching_refusal is not None:
+        logger.warning("%s (scheduler_config.enable_prefix_caching is true)", manager.prefix_caching_refusal)
+    if state_bytes:
+        logger.info(
+            "recurrent states: %d slots (slot 0 the null slot) of %d B each, %.1f MiB",
+            num_state_slots(worker, config, sched.batch_size),
+            worker.state_bytes_per_slot(),
+            state_bytes / 2**20,
+        )
     return manager
 
 
 def _log_kv_cache(
-    worker: ModelWorker, block_size: int, num_blocks: int, blocks_per_request: int, max_model_len: int
+    worker: ModelWorker,
+    block_size: int,
+    num_blocks: int,
+    blocks_per_request: int,
+    max_model_len: int,
+    num_paged_groups: int,
 ) -> None:
     per_group = ", ".join(
         f"group {i} ({group.spec.kind.value}, {len(group.layer_names)} layers): "
-        f"{group.spec.bytes_per_token * len(group.layer_names)} B/token"
+        + (
+            f"{group.spec.bytes_per_slot * len(group.layer_names)} B/request"
+            if group.spec.is_recurrent
+            else f"{group.spec.bytes_per_token * len(group.layer_names)} B/token"
+        )
         for i, group in enumerate(worker.kv_cache_groups)
     )
     total_mib = num_blocks * worker.kv_cache_bytes_per_block(block_size) / 2**20
@@ -132,7 +181,7 @@ def _log_kv_cache(
         block_size,
         total_mib,
         per_group,
-        (num_blocks - 1) // len(worker.kv_cache_groups) * block_size,
+        (num_blocks - 1) // num_paged_groups * block_size,
         (num_blocks - 1) // blocks_per_request,
         max_model_len,
     )

@@ -97,7 +97,10 @@ class ModelRunner:
 
     def _pack(self, sequences: list[ScheduledSequence]) -> StepLayout:
         return build_step_layout(
-            sequences, block_size=self.kv_cache_manager.block_size, max_blocks_per_request=self.max_blocks_per_request
+            sequences,
+            block_size=self.kv_cache_manager.block_size,
+            max_blocks_per_request=self.max_blocks_per_request,
+            state_groups=self.kv_cache_manager.state_groups,
         )
 
     @torch.inference_mode()
@@ -222,7 +225,8 @@ class ModelRunner:
     def idle_forward(self) -> None:
         """Lock-step data parallelism: the step of a replica with nothing to run, so that the groups it
         shares with busy replicas meet in every collective. One padding token (id 0, position 0) whose
-        K/V goes to slot 0 of the null block 0, where padded rows write and which no request reads;
+        K/V goes to slot 0 of the null block 0 (its state to the null state slot), where padded rows
+        write and which no request reads;
         its hidden state and logits are dropped. Not a step of the run: nothing is scheduled."""
         null_blocks = [[0]] * self.kv_cache_manager.num_groups
         layout = self._pack(

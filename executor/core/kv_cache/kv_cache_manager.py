@@ -17,6 +17,12 @@ Layout of one request's blocks in one group (block_size 4, 10 tokens computed, 3
 
 allocate_slots(request, 3, num_lookahead_tokens=2) hands out block d only; slots for n0..n2 (and
 the draft tokens d0, d1 a verify step writes) follow from the table.
+
+A recurrent group (linear attention) holds per-request state slots instead of blocks
+(RecurrentStateManager, from `num_state_slots`): a request takes them at its first allocation and
+gives them back when freed; its "row" in that group is its slots. Such a state covers the request's
+whole prefix, never a block of it, so prefix caching is off for a model with a recurrent group
+(`prefix_caching_refusal` says why, for the log).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from executor.core.kv_cache.block_pool import BlockPool
+from executor.core.kv_cache.recurrent_state_manager import RecurrentStateManager
 from executor.core.kv_cache.single_type_manager import SingleTypeKVCacheManager, manager_for
 from executor.types_.kv_cache_spec import KVCacheSpec
 from executor.types_.request import Request
@@ -39,15 +46,36 @@ class PrefixHit:
 
 class KVCacheManager:
     def __init__(
-        self, num_blocks: int, block_size: int, group_specs: list[KVCacheSpec], enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        group_specs: list[KVCacheSpec],
+        enable_prefix_caching: bool = True,
+        *,
+        num_state_slots: int = 0,
+        state_slots_per_request: int = 1,
     ) -> None:
+        """`num_state_slots`: slots of each recurrent group's state tensors, the null slot 0 included."""
         assert group_specs, "a KV cache needs at least one cache group"
         self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks)
         self.managers: list[SingleTypeKVCacheManager] = [
-            manager_for(spec, self.block_pool, block_size, group_id) for group_id, spec in enumerate(group_specs)
+            RecurrentStateManager(
+                spec, self.block_pool, block_size, group_id, num_state_slots, state_slots_per_request
+            )
+            if spec.is_recurrent
+            else manager_for(spec, self.block_pool, block_size, group_id)
+            for group_id, spec in enumerate(group_specs)
         ]
+        # groups whose rows are state slots, not blocks (the step layout packs them so)
+        self.state_groups = tuple(group_id for group_id, spec in enumerate(group_specs) if spec.is_recurrent)
+        self.prefix_caching_refusal: str | None = None
+        if enable_prefix_caching and self.state_groups:
+            self.prefix_caching_refusal = (
+                "prefix caching is off: the model keeps a recurrent state (linear attention), which covers a "
+                "request's whole prefix and is not kept at block boundaries, so no cached block could resume it"
+            )
+        self.enable_prefix_caching = enable_prefix_caching and not self.state_groups
         self.num_queried_tokens = 0  # tokens of admitted requests looked up in the prefix cache
         self.num_hit_tokens = 0  # of those, tokens whose K/V were found cached
 
@@ -95,7 +123,10 @@ class KVCacheManager:
 
     def can_admit(self, request: Request, hit: PrefixHit, num_lookahead_tokens: int = 0) -> bool:
         """Whether the free blocks hold the request's tokens beyond its hit, and `num_lookahead_tokens`
-        more (cached blocks that no one holds leave the free queue when taken, so they count too)."""
+        more (cached blocks that no one holds leave the free queue when taken, so they count too), and
+        that every recurrent group has its state slots free."""
+        if not all(manager.has_state_room(request.request_id) for manager in self.managers):
+            return False
         needed = 0
         for manager, row in zip(self.managers, hit.block_ids, strict=True):
             needed += manager.num_blocks_for_tokens(request.num_tokens + num_lookahead_tokens) - len(row)
@@ -118,13 +149,16 @@ class KVCacheManager:
         draft tokens a verify step will write; first drop the blocks its window has left behind.
 
         Returns the newly allocated block ids per cache group (possibly empty lists), or None when
-        the pool cannot supply them all; in that case nothing is allocated.
+        the pool cannot supply them all (or a recurrent group has no state slots left for a request
+        holding none); in that case nothing is allocated.
         """
         for manager in self.managers:
             manager.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
         total_tokens = request.num_computed_tokens + num_new_tokens + num_lookahead_tokens
         needed = [m.get_num_blocks_to_allocate(request.request_id, total_tokens) for m in self.managers]
         if sum(needed) > self.block_pool.num_free_blocks:
+            return None
+        if not all(manager.has_state_room(request.request_id) for manager in self.managers):
             return None
         return [m.allocate_new_blocks(request.request_id, total_tokens) for m in self.managers]
 
@@ -138,7 +172,7 @@ class KVCacheManager:
             manager.cache_blocks(request.request_id, block_hashes, num_full_blocks)
 
     def get_block_ids(self, request_id: str) -> list[list[int]]:
-        """The request's row of each group's block table."""
+        """The request's row of each group's block table (its state slots in a recurrent group)."""
         return [manager.get_block_ids(request_id) for manager in self.managers]
 
     def free_tail(self, request: Request, num_tokens: int) -> None:

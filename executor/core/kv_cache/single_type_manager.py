@@ -37,6 +37,10 @@ class SingleTypeKVCacheManager:
         held = len(self.req_to_blocks.get(request_id, ()))
         return max(0, self.num_blocks_for_tokens(num_tokens) - held)
 
+    def has_state_room(self, request_id: str) -> bool:
+        """Whether the request's per-request state (a recurrent group's slots) fits; paged groups keep none."""
+        return True
+
     def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[int]:
         new_blocks = self.block_pool.get_new_blocks(self.get_num_blocks_to_allocate(request_id, num_tokens))
         self.req_to_blocks.setdefault(request_id, []).extend(new_blocks)

@@ -82,7 +82,9 @@ class GraphRunner:
         max_blocks_per_request: int,
         pin_host_buffers: bool,
         step_timer: StepTimer | None = None,
+        state_groups: tuple[int, ...] = (),
     ) -> None:
+        """`state_groups`: the recurrent cache groups, whose padded rows read and write the null state slot."""
         self.step = DecodeStep(model)
         self.step_timer = step_timer if step_timer is not None else StepTimer()  # marks the end of h2d
         self.compiler = compiler
@@ -91,6 +93,7 @@ class GraphRunner:
         self.host_builder = host_builder
         self.num_cache_groups = num_cache_groups
         self.max_blocks_per_request = max_blocks_per_request
+        self.state_groups = state_groups
         self.pin_host_buffers = pin_host_buffers
         self.graphs: dict[int, BucketGraph] = {}
         self.eager_reasons_logged: set[str] = set()
@@ -103,7 +106,9 @@ class GraphRunner:
         largest one); returns the total seconds."""
         total_start = time.perf_counter()
         for index, num_rows in enumerate(sorted(self.buckets, reverse=True), start=1):
-            layout = StepLayout.padding(num_rows, self.num_cache_groups, self.max_blocks_per_request)
+            layout = StepLayout.padding(
+                num_rows, self.num_cache_groups, self.max_blocks_per_request, self.state_groups
+            )
             buffers = build_model_inputs(layout, self.device_builder)
             start = time.perf_counter()
             doing = f"{self.compiler.name}: making bucket {num_rows} ({index} of {len(self.buckets)})"

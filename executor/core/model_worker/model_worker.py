@@ -126,21 +126,31 @@ class ModelWorker:
         return sum(layer.kv_cache_spec().bytes_per_token for layer in self.kv_cache_layers.values())
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
-        """Bytes one block id takes across every layer's cache tensors (a sum over the layers' specs)."""
+        """Bytes one block id takes across every layer's cache tensors (a sum over the layers' specs;
+        recurrent layers keep nothing per token)."""
         return sum(layer.kv_cache_spec().bytes_per_block(block_size) for layer in self.kv_cache_layers.values())
 
-    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        """Allocate [num_blocks, block_size, *per-token shape] for every tensor of every layer's spec.
+    def state_bytes_per_slot(self) -> int:
+        """Bytes one state slot takes across every recurrent layer's state tensors (0 without any)."""
+        return sum(layer.kv_cache_spec().bytes_per_slot for layer in self.kv_cache_layers.values())
+
+    def state_groups(self) -> tuple[int, ...]:
+        """The recurrent cache groups (linear attention): per-request state slots, no blocks."""
+        return tuple(group_id for group_id, group in enumerate(self.kv_cache_groups) if group.spec.is_recurrent)
+
+    def init_kv_cache(self, num_blocks: int, block_size: int, num_state_slots: int = 0) -> None:
+        """Allocate [num_blocks, block_size, *per-token shape] for every tensor of every layer's spec,
+        and [num_state_slots, *shape] for every tensor of a recurrent spec.
 
         Left uninitialised: attention reads only slots this run has written (ops/torch_ref.py and
-        its tests fill unused slots with NaN to hold it to that), so start-up touches no cache page.
+        its tests fill unused slots with NaN to hold it to that), so start-up touches no cache page;
+        a recurrent layer reads a slot's state only where its row continues one it wrote.
         """
         for group_id, group in enumerate(self.kv_cache_groups):
+            leading = (num_state_slots,) if group.spec.is_recurrent else (num_blocks, block_size)
             for name in group.layer_names:
                 caches = {
-                    tensor.name: torch.empty(
-                        (num_blocks, block_size, *tensor.shape), dtype=tensor.dtype, device=self.platform.device
-                    )
+                    tensor.name: torch.empty((*leading, *tensor.shape), dtype=tensor.dtype, device=self.platform.device)
                     for tensor in group.spec.tensors
                 }
                 self.kv_cache_layers[name].bind_kv_cache(caches, group_id)

@@ -1,0 +1,163 @@
+"""Qwen3.5 (transformers' qwen3_5 / qwen3_5_moe text models): a hybrid of Gated DeltaNet linear
+attention (module/gated_delta_net.py, a recurrent state per request) and gated full attention, on
+Qwen3's classes.
+
+What differs from Qwen3, each through a hook of the Llama / Qwen3 classes:
+- `layer_types` picks each layer's token mixer: `linear_attention` layers hold a GatedDeltaNet named
+  `linear_attn` (its state in a recurrent cache group), `full_attention` layers Qwen3's attention;
+- the full attention is gated: q_proj gives each head its query and an output gate (twice the
+  width, per head), the output is multiplied by sigmoid(gate) before o_proj; rope covers the first
+  partial_rotary_factor of each head only;
+- every RMSNorm but the DeltaNet's output norm is zero-centred in the checkpoint (the norm multiplies
+  by 1 + w): those weights load as 1 + w;
+- the MoE variant (models/qwen3_5_moe) has a shared expert scaled by a sigmoid gate of its own beside
+  softmax top-k routing (always renormalised).
+
+Checkpoints of the multimodal model name the text model `model.language_model.*`: it loads as
+`model.*`, its vision tower (`model.visual.*`) is skipped, as are the MTP weights (`mtp.*`, not
+built here). Parity with transformers: tests/test_qwen3_5_parity.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from executor.types_.checkpoint_tensor import materialize
+from executor.types_.model_inputs import ForwardMetaData
+from models.llama.model import LlamaModel, head_dim_of
+from models.qwen3.model import Qwen3Attention, Qwen3DecoderLayer, Qwen3ForCausalLM
+from module.gated_delta_net import GatedDeltaNet
+from module.linear import QKVParallelLinear
+from module.parallel_group import ModelParallel
+from module.rotary import RotaryEmbedding
+from ops.backend import Backend
+from ops.linear_method import LinearMethod
+
+LINEAR_ATTENTION = "linear_attention"
+# checkpoint prefixes of the multimodal model's parts this text model does not hold
+SKIPPED_PREFIXES = ("mtp.", "model.visual.", "visual.")
+
+
+class Qwen3_5Attention(Qwen3Attention):
+    """Gated attention: q_proj's output per head is [query, gate]; partial rope; q/k norms."""
+
+    def build_qkv_proj(
+        self, config: PretrainedConfig, parallel: ModelParallel, bias: bool, method: LinearMethod
+    ) -> QKVParallelLinear:
+        """Twice the query heads: each head's query and then its gate, as q_proj lays them out."""
+        return QKVParallelLinear(
+            config.hidden_size,
+            self.head_dim,
+            2 * config.num_attention_heads,
+            config.num_key_value_heads,
+            bias=bias,
+            tp=parallel.attn_tp,
+            linear_method=method,
+        )
+
+    def forward(
+        self, hidden_states: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], forward_metadata: ForwardMetaData
+    ) -> torch.Tensor:
+        num_tokens = hidden_states.shape[0]
+        q_size, kv_size = 2 * self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        query_gate, key, value = self.qkv_proj(hidden_states).split([q_size, kv_size, kv_size], dim=-1)
+        query, gate = query_gate.view(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        query = self.q_norm(query.contiguous())
+        key = self.k_norm(key.view(num_tokens, self.num_kv_heads, self.head_dim))
+        query, key = self.apply_partial_rotary(query, key, rotary)
+        output = self.attn(query, key, value.view(num_tokens, self.num_kv_heads, self.head_dim), forward_metadata)
+        output = output.flatten(1) * torch.sigmoid(gate.reshape(num_tokens, -1))
+        return self.o_proj(output)
+
+    def apply_partial_rotary(
+        self, query: torch.Tensor, key: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rope on each head's first rotary_dim dims (cos/sin's width), the rest passed through."""
+        rotary_dim = rotary[0].shape[-1]
+        query_rot, key_rot = self.ops.apply_rotary(
+            query[..., :rotary_dim].contiguous(), key[..., :rotary_dim].contiguous(), *rotary
+        )
+        return (
+            torch.cat([query_rot, query[..., rotary_dim:]], dim=-1),
+            torch.cat([key_rot, key[..., rotary_dim:]], dim=-1),
+        )
+
+
+def build_gated_delta_net(
+    config: PretrainedConfig, backend: Backend, layer_cls: type[GatedDeltaNet] = GatedDeltaNet
+) -> GatedDeltaNet:
+    return layer_cls(
+        config.hidden_size,
+        config.linear_num_key_heads,
+        config.linear_num_value_heads,
+        config.linear_key_head_dim,
+        config.linear_value_head_dim,
+        config.linear_conv_kernel_dim,
+        config.rms_norm_eps,
+        config.hidden_act,
+        backend=backend,
+    )
+
+
+class Qwen3_5DecoderLayer(Qwen3DecoderLayer):
+    attention_cls = Qwen3_5Attention
+    linear_attention_cls: type[GatedDeltaNet] = GatedDeltaNet
+
+    def build_token_mixer(
+        self, config: PretrainedConfig, layer_index: int, parallel: ModelParallel, backend: Backend
+    ) -> None:
+        """`linear_attn` (Gated DeltaNet) in linear_attention layers, gated `self_attn` in the others."""
+        self.is_linear = config.layer_types[layer_index] == LINEAR_ATTENTION
+        if self.is_linear:
+            if parallel.attn_tp.size > 1:
+                raise NotImplementedError(
+                    f"Gated DeltaNet layers are not split over attention TP ranks (attn_tp_size "
+                    f"{parallel.attn_tp.size}); run Qwen3.5 with attn_tp_size 1"
+                )
+            self.linear_attn = build_gated_delta_net(config, backend, self.linear_attention_cls)
+        else:
+            super().build_token_mixer(config, layer_index, parallel, backend)
+
+    def mix_tokens(
+        self, hidden_states: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], forward_metadata: ForwardMetaData
+    ) -> torch.Tensor:
+        if self.is_linear:
+            return self.linear_attn(hidden_states, forward_metadata)
+        return self.self_attn(hidden_states, rotary, forward_metadata)
+
+
+class Qwen3_5Model(LlamaModel):
+    @staticmethod
+    def build_rotary(config: PretrainedConfig) -> RotaryEmbedding:
+        """Rope over the first partial_rotary_factor of each head (a quarter in the released models)."""
+        return RotaryEmbedding(config, head_dim_of(config), partial=True)
+
+
+def is_zero_centred_norm(name: str) -> bool:
+    """Qwen3.5's RMSNorm weights are stored as w for a norm by 1 + w; the DeltaNet's gated output norm
+    (linear_attn.norm) multiplies by its weight as it is."""
+    return name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight")
+
+
+class Qwen3_5ForCausalLM(Qwen3ForCausalLM):
+    decoder_layer_cls = Qwen3_5DecoderLayer
+    base_model_cls = Qwen3_5Model
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """The text model's tensors, named as transformers' text model names them."""
+        return super().load_weights(
+            (name.replace("model.language_model.", "model.", 1), tensor)
+            for name, tensor in weights
+            if not name.startswith(SKIPPED_PREFIXES)
+        )
+
+    def _load_tensor(
+        self, checkpoint_name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter]
+    ) -> tuple[str, Hashable]:
+        if is_zero_centred_norm(checkpoint_name):
+            tensor = materialize(tensor).float() + 1.0
+        return super()._load_tensor(checkpoint_name, tensor, params)
