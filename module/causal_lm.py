@@ -17,6 +17,7 @@ class CausalLM(nn.Module):
     model: nn.Module
     lm_head: ParallelLMHead
     num_mtp_layers: int
+    mtp_absent_reason = "config.json num_nextn_predict_layers is 0 or absent"  # said where num_mtp_layers is 0
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_metadata: ForwardMetaData

@@ -20,7 +20,7 @@ import torch
 from executor.platform import npu_runtime
 from executor.platform.graph_compilers import GraphCompilerFactory, graph_compiler_factory
 from executor.types_.quant_scheme import QUANTIZED_KINDS, W8A8_INT8, WNA16
-from ops import cpu, cpu_kernels, cuda_graph, cuda_quant, torch_ref
+from ops import compressed_kv, cpu, cpu_kernels, cuda_graph, cuda_quant, torch_ref
 from ops.attention_metadata import AttentionMetadataBuilder, NpuMetadataBuilder, TorchMetadataBuilder
 from ops.cpu import CpuOps, cpu_linear_method
 from ops.cpu_quantized import VNNI_FLAGS, CpuInt8Kernels, VnniInt8Linear, Wna16Linear
@@ -60,6 +60,9 @@ class Backend:
     moe_experts: Op | None = _op()
     moe_experts_clamped_swiglu: Op | None = _op()
     moe_experts_clamped_silu: Op | None = _op()
+    moe_experts_clamped_gate_silu: Op | None = _op()  # DeepSeek-V4's experts
+    compressed_kv_attention: Op | None = _op()  # DeepSeek-V4's sliding + compressed KV (ops/compressed_kv.py)
+    indexer_topk: Op | None = _op()  # DeepSeek-V4's lightning indexer
     moe_experts_int8: Op | None = _op()  # W8A8 int8 experts (ops/quantized_experts.py's Int8Experts)
     # linear attention (ops/recurrent_ref.py): the short conv and the gated delta rule over state slots
     causal_conv1d_fn: Op | None = _op()
@@ -117,7 +120,13 @@ RECURRENT_OPS = (
     "recurrent_gated_delta_rule",
     "rms_norm_gated",
 )
-REFERENCE_OPS = {name: getattr(torch_ref, name) for name in OP_NAMES}
+# The torch reference of every op: ops/torch_ref.py, and DeepSeek-V4's compressed KV in ops/compressed_kv.py.
+COMPRESSED_KV_OPS = ("compressed_kv_attention", "indexer_topk")
+REFERENCE_OPS = {
+    name: getattr(compressed_kv, name) if name in COMPRESSED_KV_OPS else getattr(torch_ref, name) for name in OP_NAMES
+}
+# Ops no device has a form of in shared/npu-api-facts.md: the NPU record runs their torch reference.
+NPU_REFERENCE_OPS = (*RECURRENT_OPS, *COMPRESSED_KV_OPS, "moe_experts_clamped_gate_silu")
 
 
 def make_backend(
@@ -212,6 +221,6 @@ def _npu_backend(exe_mode: str, common: dict) -> Backend:
     npu_ops = NpuGraphOps(torch_npu, npu_runtime.torchair()) if graph else NpuOps(torch_npu)
     metadata_builder = functools.partial(NpuMetadataBuilder, lengths_as_tensors=graph)
     ops = {name: getattr(npu_ops, name) for name in NPU_OPS}
-    ops.update({name: REFERENCE_OPS[name] for name in RECURRENT_OPS})
+    ops.update({name: REFERENCE_OPS[name] for name in NPU_REFERENCE_OPS})
     linear = linear_methods(PLAIN, npu_linear_methods(torch_npu, PLAIN), "npu")
     return Backend("npu_graph" if graph else "npu", linear=linear, metadata_builder=metadata_builder, **common, **ops)

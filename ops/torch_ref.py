@@ -639,6 +639,26 @@ def moe_experts_clamped_silu(
     return grouped_experts(hidden_states, topk_weights, topk_ids, gate_up_proj, down_proj, silu_limit=limit)
 
 
+def moe_experts_clamped_gate_silu(
+    hidden_states: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
+    """moe_experts with DeepSeek-V4's experts: silu(gate) * up with the gate clamped from above at
+    `limit` before the SiLU and up to [-limit, limit] (clamped_gate_silu_and_mul); same layouts."""
+    return grouped_experts(hidden_states, topk_weights, topk_ids, gate_up_proj, down_proj, swiglu_limit=limit)
+
+
+def clamped_gate_silu_and_mul(x: torch.Tensor, limit: float) -> torch.Tensor:
+    """[T, 2I] -> [T, I], gate first: silu(min(gate, limit)) * clamp(up, -limit, limit) (DeepSeek-V4;
+    Step-3.7-Flash's clamped_silu_and_mul clamps after the SiLU instead)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+
+
 def clamped_swiglu(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     """[T, 2I] -> [T, I], gate first: (up + 1) * gate * sigmoid(alpha * gate), with the gate clamped
     from above at `limit` and up to [-limit, limit] (gpt-oss's experts, as transformers computes them)."""
@@ -689,14 +709,17 @@ def grouped_experts(
     swiglu_limit: float | None = None,
     silu_limit: float | None = None,
 ) -> torch.Tensor:
-    """The body of moe_experts, moe_experts_clamped_swiglu and moe_experts_clamped_silu: one matmul
-    pair per expert over its tokens only (run_grouped), adding the biases that are given, with
-    silu(gate) * up or, given swiglu_alpha and swiglu_limit, clamped_swiglu(swiglu_alpha,
-    swiglu_limit), or, given silu_limit, clamped_silu_and_mul(silu_limit)."""
+    """The body of moe_experts, moe_experts_clamped_swiglu, moe_experts_clamped_silu and
+    moe_experts_clamped_gate_silu: one matmul pair per expert over its tokens only (run_grouped),
+    adding the biases that are given, with silu(gate) * up or, given silu_limit,
+    clamped_silu_and_mul(silu_limit), given swiglu_alpha and swiglu_limit, clamped_swiglu(swiglu_alpha,
+    swiglu_limit), given swiglu_limit alone, clamped_gate_silu_and_mul(swiglu_limit)."""
     if silu_limit is not None:
         activation = functools.partial(clamped_silu_and_mul, limit=silu_limit)
-    elif swiglu_alpha is None or swiglu_limit is None:
+    elif swiglu_limit is None:
         activation = silu_and_mul
+    elif swiglu_alpha is None:
+        activation = functools.partial(clamped_gate_silu_and_mul, limit=swiglu_limit)
     else:
         activation = functools.partial(clamped_swiglu, alpha=swiglu_alpha, limit=swiglu_limit)
     return experts_with_activation(

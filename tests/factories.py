@@ -227,6 +227,40 @@ def step3p7_config(**overrides: object) -> transformers.Step3p7Config:
     )
 
 
+def deepseek_v4_config(**overrides: object) -> transformers.DeepseekV4Config:
+    """A tiny DeepSeek-V4: one layer of each attention kind and a second compressed sparse one
+    (compress rates 4 and 8, window 6), the first layer hash-routed, 2 hyper-connection streams,
+    an indexer keeping 2 entries, no MTP module; overrides change any field."""
+    settings = dict(
+        hidden_size=32,
+        num_hidden_layers=4,
+        head_dim=16,
+        partial_rotary_factor=0.5,
+        q_lora_rank=24,
+        moe_intermediate_size=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        layer_types=[
+            "sliding_attention",
+            "compressed_sparse_attention",
+            "heavily_compressed_attention",
+            "compressed_sparse_attention",
+        ],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+        sliding_window=6,
+        o_groups=2,
+        o_lora_rank=8,
+        index_n_heads=2,
+        index_head_dim=16,
+        index_topk=2,
+        hc_mult=2,
+        hc_sinkhorn_iters=3,
+        num_nextn_predict_layers=0,
+    )
+    return parity_config(transformers.DeepseekV4Config, settings, overrides)
+
+
 def hy3_config(**overrides: object) -> transformers.HYV3Config:
     """Three tiny layers (the first dense, as transformers' default mlp_layer_types), GQA (4 heads over
     2, head_dim 16), 8 experts choosing 2 plus one shared expert, router_scaling_factor 2.826 (Hy3's,

@@ -78,8 +78,10 @@ class PagedModel:
         self.state_groups: tuple[int, ...] = ()
         for layer in (m for m in model.modules() if isinstance(m, KVCacheLayer)):
             spec = layer.kv_cache_spec()
-            leading = (num_blocks,) if spec.is_recurrent else (num_blocks, block_size)
-            caches = {t.name: torch.full((*leading, *t.shape), float("nan")) for t in spec.tensors}
+            caches = {
+                t.name: torch.full(spec.allocation_shape(t, num_blocks, block_size, num_blocks), float("nan"))
+                for t in spec.tensors
+            }
             layer.bind_kv_cache(caches, group_id=1 if spec.is_recurrent else 0)
             self.state_groups = (1,) if spec.is_recurrent else self.state_groups
         self.max_blocks_per_request = -(-max_model_len // block_size)

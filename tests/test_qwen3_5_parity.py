@@ -40,7 +40,6 @@ from tests.engine_harness import (
     check_engine_greedy,
     generate_random_prompts,
     hf_greedy,
-    make_inference,
     token_records,
 )
 from tests.factories import PARITY_SETTINGS, tiny_tokenizer
@@ -178,7 +177,9 @@ def no_decay(model: torch.nn.Module) -> None:
 
 def no_beta(model: torch.nn.Module) -> None:
     """beta = 1: every token overwrites what the state recalls for its key."""
-    replace_delta_ops(model, lambda op: lambda q, k, v, g, beta, *rest: op(q, k, v, g, torch.ones_like(beta), *rest), RULES)
+    replace_delta_ops(
+        model, lambda op: lambda q, k, v, g, beta, *rest: op(q, k, v, g, torch.ones_like(beta), *rest), RULES
+    )
 
 
 def no_output_gate(model: torch.nn.Module) -> None:
@@ -203,7 +204,9 @@ def _ungated_forward(attention: torch.nn.Module) -> Callable:
     return forward
 
 
-def split_prefill_diff(hf_model: torch.nn.Module, ours: PagedModel, prompts: list[list[int]], splits: list[int]) -> float:
+def split_prefill_diff(
+    hf_model: torch.nn.Module, ours: PagedModel, prompts: list[list[int]], splits: list[int]
+) -> float:
     """The largest |ours - transformers'| over the last-token logits of `prompts` prefilled in two
     packed steps (the first `split` tokens, then the rest)."""
     blocks = [ours.allocate(len(p)) for p in prompts]
@@ -277,7 +280,12 @@ def test_prefix_caching_is_off_for_a_model_with_states(engine_run):
 def speculative_run(model_dir: Path, records: list, **speculative: object):
     config = build_config(
         {
-            "model_config": {"model_path": str(model_dir), "model_name": "qwen3_5", "device": "cpu", "dtype": "float32"},
+            "model_config": {
+                "model_path": str(model_dir),
+                "model_name": "qwen3_5",
+                "device": "cpu",
+                "dtype": "float32",
+            },
             "data_config": {"apply_chat_template": False},
             "scheduler_config": {"block_size": 16, "batch_size": 4, "num_blocks": 40, "max_model_len": 128},
             "speculative_config": speculative,
@@ -295,7 +303,9 @@ def looping_model(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
     path = tmp_path_factory.mktemp("looping_qwen3_5")
     config = qwen3_5_config("qwen3_5_text", **ENGINE_CONFIG, tie_word_embeddings=True)
     redraw = {"linear_attn.norm.weight": (1.0, 0.1), "norm.weight": (0.0, 0.1), "dt_bias": (1.0, 0.1)}
-    hf_model = save_random_model(path, transformers.Qwen3_5ForCausalLM, config, redraw=redraw | {"embed_tokens.weight": (0.0, 0.3)})
+    hf_model = save_random_model(
+        path, transformers.Qwen3_5ForCausalLM, config, redraw=redraw | {"embed_tokens.weight": (0.0, 0.3)}
+    )
     tiny_tokenizer().save_pretrained(path)
     return path, hf_model
 
@@ -355,7 +365,11 @@ def test_tiny_random_yaml_runs_end_to_end(folder, tmp_path, caplog):
     """models/<folder>/config/tiny_random.yaml: random weights, byte-level tokenizer, the shipped prompts."""
     caplog.set_level(logging.WARNING)
     output_dir = tmp_path / "run"
-    overrides = ["data_config.num_prompts=3", "scheduler_config.max_new_tokens=4", f"model_config.output_path={output_dir}"]
+    overrides = [
+        "data_config.num_prompts=3",
+        "scheduler_config.max_new_tokens=4",
+        f"model_config.output_path={output_dir}",
+    ]
     yaml = ROOT / "models" / folder / "config" / "tiny_random.yaml"
     assert offline_main(["--yaml", str(yaml), *(arg for o in overrides for arg in ("--set", o))]) == 0
     assert len((output_dir / "outputs.jsonl").read_text().splitlines()) == 3
@@ -384,26 +398,3 @@ def test_cann_recipes_qwen3_5_yaml_runs_on_the_tiny_moe_model(tmp_path, monkeypa
     yaml = ROOT / "tests" / "data" / "cann_recipes" / "qwen3_5.yaml"
     assert offline_main(["--yaml", str(yaml), *(arg for o in overrides for arg in ("--set", o))]) == 0
     assert len((output_dir / "outputs.jsonl").read_text().splitlines()) == 2
-
-
-@pytest.mark.slow
-def test_ge_graph_decode_equals_eager(tmp_path):
-    """Decode steps through inductor-compiled buckets (their padded rows on the null state slot)
-    give eager's tokens, the batch shrinking across buckets."""
-    config = qwen3_5_config("qwen3_5_text", **ENGINE_CONFIG)
-    save_checkpoint(tmp_path, config)
-    tiny_tokenizer().save_pretrained(tmp_path)
-    records = token_records(random_prompts((3, 9, 14, 20), seed=7))
-    for index, record in enumerate(records):  # requests end at different steps: 4, 3 (padded to 4), 2, 1 rows
-        record.sampling_overrides["max_new_tokens"] = 3 + 2 * index
-    outputs = {}
-    for exe_mode in ("eager", "ge_graph"):
-        inference = make_inference(
-            tmp_path,
-            model_config={"model_name": "qwen3_5", "exe_mode": exe_mode},
-            batch_size=4,
-            graph_buckets=[1, 2, 4],
-            max_model_len=128,
-        )
-        outputs[exe_mode] = [r.output_token_ids for r in inference.generate(records).requests]
-    assert outputs["ge_graph"] == outputs["eager"]

@@ -29,22 +29,39 @@ class AttentionKind(str, enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class KVTensorSpec:
-    """One named cache tensor: `shape` per token (K and V: (num_kv_heads, head_dim); an MLA latent:
+    """One named cache tensor: `shape` per entry (K and V: (num_kv_heads, head_dim); an MLA latent:
     (kv_lora_rank + qk_rope_head_dim,)), or per state slot in a recurrent spec (a conv state:
-    (channels, kernel - 1); a recurrent state: (heads, key_dim, value_dim))."""
+    (channels, kernel - 1); a recurrent state: (heads, key_dim, value_dim)). An entry is one token,
+    or for a compressed cache one entry per `tokens_per_entry` tokens: a block of block_size tokens
+    then holds block_size // tokens_per_entry entries, entry e of a block covering its tokens
+    [e * tokens_per_entry, (e + 1) * tokens_per_entry)."""
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+    tokens_per_entry: int = 1
 
     @property
-    def num_bytes(self) -> int:
-        """Bytes of one token's (or one state slot's) tensor."""
+    def bytes_per_entry(self) -> int:
+        """Bytes of one entry (one token's, or one state slot's, tensor)."""
         return math.prod(self.shape) * self.dtype.itemsize
 
     @property
     def bytes_per_token(self) -> int:
-        return self.num_bytes
+        """Rounded down for a compressed tensor (a log figure); bytes_per_block is exact."""
+        return self.bytes_per_entry // self.tokens_per_entry
+
+    def entries_per_block(self, block_size: int) -> int:
+        if block_size % self.tokens_per_entry:
+            raise ValueError(
+                f"KV cache tensor {self.name!r} keeps one entry per {self.tokens_per_entry} tokens: "
+                f"scheduler_config.block_size must be a multiple of it, got {block_size}"
+            )
+        return block_size // self.tokens_per_entry
+
+    def cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """The allocated paged tensor: [num_blocks, entries per block, *shape]."""
+        return (num_blocks, self.entries_per_block(block_size), *self.shape)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,15 +84,27 @@ class KVCacheSpec:
     @property
     def bytes_per_token(self) -> int:
         """Bytes one token takes in the paged pool: none for a recurrent spec (see bytes_per_slot)."""
-        return 0 if self.is_recurrent else sum(tensor.num_bytes for tensor in self.tensors)
+        return 0 if self.is_recurrent else sum(tensor.bytes_per_token for tensor in self.tensors)
 
     @property
     def bytes_per_slot(self) -> int:
         """Bytes one state slot takes (a recurrent spec; 0 for paged ones)."""
-        return sum(tensor.num_bytes for tensor in self.tensors) if self.is_recurrent else 0
+        return sum(tensor.bytes_per_entry for tensor in self.tensors) if self.is_recurrent else 0
+
+    def allocation_shape(
+        self, tensor: KVTensorSpec, num_blocks: int, block_size: int, num_state_slots: int
+    ) -> tuple[int, ...]:
+        """The shape a layer's `tensor` is allocated with: [num_state_slots, *shape] in a recurrent
+        spec, else the paged [num_blocks, entries per block, *shape]."""
+        if self.is_recurrent:
+            return (num_state_slots, *tensor.shape)
+        return tensor.cache_shape(num_blocks, block_size)
 
     def bytes_per_block(self, block_size: int) -> int:
-        return block_size * self.bytes_per_token
+        """Bytes one block id takes in the paged pool (none for a recurrent spec)."""
+        if self.is_recurrent:
+            return 0
+        return sum(tensor.entries_per_block(block_size) * tensor.bytes_per_entry for tensor in self.tensors)
 
 
 def _stored(

@@ -144,10 +144,11 @@ class DeepseekV3ForCausalLM(CausalLM):
 
     base_model_cls: type[DeepseekV3Model] = DeepseekV3Model
     family = "DeepSeek-V3"  # names the model in a refusal
+    NEEDED_OPS: tuple[str, ...] = (*MLAAttention.NEEDED_OPS, *FusedExperts.NEEDED_OPS)  # refused on a backend without them
 
     def __init__(self, hf_config: DeepseekV3Config, *, parallel: ModelParallel = ONE_PROCESS, backend: Backend) -> None:
         super().__init__()
-        backend.require((*MLAAttention.NEEDED_OPS, *FusedExperts.NEEDED_OPS), self.family)
+        backend.require(self.NEEDED_OPS, self.family)
         self.check_config(hf_config)
         self.config = hf_config
         self.model = self.base_model_cls(hf_config, parallel, backend)

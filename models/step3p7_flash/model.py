@@ -230,7 +230,7 @@ class Step3p7Rotary(nn.Module):
         for layer_type in reference.layer_types:
             inv_freq = getattr(reference, f"{layer_type}_inv_freq")
             scaling = getattr(reference, f"{layer_type}_attention_scaling")
-            tables[layer_type] = RotaryEmbedding(config, 2 * inv_freq.numel(), (inv_freq, scaling))
+            tables[layer_type] = RotaryEmbedding(config, 2 * inv_freq.numel(), frequencies=(inv_freq, scaling))
         self.tables = nn.ModuleDict(tables)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

@@ -139,18 +139,22 @@ class ModelWorker:
         return tuple(group_id for group_id, group in enumerate(self.kv_cache_groups) if group.spec.is_recurrent)
 
     def init_kv_cache(self, num_blocks: int, block_size: int, num_state_slots: int = 0) -> None:
-        """Allocate [num_blocks, block_size, *per-token shape] for every tensor of every layer's spec,
-        and [num_state_slots, *shape] for every tensor of a recurrent spec.
+        """Allocate [num_blocks, entries per block, *per-entry shape] for every tensor of every layer's
+        spec (entries are tokens, but for a compressed tensor's one per tokens_per_entry tokens), and
+        [num_state_slots, *shape] for every tensor of a recurrent spec.
 
         Left uninitialised: attention reads only slots this run has written (ops/torch_ref.py and
         its tests fill unused slots with NaN to hold it to that), so start-up touches no cache page;
         a recurrent layer reads a slot's state only where its row continues one it wrote.
         """
         for group_id, group in enumerate(self.kv_cache_groups):
-            leading = (num_state_slots,) if group.spec.is_recurrent else (num_blocks, block_size)
             for name in group.layer_names:
                 caches = {
-                    tensor.name: torch.empty((*leading, *tensor.shape), dtype=tensor.dtype, device=self.platform.device)
+                    tensor.name: torch.empty(
+                        group.spec.allocation_shape(tensor, num_blocks, block_size, num_state_slots),
+                        dtype=tensor.dtype,
+                        device=self.platform.device,
+                    )
                     for tensor in group.spec.tensors
                 }
                 self.kv_cache_layers[name].bind_kv_cache(caches, group_id)
