@@ -44,11 +44,6 @@ NOT_BUILT: dict[str, str] = {
         "models/bailing_hybrid is Ling 3 (transformers' bailing_hybrid: Kimi delta attention), another architecture"
     ),
     "gemma_4": "Gemma 4 is not built",
-    "hy3": (
-        "Hunyuan 3 is not built yet: transformers 5.24 defines it (model_type hy_v3, HYV3ForCausalLM: QK-norm "
-        "GQA, sigmoid top-k routing with a score-correction bias, a shared expert) without its MTP layers, "
-        "which every cann-recipes hy3 config runs (next_n 1)"
-    ),
     "longcat_flash_ffn": (
         "cann-recipes' FFN-side model of LongCat-Flash under attention-FFN disaggregation "
         "(custom_params.enable_afd), which is not built; the whole model is longcat_flash"

@@ -6,7 +6,8 @@ for op, so that ties between equal scores break the same way: TopkRouter is Deep
 scores; a per-expert bias that steers the choice but not the weights; top-k within the best groups),
 SoftmaxGroupRouter DeepSeek-V2's (softmax; top-k within the groups of the best single scores, or
 over all experts; scaled, not renormalised), SoftmaxTopkRouter Qwen-MoE's (softmax, top-k, optional
-renormalisation). The experts hold every
+renormalisation), SigmoidTopkRouter Hy3's (sigmoid scores and a choice bias as V3's, top-k over all
+experts, renormalised, scaled). The experts hold every
 expert's weights in two stacked tensors, as transformers does, and run through the backend's
 moe_experts;
 MoE tensor parallelism (moe_tp) splits each expert's intermediate dim, expert parallelism (moe_ep)
@@ -80,10 +81,18 @@ def grouped_topk(
     group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
     scores_for_choice = keep_best_groups(scores_for_choice, group_scores, topk_group, float("-inf"))
     topk_ids = torch.topk(scores_for_choice, k=top_k, dim=-1, sorted=False)[1]
+    return chosen_weights(scores, topk_ids, norm_topk_prob, routed_scaling_factor), topk_ids
+
+
+def chosen_weights(
+    scores: torch.Tensor, topk_ids: torch.Tensor, norm_topk_prob: bool, routed_scaling_factor: float
+) -> torch.Tensor:
+    """The unbiased scores [T, E] of the chosen experts [T, top_k], renormalised to sum 1 (plus 1e-20,
+    as transformers) when norm_topk_prob, times routed_scaling_factor."""
     topk_weights = scores.gather(1, topk_ids)
     if norm_topk_prob:
         topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return topk_weights * routed_scaling_factor, topk_ids
+    return topk_weights * routed_scaling_factor
 
 
 # One routed expert's projection in a checkpoint: model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight,
@@ -164,6 +173,27 @@ class TopkRouter(GroupedRouter):
             self.norm_topk_prob,
             self.routed_scaling_factor,
         )
+
+
+class SigmoidTopkRouter(Router):
+    """Hy3's gate, op for op as transformers' HYV3TopKRouter (MiniMax-M2's, with a scale): fp32
+    logits and sigmoid scores, top-k over all experts by score plus a per-expert bias that steers the
+    choice but not the weights, the chosen scores renormalised and times routed_scaling_factor. The
+    weight and bias are fp32 whatever the model's dtype, as transformers keeps them."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, routed_scaling_factor: float) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"router: top_k {top_k} must be in [1, {num_experts} experts]")
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32), requires_grad=False)
+        self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32), requires_grad=False)
+        self.top_k = top_k
+        self.routed_scaling_factor = routed_scaling_factor
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = torch.sigmoid(F.linear(hidden_states.float(), self.weight))
+        topk_ids = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1, sorted=False)[1]
+        return chosen_weights(scores, topk_ids, True, self.routed_scaling_factor), topk_ids
 
 
 class SoftmaxGroupRouter(GroupedRouter):

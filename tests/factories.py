@@ -297,3 +297,19 @@ def bailing_hybrid_config(**overrides: object) -> transformers.BailingHybridConf
         head_dim=16, layer_group_size=2, first_k_dense_replace=1, n_group=4, topk_group=2, num_mtp_layers=0
     )
     return parity_config(transformers.BailingHybridConfig, settings, overrides)
+
+
+def hy3_config(**overrides: object) -> transformers.HYV3Config:
+    """Three tiny layers (the first dense, as transformers' default mlp_layer_types), GQA (4 heads over
+    2, head_dim 16), 8 experts choosing 2 plus one shared expert, router_scaling_factor 2.826 (Hy3's,
+    so that a lost scale shows); overrides change any field."""
+    settings = dict(
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+    )
+    return parity_config(transformers.HYV3Config, settings, overrides)

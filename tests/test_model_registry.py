@@ -36,6 +36,7 @@ MODELS = ROOT / "models"
         ("deepseek_v4", "deepseek_v4"),
         ("kimi_linear", "kimi_linear"),
         ("bailing_hybrid", "bailing_hybrid"),
+        ("hy3", "hy3"),
         ("", models.DEFAULT_MODEL_FOLDER),
     ],
 )
