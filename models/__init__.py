@@ -40,7 +40,6 @@ NOT_BUILT: dict[str, str] = {
     "deepseek_v4": "DeepSeek-V4 is a new architecture, not DeepSeek-V3's",
     "glm_5": "GLM-5 uses DeepSeek sparse attention (an indexer), which is not built",
     "bailing_2_5": "Bailing 2.5 (Ling) is not built",
-    "gemma_4": "Gemma 4 is not built",
     "hy3": "Hunyuan 3 is not built",
     "longcat_flash": "LongCat-Flash (zero-computation experts, shortcut MoE) is not built",
     "longcat_flash_ffn": "LongCat-Flash is not built",

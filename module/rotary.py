@@ -12,25 +12,34 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 
-def rope_inv_freq(config: PretrainedConfig) -> tuple[torch.Tensor, float]:
-    """(inv_freq [D/2] fp32, attention_scaling) for the config's rope_type."""
-    rope_type = config.rope_parameters["rope_type"]
+def rope_inv_freq(config: PretrainedConfig, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    """(inv_freq [D/2] fp32, attention_scaling) for the config's rope_type; with `layer_type`, for the
+    rope_parameters of that kind of layer (configs that nest them by layer type, as Gemma 4's), over
+    the head_dim of `config` (that layer type's config)."""
+    parameters = config.rope_parameters if layer_type is None else config.rope_parameters[layer_type]
+    rope_type = parameters["rope_type"]
     if "dynamic" in rope_type or rope_type == "longrope":
         raise ValueError(
             f"rope_type {rope_type!r} changes its frequencies with the sequence length, which a "
             "precomputed cos/sin table cannot follow; it is not supported"
         )
+    if rope_type == "default" and layer_type is not None:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim
+        return 1.0 / (parameters["rope_theta"] ** exponents), 1.0
     if rope_type == "default":
         return LlamaRotaryEmbedding.compute_default_rope_parameters(config)
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"unknown rope_type {rope_type!r}; transformers knows {sorted(ROPE_INIT_FUNCTIONS)}")
-    return ROPE_INIT_FUNCTIONS[rope_type](config)
+    if layer_type is None:
+        return ROPE_INIT_FUNCTIONS[rope_type](config)
+    return ROPE_INIT_FUNCTIONS[rope_type](config, layer_type=layer_type)
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, config: PretrainedConfig, head_dim: int) -> None:
+    def __init__(self, config: PretrainedConfig, head_dim: int, layer_type: str | None = None) -> None:
         super().__init__()
-        inv_freq, attention_scaling = rope_inv_freq(config)
+        inv_freq, attention_scaling = rope_inv_freq(config, layer_type)
         if 2 * inv_freq.numel() != head_dim:
             raise ValueError(
                 f"rope covers {2 * inv_freq.numel()} of head_dim {head_dim}: partial rotary is not supported"

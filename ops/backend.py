@@ -51,6 +51,7 @@ class Backend:
     add_rms_norm: Op | None = _op()
     apply_rotary: Op | None = _op()
     silu_and_mul: Op | None = _op()
+    gelu_tanh_and_mul: Op | None = _op()
     write_kv_cache: Op | None = _op()
     paged_attention: Op | None = _op()
     paged_attention_with_sinks: Op | None = _op()
@@ -58,6 +59,7 @@ class Backend:
     mla_attention: Op | None = _op()
     moe_experts: Op | None = _op()
     moe_experts_clamped_swiglu: Op | None = _op()
+    moe_experts_gelu_tanh: Op | None = _op()
     moe_experts_int8: Op | None = _op()  # W8A8 int8 experts (ops/quantized_experts.py's Int8Experts)
 
     def missing(self, op_names: tuple[str, ...]) -> list[str]:
@@ -175,13 +177,14 @@ def _cpu_quantized_methods(kernels: object | None, dense: LinearMethod, dtype: t
 
 
 # The ops ops/npu.py implements. The others have a torch reference only so far (MLA and MoE for
-# DeepSeek-V3; attention sinks and biased clamped-SwiGLU experts for gpt-oss): None in the NPU
-# record, so a model needing them is refused there when it is built.
+# DeepSeek-V3; attention sinks and biased clamped-SwiGLU experts for gpt-oss; GeGLU experts for
+# Gemma 4): None in the NPU record, so a model needing them is refused there when it is built.
 NPU_OPS = (
     "rms_norm",
     "add_rms_norm",
     "apply_rotary",
     "silu_and_mul",
+    "gelu_tanh_and_mul",
     "write_kv_cache",
     "paged_attention",
     "moe_experts_int8",

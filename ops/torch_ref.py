@@ -63,6 +63,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] -> [T, I]: gelu(gate) with the tanh approximation (transformers' gelu_pytorch_tanh) times
+    up, gate in the first half: Gemma's GeGLU."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def write_kv_cache(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -610,6 +617,17 @@ def moe_experts_clamped_swiglu(
     )
 
 
+def moe_experts_gelu_tanh(
+    hidden_states: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+) -> torch.Tensor:
+    """moe_experts with GeGLU experts (gelu_tanh_and_mul in place of silu(gate) * up; Gemma 4); same layouts."""
+    return grouped_experts(hidden_states, topk_weights, topk_ids, gate_up_proj, down_proj, gelu_tanh=True)
+
+
 def clamped_swiglu(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     """[T, 2I] -> [T, I], gate first: (up + 1) * gate * sigmoid(alpha * gate), with the gate clamped
     from above at `limit` and up to [-limit, limit] (gpt-oss's experts, as transformers computes them)."""
@@ -658,11 +676,15 @@ def grouped_experts(
     down_bias: torch.Tensor | None = None,
     swiglu_alpha: float | None = None,
     swiglu_limit: float | None = None,
+    gelu_tanh: bool = False,
 ) -> torch.Tensor:
-    """The body of moe_experts and moe_experts_clamped_swiglu: one matmul pair per expert over its
-    tokens only (run_grouped), adding the biases that are given, with silu(gate) * up or, given
-    swiglu_alpha and swiglu_limit, clamped_swiglu(swiglu_alpha, swiglu_limit)."""
-    if swiglu_alpha is None or swiglu_limit is None:
+    """The body of moe_experts, moe_experts_clamped_swiglu and moe_experts_gelu_tanh: one matmul pair
+    per expert over its tokens only (run_grouped), adding the biases that are given, with
+    silu(gate) * up, or gelu_tanh_and_mul where gelu_tanh, or, given swiglu_alpha and swiglu_limit,
+    clamped_swiglu(swiglu_alpha, swiglu_limit)."""
+    if gelu_tanh:
+        activation = gelu_tanh_and_mul
+    elif swiglu_alpha is None or swiglu_limit is None:
         activation = silu_and_mul
     else:
         activation = functools.partial(clamped_swiglu, alpha=swiglu_alpha, limit=swiglu_limit)

@@ -253,6 +253,7 @@ KNOWN_NPU_GAPS = {
     "moe_experts",
     "paged_attention_with_sinks",
     "moe_experts_clamped_swiglu",
+    "moe_experts_gelu_tanh",
 }
 
 

@@ -34,8 +34,8 @@ def head_dim_of(config: PretrainedConfig) -> int:
 
 class LlamaAttention(nn.Module):
     """GQA attention with rope. Subclasses change what differs through the hooks: the projections'
-    biases, a layer's sliding window, the attention op's layer (build_attention), and q/k/v before rope
-    (project_qkv)."""
+    biases, which projections a layer has (projected_parts), a layer's sliding window, the attention
+    op's layer (build_attention), and q/k/v before rope (project_qkv)."""
 
     def __init__(self, config: PretrainedConfig, layer_index: int, parallel: ModelParallel, backend: Backend) -> None:
         super().__init__()
@@ -51,6 +51,7 @@ class LlamaAttention(nn.Module):
             bias=qkv_bias,
             tp=parallel.attn_tp,
             linear_method=method,
+            parts=self.projected_parts(config, layer_index),
         )
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
@@ -80,6 +81,11 @@ class LlamaAttention(nn.Module):
     def projection_biases(config: PretrainedConfig) -> tuple[bool, bool]:
         """(q/k/v bias, o_proj bias): Llama's attention_bias sets both."""
         return config.attention_bias, config.attention_bias
+
+    @staticmethod
+    def projected_parts(config: PretrainedConfig, layer_index: int) -> str:
+        """Which of q, k, v the layer projects (QKVParallelLinear's parts): all three in Llama."""
+        return "qkv"
 
     @staticmethod
     def layer_sliding_window(config: PretrainedConfig, layer_index: int) -> int | None:
@@ -143,8 +149,11 @@ class LlamaModel(nn.Module):
             [decoder_layer_cls(config, index, parallel, backend) for index in range(config.num_hidden_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend=backend)
-        # One cos/sin table for all layers, looked up once per step.
-        self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
+        self.rotary_emb = self.build_rotary(config)
+
+    def build_rotary(self, config: PretrainedConfig) -> nn.Module:
+        """The rope table(s), looked up once per step: Llama's one cos/sin table serves every layer."""
+        return RotaryEmbedding(config, head_dim_of(config))
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_metadata: ForwardMetaData
@@ -159,10 +168,12 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
-    """The causal LM over LlamaModel. Families that differ only in their layers set decoder_layer_cls;
+    """The causal LM over LlamaModel. Families that differ only in their layers set decoder_layer_cls,
+    those whose layer stack differs (embedding, rope tables, what flows between layers) base_model_cls;
     loading goes one checkpoint tensor at a time through _load_tensor, which they may extend."""
 
     decoder_layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    base_model_cls: type[LlamaModel] = LlamaModel
     # checkpoint module name -> (our fused module, shard id passed to its weight_loader)
     packed_modules_mapping: dict[str, tuple[str, int | str]] = {
         "q_proj": ("qkv_proj", "q"),
@@ -175,7 +186,7 @@ class LlamaForCausalLM(CausalLM):
     def __init__(self, hf_config: PretrainedConfig, *, parallel: ModelParallel = ONE_PROCESS, backend: Backend) -> None:
         super().__init__()
         self.config = hf_config
-        self.model = LlamaModel(hf_config, parallel, self.decoder_layer_cls, backend)
+        self.model = self.base_model_cls(hf_config, parallel, self.decoder_layer_cls, backend)
         self.lm_head = ParallelLMHead(
             hf_config.vocab_size, hf_config.hidden_size, parallel.lmhead_tp, backend.linear_method()
         )
