@@ -110,6 +110,16 @@ def num_experts_of(hf_config: Any) -> int:
     return 0
 
 
+def kv_heads_per_layer(hf_config: Any) -> list[int]:
+    """Each layer's KV heads: from its own config where they differ by layer (a heterogeneous config,
+    transformers' per_layer_config, which refuses a global read of a per-layer key), else the one value."""
+    if getattr(hf_config, "is_heterogeneous", False):
+        configs = list(hf_config.per_layer_config)
+    else:
+        configs = [hf_config]
+    return [getattr(config, "num_key_value_heads", None) or config.num_attention_heads for config in configs]
+
+
 def model_fit_problems(layout: ParallelLayout, hf_config: Any) -> list[str]:
     """Sizes that do not split the model: each split dimension must divide evenly (checked before
     any weight loads, so that a bad layout fails in a second with the dimension named)."""
@@ -120,8 +130,8 @@ def model_fit_problems(layout: ParallelLayout, hf_config: Any) -> list[str]:
         ("dense_tp_size", layout.dense_tp_size, "intermediate_size", hf_config.intermediate_size),
     ]
     if getattr(hf_config, "kv_lora_rank", None) is None:  # MLA's latent cache is not split by heads
-        kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
-        splits.append(("attn_tp_size", layout.attn_tp_size, "num_key_value_heads", kv_heads))
+        for kv_heads in sorted(set(kv_heads_per_layer(hf_config))):
+            splits.append(("attn_tp_size", layout.attn_tp_size, "num_key_value_heads", kv_heads))
     num_experts = num_experts_of(hf_config)
     if num_experts:
         moe_intermediate = getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size
