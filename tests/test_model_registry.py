@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
         ("qwen3_8b", "qwen3"),
         ("qwen3_moe", "qwen3_moe"),
         ("gpt_oss", "gpt_oss"),
+        ("gemma_4", "gemma_4"),
         ("", models.DEFAULT_MODEL_FOLDER),
     ],
 )
@@ -45,7 +46,7 @@ def test_an_unknown_model_name_lists_folders_and_names_on_one_line():
     with pytest.raises(ConfigError) as err:
         check_model_name("gpt9", "run.yaml")
     message = str(err.value)
-    folders = "deepseek_v2, deepseek_v3, gpt_oss, llama, qwen2, qwen3, qwen3_moe"
+    folders = "deepseek_v2, deepseek_v3, gemma_4, gpt_oss, llama, qwen2, qwen3, qwen3_moe"
     assert "\n" not in message and f"available folders: {folders}" in message and "deepseek_r1" in message
 
 
