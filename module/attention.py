@@ -192,12 +192,15 @@ class SharedKVAttention(nn.Module):
         self.source: KVSource | None = None
 
     def read_kv_of(self, layer: Attention) -> None:
-        """Attend over `layer`'s cache from now on: the same head_dim and window, query heads in groups over its KV heads."""
+        """Attend over `layer`'s cache from now on: the same head_dim and window, the query heads in
+        groups over its KV heads."""
         assert layer.head_dim == self.head_dim and layer.sliding_window == self.sliding_window, (
             f"a KV-shared layer (head_dim {self.head_dim}, window {self.sliding_window}) cannot read a cache of "
             f"head_dim {layer.head_dim}, window {layer.sliding_window}"
         )
-        assert self.num_heads % layer.num_kv_heads == 0, f"{self.num_heads} query heads over {layer.num_kv_heads} KV heads"
+        assert self.num_heads % layer.num_kv_heads == 0, (
+            f"{self.num_heads} query heads do not group over {layer.num_kv_heads} KV heads"
+        )
         self.source = KVSource(layer)
 
     def forward(
@@ -205,7 +208,9 @@ class SharedKVAttention(nn.Module):
     ) -> torch.Tensor:
         """query [T, H, D], the source's K/V of this step [T, Hkv, D] (already in its cache) -> [T, H, D]."""
         if self.source is None or self.source.layer.kv_cache_group_id < 0:
-            raise RuntimeError("SharedKVAttention reads no bound cache: link it (read_kv_of) to a layer the worker bound")
+            raise RuntimeError(
+                "SharedKVAttention reads no bound cache: link it (read_kv_of) to a layer the worker bound"
+            )
         source = self.source.layer
         return self.ops.paged_attention(
             query,

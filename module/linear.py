@@ -128,7 +128,8 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         self.parts = parts
         self.num_heads = divide(total_num_heads, tp.size)
         self.num_kv_heads = divide(total_num_kv_heads, tp.size)
-        sizes = {"q": total_num_heads * head_dim, "k": total_num_kv_heads * head_dim, "v": total_num_kv_heads * head_dim}
+        kv_size = total_num_kv_heads * head_dim
+        sizes = {"q": total_num_heads * head_dim, "k": kv_size, "v": kv_size}
         super().__init__(hidden_size, [sizes[part] for part in parts], bias, tp, linear_method)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: ShardId = None) -> None:

@@ -29,7 +29,14 @@ CANN_KEYS = {
         "enable_static_kernel",
     },
     "data_config": {"dataset", "input_truncated_len"},
-    "parallel_config": {"world_size", "attn_tp_size", "moe_tp_size", "embed_tp_size", "lmhead_tp_size", "dense_tp_size"},
+    "parallel_config": {
+        "world_size",
+        "attn_tp_size",
+        "moe_tp_size",
+        "embed_tp_size",
+        "lmhead_tp_size",
+        "dense_tp_size",
+    },
     "scheduler_config": {"max_new_tokens", "batch_size"},
 }
 

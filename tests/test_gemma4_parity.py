@@ -71,9 +71,8 @@ CONFIGS = {
 def save_checkpoint(path: Path, config: transformers.Gemma4TextConfig, seed: int = 0) -> torch.nn.Module:
     """transformers' model with random weights, its norm weights, layer scalars and router scales
     (ones from transformers' init) drawn around one, saved to `path`; returned for reference."""
-    around_one = (1.0, 0.3)
-    redraw = {"norm.weight": around_one, "layer_scalar": around_one, "router.scale": around_one}
-    return save_random_model(path, transformers.Gemma4ForCausalLM, config, seed, redraw | {"per_expert_scale": around_one})
+    redraw = {suffix: (1.0, 0.3) for suffix in ("norm.weight", "layer_scalar", "router.scale", "per_expert_scale")}
+    return save_random_model(path, transformers.Gemma4ForCausalLM, config, seed, redraw)
 
 
 def load_ours(path: Path, config: transformers.Gemma4TextConfig) -> Gemma4ForCausalLM:
@@ -147,7 +146,9 @@ MUTATIONS: list[tuple[str, Callable[[Gemma4ForCausalLM], None]]] = [
 
 
 @pytest.mark.parametrize(("config", "mutation"), MUTATIONS, ids=[m.__name__ for _, m in MUTATIONS])
-def test_a_gemma_mechanism_broken_breaks_the_parity(config: str, mutation: Callable[[Gemma4ForCausalLM], None], tmp_path):
+def test_a_gemma_mechanism_broken_breaks_the_parity(
+    config: str, mutation: Callable[[Gemma4ForCausalLM], None], tmp_path
+):
     overrides, block_size = CONFIGS[config]
     hf_model, ours = parity_models(tmp_path, gemma4_config(**overrides), save_checkpoint, load_ours, block_size)
     prompts = random_prompts([5, 17, 30], seed=1)
@@ -169,7 +170,8 @@ def test_kv_shared_layers_project_only_q_and_read_their_sources_cache():
     model = Gemma4ForCausalLM(config, backend=cpu_backend())
     layers = model.model.layers
     assert [layer.self_attn.qkv_proj.parts for layer in layers] == ["qkv"] * 4 + ["q"] * 2
-    assert [layer.self_attn.attn.source.layer for layer in layers[4:]] == [layers[2].self_attn.attn, layers[3].self_attn.attn]
+    sources = [layer.self_attn.attn.source.layer for layer in layers[4:]]
+    assert sources == [layers[2].self_attn.attn, layers[3].self_attn.attn]
     assert [layer.mlp.down_proj.weight.shape[1] for layer in layers] == [48] * 4 + [96] * 2  # double-wide
 
 

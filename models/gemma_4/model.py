@@ -113,7 +113,9 @@ class Gemma4Attention(LlamaAttention):
         self, config: Gemma4TextConfig, sliding_window: int | None, parallel: ModelParallel
     ) -> Attention | SharedKVAttention:
         if self.reads_shared_kv:  # the model links it to its source layer's Attention
-            return SharedKVAttention(self.num_heads, self.head_dim, scale=1.0, sliding_window=sliding_window, backend=self.ops)
+            return SharedKVAttention(
+                self.num_heads, self.head_dim, scale=1.0, sliding_window=sliding_window, backend=self.ops
+            )
         return Attention(
             self.num_heads, self.num_kv_heads, self.head_dim, scale=1.0, sliding_window=sliding_window, backend=self.ops
         )
@@ -184,7 +186,14 @@ class Gemma4Experts(FusedExperts):
     NEEDED_OPS = ("moe_experts_gelu_tanh",)
 
     def __init__(
-        self, num_experts: int, hidden_size: int, intermediate_size: int, tp: ParallelGroup, ep: ParallelGroup, *, backend: Backend
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        tp: ParallelGroup,
+        ep: ParallelGroup,
+        *,
+        backend: Backend,
     ) -> None:
         super().__init__(num_experts, hidden_size, intermediate_size, tp, ep, backend=backend)
         self.intermediate_size = intermediate_size
@@ -214,7 +223,8 @@ class Gemma4Experts(FusedExperts):
 
     def set_scheme(self, scheme: LinearScheme, method: object, compute_dtype: torch.dtype, at_load: bool) -> None:
         raise QuantizationError(
-            f"Gemma 4's stacked experts are not quantized here ({scheme.describe()}); add the experts to the ignore list"
+            f"Gemma 4's stacked experts are not quantized here ({scheme.describe()}); "
+            "add the experts to the ignore list"
         )
 
     def run_dense_experts(
@@ -240,7 +250,12 @@ class Gemma4DecoderLayer(LlamaDecoderLayer):
         if self.enable_moe_block:
             self.router = Gemma4Router(hidden, config.num_experts, config.top_k_experts, eps, backend=backend)
             self.experts = Gemma4Experts(
-                config.num_experts, hidden, config.moe_intermediate_size, parallel.moe_tp, parallel.moe_ep, backend=backend
+                config.num_experts,
+                hidden,
+                config.moe_intermediate_size,
+                parallel.moe_tp,
+                parallel.moe_ep,
+                backend=backend,
             )
             self.post_feedforward_layernorm_1 = RMSNorm(hidden, eps, backend=backend)
             self.post_feedforward_layernorm_2 = RMSNorm(hidden, eps, backend=backend)
@@ -307,7 +322,9 @@ class Gemma4Model(LlamaModel):
         self.per_layer_size = config.hidden_size_per_layer_input
         if self.per_layer_size:
             width = config.num_hidden_layers * self.per_layer_size
-            self.embed_tokens_per_layer = VocabParallelEmbedding(config.vocab_size_per_layer_input, width, parallel.embed_tp)
+            self.embed_tokens_per_layer = VocabParallelEmbedding(
+                config.vocab_size_per_layer_input, width, parallel.embed_tp
+            )
             self.register_buffer("per_layer_embed_scale", torch.tensor(self.per_layer_size**0.5), persistent=False)
             self.per_layer_model_projection = ColumnParallelLinear(
                 config.hidden_size, width, linear_method=backend.linear_method()
@@ -417,7 +434,8 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
         if len(parts) < 5 or parts[:2] != ["model", "layers"] or parts[3] != "self_attn" or not parts[2].isdigit():
             return False
         index = int(parts[2])
-        return index < self.config.num_hidden_layers and reads_shared_kv(self.config, index) and parts[4] in SHARED_LAYER_UNUSED
+        shared = index < self.config.num_hidden_layers and reads_shared_kv(self.config, index)
+        return shared and parts[4] in SHARED_LAYER_UNUSED
 
     def _shards_needed(self, name: str) -> int:
         """A layer's fused q/k/v takes one tensor per part it holds ("qk" without v, "q" when KV-shared)."""
