@@ -10,6 +10,7 @@ cache tensors beside them, static ones parameters `k_scale` / `v_scale` loaded f
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -161,6 +162,67 @@ class Attention(KVCacheLayer):
             self.scale,
             self.sliding_window,
             **self.kv_scales(),
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class KVSource:
+    """The layer whose cache a SharedKVAttention reads: a reference, not a submodule (its own decoder
+    layer owns it, and the worker finds and binds it there)."""
+
+    layer: Attention
+
+
+class SharedKVAttention(nn.Module):
+    """Attention over another layer's paged K/V (cross-layer KV sharing: Gemma 4's last
+    num_kv_shared_layers layers). It is no KVCacheLayer: it declares no cache spec, so the worker
+    sizes and allocates nothing for it, and it writes nothing; each step it reads its source's
+    tensors through the block table of its source's cache group, with its source's window, scales
+    and this step's K/V (which the source wrote, handed over by the model)."""
+
+    def __init__(
+        self, num_heads: int, head_dim: int, scale: float, sliding_window: int | None = None, *, backend: Backend
+    ) -> None:
+        super().__init__()
+        self.ops = backend
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.sliding_window = sliding_window
+        self.source: KVSource | None = None
+
+    def read_kv_of(self, layer: Attention) -> None:
+        """Attend over `layer`'s cache from now on: the same head_dim and window, the query heads in
+        groups over its KV heads."""
+        assert layer.head_dim == self.head_dim and layer.sliding_window == self.sliding_window, (
+            f"a KV-shared layer (head_dim {self.head_dim}, window {self.sliding_window}) cannot read a cache of "
+            f"head_dim {layer.head_dim}, window {layer.sliding_window}"
+        )
+        assert self.num_heads % layer.num_kv_heads == 0, (
+            f"{self.num_heads} query heads do not group over {layer.num_kv_heads} KV heads"
+        )
+        self.source = KVSource(layer)
+
+    def forward(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, forward_metadata: ForwardMetaData
+    ) -> torch.Tensor:
+        """query [T, H, D], the source's K/V of this step [T, Hkv, D] (already in its cache) -> [T, H, D]."""
+        if self.source is None or self.source.layer.kv_cache_group_id < 0:
+            raise RuntimeError(
+                "SharedKVAttention reads no bound cache: link it (read_kv_of) to a layer the worker bound"
+            )
+        source = self.source.layer
+        return self.ops.paged_attention(
+            query,
+            key,
+            value,
+            source.key_cache,
+            source.value_cache,
+            forward_metadata.groups[source.kv_cache_group_id].block_table,
+            forward_metadata,
+            self.scale,
+            self.sliding_window,
+            **source.kv_scales(),
         )
 
 

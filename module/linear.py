@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from executor.types_.errors import WeightLoadError
 from module.parallel_group import SINGLE, ParallelGroup
 from module.quantized import QuantizableLinear, QuantParam, load_quant_part, load_quant_tensor
 from module.weights import LoadedWeight, ShardId, load_shard
@@ -108,7 +109,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
-    """q, k and v projections in one matmul; heads (not features) are split over ranks."""
+    """q, k and v projections in one matmul; heads (not features) are split over ranks. `parts` names
+    the projections it holds, in order: "qkv", or fewer where a layer has no v ("qk": values are
+    the keys' projection) or no k and v ("q": the layer reads another layer's K/V)."""
 
     def __init__(
         self,
@@ -119,15 +122,20 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         bias: bool = False,
         tp: ParallelGroup = SINGLE,
         linear_method: LinearMethod = PLAIN,
+        parts: str = "qkv",
     ) -> None:
+        assert parts in ("qkv", "qk", "q"), f"QKV parts must be 'qkv', 'qk' or 'q', got {parts!r}"
+        self.parts = parts
         self.num_heads = divide(total_num_heads, tp.size)
         self.num_kv_heads = divide(total_num_kv_heads, tp.size)
-        output_sizes = [total_num_heads * head_dim, total_num_kv_heads * head_dim, total_num_kv_heads * head_dim]
-        super().__init__(hidden_size, output_sizes, bias, tp, linear_method)
+        kv_size = total_num_kv_heads * head_dim
+        sizes = {"q": total_num_heads * head_dim, "k": kv_size, "v": kv_size}
+        super().__init__(hidden_size, [sizes[part] for part in parts], bias, tp, linear_method)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: ShardId = None) -> None:
-        assert shard_id in ("q", "k", "v"), f"QKV shard_id must be 'q', 'k' or 'v', got {shard_id!r}"
-        super().weight_loader(param, loaded_weight, "qkv".index(shard_id))
+        if shard_id not in tuple(self.parts):
+            raise WeightLoadError(f"QKV shard {shard_id!r} is not one of this projection's parts {self.parts!r}")
+        super().weight_loader(param, loaded_weight, self.parts.index(shard_id))
 
 
 class RowParallelLinear(LinearBase):

@@ -1,4 +1,5 @@
-"""The gated (SwiGLU) MLP: down(silu(gate(x)) * up(x)), with gate and up merged into one matmul."""
+"""The gated MLP: down(act(gate(x)) * up(x)), with gate and up merged into one matmul; act is SiLU
+(SwiGLU) or tanh-approximated GELU (GeGLU, Gemma's gelu_pytorch_tanh)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ from torch import nn
 from module.linear import MergedColumnParallelLinear, RowParallelLinear
 from module.parallel_group import SINGLE, ParallelGroup
 from ops.backend import Backend
+
+# config hidden_act -> the backend op that applies it to the gate half and multiplies by the up half
+GATED_ACTIVATIONS = {"silu": "silu_and_mul", "gelu_pytorch_tanh": "gelu_tanh_and_mul"}
 
 
 class GatedMLP(nn.Module):
@@ -28,8 +32,9 @@ class GatedMLP(nn.Module):
     ) -> None:
         super().__init__()
         self.tp = tp
-        if hidden_act != "silu":
-            raise ValueError(f"GatedMLP supports hidden_act 'silu' only, got {hidden_act!r}")
+        if hidden_act not in GATED_ACTIVATIONS:
+            raise ValueError(f"GatedMLP supports hidden_act {sorted(GATED_ACTIVATIONS)}, got {hidden_act!r}")
+        self.act_and_mul = getattr(backend, GATED_ACTIVATIONS[hidden_act])
         method = backend.linear_method()
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden_size, [intermediate_size, intermediate_size], bias=bias, tp=tp, linear_method=method
@@ -44,5 +49,5 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.activation(self.gate_up_proj(x)))
 
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """[T, 2I] (gate, then up) -> [T, I]: silu(gate) * up."""
-        return self.ops.silu_and_mul(gate_up)
+        """[T, 2I] (gate, then up) -> [T, I]: act(gate) * up, act the hidden_act it was built with."""
+        return self.act_and_mul(gate_up)

@@ -12,31 +12,39 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 
-def rope_inv_freq(config: PretrainedConfig, head_dim: int | None = None) -> tuple[torch.Tensor, float]:
-    """(inv_freq [rotary_dim/2] fp32, attention_scaling) for the config's rope_type; a default rope
-    with rope_parameters' partial_rotary_factor < 1 covers int(head_dim x factor) dims only."""
-    rope_type = config.rope_parameters["rope_type"]
+def rope_inv_freq(
+    config: PretrainedConfig, head_dim: int | None = None, layer_type: str | None = None
+) -> tuple[torch.Tensor, float]:
+    """(inv_freq [rotary_dim/2] fp32, attention_scaling) for the config's rope_type; with `layer_type`,
+    for the rope_parameters of that kind of layer (configs that nest them by layer type, as Gemma 4's),
+    over the head_dim of `config` (that layer type's config). A default rope with a
+    partial_rotary_factor < 1 covers int(head_dim x factor) dims only."""
+    parameters = config.rope_parameters if layer_type is None else config.rope_parameters[layer_type]
+    rope_type = parameters["rope_type"]
     if "dynamic" in rope_type or rope_type == "longrope":
         raise ValueError(
             f"rope_type {rope_type!r} changes its frequencies with the sequence length, which a "
             "precomputed cos/sin table cannot follow; it is not supported"
         )
-    factor = config.rope_parameters.get("partial_rotary_factor", 1.0)
-    if rope_type == "default" and factor != 1.0 and head_dim is not None:
+    factor = parameters.get("partial_rotary_factor", 1.0)
+    if rope_type == "default" and (layer_type is not None or (factor != 1.0 and head_dim is not None)):
+        head_dim = head_dim or getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         dim = int(head_dim * factor)
         exponents = torch.arange(0, dim, 2, dtype=torch.float) / dim
-        return 1.0 / (config.rope_parameters["rope_theta"] ** exponents), 1.0
+        return 1.0 / (parameters["rope_theta"] ** exponents), 1.0
     if rope_type == "default":
         return LlamaRotaryEmbedding.compute_default_rope_parameters(config)
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"unknown rope_type {rope_type!r}; transformers knows {sorted(ROPE_INIT_FUNCTIONS)}")
-    return ROPE_INIT_FUNCTIONS[rope_type](config)
+    if layer_type is None:
+        return ROPE_INIT_FUNCTIONS[rope_type](config)
+    return ROPE_INIT_FUNCTIONS[rope_type](config, layer_type=layer_type)
 
 
 class RotaryEmbedding(nn.Module):
-    """The table of rope_inv_freq(config), or of `frequencies` (inv_freq, attention_scaling) where a
-    family has transformers compute them otherwise (per layer type, say). `partial`: the model rotates
-    the first rotary_dim dims of each head only (and says so); else rope must cover the whole head."""
+    """The table of rope_inv_freq(config, head_dim, layer_type), or of `frequencies` (inv_freq,
+    attention_scaling) where a family has transformers compute them otherwise. `partial`: the model
+    rotates the first rotary_dim dims of each head only (and says so); else rope must cover the whole head."""
 
     def __init__(
         self,
@@ -44,9 +52,10 @@ class RotaryEmbedding(nn.Module):
         head_dim: int,
         partial: bool = False,
         frequencies: tuple[torch.Tensor, float] | None = None,
+        layer_type: str | None = None,
     ) -> None:
         super().__init__()
-        inv_freq, attention_scaling = frequencies or rope_inv_freq(config, head_dim)
+        inv_freq, attention_scaling = frequencies or rope_inv_freq(config, head_dim, layer_type)
         self.rotary_dim = 2 * inv_freq.numel()
         if self.rotary_dim > head_dim or (self.rotary_dim != head_dim and not partial):
             raise ValueError(

@@ -52,6 +52,7 @@ class Backend:
     apply_rotary: Op | None = _op()
     silu_and_mul: Op | None = _op()
     clamped_silu_and_mul: Op | None = _op()
+    gelu_tanh_and_mul: Op | None = _op()
     write_kv_cache: Op | None = _op()
     paged_attention: Op | None = _op()
     paged_attention_with_sinks: Op | None = _op()
@@ -63,6 +64,7 @@ class Backend:
     moe_experts_clamped_gate_silu: Op | None = _op()  # DeepSeek-V4's experts
     compressed_kv_attention: Op | None = _op()  # DeepSeek-V4's sliding + compressed KV (ops/compressed_kv.py)
     indexer_topk: Op | None = _op()  # DeepSeek-V4's lightning indexer
+    moe_experts_gelu_tanh: Op | None = _op()
     moe_experts_int8: Op | None = _op()  # W8A8 int8 experts (ops/quantized_experts.py's Int8Experts)
     # linear attention (ops/recurrent_ref.py): the short conv and the gated delta rule over state slots
     causal_conv1d_fn: Op | None = _op()
@@ -207,13 +209,14 @@ def _cpu_quantized_methods(kernels: object | None, dense: LinearMethod, dtype: t
 
 # The ops ops/npu.py implements. The others have a torch reference only so far (MLA and MoE for
 # DeepSeek-V3; attention sinks and biased clamped-SwiGLU experts for gpt-oss; the clamped SiLU-and-mul,
-# dense and in experts, for Step-3.7-Flash): None in the NPU
-# record, so a model needing them is refused there when it is built.
+# dense and in experts, for Step-3.7-Flash; GeGLU experts for Gemma 4): None in the NPU record, so a
+# model needing them is refused there when it is built.
 NPU_OPS = (
     "rms_norm",
     "add_rms_norm",
     "apply_rotary",
     "silu_and_mul",
+    "gelu_tanh_and_mul",
     "write_kv_cache",
     "paged_attention",
     "moe_experts_int8",

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ops import quant_math
+from ops import quant_math, torch_ref
 from ops.attention_metadata import NpuAttentionMetadata
 
 # npu_apply_rotary_pos_emb handles q and k in one kernel but only for these head dims.
@@ -69,6 +69,10 @@ class NpuOps:
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return self.torch_npu.npu_swiglu(x, dim=-1)
+
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """The torch reference: shared/npu-api-facts.md names no fused GeGLU kernel."""
+        return torch_ref.gelu_tanh_and_mul(x)
 
     def write_kv_cache(
         self,

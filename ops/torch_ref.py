@@ -81,6 +81,13 @@ def clamped_silu_and_mul(x: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate).clamp(max=limit) * up.clamp(-limit, limit)
 
 
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] -> [T, I]: gelu(gate) with the tanh approximation (transformers' gelu_pytorch_tanh) times
+    up, gate in the first half: Gemma's GeGLU."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def write_kv_cache(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -624,7 +631,16 @@ def moe_experts_clamped_swiglu(
     """moe_experts with gpt-oss's experts: biased projections (gate_up_bias [E, 2I], down_bias
     [E, H]) and clamped_swiglu(alpha, limit) in place of silu(gate) * up; same layouts otherwise."""
     return grouped_experts(
-        hidden_states, topk_weights, topk_ids, gate_up_proj, down_proj, gate_up_bias, down_bias, alpha, limit
+        hidden_states,
+        topk_weights,
+        topk_ids,
+        gate_up_proj,
+        down_proj,
+        gate_up_bias,
+        down_bias,
+        activation="clamped_swiglu",
+        alpha=alpha,
+        limit=limit,
     )
 
 
@@ -637,7 +653,9 @@ def moe_experts_clamped_silu(
     limit: float,
 ) -> torch.Tensor:
     """moe_experts with clamped_silu_and_mul(limit) in place of silu(gate) * up; same layouts."""
-    return grouped_experts(hidden_states, topk_weights, topk_ids, gate_up_proj, down_proj, silu_limit=limit)
+    return grouped_experts(
+        hidden_states, topk_weights, topk_ids, gate_up_proj, down_proj, activation="clamped_silu", limit=limit
+    )
 
 
 def moe_experts_clamped_gate_silu(
@@ -650,7 +668,9 @@ def moe_experts_clamped_gate_silu(
 ) -> torch.Tensor:
     """moe_experts with DeepSeek-V4's experts: silu(gate) * up with the gate clamped from above at
     `limit` before the SiLU and up to [-limit, limit] (clamped_gate_silu_and_mul); same layouts."""
-    return grouped_experts(hidden_states, topk_weights, topk_ids, gate_up_proj, down_proj, swiglu_limit=limit)
+    return grouped_experts(
+        hidden_states, topk_weights, topk_ids, gate_up_proj, down_proj, activation="clamped_gate_silu", limit=limit
+    )
 
 
 def clamped_gate_silu_and_mul(x: torch.Tensor, limit: float) -> torch.Tensor:
@@ -658,6 +678,17 @@ def clamped_gate_silu_and_mul(x: torch.Tensor, limit: float) -> torch.Tensor:
     Step-3.7-Flash's clamped_silu_and_mul clamps after the SiLU instead)."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+
+
+def moe_experts_gelu_tanh(
+    hidden_states: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+) -> torch.Tensor:
+    """moe_experts with GeGLU experts (gelu_tanh_and_mul in place of silu(gate) * up; Gemma 4); same layouts."""
+    return grouped_experts(hidden_states, topk_weights, topk_ids, gate_up_proj, down_proj, activation="gelu_tanh")
 
 
 def clamped_swiglu(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -706,25 +737,24 @@ def grouped_experts(
     down_proj: torch.Tensor,
     gate_up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
-    swiglu_alpha: float | None = None,
-    swiglu_limit: float | None = None,
-    silu_limit: float | None = None,
+    activation: str = "silu",
+    alpha: float | None = None,
+    limit: float | None = None,
 ) -> torch.Tensor:
-    """The body of moe_experts, moe_experts_clamped_swiglu, moe_experts_clamped_silu and
-    moe_experts_clamped_gate_silu: one matmul pair per expert over its tokens only (run_grouped),
-    adding the biases that are given, with silu(gate) * up or, given silu_limit,
-    clamped_silu_and_mul(silu_limit), given swiglu_alpha and swiglu_limit, clamped_swiglu(swiglu_alpha,
-    swiglu_limit), given swiglu_limit alone, clamped_gate_silu_and_mul(swiglu_limit)."""
-    if silu_limit is not None:
-        activation = functools.partial(clamped_silu_and_mul, limit=silu_limit)
-    elif swiglu_limit is None:
-        activation = silu_and_mul
-    elif swiglu_alpha is None:
-        activation = functools.partial(clamped_gate_silu_and_mul, limit=swiglu_limit)
-    else:
-        activation = functools.partial(clamped_swiglu, alpha=swiglu_alpha, limit=swiglu_limit)
+    """The body of every moe_experts op: one matmul pair per expert over its tokens only (run_grouped),
+    adding the biases that are given, with the gated activation named by `activation`: "silu"
+    (silu(gate) * up), "gelu_tanh" (gelu_tanh_and_mul), "clamped_swiglu" (clamped_swiglu(alpha,
+    limit)), "clamped_silu" (clamped_silu_and_mul(limit)) or "clamped_gate_silu"
+    (clamped_gate_silu_and_mul(limit)). A name, not a function: a custom op takes no callable."""
+    activations = {
+        "silu": silu_and_mul,
+        "gelu_tanh": gelu_tanh_and_mul,
+        "clamped_swiglu": functools.partial(clamped_swiglu, alpha=alpha, limit=limit),
+        "clamped_silu": functools.partial(clamped_silu_and_mul, limit=limit),
+        "clamped_gate_silu": functools.partial(clamped_gate_silu_and_mul, limit=limit),
+    }
     return experts_with_activation(
-        hidden_states, topk_weights, topk_ids, gate_up_proj, down_proj, gate_up_bias, down_bias, activation
+        hidden_states, topk_weights, topk_ids, gate_up_proj, down_proj, gate_up_bias, down_bias, activations[activation]
     )
 
 

@@ -313,3 +313,25 @@ def hy3_config(**overrides: object) -> transformers.HYV3Config:
         moe_intermediate_size=32,
     )
     return parity_config(transformers.HYV3Config, settings, overrides)
+
+
+GEMMA4_WINDOW = 8  # gemma4_config's sliding window
+
+
+def gemma4_config(**overrides: object) -> transformers.Gemma4TextConfig:
+    """Four layers (sliding, full, sliding, full), GQA, head_dim 16 in sliding layers and 32 in full
+    ones (global_head_dim), a window of 8, the logits soft-capped at 3 (the tiny model's logits are of
+    that order, so the cap bends them); overrides change any field (per-layer inputs, KV sharing,
+    k_eq_v, MoE)."""
+    settings = dict(
+        intermediate_size=48,
+        num_hidden_layers=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        global_head_dim=32,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        sliding_window=GEMMA4_WINDOW,
+        final_logit_softcapping=3.0,
+        hidden_size_per_layer_input=0,
+    )
+    return parity_config(transformers.Gemma4TextConfig, settings, overrides)

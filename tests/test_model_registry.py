@@ -37,6 +37,7 @@ MODELS = ROOT / "models"
         ("kimi_linear", "kimi_linear"),
         ("bailing_hybrid", "bailing_hybrid"),
         ("hy3", "hy3"),
+        ("gemma_4", "gemma_4"),
         ("", models.DEFAULT_MODEL_FOLDER),
     ],
 )

@@ -58,6 +58,13 @@ def test_silu_and_mul_gates_with_the_first_half():
     torch.testing.assert_close(cpu_backend().silu_and_mul(x), F.silu(x[:, :5]) * x[:, 5:])
 
 
+def test_gelu_tanh_and_mul_gates_with_the_first_half_by_the_tanh_formula():
+    x = torch.randn(3, 10)
+    gate, up = x[:, :5], x[:, 5:]
+    tanh_gelu = 0.5 * gate * (1 + torch.tanh(math.sqrt(2 / math.pi) * (gate + 0.044715 * gate**3)))
+    torch.testing.assert_close(cpu_backend().gelu_tanh_and_mul(x), tanh_gelu * up)
+
+
 def test_write_kv_cache_puts_each_token_at_its_slot():
     key_cache = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     value_cache = torch.zeros_like(key_cache)
@@ -284,6 +291,21 @@ def test_moe_experts_clamped_silu_matches_the_per_token_formula():
             expected[token] += weight * (down[expert] @ naive_clamped_silu(gate, up, 3.0))
     result = cpu_backend().moe_experts_clamped_silu(hidden_states, topk_weights, topk_ids, gate_up, down, 3.0)
     torch.testing.assert_close(result, expected)
+
+
+def test_moe_experts_gelu_tanh_matches_the_per_token_geglu_formula():
+    num_experts, hidden, intermediate, top_k = 5, 8, 6, 2
+    hidden_states = torch.randn(7, hidden)
+    topk_ids = torch.tensor([[0, 1], [1, 0], [2, 4], [0, 2], [1, 2], [4, 1], [2, 0]])  # expert 3: no token
+    topk_weights = torch.rand(7, top_k)
+    gate_up, down = torch.randn(num_experts, 2 * intermediate, hidden), torch.randn(num_experts, hidden, intermediate)
+    expected = torch.zeros_like(hidden_states)
+    for token, (weights, experts) in enumerate(zip(topk_weights, topk_ids, strict=True)):
+        for weight, expert in zip(weights, experts.tolist(), strict=True):
+            gate, up = (gate_up[expert] @ hidden_states[token]).chunk(2)
+            expected[token] += weight * (down[expert] @ (F.gelu(gate, approximate="tanh") * up))
+    args = (hidden_states, topk_weights, topk_ids, gate_up, down)
+    torch.testing.assert_close(cpu_backend().moe_experts_gelu_tanh(*args), expected)
 
 
 def test_decode_attention_reads_only_up_to_the_longest_sequence_not_the_table_width():

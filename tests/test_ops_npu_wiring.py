@@ -255,6 +255,7 @@ KNOWN_NPU_GAPS = {
     "moe_experts_clamped_swiglu",
     "clamped_silu_and_mul",
     "moe_experts_clamped_silu",
+    "moe_experts_gelu_tanh",
 }
 
 

@@ -35,9 +35,9 @@ def head_dim_of(config: PretrainedConfig) -> int:
 
 class LlamaAttention(nn.Module):
     """GQA attention with rope. Subclasses change what differs through the hooks: the projections'
-    biases, a layer's sliding window, the attention op's layer (build_attention) and its scale,
-    q/k/v before rope (project_qkv), the rope itself (rotate), and the heads' output before o_proj
-    (attend)."""
+    biases, which projections a layer has (projected_parts), a layer's sliding window, the attention
+    op's layer (build_attention) and its scale, q/k/v before rope (project_qkv), the rope itself
+    (rotate), and the heads' output before o_proj (attend)."""
 
     def __init__(self, config: PretrainedConfig, layer_index: int, parallel: ModelParallel, backend: Backend) -> None:
         super().__init__()
@@ -45,7 +45,7 @@ class LlamaAttention(nn.Module):
         method = backend.linear_method()
         qkv_bias, output_bias = self.projection_biases(config)
         self.head_dim = head_dim_of(config)
-        self.qkv_proj = self.build_qkv_proj(config, parallel, qkv_bias, method)
+        self.qkv_proj = self.build_qkv_proj(config, layer_index, parallel, qkv_bias, method)
         self.num_heads = divide(config.num_attention_heads, parallel.attn_tp.size)
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(
@@ -58,9 +58,10 @@ class LlamaAttention(nn.Module):
         self.attn = self.build_attention(config, self.layer_sliding_window(config, layer_index), parallel)
 
     def build_qkv_proj(
-        self, config: PretrainedConfig, parallel: ModelParallel, bias: bool, method: LinearMethod
+        self, config: PretrainedConfig, layer_index: int, parallel: ModelParallel, bias: bool, method: LinearMethod
     ) -> QKVParallelLinear:
-        """The fused q/k/v projection over this rank's heads (gated attention widens its q part)."""
+        """The fused projection of the parts the layer has (projected_parts) over this rank's heads
+        (gated attention widens its q part)."""
         return QKVParallelLinear(
             config.hidden_size,
             self.head_dim,
@@ -69,6 +70,7 @@ class LlamaAttention(nn.Module):
             bias=bias,
             tp=parallel.attn_tp,
             linear_method=method,
+            parts=self.projected_parts(config, layer_index),
         )
 
     def build_attention(
@@ -92,6 +94,11 @@ class LlamaAttention(nn.Module):
     def projection_biases(config: PretrainedConfig) -> tuple[bool, bool]:
         """(q/k/v bias, o_proj bias): Llama's attention_bias sets both."""
         return config.attention_bias, config.attention_bias
+
+    @staticmethod
+    def projected_parts(config: PretrainedConfig, layer_index: int) -> str:
+        """Which of q, k, v the layer projects (QKVParallelLinear's parts): all three in Llama."""
+        return "qkv"
 
     @staticmethod
     def layer_sliding_window(config: PretrainedConfig, layer_index: int) -> int | None:
@@ -175,8 +182,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend=backend)
         self.rotary_emb = self.build_rotary(config)
 
-    @staticmethod
-    def build_rotary(config: PretrainedConfig) -> nn.Module:
+    def build_rotary(self, config: PretrainedConfig) -> nn.Module:
         """(positions [T], dtype) -> what every layer's attention rotates by: here one cos/sin table
         over the whole head for all layers, looked up once per step (a model with partial rope or a
         table per layer type says so)."""
@@ -195,7 +201,8 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
-    """The causal LM over LlamaModel. Families that differ only in their layers set decoder_layer_cls;
+    """The causal LM over LlamaModel. Families that differ only in their layers set decoder_layer_cls,
+    those whose layer stack differs (embedding, rope tables, what flows between layers) base_model_cls;
     loading goes one checkpoint tensor at a time through _load_tensor, which they may extend."""
 
     decoder_layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer

@@ -46,7 +46,7 @@ class Qwen3_5Attention(Qwen3Attention):
     """Gated attention: q_proj's output per head is [query, gate]; partial rope; q/k norms."""
 
     def build_qkv_proj(
-        self, config: PretrainedConfig, parallel: ModelParallel, bias: bool, method: LinearMethod
+        self, config: PretrainedConfig, layer_index: int, parallel: ModelParallel, bias: bool, method: LinearMethod
     ) -> QKVParallelLinear:
         """Twice the query heads: each head's query and then its gate, as q_proj lays them out."""
         return QKVParallelLinear(

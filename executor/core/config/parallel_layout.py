@@ -110,20 +110,24 @@ def num_experts_of(hf_config: Any) -> int:
     return 0
 
 
-def attention_heads_of(hf_config: Any) -> list[int]:
-    """The query head counts of the model's layers: one, or where transformers' config gives layers
-    their own (a heterogeneous config, whose global num_attention_heads is refused), each layer's."""
+def layer_configs(hf_config: Any) -> list[Any]:
+    """The configs the model's layers read: each layer's own where transformers' config gives layers
+    their own (a heterogeneous config, transformers' per_layer_config, which refuses a global read of a
+    per-layer key such as num_attention_heads), else the one config."""
     if getattr(hf_config, "is_heterogeneous", False):
-        return sorted({layer.num_attention_heads for layer in hf_config.per_layer_config})
-    return [hf_config.num_attention_heads]
+        return list(hf_config.per_layer_config)
+    return [hf_config]
 
 
 def model_fit_problems(layout: ParallelLayout, hf_config: Any) -> list[str]:
     """Sizes that do not split the model: each split dimension must divide evenly (checked before
     any weight loads, so that a bad layout fails in a second with the dimension named)."""
-    head_counts = attention_heads_of(hf_config)
+    layers = layer_configs(hf_config)
     splits = [
-        *(("attn_tp_size", layout.attn_tp_size, "num_attention_heads", heads) for heads in head_counts),
+        *(
+            ("attn_tp_size", layout.attn_tp_size, "num_attention_heads", heads)
+            for heads in sorted({layer.num_attention_heads for layer in layers})
+        ),
         ("embed_tp_size", layout.embed_tp_size, "vocab_size", hf_config.vocab_size),
         ("lmhead_tp_size", layout.lmhead_tp_size, "vocab_size", hf_config.vocab_size),
     ]
@@ -133,8 +137,10 @@ def model_fit_problems(layout: ParallelLayout, hf_config: Any) -> list[str]:
             splits.append(("dense_tp_size", layout.dense_tp_size, dense_key, getattr(hf_config, dense_key)))
             break
     if getattr(hf_config, "kv_lora_rank", None) is None:  # MLA's latent cache is not split by heads
-        kv_heads = getattr(hf_config, "num_key_value_heads", None) or head_counts[0]
-        splits.append(("attn_tp_size", layout.attn_tp_size, "num_key_value_heads", kv_heads))
+        for kv_heads in sorted(
+            {getattr(layer, "num_key_value_heads", None) or layer.num_attention_heads for layer in layers}
+        ):
+            splits.append(("attn_tp_size", layout.attn_tp_size, "num_key_value_heads", kv_heads))
     num_experts = num_experts_of(hf_config)
     if num_experts:
         moe_intermediate = getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size
