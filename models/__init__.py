@@ -43,7 +43,6 @@ NOT_BUILT: dict[str, str] = {
         "Attention-2: a fixed per-head slope decay, group RMSNorm), which transformers does not define; "
         "models/bailing_hybrid is Ling 3 (transformers' bailing_hybrid: Kimi delta attention), another architecture"
     ),
-    "gemma_4": "Gemma 4 is not built",
     "longcat_flash_ffn": (
         "cann-recipes' FFN-side model of LongCat-Flash under attention-FFN disaggregation "
         "(custom_params.enable_afd), which is not built; the whole model is longcat_flash"
