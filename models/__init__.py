@@ -36,9 +36,7 @@ DEFAULT_CHECKPOINT = WheelCheckpoint(
 
 # cann-recipes model names whose architecture no folder here builds: the reason is the error.
 NOT_BUILT: dict[str, str] = {
-    "deepseek_v3_2_exp": "DeepSeek-V3.2-Exp adds sparse attention with a lightning indexer to DeepSeek-V3",
     "deepseek_v4": "DeepSeek-V4 is a new architecture, not DeepSeek-V3's",
-    "glm_5": "GLM-5 uses DeepSeek sparse attention (an indexer), which is not built",
     "bailing_2_5": "Bailing 2.5 (Ling) is not built",
     "gemma_4": "Gemma 4 is not built",
     "hy3": "Hunyuan 3 is not built",

@@ -124,12 +124,33 @@ class MLAAttention(KVCacheLayer):
         self, hidden_states: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], forward_metadata: ForwardMetaData
     ) -> torch.Tensor:
         """hidden [T, hidden], rotary (cos, sin) [T, qk_rope_head_dim] -> [T, hidden]."""
+        q_nope, q_pe, _ = self.project_and_cache(hidden_states, rotary, forward_metadata)
+        output = self.ops.mla_attention(
+            q_nope,
+            q_pe,
+            self.latent_cache,
+            self.kv_b_proj.weight,
+            forward_metadata.groups[self.kv_cache_group_id].block_table,
+            forward_metadata,
+            self.scale,
+            self.latent_scale(),
+        )
+        return self.o_proj(output.flatten(1))
+
+    def project_and_cache(
+        self, hidden_states: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], forward_metadata: ForwardMetaData
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The step's queries, rotated, and its latents written to the cache -> (q_nope [T, H, nope],
+        q_pe [T, H, R], the q LoRA's normed latent [T, q_lora_rank] or None without q LoRA), which
+        DSA's indexer reads too."""
         if self.kv_cache_group_id < 0:
             raise RuntimeError("MLAAttention has no KV cache: the worker must call bind_kv_cache before forward")
+        q_resid = None
         if self.q_lora_rank is None:
             query = self.q_proj(hidden_states)
         else:
-            query = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+            q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))
+            query = self.q_b_proj(q_resid)
         q_nope, q_pe = query.view(-1, self.num_heads, query.shape[-1] // self.num_heads).split(
             [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1
         )
@@ -138,25 +159,13 @@ class MLAAttention(KVCacheLayer):
         if self.rope_interleave:
             q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
         q_pe, k_pe = self.ops.apply_rotary(q_pe, k_pe, *rotary)
-        tables = forward_metadata.groups[self.kv_cache_group_id]
         # The cached latent is kv_b_proj's input: quantized as its scheme quantizes inputs (a no-op
         # unquantized), which the absorbed decode and the decompressing prefill then both read.
         latent = self.kv_b_proj.linear_method.quantize_input(self.kv_b_proj, self.kv_a_layernorm(latent))
-        latent_scale = self.latent_scale()
         self.ops.write_latent_cache(
             torch.cat((latent, k_pe.squeeze(1)), dim=-1),
             self.latent_cache,
-            tables.slot_mapping,
-            latent_scale,
+            forward_metadata.groups[self.kv_cache_group_id].slot_mapping,
+            self.latent_scale(),
         )
-        output = self.ops.mla_attention(
-            q_nope,
-            q_pe,
-            self.latent_cache,
-            self.kv_b_proj.weight,
-            tables.block_table,
-            forward_metadata,
-            self.scale,
-            latent_scale,
-        )
-        return self.o_proj(output.flatten(1))
+        return q_nope, q_pe, q_resid

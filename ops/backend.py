@@ -20,7 +20,7 @@ import torch
 from executor.platform import npu_runtime
 from executor.platform.graph_compilers import GraphCompilerFactory, graph_compiler_factory
 from executor.types_.quant_scheme import QUANTIZED_KINDS, W8A8_INT8, WNA16
-from ops import cpu, cpu_kernels, cuda_graph, cuda_quant, torch_ref
+from ops import cpu, cpu_kernels, cuda_graph, cuda_quant, sparse_attention, torch_ref
 from ops.attention_metadata import AttentionMetadataBuilder, NpuMetadataBuilder, TorchMetadataBuilder
 from ops.cpu import CpuOps, cpu_linear_method
 from ops.cpu_quantized import VNNI_FLAGS, CpuInt8Kernels, VnniInt8Linear, Wna16Linear
@@ -56,6 +56,8 @@ class Backend:
     paged_attention_with_sinks: Op | None = _op()
     write_latent_cache: Op | None = _op()
     mla_attention: Op | None = _op()
+    indexer_topk: Op | None = _op()  # DSA's lightning indexer: scores over the paged indexer keys, top-k
+    sparse_mla_attention: Op | None = _op()  # DSA: MLA over the indexer's selected tokens only
     moe_experts: Op | None = _op()
     moe_experts_clamped_swiglu: Op | None = _op()
     moe_experts_int8: Op | None = _op()  # W8A8 int8 experts (ops/quantized_experts.py's Int8Experts)
@@ -100,7 +102,8 @@ def linear_methods(dense: LinearMethod, native: Mapping[str, LinearMethod], devi
     return MappingProxyType({UNQUANTIZED: dense, **plainly, **native})
 
 
-REFERENCE_OPS = {name: getattr(torch_ref, name) for name in OP_NAMES}
+# Every op's torch reference: ops/torch_ref.py's, and DSA's in ops/sparse_attention.py.
+REFERENCE_OPS = {name: getattr(torch_ref, name, None) or getattr(sparse_attention, name) for name in OP_NAMES}
 
 
 def make_backend(
@@ -135,10 +138,11 @@ def _with_decode(decode_attention: Op, names: tuple[str, ...]) -> dict[str, Op]:
     return {name: functools.partial(getattr(torch_ref, name), decode_attention=decode_attention) for name in names}
 
 
-def _cuda_graph_ops() -> dict[str, Op]:
-    """A CUDA graph capture reads no lengths on the host (ops/cuda_graph.py)."""
+def _cuda_graph_ops() -> dict[str, Op | None]:
+    """A CUDA graph capture reads no lengths on the host (ops/cuda_graph.py); DSA's indexer reads
+    each request's length to score only its tokens, so it has no captured form yet."""
     names = ("paged_attention", "paged_attention_with_sinks", "mla_attention")
-    return _with_decode(cuda_graph.paged_decode_attention, names)
+    return {**_with_decode(cuda_graph.paged_decode_attention, names), "indexer_topk": None}
 
 
 def _cpu_backend(dtype: torch.dtype, prepack_weights: bool, use_extension: bool, common: dict) -> Backend:

@@ -157,3 +157,16 @@ def deepseek_v2_config(**overrides: object) -> transformers.DeepseekV2Config:
     (topk_method="group_limited_greedy" with n_group and topk_group)."""
     settings = DEEPSEEK_SETTINGS | dict(q_lora_rank=None, topk_method="greedy", routed_scaling_factor=1.5)
     return parity_config(transformers.DeepseekV2Config, settings, overrides)
+
+
+# What the tiny DSA configs (DeepSeek-V3.2, GLM-5) add to deepseek_config's: an indexer of 4 heads
+# of 16 dims (its rope on the first qk_rope_head_dim = 8) that keeps 6 tokens, fewer than most
+# prompts, so that the selection decides what each query attends to.
+DSA_SETTINGS: dict[str, object] = dict(index_n_heads=4, index_head_dim=16, index_topk=6)
+
+
+def dsa_config(family: str, **overrides: object) -> transformers.PretrainedConfig:
+    """deepseek_config's tiny DeepSeek-V3 shape (q LoRA, 8 experts in 4 groups) as transformers'
+    `family` ("deepseek_v32" or "glm_moe_dsa"), with DSA_SETTINGS; overrides change any field."""
+    settings = DEEPSEEK_SETTINGS | dict(n_group=4, topk_group=2, q_lora_rank=48) | DSA_SETTINGS
+    return parity_config(functools.partial(transformers.AutoConfig.for_model, family), settings, overrides)

@@ -79,8 +79,8 @@ class DeepseekV3DecoderLayer(PreNormDecoderLayer):
 
     def __init__(self, config: DeepseekV3Config, layer_index: int, parallel: ModelParallel, backend: Backend) -> None:
         super().__init__()
-        self.self_attn = self.attention_cls(config, parallel.attn_tp, backend=backend)
-        if layer_index >= config.first_k_dense_replace:
+        self.self_attn = self.build_attention(config, layer_index, parallel, backend)
+        if self.uses_moe(config, layer_index):
             self.mlp = self.moe_cls(config, parallel, backend)
         else:
             self.mlp = GatedMLP(
@@ -88,6 +88,16 @@ class DeepseekV3DecoderLayer(PreNormDecoderLayer):
             )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend=backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend=backend)
+
+    def build_attention(
+        self, config: DeepseekV3Config, layer_index: int, parallel: ModelParallel, backend: Backend
+    ) -> MLAAttention:
+        return self.attention_cls(config, parallel.attn_tp, backend=backend)
+
+    @staticmethod
+    def uses_moe(config: DeepseekV3Config, layer_index: int) -> bool:
+        """MoE after the first first_k_dense_replace layers (the MTP layers' indices included)."""
+        return layer_index >= config.first_k_dense_replace
 
 
 class DeepseekV3MTPLayer(MTPLayerMixin, DeepseekV3DecoderLayer):
@@ -97,6 +107,7 @@ class DeepseekV3MTPLayer(MTPLayerMixin, DeepseekV3DecoderLayer):
 
 class DeepseekV3Model(nn.Module):
     decoder_layer_cls: type[DeepseekV3DecoderLayer] = DeepseekV3DecoderLayer
+    mtp_layer_cls: type[DeepseekV3DecoderLayer] = DeepseekV3MTPLayer
 
     def __init__(self, config: DeepseekV3Config, parallel: ModelParallel, backend: Backend) -> None:
         super().__init__()
@@ -106,7 +117,7 @@ class DeepseekV3Model(nn.Module):
         self.layers = nn.ModuleList(
             [self.decoder_layer_cls(config, index, parallel, backend) for index in range(config.num_hidden_layers)]
             + [
-                DeepseekV3MTPLayer(config, config.num_hidden_layers + index, parallel, backend)
+                self.mtp_layer_cls(config, config.num_hidden_layers + index, parallel, backend)
                 for index in range(self.num_mtp_layers(config))
             ]
         )
@@ -119,11 +130,18 @@ class DeepseekV3Model(nn.Module):
     ) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
         rotary = self.rotary_emb(positions, hidden_states.dtype)
+        hidden_states, residual = self.run_layers(hidden_states, rotary, forward_metadata)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+    def run_layers(
+        self, hidden_states: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], forward_metadata: ForwardMetaData
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder layers (not the MTP ones) in turn -> (output, residual) of the last."""
         residual = None
         for layer in self.layers[: self.num_hidden_layers]:
             hidden_states, residual = layer(hidden_states, residual, rotary, forward_metadata)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
+        return hidden_states, residual
 
     @staticmethod
     def num_mtp_layers(config: DeepseekV3Config) -> int:
