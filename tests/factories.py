@@ -159,10 +159,14 @@ def deepseek_v2_config(**overrides: object) -> transformers.DeepseekV2Config:
     return parity_config(transformers.DeepseekV2Config, settings, overrides)
 
 
-# What the tiny DSA configs (DeepSeek-V3.2, GLM-5) add to deepseek_config's: an indexer of 4 heads
+# What the tiny DSA configs (DeepSeek-V3.2, GLM-5) add to deepseek_config's: an indexer of 16 heads
 # of 16 dims (its rope on the first qk_rope_head_dim = 8) that keeps 6 tokens, fewer than most
-# prompts, so that the selection decides what each query attends to.
-DSA_SETTINGS: dict[str, object] = dict(index_n_heads=4, index_head_dim=16, index_topk=6)
+# prompts, so that the selection decides what each query attends to. 16 heads, not fewer: a token
+# whose every head's relu is 0 scores exactly 0 (probability 2**-heads), and tokens tied at the
+# top-k cut are broken by torch.topk differently over rows of different lengths (a chunked prefill's
+# rows are shorter than a whole prompt's), as transformers' own incremental decode and full forward
+# then differ; real checkpoints have 32 or 64 heads.
+DSA_SETTINGS: dict[str, object] = dict(index_n_heads=16, index_head_dim=16, index_topk=6)
 
 
 def dsa_config(family: str, **overrides: object) -> transformers.PretrainedConfig:

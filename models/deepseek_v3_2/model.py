@@ -6,9 +6,10 @@ V3.2) as models/deepseek_v3/'s classes with DeepSeek sparse attention (module/ds
   first qk_rope_head_dim dims as half-split pairs; MLA's own rope is always interleaved.
 - Dense or MoE per layer by mlp_layer_types (first_k_dense_replace derives it); MoE, routing, MTP
   modules (which carry an indexer of their own) and the loading of DeepSeek's names are V3's.
-- q LoRA is required (transformers builds the DSA attention with it only).
+- q LoRA always (transformers' config takes no null q_lora_rank): the indexer's queries come
+  from its normed latent.
 
-Parity with transformers: tests/test_deepseek_v3_2_parity.py. GLM-5 (models/glm_5) subclasses this.
+Parity with transformers: tests/test_dsa_parity.py, MTP tests/test_dsa_mtp.py. GLM-5 (models/glm_5) subclasses this.
 """
 
 from __future__ import annotations
@@ -109,10 +110,3 @@ class DeepseekV32Model(DeepseekV3Model):
 class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
     base_model_cls = DeepseekV32Model
     family = "DeepSeek-V3.2"
-
-    @staticmethod
-    def check_config(config: DeepseekV32Config) -> None:
-        """V3's routing check, and q LoRA: the indexer's queries come from its normed latent."""
-        DeepseekV3ForCausalLM.check_config(config)
-        if config.q_lora_rank is None:
-            raise ValueError("config q_lora_rank None: DeepSeek sparse attention is built with q LoRA only")

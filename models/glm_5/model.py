@@ -7,7 +7,7 @@ models/deepseek_v3_2/'s classes with GLM's two differences:
   cache) or "shared" (no indexer, no indexer key: the previous full layer's selection). Shared and
   full layers keep different cache specs, so they form two cache groups. MTP layers run their own.
 
-Parity with transformers: tests/test_glm_5_parity.py.
+Parity with transformers: tests/test_dsa_parity.py, MTP tests/test_dsa_mtp.py.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class GlmMoeDsaForCausalLM(DeepseekV32ForCausalLM):
 
     @staticmethod
     def check_config(config: GlmMoeDsaConfig) -> None:
-        """DeepSeek-V3.2's checks, and a first layer that selects: a shared layer reuses one before it."""
+        """DeepSeek-V3's routing check, and a first layer that selects: a shared layer reuses one before it."""
         DeepseekV32ForCausalLM.check_config(config)
         if config.indexer_types and config.indexer_types[0] != "full":
             raise ValueError(f"config indexer_types[0] {config.indexer_types[0]!r}: the first layer must be 'full'")
