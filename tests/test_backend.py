@@ -17,7 +17,7 @@ from executor.types_.quant_scheme import FP8, QUANTIZED_KINDS, W8A8_INT8
 from models.qwen3_moe.model import Qwen3MoeForCausalLM
 from ops import cpu, cpu_kernels, cuda_graph, torch_ref
 from ops.attention_metadata import TorchMetadataBuilder
-from ops.backend import OP_NAMES, make_backend
+from ops.backend import OP_NAMES, REFERENCE_OPS, make_backend
 from ops.cpu import CpuOps
 from ops.cpu_quantized import VnniInt8Linear
 from ops.linear_method import PlainLinear
@@ -52,7 +52,7 @@ def test_without_the_extension_the_cpu_backend_is_the_reference(monkeypatch):
     """Decided once, when the record is made: the ops are the reference's own functions."""
     monkeypatch.setattr(cpu_kernels, "extension", lambda: None)
     backend = make_backend("cpu", "eager", torch.float32)
-    assert all(getattr(backend, name) is getattr(torch_ref, name) for name in OP_NAMES)
+    assert all(getattr(backend, name) is REFERENCE_OPS[name] for name in OP_NAMES)
     assert not isinstance(backend.linear_method(), type(None))
 
 
@@ -67,11 +67,12 @@ def test_each_exe_mode_gets_its_devices_graph_compiler(device_type, exe_mode):
 
 def test_cuda_graph_mode_takes_the_capacity_decode_and_eager_cuda_the_reference():
     eager, graph = make_backend("cuda", "eager"), make_backend("cuda", "npugraph_ex")
-    assert eager.name == "cuda" and all(getattr(eager, name) is getattr(torch_ref, name) for name in OP_NAMES)
+    assert eager.name == "cuda" and all(getattr(eager, name) is REFERENCE_OPS[name] for name in OP_NAMES)
     assert graph.name == "cuda_graph" and graph.rms_norm is torch_ref.rms_norm
     for name in ("paged_attention", "paged_attention_with_sinks", "mla_attention"):
         assert getattr(graph, name).func is getattr(torch_ref, name)
         assert getattr(graph, name).keywords == {"decode_attention": cuda_graph.paged_decode_attention}
+    assert graph.indexer_topk is None  # it reads each request's length on the host: no captured form
     assert isinstance(eager.linear_method(), PlainLinear) and isinstance(graph.linear_method(), PlainLinear)
     assert make_backend("cuda", "ge_graph").name == "cuda"  # inductor: the custom op reads the lengths at run time
 

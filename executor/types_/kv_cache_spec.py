@@ -98,7 +98,7 @@ def dsa_spec(
     dtype: torch.dtype,
     kv_scheme: KVCacheScheme | None = None,
 ) -> KVCacheSpec:
-    """MLA with DeepSeek sparse attention: the latent, and (for a layer that runs its own lightning
+    """MLA with sparse attention: the latent, and (for a layer that runs its own lightning
     indexer, `index_head_dim` not None) the indexer's key of index_head_dim per token. Under a dynamic
     C8 scheme both are int8 with one scale per token; a static scheme has no checkpoint scale for the
     indexer key, which then stays in `dtype`."""
