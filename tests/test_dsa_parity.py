@@ -29,8 +29,14 @@ from module.dsa import SparseMLAAttention
 from ops.sparse_attention import NOT_SELECTED
 from tests import paged_harness
 from tests.backends import cpu_backend
-from tests.engine_harness import ENGINE_CONFIG, check_engine_greedy, generate_random_prompts
-from tests.factories import DSA_SETTINGS, dsa_config
+from tests.engine_harness import (
+    ENGINE_CONFIG,
+    check_engine_greedy,
+    engine_prefill_logits,
+    generate_random_prompts,
+    make_inference,
+)
+from tests.factories import DSA_SETTINGS, dsa_config, tiny_tokenizer
 from tests.paged_harness import (
     PagedModel,
     PagedParityTests,
@@ -39,6 +45,7 @@ from tests.paged_harness import (
     save_random_model,
     single_thread,  # noqa: F401 (an autouse fixture)
 )
+from tests.test_graph_modes import shrinking_batch_records
 
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = PagedParityTests.tolerance
@@ -226,3 +233,52 @@ def test_tiny_random_yaml_runs_end_to_end(folder, tmp_path):
 def test_a_glm_config_whose_first_layer_shares_a_selection_is_refused():
     with pytest.raises(ValueError, match="indexer_types\\[0\\] 'shared'"):
         GlmMoeDsaForCausalLM(dsa_config("glm_moe_dsa", index_topk_pattern="SFF"), backend=cpu_backend())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_ge_graph_decode_equals_eager(family, tmp_path):
+    """The whole engine's greedy output with decode steps through inductor-compiled bucket graphs
+    (the indexer's top-k an opaque op in them) equals the eager run's, token for token."""
+    config = dsa_config(family, **ENGINE_CONFIG, **(GLM_SHARE if family == "glm_moe_dsa" else {}))
+    save_checkpoint(tmp_path, config)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    records = shrinking_batch_records(seed=0)
+    model_config = {"model_name": FAMILIES[family][2]}
+    runs = {}
+    for exe_mode in ("eager", "ge_graph"):
+        inference = make_inference(
+            tmp_path,
+            model_config=model_config | {"exe_mode": exe_mode},
+            batch_size=6,
+            graph_buckets=[1, 2, 4],
+            num_blocks=96,
+            max_model_len=128,
+        )
+        runs[exe_mode] = inference.generate(records)
+    outputs = {mode: [r.output_token_ids for r in run.requests] for mode, run in runs.items()}
+    assert outputs["ge_graph"] == outputs["eager"]
+    assert sum(runs["ge_graph"].summary["graph"]["graph_steps_per_bucket"].values()) > 0
+
+
+def test_a_c8_cache_holds_the_indexer_keys_in_int8_and_stays_near_the_float_cache(tmp_path):
+    """model_config.quantization c8 (dynamic): every layer's latent and indexer key are int8 with a
+    scale per token, and the prefill logits stay near the float cache's."""
+    save_checkpoint(tmp_path, dsa_config("deepseek_v32", **ENGINE_CONFIG))
+    tiny_tokenizer().save_pretrained(tmp_path)
+    prompts = random_prompts((9, 20, 14), seed=6)
+    logits = {}
+    for quantization in (None, "c8"):
+        model_config = {"model_name": "deepseek_v3_2_exp"} | ({"quantization": quantization} if quantization else {})
+        inference = make_inference(tmp_path, model_config=model_config, num_blocks=32, max_model_len=128)
+        logits[quantization] = engine_prefill_logits(inference, prompts)
+    specs = [m.kv_cache_spec() for m in inference.engine.worker.model.modules() if isinstance(m, SparseMLAAttention)]
+    for spec in specs:
+        assert {t.name: t.dtype for t in spec.tensors} == {
+            "latent": torch.int8,
+            "latent_scale": torch.float32,
+            "index_key": torch.int8,
+            "index_key_scale": torch.float32,
+        }
+    scale = logits[None].abs().max()
+    assert (logits["c8"] - logits[None]).abs().max() <= 0.1 * scale
