@@ -2,7 +2,8 @@
 
 Times the two DSA ops of one decode step directly (ops/sparse_attention.py, the CPU record's forms),
 on caches filled at every slot of every request: the indexer (scores over every cached token, then
-top-k) and the sparse MLA attention (over the k selected tokens only). Medians over repeats. The
+top-k) and the sparse MLA attention (over the k selected tokens only). Medians over repeats, the
+contexts taken in turn. The
 indexer's time grows with the context; the attention's should not, since it gathers k latents per
 query whatever the context.
 
@@ -21,7 +22,7 @@ import torch
 
 from executor.types_.model_inputs import ScheduledSequence, build_step_layout
 from ops.attention_metadata import TorchAttentionMetadata, TorchMetadataBuilder
-from ops.backend import make_backend
+from ops.backend import Backend, make_backend
 
 BLOCK_SIZE = 128
 
@@ -37,14 +38,39 @@ def decode_metadata(batch: int, context: int) -> TorchAttentionMetadata:
     return TorchMetadataBuilder(torch.device("cpu")).build(layout)
 
 
-def median_ms(run: Callable[[], object], repeats: int) -> float:
-    run()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+def timed_ms(run: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    run()
+    return (time.perf_counter() - start) * 1e3
+
+
+def decode_ops(args: argparse.Namespace, ops: Backend, context: int) -> tuple[Callable[[], object], Callable[[], object]]:
+    """(the indexer, the sparse attention) of one decode step over caches filled at every slot of
+    `batch` requests of `context` tokens each."""
+    metadata = decode_metadata(args.batch, context)
+    tables = metadata.groups[0]
+    num_blocks = 1 + args.batch * -(-context // BLOCK_SIZE)
+    index_cache = torch.randn(num_blocks, BLOCK_SIZE, args.index_head_dim)
+    latent_cache = torch.randn(num_blocks, BLOCK_SIZE, args.kv_lora_rank + args.rope_dim)
+    index_query = torch.randn(args.batch, args.index_heads, args.index_head_dim)
+    weights = torch.randn(args.batch, args.index_heads)
+    scale = args.index_head_dim**-0.5
+
+    def indexer() -> torch.Tensor:
+        return ops.indexer_topk(index_query, weights, index_cache, tables.block_table, metadata, scale, args.topk)
+
+    selection = indexer()
+    q_nope = torch.randn(args.batch, args.heads, args.nope_dim)
+    q_pe = torch.randn(args.batch, args.heads, args.rope_dim)
+    kv_b_weight = torch.randn(args.heads * (args.nope_dim + args.v_dim), args.kv_lora_rank) * 0.05
+
+    def attention() -> torch.Tensor:
+        return ops.sparse_mla_attention(
+            q_nope, q_pe, latent_cache, kv_b_weight, tables.block_table, selection, metadata, 0.07
+        )
+
+    attention()  # warm-up
+    return indexer, attention
 
 
 def main() -> None:
@@ -69,32 +95,14 @@ def main() -> None:
         f"indexer {args.index_heads} heads x {args.index_head_dim}; fp32, medians of {args.repeats}"
     )
     print(f"{'context':>8} {'indexer ms':>11} {'sparse MLA ms':>14}")
-    for context in args.contexts:
-        metadata = decode_metadata(args.batch, context)
-        tables = metadata.groups[0]
-        num_blocks = 1 + args.batch * -(-context // BLOCK_SIZE)
-        index_cache = torch.randn(num_blocks, BLOCK_SIZE, args.index_head_dim)
-        latent_cache = torch.randn(num_blocks, BLOCK_SIZE, args.kv_lora_rank + args.rope_dim)
-        index_query = torch.randn(args.batch, args.index_heads, args.index_head_dim)
-        weights = torch.randn(args.batch, args.index_heads)
-        scale = args.index_head_dim**-0.5
-        selection = ops.indexer_topk(
-            index_query, weights, index_cache, tables.block_table, metadata, scale, args.topk
-        )
-        q_nope = torch.randn(args.batch, args.heads, args.nope_dim)
-        q_pe = torch.randn(args.batch, args.heads, args.rope_dim)
-        kv_b_weight = torch.randn(args.heads * (args.nope_dim + args.v_dim), args.kv_lora_rank) * 0.05
-        indexer_ms = median_ms(
-            lambda: ops.indexer_topk(index_query, weights, index_cache, tables.block_table, metadata, scale, args.topk),
-            args.repeats,
-        )
-        attention_ms = median_ms(
-            lambda: ops.sparse_mla_attention(
-                q_nope, q_pe, latent_cache, kv_b_weight, tables.block_table, selection, metadata, 0.07
-            ),
-            args.repeats,
-        )
-        print(f"{context:>8} {indexer_ms:>11.3f} {attention_ms:>14.3f}")
+    runs = {context: decode_ops(args, ops, context) for context in args.contexts}
+    samples: dict[int, tuple[list[float], list[float]]] = {context: ([], []) for context in args.contexts}
+    for repeat in range(args.repeats):  # the contexts alternate, so a drift over the run hits both alike
+        for context in args.contexts if repeat % 2 == 0 else reversed(args.contexts):
+            for run, times in zip(runs[context], samples[context], strict=True):
+                times.append(timed_ms(run))
+    for context, (indexer_ms, attention_ms) in samples.items():
+        print(f"{context:>8} {statistics.median(indexer_ms):>11.3f} {statistics.median(attention_ms):>14.3f}")
 
 
 if __name__ == "__main__":
