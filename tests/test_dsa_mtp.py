@@ -1,7 +1,8 @@
 """DeepSeek-V3.2's and GLM-5's MTP modules (DeepSeek-V3's path, module/mtp.py) on the paged path
 against tests/test_deepseek_v3_mtp.py's direct reference: the checkpoint's MTP tensors applied with
 plain torch to whole sequences, each module's decoder block (with an indexer of its own, here
-selecting 6 of up to 12 tokens) run as transformers' decoder layer with a causal mask."""
+selecting 6 of up to 12 tokens) run as transformers' decoder layer with a causal mask; and MTP
+speculative decoding through the engine gives the greedy output."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from models.glm_5 import GlmMoeDsaForCausalLM
 from module.dsa import SparseMLAAttention
 from tests import paged_harness
 from tests.deepseek_v3_harness import save_checkpoint
-from tests.factories import dsa_config
+from tests.engine_harness import ENGINE_CONFIG, make_inference, token_records
+from tests.factories import dsa_config, tiny_tokenizer
 from tests.paged_harness import (
     PagedModel,
     random_prompts,
@@ -87,3 +89,33 @@ def test_mtp_prefill_and_decode_match_the_direct_reference(setup):
         for (hidden, logits), (ref_hidden, ref_logits) in zip(decode_outputs, expected, strict=True):
             assert (hidden[row] - ref_hidden[-1]).abs().max() <= TOLERANCE
             assert (logits[row] - ref_logits[-1]).abs().max() <= TOLERANCE
+
+
+def speculative_greedy(path, model_name: str, next_n: int) -> tuple[list[list[int]], dict]:
+    """The engine's greedy outputs with next_n MTP drafts per step (0: none), prompts of 33 and 40
+    tokens prefilled in chunks, over the indexer's selection in every verify step."""
+    records = token_records(random_prompts([1, 5, 17, 33, 8, 40, 3], seed=5))
+    for index, record in enumerate(records):
+        record.sampling_overrides["max_new_tokens"] = 6 + 4 * index
+    inference = make_inference(
+        path,
+        model_config={"model_name": model_name, "next_n": next_n},
+        batch_size=4,
+        max_prefill_tokens=24,
+        max_new_tokens=40,
+    )
+    result = inference.generate(records)
+    return [r.output_token_ids for r in result.requests], result.summary
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_mtp_speculation_gives_the_greedy_output(family, tmp_path):
+    hf_cls, _, overrides = FAMILIES[family]
+    config = dsa_config(family, num_nextn_predict_layers=1, **ENGINE_CONFIG, **overrides)
+    save_checkpoint(tmp_path, config, hf_model_cls=hf_cls)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    model_name = {"deepseek_v32": "deepseek_v3_2_exp", "glm_moe_dsa": "glm_5"}[family]
+    expected, _ = speculative_greedy(tmp_path, model_name, 0)
+    outputs, summary = speculative_greedy(tmp_path, model_name, 1)
+    assert outputs == expected
+    assert summary["speculative"]["draft_tokens"] > 0
