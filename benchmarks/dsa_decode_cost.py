@@ -2,8 +2,8 @@
 
 Times the two DSA ops of one decode step directly (ops/sparse_attention.py, the CPU record's forms),
 on caches filled at every slot of every request: the indexer (scores over every cached token, then
-top-k) and the sparse MLA attention (over the k selected tokens only). Medians over repeats, the
-contexts taken in turn. The
+top-k) and the sparse MLA attention (over the k selected tokens only), in CPU time on one thread.
+Medians over repeats, the contexts taken in turn. The
 indexer's time grows with the context; the attention's should not, since it gathers k latents per
 query whatever the context.
 
@@ -39,9 +39,11 @@ def decode_metadata(batch: int, context: int) -> TorchAttentionMetadata:
 
 
 def timed_ms(run: Callable[[], object]) -> float:
-    start = time.perf_counter()
+    """The CPU time `run` takes, not the wall time: on a shared machine other processes' load would
+    otherwise be measured too (one thread, so the two are the same on an idle one)."""
+    start = time.process_time()
     run()
-    return (time.perf_counter() - start) * 1e3
+    return (time.process_time() - start) * 1e3
 
 
 def decode_ops(args: argparse.Namespace, ops: Backend, context: int) -> tuple[Callable[[], object], Callable[[], object]]:
@@ -88,11 +90,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
     torch.manual_seed(0)
+    torch.set_num_threads(1)
     ops = make_backend("cpu", "eager", torch.float32)
     print(
         f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}; batch {args.batch}, "
         f"top-k {args.topk}, MLA {args.heads} heads (latent {args.kv_lora_rank} + rope {args.rope_dim}), "
-        f"indexer {args.index_heads} heads x {args.index_head_dim}; fp32, medians of {args.repeats}"
+        f"indexer {args.index_heads} heads x {args.index_head_dim}; fp32, CPU time, medians of {args.repeats}"
     )
     print(f"{'context':>8} {'indexer ms':>11} {'sparse MLA ms':>14}")
     runs = {context: decode_ops(args, ops, context) for context in args.contexts}
