@@ -36,8 +36,6 @@ DEFAULT_CHECKPOINT = WheelCheckpoint(
 
 # cann-recipes model names whose architecture no folder here builds: the reason is the error.
 NOT_BUILT: dict[str, str] = {
-    "deepseek_v3_2_exp": "DeepSeek-V3.2-Exp adds sparse attention with a lightning indexer to DeepSeek-V3",
-    "glm_5": "GLM-5 uses DeepSeek sparse attention (an indexer), which is not built",
     "bailing_2_5": (
         "Bailing 2.5 (Ling 2.5, BailingMoeV2_5) mixes MLA with simple gated linear attention (Lightning "
         "Attention-2: a fixed per-head slope decay, group RMSNorm), which transformers does not define; "

@@ -107,7 +107,7 @@ class Compressor(nn.Module):
 class Indexer(nn.Module):
     """The lightning indexer of compressed sparse attention: its own overlapping compressor at
     index_head_dim, queries from the attention's q latent (wq_b), per-head weights (weights_proj);
-    picks index_topk entries per query (ops indexer_topk)."""
+    picks index_topk entries per query (ops compressed_indexer_topk)."""
 
     def __init__(self, config: PretrainedConfig, ratio: int, *, backend: Backend) -> None:
         super().__init__()
@@ -142,7 +142,7 @@ class Indexer(nn.Module):
         query = self.wq_b(q_latent).view(-1, self.num_heads, self.head_dim)
         query = apply_interleaved_rope(query, *rope(positions, "compress", query.dtype))
         head_weights = self.weights_proj(hidden_states).float() * self.num_heads**-0.5
-        return self.ops.indexer_topk(
+        return self.ops.compressed_indexer_topk(
             query, head_weights, entries, block_table, forward_metadata, positions, self.ratio, self.top_k,
             self.head_dim**-0.5,
         )

@@ -26,12 +26,20 @@ class PreNormDecoderLayer(nn.Module):
         rotary: tuple[torch.Tensor, torch.Tensor],
         forward_metadata: ForwardMetaData,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states, residual = self.pre_attention(hidden_states, residual)
         hidden_states = self.mix_tokens(hidden_states, rotary, forward_metadata)
+        return self.post_attention(hidden_states, residual)
+
+    def pre_attention(
+        self, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The input norm, with the previous layer's residual added (None in the first layer)."""
+        if residual is None:
+            return self.input_layernorm(hidden_states), hidden_states
+        return self.input_layernorm(hidden_states, residual)
+
+    def post_attention(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention output added to the residual, normed, through the MLP -> (output, residual)."""
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 

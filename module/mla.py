@@ -91,11 +91,13 @@ class MLAAttention(KVCacheLayer):
         """Whether the rope dims come as interleaved pairs: the config's rope_interleave (DeepSeek-V3's)."""
         return config.rope_interleave
 
-    def project_query(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """hidden [T, hidden] -> every head's query [T, heads * qk_head_dim], through the q LoRA or q_proj."""
+    def project_query(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """hidden [T, hidden] -> (every head's query [T, heads * qk_head_dim], through the q LoRA or
+        q_proj; the q LoRA's normed latent [T, q_lora_rank], which DSA's indexer reads, or None)."""
         if self.q_lora_rank is None:
-            return self.q_proj(hidden_states)
-        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+            return self.q_proj(hidden_states), None
+        q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))
+        return self.q_b_proj(q_resid), q_resid
 
     def normed_latent(self, latent: torch.Tensor) -> torch.Tensor:
         """The compressed KV [T, kv_lora_rank] as cached and decompressed: kv_a_layernorm's output."""
@@ -150,33 +152,40 @@ class MLAAttention(KVCacheLayer):
         self, hidden_states: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], forward_metadata: ForwardMetaData
     ) -> torch.Tensor:
         """hidden [T, hidden], rotary (cos, sin) [T, qk_rope_head_dim] -> [T, hidden]."""
-        if self.kv_cache_group_id < 0:
-            raise RuntimeError("MLAAttention has no KV cache: the worker must call bind_kv_cache before forward")
-        query = self.project_query(hidden_states)
-        q_nope, q_pe = query.view(-1, self.num_heads, query.shape[-1] // self.num_heads).split(
-            [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1
-        )
-        latent, k_pe = self.kv_a_proj_with_mqa(hidden_states).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        q_pe, k_pe = self.rotate(q_pe, k_pe.unsqueeze(1), rotary)  # k_pe [T, 1, R]: one rope key for every head
-        tables = forward_metadata.groups[self.kv_cache_group_id]
-        # The cached latent is kv_b_proj's input: quantized as its scheme quantizes inputs (a no-op
-        # unquantized), which the absorbed decode and the decompressing prefill then both read.
-        latent = self.kv_b_proj.linear_method.quantize_input(self.kv_b_proj, self.normed_latent(latent))
-        latent_scale = self.latent_scale()
-        self.ops.write_latent_cache(
-            torch.cat((latent, k_pe.squeeze(1)), dim=-1),
-            self.latent_cache,
-            tables.slot_mapping,
-            latent_scale,
-        )
+        q_nope, q_pe, _ = self.project_and_cache(hidden_states, rotary, forward_metadata)
         output = self.ops.mla_attention(
             q_nope,
             q_pe,
             self.latent_cache,
             self.kv_b_proj.weight,
-            tables.block_table,
+            forward_metadata.groups[self.kv_cache_group_id].block_table,
             forward_metadata,
             self.scale,
-            latent_scale,
+            self.latent_scale(),
         )
         return self.o_proj(self.gate_output(output, hidden_states).flatten(1))
+
+    def project_and_cache(
+        self, hidden_states: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], forward_metadata: ForwardMetaData
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The step's queries, rotated, and its latents written to the cache -> (q_nope [T, H, nope],
+        q_pe [T, H, R], the q LoRA's normed latent [T, q_lora_rank] or None without q LoRA), which
+        DSA's indexer reads too."""
+        if self.kv_cache_group_id < 0:
+            raise RuntimeError("MLAAttention has no KV cache: the worker must call bind_kv_cache before forward")
+        query, q_resid = self.project_query(hidden_states)
+        q_nope, q_pe = query.view(-1, self.num_heads, query.shape[-1] // self.num_heads).split(
+            [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1
+        )
+        latent, k_pe = self.kv_a_proj_with_mqa(hidden_states).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        q_pe, k_pe = self.rotate(q_pe, k_pe.unsqueeze(1), rotary)  # k_pe [T, 1, R]: one rope key for every head
+        # The cached latent is kv_b_proj's input: quantized as its scheme quantizes inputs (a no-op
+        # unquantized), which the absorbed decode and the decompressing prefill then both read.
+        latent = self.kv_b_proj.linear_method.quantize_input(self.kv_b_proj, self.normed_latent(latent))
+        self.ops.write_latent_cache(
+            torch.cat((latent, k_pe.squeeze(1)), dim=-1),
+            self.latent_cache,
+            forward_metadata.groups[self.kv_cache_group_id].slot_mapping,
+            self.latent_scale(),
+        )
+        return q_nope, q_pe, q_resid

@@ -20,7 +20,7 @@ import torch
 from executor.platform import npu_runtime
 from executor.platform.graph_compilers import GraphCompilerFactory, graph_compiler_factory
 from executor.types_.quant_scheme import QUANTIZED_KINDS, W8A8_INT8, WNA16
-from ops import compressed_kv, cpu, cpu_kernels, cuda_graph, cuda_quant, torch_ref
+from ops import compressed_kv, cpu, cpu_kernels, cuda_graph, cuda_quant, sparse_attention, torch_ref
 from ops.attention_metadata import AttentionMetadataBuilder, NpuMetadataBuilder, TorchMetadataBuilder
 from ops.cpu import CpuOps, cpu_linear_method
 from ops.cpu_quantized import VNNI_FLAGS, CpuInt8Kernels, VnniInt8Linear, Wna16Linear
@@ -58,12 +58,14 @@ class Backend:
     paged_attention_with_sinks: Op | None = _op()
     write_latent_cache: Op | None = _op()
     mla_attention: Op | None = _op()
+    indexer_topk: Op | None = _op()  # DSA's lightning indexer: scores over the paged indexer keys, top-k
+    sparse_mla_attention: Op | None = _op()  # DSA: MLA over the indexer's selected tokens only
     moe_experts: Op | None = _op()
     moe_experts_clamped_swiglu: Op | None = _op()
     moe_experts_clamped_silu: Op | None = _op()
     moe_experts_clamped_gate_silu: Op | None = _op()  # DeepSeek-V4's experts
     compressed_kv_attention: Op | None = _op()  # DeepSeek-V4's sliding + compressed KV (ops/compressed_kv.py)
-    indexer_topk: Op | None = _op()  # DeepSeek-V4's lightning indexer
+    compressed_indexer_topk: Op | None = _op()  # DeepSeek-V4's lightning indexer over compressed entries
     moe_experts_gelu_tanh: Op | None = _op()
     moe_experts_int8: Op | None = _op()  # W8A8 int8 experts (ops/quantized_experts.py's Int8Experts)
     # linear attention (ops/recurrent_ref.py): the short conv and the gated delta rule over state slots
@@ -127,10 +129,12 @@ RECURRENT_OPS = (
     "chunk_kda",
     "recurrent_kda",
 )
-# The torch reference of every op: ops/torch_ref.py, and DeepSeek-V4's compressed KV in ops/compressed_kv.py.
-COMPRESSED_KV_OPS = ("compressed_kv_attention", "indexer_topk")
+# The torch reference of every op: ops/torch_ref.py's, DSA's in ops/sparse_attention.py and DeepSeek-V4's
+# compressed KV in ops/compressed_kv.py.
+COMPRESSED_KV_OPS = ("compressed_kv_attention", "compressed_indexer_topk")
 REFERENCE_OPS = {
-    name: getattr(compressed_kv, name) if name in COMPRESSED_KV_OPS else getattr(torch_ref, name) for name in OP_NAMES
+    name: next(getattr(module, name) for module in (torch_ref, sparse_attention, compressed_kv) if hasattr(module, name))
+    for name in OP_NAMES
 }
 # Ops no device has a form of in shared/npu-api-facts.md: the NPU record runs their torch reference.
 NPU_REFERENCE_OPS = (*RECURRENT_OPS, *COMPRESSED_KV_OPS, "moe_experts_clamped_gate_silu")
@@ -168,10 +172,11 @@ def _with_decode(decode_attention: Op, names: tuple[str, ...]) -> dict[str, Op]:
     return {name: functools.partial(getattr(torch_ref, name), decode_attention=decode_attention) for name in names}
 
 
-def _cuda_graph_ops() -> dict[str, Op]:
-    """A CUDA graph capture reads no lengths on the host (ops/cuda_graph.py)."""
+def _cuda_graph_ops() -> dict[str, Op | None]:
+    """A CUDA graph capture reads no lengths on the host (ops/cuda_graph.py); DSA's indexer reads
+    each request's length to score only its tokens, so it has no captured form yet."""
     names = ("paged_attention", "paged_attention_with_sinks", "mla_attention")
-    return _with_decode(cuda_graph.paged_decode_attention, names)
+    return {**_with_decode(cuda_graph.paged_decode_attention, names), "indexer_topk": None}
 
 
 def _cpu_backend(dtype: torch.dtype, prepack_weights: bool, use_extension: bool, common: dict) -> Backend:

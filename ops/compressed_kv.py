@@ -133,7 +133,7 @@ def _(query: torch.Tensor, *args: object) -> torch.Tensor:
     return torch.empty_like(query)
 
 
-def indexer_topk(
+def compressed_indexer_topk(
     query: torch.Tensor,
     head_weights: torch.Tensor,
     index_cache: torch.Tensor,
@@ -155,11 +155,11 @@ def indexer_topk(
     rows = token_rows(forward_metadata, query.shape[0], query.device)
     seq_lens = request_seq_lens(forward_metadata, query.device)
     caches = (index_cache, block_table, rows, seq_lens)
-    return _indexer_topk(query, head_weights, *caches, positions, ratio, top_k, softmax_scale)
+    return _compressed_indexer_topk(query, head_weights, *caches, positions, ratio, top_k, softmax_scale)
 
 
-@torch.library.custom_op("infer_recipes::indexer_topk", mutates_args=())
-def _indexer_topk(
+@torch.library.custom_op("infer_recipes::compressed_indexer_topk", mutates_args=())
+def _compressed_indexer_topk(
     query: torch.Tensor,
     head_weights: torch.Tensor,
     index_cache: torch.Tensor,
@@ -191,7 +191,7 @@ def _indexer_topk(
     return selected
 
 
-@_indexer_topk.register_fake
+@_compressed_indexer_topk.register_fake
 def _(query: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.Tensor, *args: object) -> torch.Tensor:
     top_k = args[-2]
     return query.new_empty((query.shape[0], top_k), dtype=torch.int64)

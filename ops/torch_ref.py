@@ -482,7 +482,7 @@ def write_latent_cache(
     _write_rows(latent.unsqueeze(1), latent_cache.unsqueeze(2), slot_mapping, latent_scale)
 
 
-def _split_kv_b(kv_b_weight: torch.Tensor, num_heads: int, qk_nope_head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def split_kv_b(kv_b_weight: torch.Tensor, num_heads: int, qk_nope_head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """kv_b_proj's weight [H * (nope + v), L] as W_UK [H, nope, L] and W_UV [H, v, L] (views)."""
     per_head = kv_b_weight.view(num_heads, -1, kv_b_weight.shape[-1])
     return per_head.split([qk_nope_head_dim, per_head.shape[1] - qk_nope_head_dim], dim=1)
@@ -558,7 +558,7 @@ def mla_decode_absorbed(
     gathering the latents twice and R / (L + R) extra work in the value product.
     """
     kv_lora_rank = latent_cache.shape[-1] - q_pe.shape[-1]
-    w_uk, w_uv = _split_kv_b(kv_b_weight, q_nope.shape[1], q_nope.shape[2])
+    w_uk, w_uv = split_kv_b(kv_b_weight, q_nope.shape[1], q_nope.shape[2])
     q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [H, B, nope] @ [H, nope, L]
     cache = latent_cache.unsqueeze(2)  # [num_blocks, block_size, 1, L + R]
     query = torch.cat((q_latent, q_pe), dim=-1)

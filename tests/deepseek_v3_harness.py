@@ -16,9 +16,18 @@ from tests import paged_harness
 from tests.paged_harness import save_random_model
 
 
-def save_checkpoint(path: Path, config: transformers.DeepseekV3Config, seed: int = 0) -> torch.nn.Module:
+# Per-layer lists of a config (DeepSeek-V3.2's and GLM-5's) and what an MTP layer past them is.
+MTP_LAYER_TYPES = {"mlp_layer_types": "sparse", "layer_types": "indexed_attention", "indexer_types": "full"}
+
+
+def save_checkpoint(
+    path: Path,
+    config: transformers.PretrainedConfig,
+    seed: int = 0,
+    hf_model_cls: type[transformers.PreTrainedModel] = transformers.DeepseekV3ForCausalLM,
+) -> torch.nn.Module:
     """Write a model folder for `config` (config.json + model.safetensors with DeepSeek's tensor
-    names) and return transformers' model with the same weights: random, with the routers'
+    names) and return transformers' model (`hf_model_cls`) with the same weights: random, with the routers'
     score-correction biases and the linear biases (which transformers initialises to zero) drawn too.
 
     With config.num_nextn_predict_layers > 0 the folder holds the MTP modules too: their decoder
@@ -30,7 +39,10 @@ def save_checkpoint(path: Path, config: transformers.DeepseekV3Config, seed: int
     num_layers, num_mtp = config.num_hidden_layers, config.num_nextn_predict_layers or 0
     deeper = copy.deepcopy(config)
     deeper.num_hidden_layers = num_layers + num_mtp
-    model = save_random_model(path, transformers.DeepseekV3ForCausalLM, deeper, seed, redraw={"bias": (0.0, 0.1)})
+    for key, mtp_type in MTP_LAYER_TYPES.items():
+        if getattr(deeper, key, None) is not None:
+            setattr(deeper, key, list(getattr(deeper, key)) + [mtp_type] * num_mtp)
+    model = save_random_model(path, hf_model_cls, deeper, seed, redraw={"bias": (0.0, 0.1)})
     model.config.num_hidden_layers = num_layers
     tensors = load_file(str(path / "model.safetensors"))
     hidden = config.hidden_size

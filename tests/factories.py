@@ -335,3 +335,20 @@ def gemma4_config(**overrides: object) -> transformers.Gemma4TextConfig:
         hidden_size_per_layer_input=0,
     )
     return parity_config(transformers.Gemma4TextConfig, settings, overrides)
+
+
+# What the tiny DSA configs (DeepSeek-V3.2, GLM-5) add to deepseek_config's: an indexer of 16 heads
+# of 16 dims (its rope on the first qk_rope_head_dim = 8) that keeps 6 tokens, fewer than most
+# prompts, so that the selection decides what each query attends to. 16 heads, not fewer: a token
+# whose every head's relu is 0 scores exactly 0 (probability 2**-heads), and tokens tied at the
+# top-k cut are broken by torch.topk differently over rows of different lengths (a chunked prefill's
+# rows are shorter than a whole prompt's), as transformers' own incremental decode and full forward
+# then differ; real checkpoints have 32 or 64 heads.
+DSA_SETTINGS: dict[str, object] = dict(index_n_heads=16, index_head_dim=16, index_topk=6)
+
+
+def dsa_config(family: str, **overrides: object) -> transformers.PretrainedConfig:
+    """deepseek_config's tiny DeepSeek-V3 shape (q LoRA, 8 experts in 4 groups) as transformers'
+    `family` ("deepseek_v32" or "glm_moe_dsa"), with DSA_SETTINGS; overrides change any field."""
+    settings = DEEPSEEK_SETTINGS | dict(n_group=4, topk_group=2, q_lora_rank=48) | DSA_SETTINGS
+    return parity_config(functools.partial(transformers.AutoConfig.for_model, family), settings, overrides)

@@ -72,6 +72,7 @@ def test_cuda_graph_mode_takes_the_capacity_decode_and_eager_cuda_the_reference(
     for name in ("paged_attention", "paged_attention_with_sinks", "mla_attention"):
         assert getattr(graph, name).func is getattr(torch_ref, name)
         assert getattr(graph, name).keywords == {"decode_attention": cuda_graph.paged_decode_attention}
+    assert graph.indexer_topk is None  # it reads each request's length on the host: no captured form
     assert isinstance(eager.linear_method(), PlainLinear) and isinstance(graph.linear_method(), PlainLinear)
     assert make_backend("cuda", "ge_graph").name == "cuda"  # inductor: the custom op reads the lengths at run time
 

@@ -16,7 +16,7 @@ from module.compressor import Compressor
 from module.interleaved_rope import InterleavedRope, apply_interleaved_rope
 from ops import torch_ref
 from ops.attention_metadata import TorchMetadataBuilder, build_model_inputs
-from ops.compressed_kv import compressed_kv_attention, indexer_topk, token_rows, write_cache_rows
+from ops.compressed_kv import compressed_indexer_topk, compressed_kv_attention, token_rows, write_cache_rows
 from tests.backends import reference_backend
 from tests.factories import deepseek_v4_config
 
@@ -103,7 +103,7 @@ def test_compressed_kv_attention_is_the_per_token_formula(kind, seq_lens, query_
 
 
 @pytest.mark.parametrize(("seq_lens", "query_lens"), [([23, 9, 40], [23, 4, 11]), ([23, 9, 40], [1, 1, 1])])
-def test_indexer_topk_keeps_the_best_scored_closed_entries(seq_lens, query_lens):
+def test_compressed_indexer_topk_keeps_the_best_scored_closed_entries(seq_lens, query_lens):
     inputs, forward_metadata = steps(seq_lens, query_lens)
     ratio, heads, dim, top_k = 4, 8, 8, 3  # eight heads: no entry's ReLUs all 0, so no exact ties
     generator = torch.Generator().manual_seed(4)
@@ -112,7 +112,7 @@ def test_indexer_topk_keeps_the_best_scored_closed_entries(seq_lens, query_lens)
     head_weights = torch.randn(tokens, heads, generator=generator)
     cache = filled_cache(BLOCK_SIZE // ratio, dim, 5)
     table = forward_metadata.groups[0].block_table
-    ours = indexer_topk(query, head_weights, cache, table, forward_metadata, inputs.positions, ratio, top_k, 0.5)
+    ours = compressed_indexer_topk(query, head_weights, cache, table, forward_metadata, inputs.positions, ratio, top_k, 0.5)
     rows = token_rows(forward_metadata, tokens, torch.device("cpu"))
     for t in range(tokens):
         closed = (int(inputs.positions[t]) + 1) // ratio

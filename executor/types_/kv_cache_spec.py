@@ -146,3 +146,21 @@ def recurrent_spec(*tensors: KVTensorSpec) -> KVCacheSpec:
     """Linear attention: named state tensors of a fixed shape per request (per state slot), kept from
     one step to the next and replaced as the request advances; no tensor per token."""
     return KVCacheSpec(tuple(tensors), AttentionKind.RECURRENT)
+
+
+def dsa_spec(
+    kv_lora_rank: int,
+    qk_rope_head_dim: int,
+    index_head_dim: int | None,
+    dtype: torch.dtype,
+    kv_scheme: KVCacheScheme | None = None,
+) -> KVCacheSpec:
+    """MLA with sparse attention: the latent, and (for a layer that runs its own lightning
+    indexer, `index_head_dim` not None) the indexer's key of index_head_dim per token. Under a dynamic
+    C8 scheme both are int8 with one scale per token; a static scheme has no checkpoint scale for the
+    indexer key, which then stays in `dtype`."""
+    tensors = mla_spec(kv_lora_rank, qk_rope_head_dim, dtype, kv_scheme).tensors
+    if index_head_dim is None:
+        return KVCacheSpec(tensors)
+    index_scheme = kv_scheme if kv_scheme is not None and kv_scheme.dynamic else None
+    return KVCacheSpec(tensors + tuple(_stored("index_key", (index_head_dim,), dtype, index_scheme)))

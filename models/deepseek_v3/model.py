@@ -101,6 +101,7 @@ class DeepseekV3DecoderLayer(PreNormDecoderLayer):
 
     @staticmethod
     def is_moe_layer(config: DeepseekV3Config, layer_index: int) -> bool:
+        """MoE after the first first_k_dense_replace layers (the MTP layers' indices included)."""
         return layer_index >= config.first_k_dense_replace
 
 
@@ -111,6 +112,7 @@ class DeepseekV3MTPLayer(MTPLayerMixin, DeepseekV3DecoderLayer):
 
 class DeepseekV3Model(nn.Module):
     decoder_layer_cls: type[DeepseekV3DecoderLayer] = DeepseekV3DecoderLayer
+    mtp_layer_cls: type[DeepseekV3DecoderLayer] = DeepseekV3MTPLayer
 
     def __init__(self, config: DeepseekV3Config, parallel: ModelParallel, backend: Backend) -> None:
         super().__init__()
@@ -120,7 +122,7 @@ class DeepseekV3Model(nn.Module):
         self.layers = nn.ModuleList(
             [self.decoder_layer_cls(config, index, parallel, backend) for index in range(self.num_hidden_layers)]
             + [
-                DeepseekV3MTPLayer(config, self.num_hidden_layers + index, parallel, backend)
+                self.mtp_layer_cls(config, self.num_hidden_layers + index, parallel, backend)
                 for index in range(self.num_mtp_layers(config))
             ]
         )
@@ -132,11 +134,18 @@ class DeepseekV3Model(nn.Module):
     ) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
         rotary = self.rotary_emb(positions, hidden_states.dtype)
+        hidden_states, residual = self.run_layers(hidden_states, rotary, forward_metadata)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+    def run_layers(
+        self, hidden_states: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], forward_metadata: ForwardMetaData
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder layers (not the MTP ones) in turn -> (output, residual) of the last."""
         residual = None
         for layer in self.layers[: self.num_hidden_layers]:
             hidden_states, residual = layer(hidden_states, residual, rotary, forward_metadata)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
+        return hidden_states, residual
 
     @staticmethod
     def num_decoder_layers(config: DeepseekV3Config) -> int:

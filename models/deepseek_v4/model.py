@@ -70,7 +70,7 @@ def compress_ratio(config: DeepseekV4Config, layer_index: int) -> int:
 
 
 class DeepseekV4Attention(KVCacheLayer):
-    NEEDED_OPS = ("rms_norm", "compressed_kv_attention", "indexer_topk")
+    NEEDED_OPS = ("rms_norm", "compressed_kv_attention", "compressed_indexer_topk")
 
     def __init__(self, config: DeepseekV4Config, layer_index: int, *, backend: Backend) -> None:
         super().__init__()

@@ -47,8 +47,9 @@ class LongcatFlashAttention(MLAAttention):
     def interleaved_rope(config: LongcatFlashConfig) -> bool:
         return True
 
-    def project_query(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return super().project_query(hidden_states) * self.q_lora_scale
+    def project_query(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        query, q_resid = super().project_query(hidden_states)
+        return query * self.q_lora_scale, q_resid
 
     def normed_latent(self, latent: torch.Tensor) -> torch.Tensor:
         return super().normed_latent(latent) * self.kv_lora_scale
