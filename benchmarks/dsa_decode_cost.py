@@ -46,7 +46,9 @@ def timed_ms(run: Callable[[], object]) -> float:
     return (time.process_time() - start) * 1e3
 
 
-def decode_ops(args: argparse.Namespace, ops: Backend, context: int) -> tuple[Callable[[], object], Callable[[], object]]:
+def decode_ops(
+    args: argparse.Namespace, ops: Backend, context: int
+) -> tuple[Callable[[], object], Callable[[], object]]:
     """(the indexer, the sparse attention) of one decode step over caches filled at every slot of
     `batch` requests of `context` tokens each."""
     metadata = decode_metadata(args.batch, context)

@@ -143,6 +143,13 @@ class Indexer(nn.Module):
         query = apply_interleaved_rope(query, *rope(positions, "compress", query.dtype))
         head_weights = self.weights_proj(hidden_states).float() * self.num_heads**-0.5
         return self.ops.compressed_indexer_topk(
-            query, head_weights, entries, block_table, forward_metadata, positions, self.ratio, self.top_k,
+            query,
+            head_weights,
+            entries,
+            block_table,
+            forward_metadata,
+            positions,
+            self.ratio,
+            self.top_k,
             self.head_dim**-0.5,
         )

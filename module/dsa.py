@@ -73,7 +73,14 @@ class LightningIndexer(nn.Module):
         self.ops.write_latent_cache(key, index_cache, tables.slot_mapping, index_scale)
         weights = F.linear(hidden_states.float(), self.weights_proj.weight) * self.num_heads**-0.5
         return self.ops.indexer_topk(
-            query, weights, index_cache, tables.block_table, forward_metadata, self.softmax_scale, self.topk, index_scale
+            query,
+            weights,
+            index_cache,
+            tables.block_table,
+            forward_metadata,
+            self.softmax_scale,
+            self.topk,
+            index_scale,
         )
 
 

@@ -133,7 +133,9 @@ RECURRENT_OPS = (
 # compressed KV in ops/compressed_kv.py.
 COMPRESSED_KV_OPS = ("compressed_kv_attention", "compressed_indexer_topk")
 REFERENCE_OPS = {
-    name: next(getattr(module, name) for module in (torch_ref, sparse_attention, compressed_kv) if hasattr(module, name))
+    name: next(
+        getattr(module, name) for module in (torch_ref, sparse_attention, compressed_kv) if hasattr(module, name)
+    )
     for name in OP_NAMES
 }
 # Ops no device has a form of in shared/npu-api-facts.md: the NPU record runs their torch reference.

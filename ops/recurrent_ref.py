@@ -217,7 +217,10 @@ def _position_slots(tables: RecurrentStateTables, num_rows: int) -> list[list[in
 
 
 def _write_states(
-    cache: torch.Tensor, tables: RecurrentStateTables, finals: list[torch.Tensor], kept: list[tuple[list[int], torch.Tensor]]
+    cache: torch.Tensor,
+    tables: RecurrentStateTables,
+    finals: list[torch.Tensor],
+    kept: list[tuple[list[int], torch.Tensor]],
 ) -> None:
     """Each row's final state to its final slot, or (kept) every position's state to its slot."""
     final_rows = [row for row, final in enumerate(finals) if final is not None]
@@ -241,7 +244,9 @@ def causal_conv1d_fn(
     initial = _row_states(conv_cache, tables)
     bounds = _row_bounds(tables)
     outputs, finals, kept = [], [], []
-    for row, ((start, end), position_slots) in enumerate(zip(bounds, _position_slots(tables, len(bounds)), strict=True)):
+    for row, ((start, end), position_slots) in enumerate(
+        zip(bounds, _position_slots(tables, len(bounds)), strict=True)
+    ):
         output, final = conv1d_with_state(x[start:end], weight, initial[row], activation)
         outputs.append(output)
         if position_slots is None:
@@ -284,7 +289,9 @@ def chunk_gated_delta_rule(
     initial = _row_states(state_cache, tables)
     bounds = _row_bounds(tables)
     outputs, finals, kept = [], [], []
-    for row, ((start, end), position_slots) in enumerate(zip(bounds, _position_slots(tables, len(bounds)), strict=True)):
+    for row, ((start, end), position_slots) in enumerate(
+        zip(bounds, _position_slots(tables, len(bounds)), strict=True)
+    ):
         args = (query[start:end], key[start:end], value[start:end], g[start:end], beta[start:end], initial[row])
         if position_slots is None:
             output, final = gated_delta_rule_chunked(*args, use_qk_l2norm=use_qk_l2norm)
@@ -310,9 +317,7 @@ def recurrent_gated_delta_rule(
 ) -> torch.Tensor:
     """One token per row (q, k [rows, Hk, Dk], v [rows, Hv, Dv], g, beta [rows, Hv]), the state read
     from each row's slot and written to its final slot -> output [rows, Hv, Dv]."""
-    output, state = gated_delta_rule_step(
-        query, key, value, g, beta, _row_states(state_cache, tables), use_qk_l2norm
-    )
+    output, state = gated_delta_rule_step(query, key, value, g, beta, _row_states(state_cache, tables), use_qk_l2norm)
     state_cache.index_copy_(0, tables.write_slots, state.to(state_cache.dtype))
     return output
 

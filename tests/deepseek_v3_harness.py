@@ -15,7 +15,6 @@ from models.deepseek_v3 import DeepseekV3ForCausalLM
 from tests import paged_harness
 from tests.paged_harness import save_random_model
 
-
 # Per-layer lists of a config (DeepSeek-V3.2's and GLM-5's) and what an MTP layer past them is.
 MTP_LAYER_TYPES = {"mlp_layer_types": "sparse", "layer_types": "indexed_attention", "indexer_types": "full"}
 

@@ -21,7 +21,6 @@ import yaml
 
 from executor.core.config import ConfigError
 from executor.core.config.model_registry import check_model_name
-from executor.offline.__main__ import main as offline_main
 from models.bailing_hybrid import BailingHybridForCausalLM
 from models.bailing_hybrid.model import BailingHybridMLA
 from ops import kda
@@ -192,16 +191,3 @@ def test_a_decode_step_traces_as_one_graph_equal_to_eager(models):
     """What ge_graph compiles (fullgraph, static shapes): a padded decode step over the state slots."""
     _, ours = models
     check_decode_traces_as_one_graph(ours, random_prompts((5, 9, 3), seed=6))
-
-
-def test_tiny_random_yaml_runs_end_to_end(tmp_path):
-    """models/bailing_hybrid/config/tiny_random.yaml: random weights, byte-level tokenizer, the shipped prompts."""
-    output_dir = tmp_path / "run"
-    overrides = [
-        "data_config.num_prompts=3",
-        "scheduler_config.max_new_tokens=4",
-        f"model_config.output_path={output_dir}",
-    ]
-    yaml = ROOT / "models" / "bailing_hybrid" / "config" / "tiny_random.yaml"
-    assert offline_main(["--yaml", str(yaml), *(arg for o in overrides for arg in ("--set", o))]) == 0
-    assert len((output_dir / "outputs.jsonl").read_text().splitlines()) == 3

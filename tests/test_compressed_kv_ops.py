@@ -112,7 +112,9 @@ def test_compressed_indexer_topk_keeps_the_best_scored_closed_entries(seq_lens, 
     head_weights = torch.randn(tokens, heads, generator=generator)
     cache = filled_cache(BLOCK_SIZE // ratio, dim, 5)
     table = forward_metadata.groups[0].block_table
-    ours = compressed_indexer_topk(query, head_weights, cache, table, forward_metadata, inputs.positions, ratio, top_k, 0.5)
+    ours = compressed_indexer_topk(
+        query, head_weights, cache, table, forward_metadata, inputs.positions, ratio, top_k, 0.5
+    )
     rows = token_rows(forward_metadata, tokens, torch.device("cpu"))
     for t in range(tokens):
         closed = (int(inputs.positions[t]) + 1) // ratio

@@ -17,7 +17,6 @@ import pytest
 import torch
 import transformers
 
-from executor.offline.__main__ import main as offline_main
 from models.deepseek_v2 import DeepseekV2ForCausalLM
 from module.moe import SoftmaxGroupRouter, TopkRouter
 from tests import paged_harness
@@ -184,16 +183,3 @@ def test_engine_greedy_with_chunked_prefill_and_preemption_equals_transformers(e
     assert max(len(p) for p in prompts) > 16
     assert all(step.num_tokens <= 16 for step in result.steps if step.phase == "prefill")
     check_engine_greedy(hf_model, prompts, result)
-
-
-def test_tiny_random_yaml_runs_end_to_end(tmp_path):
-    """models/deepseek_v2/config/tiny_random.yaml: random weights, byte-level tokenizer, the shipped prompts."""
-    output_dir = tmp_path / "run"
-    overrides = [
-        "data_config.num_prompts=3",
-        "scheduler_config.max_new_tokens=4",
-        f"model_config.output_path={output_dir}",
-    ]
-    yaml = ROOT / "models" / "deepseek_v2" / "config" / "tiny_random.yaml"
-    assert offline_main(["--yaml", str(yaml), *(arg for o in overrides for arg in ("--set", o))]) == 0
-    assert len((output_dir / "outputs.jsonl").read_text().splitlines()) == 3

@@ -38,7 +38,10 @@ def metadata(query_lens: list[int], kv_lens: list[int]):
         blocks.append(ids)
         sequences.append(ScheduledSequence([0] * query_len, kv_len - query_len, [ids]))
     layout = build_step_layout(sequences, block_size=BLOCK_SIZE, max_blocks_per_request=40)
-    slots = [[ids[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(n)] for ids, n in zip(blocks, kv_lens)]
+    slots = [
+        [ids[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(n)]
+        for ids, n in zip(blocks, kv_lens, strict=True)
+    ]
     return TorchMetadataBuilder(torch.device("cpu")).build(layout), slots
 
 
@@ -136,7 +139,9 @@ def test_a_dynamic_c8_scheme_stores_the_indexer_key_in_int8_with_a_scale_per_tok
 def dense_mla(q_nope, q_pe, latents, kv_b_weight, scale, allowed):
     """MLA decompressed (per-head k = [W_UK latent, k_pe], v = W_UV latent), softmax over `allowed` keys."""
     latent, k_pe = latents.split([RANK, ROPE], dim=-1)
-    k_nope, value = torch.nn.functional.linear(latent, kv_b_weight).view(-1, MLA_HEADS, NOPE + V_DIM).split([NOPE, V_DIM], -1)
+    k_nope, value = (
+        torch.nn.functional.linear(latent, kv_b_weight).view(-1, MLA_HEADS, NOPE + V_DIM).split([NOPE, V_DIM], -1)
+    )
     key = torch.cat((k_nope, k_pe[:, None].expand(-1, MLA_HEADS, -1)), dim=-1)
     query = torch.cat((q_nope, q_pe), dim=-1)
     scores = torch.einsum("qhd,khd->hqk", query, key) * scale

@@ -21,7 +21,6 @@ import pytest
 import torch
 import transformers
 
-from executor.offline.__main__ import main as offline_main
 from executor.types_.model_inputs import ScheduledSequence
 from models.deepseek_v3_2 import DeepseekV32ForCausalLM
 from models.glm_5 import GlmMoeDsaForCausalLM
@@ -213,20 +212,6 @@ def test_engine_greedy_with_chunked_prefill_and_preemption_equals_transformers(e
     assert max(len(p) for p in prompts) > 16 and max(len(p) for p in prompts) > TOPK
     assert all(step.num_tokens <= 16 for step in result.steps if step.phase == "prefill")
     check_engine_greedy(hf_model, prompts, result)
-
-
-@pytest.mark.parametrize("folder", ["deepseek_v3_2", "glm_5"])
-def test_tiny_random_yaml_runs_end_to_end(folder, tmp_path):
-    """models/<folder>/config/tiny_random.yaml: random weights, byte-level tokenizer, the shipped prompts."""
-    output_dir = tmp_path / "run"
-    overrides = [
-        "data_config.num_prompts=3",
-        "scheduler_config.max_new_tokens=4",
-        f"model_config.output_path={output_dir}",
-    ]
-    yaml = ROOT / "models" / folder / "config" / "tiny_random.yaml"
-    assert offline_main(["--yaml", str(yaml), *(arg for o in overrides for arg in ("--set", o))]) == 0
-    assert len((output_dir / "outputs.jsonl").read_text().splitlines()) == 3
 
 
 def test_a_glm_config_whose_first_layer_shares_a_selection_is_refused():

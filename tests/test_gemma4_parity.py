@@ -19,7 +19,6 @@ import pytest
 import torch
 import transformers
 
-from executor.offline.__main__ import main as offline_main
 from executor.types_ import AttentionKind
 from executor.types_.model_inputs import ScheduledSequence
 from models.gemma_4 import Gemma4ForCausalLM
@@ -275,16 +274,3 @@ def test_decode_forward_traces_as_one_graph_and_matches_eager(tmp_path):
     save_checkpoint(tmp_path, config)
     ours = PagedModel(load_ours(tmp_path, config), block_size=4)
     check_decode_traces_as_one_graph(ours, random_prompts([3, 12, 5], seed=8))
-
-
-def test_tiny_random_yaml_runs_end_to_end(tmp_path):
-    """models/gemma_4/config/tiny_random.yaml: random weights, byte-level tokenizer, the shipped prompts."""
-    output_dir = tmp_path / "run"
-    overrides = [
-        "data_config.num_prompts=3",
-        "scheduler_config.max_new_tokens=4",
-        f"model_config.output_path={output_dir}",
-    ]
-    yaml = ROOT / "models" / "gemma_4" / "config" / "tiny_random.yaml"
-    assert offline_main(["--yaml", str(yaml), *(arg for o in overrides for arg in ("--set", o))]) == 0
-    assert len((output_dir / "outputs.jsonl").read_text().splitlines()) == 3

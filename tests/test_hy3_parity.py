@@ -285,19 +285,6 @@ def test_engine_greedy_with_chunked_prefill_and_preemption_equals_transformers(e
     check_engine_greedy(hf_model, prompts, result)
 
 
-def test_tiny_random_yaml_runs_end_to_end(tmp_path):
-    """models/hy3/config/tiny_random.yaml: random weights, byte-level tokenizer, the shipped prompts."""
-    output_dir = tmp_path / "run"
-    overrides = [
-        "data_config.num_prompts=3",
-        "scheduler_config.max_new_tokens=4",
-        f"model_config.output_path={output_dir}",
-    ]
-    yaml = ROOT / "models" / "hy3" / "config" / "tiny_random.yaml"
-    assert offline_main(["--yaml", str(yaml), *(arg for o in overrides for arg in ("--set", o))]) == 0
-    assert len((output_dir / "outputs.jsonl").read_text().splitlines()) == 3
-
-
 def test_the_cann_recipes_hy3_key_file_validates_and_finds_the_folder():
     """tests/data/cann_recipes/hy3.yaml (cann-recipes' keys at their released values: 16 ranks, a
     checkpoint that is not here) loads with no unknown key and names this folder."""

@@ -254,19 +254,6 @@ def test_engine_greedy_with_chunked_prefill_and_preemption_equals_transformers(e
     check_engine_greedy(hf_model, prompts, result)
 
 
-def test_tiny_random_yaml_runs_end_to_end(tmp_path):
-    """models/longcat_flash/config/tiny_random.yaml: random weights, byte-level tokenizer, the shipped prompts."""
-    output_dir = tmp_path / "run"
-    overrides = [
-        "data_config.num_prompts=3",
-        "scheduler_config.max_new_tokens=4",
-        f"model_config.output_path={output_dir}",
-    ]
-    yaml = ROOT / "models" / "longcat_flash" / "config" / "tiny_random.yaml"
-    assert offline_main(["--yaml", str(yaml), *(arg for o in overrides for arg in ("--set", o))]) == 0
-    assert len((output_dir / "outputs.jsonl").read_text().splitlines()) == 3
-
-
 def test_a_cann_recipes_longcat_flash_yaml_validates_finds_the_folder_and_runs(tmp_path, monkeypatch):
     """tests/data/cann_recipes/runs/longcat_flash.yaml: cann-recipes' keys, no unknown one, the folder
     found by model_name, random weights end to end, drafting with the MTP module (next_n 1)."""

@@ -17,7 +17,6 @@ cann-recipes' `qwen3.5` file end to end; ge_graph decode equal to eager (slow).
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -358,22 +357,6 @@ def test_speculative_decoding_is_refused_where_a_recurrent_layer_keeps_no_positi
     monkeypatch.setattr(GatedDeltaNet, "keeps_position_states", False)
     with pytest.raises(ConfigError, match="do not keep their recurrent state after every draft position"):
         speculative_run(looping_model[0], repetitive_records(), **NGRAM)
-
-
-@pytest.mark.parametrize("folder", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
-def test_tiny_random_yaml_runs_end_to_end(folder, tmp_path, caplog):
-    """models/<folder>/config/tiny_random.yaml: random weights, byte-level tokenizer, the shipped prompts."""
-    caplog.set_level(logging.WARNING)
-    output_dir = tmp_path / "run"
-    overrides = [
-        "data_config.num_prompts=3",
-        "scheduler_config.max_new_tokens=4",
-        f"model_config.output_path={output_dir}",
-    ]
-    yaml = ROOT / "models" / folder / "config" / "tiny_random.yaml"
-    assert offline_main(["--yaml", str(yaml), *(arg for o in overrides for arg in ("--set", o))]) == 0
-    assert len((output_dir / "outputs.jsonl").read_text().splitlines()) == 3
-    assert "prefix caching is off: the model keeps a recurrent state" in caplog.text
 
 
 def test_cann_recipes_qwen3_5_yaml_runs_on_the_tiny_moe_model(tmp_path, monkeypatch):

@@ -16,7 +16,6 @@ import pytest
 import torch
 import transformers
 
-from executor.offline.__main__ import main as offline_main
 from models.qwen2 import Qwen2ForCausalLM
 from models.qwen3 import Qwen3ForCausalLM
 from models.qwen3_moe import Qwen3MoeForCausalLM
@@ -170,19 +169,3 @@ def test_engine_greedy_equals_transformers_generate(family, tmp_path):
     inference, prompts, result = generate_random_prompts(tmp_path, family)
     assert isinstance(inference.engine.worker.model, FAMILIES[family][1])
     check_engine_greedy(hf_model, prompts, result)
-
-
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_tiny_random_yaml_runs_end_to_end(family, tmp_path):
-    """models/<family>/config/tiny_random.yaml: random weights, byte-level tokenizer, the shipped prompts."""
-    yaml = ROOT / "models" / family / "config" / "tiny_random.yaml"
-    output_dir = tmp_path / "run"
-    overrides = [
-        "data_config.num_prompts=3",
-        "scheduler_config.max_new_tokens=4",
-        f"model_config.output_path={output_dir}",
-    ]
-    status = offline_main(["--yaml", str(yaml), *(arg for o in overrides for arg in ("--set", o))])
-    assert status == 0
-    lines = (output_dir / "outputs.jsonl").read_text().splitlines()
-    assert len(lines) == 3

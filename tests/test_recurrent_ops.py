@@ -56,8 +56,9 @@ def test_one_token_step_equals_the_naive_formula_row_by_row():
     states = torch.randn(5, HV, DK, DV)
     output, new_states = ref.gated_delta_rule_step(q, k, v, g, beta, states)
     for row in range(5):
-        expected, expected_state = naive_delta_rule(q[row : row + 1], k[row : row + 1], v[row : row + 1],
-                                                    g[row : row + 1], beta[row : row + 1], states[row])
+        expected, expected_state = naive_delta_rule(
+            q[row : row + 1], k[row : row + 1], v[row : row + 1], g[row : row + 1], beta[row : row + 1], states[row]
+        )
         torch.testing.assert_close(output[row].double(), expected[0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(new_states[row].double(), expected_state, atol=1e-5, rtol=1e-5)
 
@@ -76,7 +77,13 @@ def test_chunked_and_recurrent_rules_match_transformers_fallbacks():
     state = torch.randn(HV, DK, DV)
     ours, our_final = ref.gated_delta_rule_chunked(q, k, v, g, beta, state, chunk_size=64)
     theirs, their_final = hf.torch_chunk_gated_delta_rule(
-        q[None], k[None], v[None], g[None], beta[None], initial_state=state[None], output_final_state=True,
+        q[None],
+        k[None],
+        v[None],
+        g[None],
+        beta[None],
+        initial_state=state[None],
+        output_final_state=True,
         use_qk_l2norm_in_kernel=True,
     )
     torch.testing.assert_close(ours, theirs[0], atol=1e-5, rtol=1e-5)
@@ -84,8 +91,14 @@ def test_chunked_and_recurrent_rules_match_transformers_fallbacks():
     step, step_state = ref.gated_delta_rule_step(q[:3], k[:3], v[:3], g[:3], beta[:3], state.expand(3, -1, -1, -1))
     for row in range(3):
         theirs, their_state = hf.torch_recurrent_gated_delta_rule(
-            q[None, row : row + 1], k[None, row : row + 1], v[None, row : row + 1], g[None, row : row + 1],
-            beta[None, row : row + 1], initial_state=state[None], output_final_state=True, use_qk_l2norm_in_kernel=True,
+            q[None, row : row + 1],
+            k[None, row : row + 1],
+            v[None, row : row + 1],
+            g[None, row : row + 1],
+            beta[None, row : row + 1],
+            initial_state=state[None],
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
         )
         torch.testing.assert_close(step[row], theirs[0, 0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(step_state[row], their_state[0], atol=1e-5, rtol=1e-5)
@@ -145,7 +158,9 @@ def test_slot_ops_read_continuing_rows_start_fresh_ones_from_zeros_and_write_fin
     torch.testing.assert_close(cache[3], second_final)
     assert cache[1].isnan().all()
     decode = ref.recurrent_gated_delta_rule(q[:2], k[:2], v[:2], g[:2], beta[:2], cache, tables([3, 2], [True, True]))
-    expected, _ = ref.gated_delta_rule_step(q[:2], k[:2], v[:2], g[:2], beta[:2], torch.stack([second_final, first_final]))
+    expected, _ = ref.gated_delta_rule_step(
+        q[:2], k[:2], v[:2], g[:2], beta[:2], torch.stack([second_final, first_final])
+    )
     torch.testing.assert_close(decode, expected)
 
 
@@ -180,8 +195,9 @@ def test_a_row_that_fits_its_ring_keeps_the_state_after_each_position():
     output = ref.chunk_gated_delta_rule(q, k, v, g, beta, cache, step)
     torch.testing.assert_close(output, ref.gated_delta_rule_chunked(q, k, v, g, beta, initial)[0])
     for position, slot in enumerate([3, 4, 2]):
-        _, expected = naive_delta_rule(q[: position + 1], k[: position + 1], v[: position + 1],
-                                       g[: position + 1], beta[: position + 1], initial)
+        _, expected = naive_delta_rule(
+            q[: position + 1], k[: position + 1], v[: position + 1], g[: position + 1], beta[: position + 1], initial
+        )
         torch.testing.assert_close(cache[slot].double(), expected, atol=1e-5, rtol=1e-5)
     x = torch.randn(3, CONV_CHANNELS)
     weight = torch.randn(CONV_CHANNELS, WIDTH)

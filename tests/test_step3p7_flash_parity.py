@@ -304,16 +304,3 @@ def test_the_cann_recipes_yaml_validates_and_runs_on_the_tiny_model_cut_by_its_l
     lines = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
     assert len(lines) == 4 and all(line["error"] is None and len(line["output_token_ids"]) == 16 for line in lines)
     assert "custom_params.num_hidden_layers: 2 of the config's 4 layers" in caplog.text
-
-
-def test_tiny_random_yaml_runs_end_to_end(tmp_path):
-    """models/step3p7_flash/config/tiny_random.yaml: random weights, byte-level tokenizer, the shipped prompts."""
-    output_dir = tmp_path / "run"
-    overrides = [
-        "data_config.num_prompts=3",
-        "scheduler_config.max_new_tokens=4",
-        f"model_config.output_path={output_dir}",
-    ]
-    yaml = ROOT / "models" / "step3p7_flash" / "config" / "tiny_random.yaml"
-    assert offline_main(["--yaml", str(yaml), *(arg for o in overrides for arg in ("--set", o))]) == 0
-    assert len((output_dir / "outputs.jsonl").read_text().splitlines()) == 3

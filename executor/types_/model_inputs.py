@@ -118,7 +118,9 @@ class StepLayout:
     def has_initial_state(self) -> list[bool]:
         """Per row: whether tokens were computed before this step (a recurrent state to continue)."""
         starts = [0, *self.query_ends[:-1]]
-        return [seq_len > end - start for seq_len, start, end in zip(self.seq_lens, starts, self.query_ends, strict=True)]
+        return [
+            seq_len > end - start for seq_len, start, end in zip(self.seq_lens, starts, self.query_ends, strict=True)
+        ]
 
     @property
     def max_query_len(self) -> int:

@@ -171,7 +171,10 @@ class DeepseekV3ForCausalLM(CausalLM):
 
     base_model_cls: type[DeepseekV3Model] = DeepseekV3Model
     family = "DeepSeek-V3"  # names the model in a refusal
-    NEEDED_OPS: tuple[str, ...] = (*MLAAttention.NEEDED_OPS, *FusedExperts.NEEDED_OPS)  # refused on a backend without them
+    NEEDED_OPS: tuple[str, ...] = (
+        *MLAAttention.NEEDED_OPS,
+        *FusedExperts.NEEDED_OPS,
+    )  # refused on a backend without them
 
     def __init__(self, hf_config: DeepseekV3Config, *, parallel: ModelParallel = ONE_PROCESS, backend: Backend) -> None:
         super().__init__()

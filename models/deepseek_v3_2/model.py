@@ -62,7 +62,9 @@ class DeepseekV32DecoderLayer(DeepseekV3DecoderLayer):
         rotary: tuple[torch.Tensor, torch.Tensor],
         forward_metadata: ForwardMetaData,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden_states, residual, _ = self.forward_with_selection(hidden_states, residual, rotary, forward_metadata, None)
+        hidden_states, residual, _ = self.forward_with_selection(
+            hidden_states, residual, rotary, forward_metadata, None
+        )
         return hidden_states, residual
 
     def forward_with_selection(

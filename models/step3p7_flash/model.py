@@ -180,9 +180,7 @@ class Step3p7Experts(FusedExperts):
 
 
 class Step3p7MoE(SparseMoeBlock):
-    def __init__(
-        self, config: Step3p7TextConfig, layer_index: int, parallel: ModelParallel, backend: Backend
-    ) -> None:
+    def __init__(self, config: Step3p7TextConfig, layer_index: int, parallel: ModelParallel, backend: Backend) -> None:
         super().__init__(
             # One group of all experts: grouped_topk's group limit keeps every expert.
             TopkRouter(

@@ -60,9 +60,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.block_pool = BlockPool(num_blocks)
         self.managers: list[SingleTypeKVCacheManager] = [
-            RecurrentStateManager(
-                spec, self.block_pool, block_size, group_id, num_state_slots, state_slots_per_request
-            )
+            RecurrentStateManager(spec, self.block_pool, block_size, group_id, num_state_slots, state_slots_per_request)
             if spec.is_recurrent
             else manager_for(spec, self.block_pool, block_size, group_id)
             for group_id, spec in enumerate(group_specs)

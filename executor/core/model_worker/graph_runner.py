@@ -106,9 +106,7 @@ class GraphRunner:
         largest one); returns the total seconds."""
         total_start = time.perf_counter()
         for index, num_rows in enumerate(sorted(self.buckets, reverse=True), start=1):
-            layout = StepLayout.padding(
-                num_rows, self.num_cache_groups, self.max_blocks_per_request, self.state_groups
-            )
+            layout = StepLayout.padding(num_rows, self.num_cache_groups, self.max_blocks_per_request, self.state_groups)
             buffers = build_model_inputs(layout, self.device_builder)
             start = time.perf_counter()
             doing = f"{self.compiler.name}: making bucket {num_rows} ({index} of {len(self.buckets)})"

@@ -42,7 +42,9 @@ class MTPProposer:
     ) -> None:
         if getattr(model, "num_mtp_layers", 0) < 1:
             reason = getattr(model, "mtp_absent_reason", "config.json num_nextn_predict_layers is 0 or absent")
-            raise ConfigError(f"speculative method mtp in {source}: {type(model).__name__} has no MTP modules ({reason})")
+            raise ConfigError(
+                f"speculative method mtp in {source}: {type(model).__name__} has no MTP modules ({reason})"
+            )
         self.model = model
         self.kv_cache_manager = kv_cache_manager
         self.builder = builder

@@ -1,8 +1,7 @@
-"""Every family's shipped tiny random config decodes in ge_graph the tokens it decodes eagerly.
-
-One test per folder with a `config/tiny_random.yaml` (random weights, `with_ckpt: false`): the same
-prompts, once eager and once through inductor-compiled decode buckets that the shrinking batch passes
-through, must give the same greedy tokens. Slow: each family compiles its buckets.
+"""Every family's shipped tiny random config (`models/<f>/config/tiny_random.yaml`: random weights,
+`with_ckpt: false`, the byte-level tokenizer, the shipped prompts) runs end to end, and decodes in
+ge_graph the tokens it decodes eagerly: the same prompts, once eager and once through an
+inductor-compiled decode bucket that the shrinking batch is padded to (slow: each family compiles).
 """
 
 from __future__ import annotations
@@ -13,9 +12,8 @@ import pytest
 
 from executor.core.config import load_config
 from executor.offline.__main__ import load_records, resolve_model_path
+from executor.offline.__main__ import main as offline_main
 from executor.offline.offline_inference import OfflineInference
-
-pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_CONFIGS = sorted(ROOT.glob("models/*/config/tiny_random.yaml"))
@@ -40,7 +38,24 @@ def greedy_tokens(yaml: Path, *overrides: str) -> tuple[list[list[int]], dict]:
     return [request.output_token_ids for request in result.requests], result.summary
 
 
-@pytest.mark.parametrize("yaml", TINY_CONFIGS, ids=[path.parts[-3] for path in TINY_CONFIGS])
+FAMILY_IDS = [path.parts[-3] for path in TINY_CONFIGS]
+
+
+@pytest.mark.parametrize("yaml", TINY_CONFIGS, ids=FAMILY_IDS)
+def test_the_tiny_random_yaml_runs_end_to_end(yaml, tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    output_dir = tmp_path / "run"
+    overrides = [
+        "data_config.num_prompts=3",
+        "scheduler_config.max_new_tokens=4",
+        f"model_config.output_path={output_dir}",
+    ]
+    assert offline_main(["--yaml", str(yaml), *(arg for o in overrides for arg in ("--set", o))]) == 0
+    assert len((output_dir / "outputs.jsonl").read_text().splitlines()) == 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("yaml", TINY_CONFIGS, ids=FAMILY_IDS)
 def test_ge_graph_decode_equals_eager(yaml, monkeypatch):
     monkeypatch.chdir(ROOT)  # the configs' model_path is relative to the repository
     eager, _ = greedy_tokens(yaml)
