@@ -126,3 +126,20 @@ def check_engine_greedy(hf_model: torch.nn.Module, prompts: list[list[int]], res
         assert margin < NEAR_TIE, f"{request.request_id} parts from transformers at token {position} by {margin:.2e}"
         parted.append(request.request_id)
     assert len(parted) <= len(prompts) // 4, f"{parted} part from transformers at near-ties: too many to be rounding"
+
+
+def check_chunked_preempting_run(
+    hf_model: torch.nn.Module,
+    inference: OfflineInference,
+    prompts: list[list[int]],
+    result: RunResult,
+    model_cls: type,
+    chunk: int = 16,
+) -> None:
+    """The whole engine built `model_cls`, prefilled prompts longer than `chunk` in chunks of at most
+    `chunk` tokens, preempted at least once, and still gave transformers' greedy output per prompt."""
+    assert isinstance(inference.engine.worker.model, model_cls)
+    assert result.summary["preemptions"] > 0
+    assert max(len(p) for p in prompts) > chunk
+    assert all(step.num_tokens <= chunk for step in result.steps if step.phase == "prefill")
+    check_engine_greedy(hf_model, prompts, result)

@@ -25,7 +25,11 @@ from models.bailing_hybrid import BailingHybridForCausalLM
 from models.bailing_hybrid.model import BailingHybridMLA
 from ops import kda
 from tests import paged_harness
-from tests.engine_harness import ENGINE_CONFIG, check_engine_greedy, generate_random_prompts
+from tests.engine_harness import (
+    ENGINE_CONFIG,
+    check_chunked_preempting_run,
+    generate_random_prompts,
+)
 from tests.factories import bailing_hybrid_config
 from tests.kda_harness import (
     KDA_MUTATIONS,
@@ -156,11 +160,7 @@ def engine_run(engine_checkpoint):
 
 def test_engine_greedy_with_chunked_prefill_and_preemption_equals_transformers(engine_run):
     hf_model, inference, prompts, result = engine_run
-    assert isinstance(inference.engine.worker.model, BailingHybridForCausalLM)
-    assert result.summary["preemptions"] > 0
-    assert max(len(p) for p in prompts) > 16
-    assert all(step.num_tokens <= 16 for step in result.steps if step.phase == "prefill")
-    check_engine_greedy(hf_model, prompts, result)
+    check_chunked_preempting_run(hf_model, inference, prompts, result, BailingHybridForCausalLM)
 
 
 @pytest.fixture(scope="module")

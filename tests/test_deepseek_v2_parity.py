@@ -21,7 +21,11 @@ from models.deepseek_v2 import DeepseekV2ForCausalLM
 from module.moe import SoftmaxGroupRouter, TopkRouter
 from tests import paged_harness
 from tests.backends import cpu_backend
-from tests.engine_harness import ENGINE_CONFIG, check_engine_greedy, generate_random_prompts
+from tests.engine_harness import (
+    ENGINE_CONFIG,
+    check_chunked_preempting_run,
+    generate_random_prompts,
+)
 from tests.factories import deepseek_v2_config
 from tests.paged_harness import (
     PagedModel,
@@ -178,8 +182,4 @@ def engine_run(tmp_path_factory):
 
 def test_engine_greedy_with_chunked_prefill_and_preemption_equals_transformers(engine_run):
     hf_model, inference, prompts, result = engine_run
-    assert isinstance(inference.engine.worker.model, DeepseekV2ForCausalLM)
-    assert result.summary["preemptions"] > 0
-    assert max(len(p) for p in prompts) > 16
-    assert all(step.num_tokens <= 16 for step in result.steps if step.phase == "prefill")
-    check_engine_greedy(hf_model, prompts, result)
+    check_chunked_preempting_run(hf_model, inference, prompts, result, DeepseekV2ForCausalLM)

@@ -27,7 +27,7 @@ from tests import paged_harness
 from tests.backends import cpu_backend
 from tests.engine_harness import (
     ENGINE_CONFIG,
-    check_engine_greedy,
+    check_chunked_preempting_run,
     generate_random_prompts,
 )
 from tests.factories import GEMMA4_WINDOW, gemma4_config
@@ -222,11 +222,7 @@ def engine_run(tmp_path_factory):
 
 def test_engine_greedy_with_chunked_prefill_and_preemption_equals_transformers(engine_run):
     hf_model, inference, prompts, result = engine_run
-    assert isinstance(inference.engine.worker.model, Gemma4ForCausalLM)
-    assert result.summary["preemptions"] > 0
-    assert max(len(p) for p in prompts) > 16
-    assert all(step.num_tokens <= 16 for step in result.steps if step.phase == "prefill")
-    check_engine_greedy(hf_model, prompts, result)
+    check_chunked_preempting_run(hf_model, inference, prompts, result, Gemma4ForCausalLM)
 
 
 def test_kv_shared_layers_hold_no_cache_and_each_kind_a_group(engine_run):

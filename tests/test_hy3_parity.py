@@ -29,7 +29,11 @@ from models.hy3.model import Hy3MoE
 from module.moe import SigmoidTopkRouter, chosen_weights
 from tests import paged_harness
 from tests.backends import cpu_backend
-from tests.engine_harness import ENGINE_CONFIG, check_engine_greedy, generate_random_prompts
+from tests.engine_harness import (
+    ENGINE_CONFIG,
+    check_chunked_preempting_run,
+    generate_random_prompts,
+)
 from tests.factories import hy3_config
 from tests.paged_harness import (
     PagedModel,
@@ -278,11 +282,7 @@ def engine_run(tmp_path_factory):
 
 def test_engine_greedy_with_chunked_prefill_and_preemption_equals_transformers(engine_run):
     hf_model, inference, prompts, result = engine_run
-    assert isinstance(inference.engine.worker.model, Hy3ForCausalLM)
-    assert result.summary["preemptions"] > 0
-    assert max(len(p) for p in prompts) > 16
-    assert all(step.num_tokens <= 16 for step in result.steps if step.phase == "prefill")
-    check_engine_greedy(hf_model, prompts, result)
+    check_chunked_preempting_run(hf_model, inference, prompts, result, Hy3ForCausalLM)
 
 
 def test_the_cann_recipes_hy3_key_file_validates_and_finds_the_folder():

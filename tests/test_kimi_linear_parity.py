@@ -23,7 +23,11 @@ from models.kimi_linear import KimiLinearForCausalLM
 from ops import kda
 from tests import paged_harness
 from tests.backends import cpu_backend
-from tests.engine_harness import ENGINE_CONFIG, check_engine_greedy, generate_random_prompts
+from tests.engine_harness import (
+    ENGINE_CONFIG,
+    check_chunked_preempting_run,
+    generate_random_prompts,
+)
 from tests.factories import kimi_linear_config
 from tests.kda_harness import (
     KDA_MUTATIONS,
@@ -136,11 +140,7 @@ def engine_run(engine_checkpoint):
 
 def test_engine_greedy_with_chunked_prefill_and_preemption_equals_transformers(engine_run):
     hf_model, inference, prompts, result = engine_run
-    assert isinstance(inference.engine.worker.model, KimiLinearForCausalLM)
-    assert result.summary["preemptions"] > 0
-    assert max(len(p) for p in prompts) > 16
-    assert all(step.num_tokens <= 16 for step in result.steps if step.phase == "prefill")
-    check_engine_greedy(hf_model, prompts, result)
+    check_chunked_preempting_run(hf_model, inference, prompts, result, KimiLinearForCausalLM)
 
 
 @pytest.fixture(scope="module")

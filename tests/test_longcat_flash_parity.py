@@ -28,7 +28,11 @@ from executor.offline.__main__ import main as offline_main
 from models.longcat_flash import LongcatFlashForCausalLM
 from models.longcat_flash.model import LongcatFlashMoE, LongcatFlashRouter
 from tests.backends import cpu_backend
-from tests.engine_harness import ENGINE_CONFIG, check_engine_greedy, generate_random_prompts
+from tests.engine_harness import (
+    ENGINE_CONFIG,
+    check_chunked_preempting_run,
+    generate_random_prompts,
+)
 from tests.factories import longcat_flash_config
 from tests.longcat_flash_harness import load_ours, save_checkpoint
 from tests.paged_harness import (
@@ -247,11 +251,7 @@ def engine_run(tmp_path_factory):
 
 def test_engine_greedy_with_chunked_prefill_and_preemption_equals_transformers(engine_run):
     hf_model, inference, prompts, result = engine_run
-    assert isinstance(inference.engine.worker.model, LongcatFlashForCausalLM)
-    assert result.summary["preemptions"] > 0
-    assert max(len(p) for p in prompts) > 16
-    assert all(step.num_tokens <= 16 for step in result.steps if step.phase == "prefill")
-    check_engine_greedy(hf_model, prompts, result)
+    check_chunked_preempting_run(hf_model, inference, prompts, result, LongcatFlashForCausalLM)
 
 
 def test_a_cann_recipes_longcat_flash_yaml_validates_finds_the_folder_and_runs(tmp_path, monkeypatch):

@@ -36,7 +36,7 @@ from ops.attention_metadata import AttentionMetadataBuilder
 from tests.backends import cpu_backend
 from tests.engine_harness import (
     ENGINE_CONFIG,
-    check_engine_greedy,
+    check_chunked_preempting_run,
     generate_random_prompts,
     hf_greedy,
     token_records,
@@ -244,11 +244,7 @@ def engine_run(request, tmp_path_factory):
 
 def test_engine_greedy_with_chunked_prefill_and_preemption_equals_transformers(engine_run):
     model_type, hf_model, inference, prompts, result = engine_run
-    assert isinstance(inference.engine.worker.model, FAMILIES[model_type][2])
-    assert result.summary["preemptions"] > 0
-    assert max(len(p) for p in prompts) > 16
-    assert all(step.num_tokens <= 16 for step in result.steps if step.phase == "prefill")
-    check_engine_greedy(hf_model, prompts, result)
+    check_chunked_preempting_run(hf_model, inference, prompts, result, FAMILIES[model_type][2])
 
 
 def test_the_states_are_sized_per_request_and_not_per_token(engine_run):

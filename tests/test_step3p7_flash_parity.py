@@ -34,7 +34,11 @@ from module.moe import TopkRouter
 from module.norm import RMSNorm
 from tests import paged_harness
 from tests.backends import cpu_backend
-from tests.engine_harness import ENGINE_CONFIG, check_engine_greedy, generate_random_prompts
+from tests.engine_harness import (
+    ENGINE_CONFIG,
+    check_chunked_preempting_run,
+    generate_random_prompts,
+)
 from tests.factories import STEP3P7_WINDOW, step3p7_config
 from tests.npu_stand_ins import RecordingTorchNpu, npu_backend
 from tests.paged_harness import (
@@ -257,11 +261,7 @@ def engine_run(tmp_path_factory):
 
 def test_engine_greedy_with_chunked_prefill_and_preemption_equals_transformers(engine_run):
     hf_model, inference, prompts, result = engine_run
-    assert isinstance(inference.engine.worker.model, Step3p7ForCausalLM)
-    assert result.summary["preemptions"] > 0
-    assert max(len(p) for p in prompts) > 16
-    assert all(step.num_tokens <= 16 for step in result.steps if step.phase == "prefill")
-    check_engine_greedy(hf_model, prompts, result)
+    check_chunked_preempting_run(hf_model, inference, prompts, result, Step3p7ForCausalLM)
 
 
 def test_sliding_and_full_layers_get_a_cache_group_each(engine_run):
