@@ -162,7 +162,7 @@ def is_zero_centred_norm(name: str) -> bool:
     return name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight")
 
 
-def mtp_parameter_name(checkpoint_name: str) -> str:
+def mtp_checkpoint_name(checkpoint_name: str) -> str:
     """`mtp.*` as Qwen's checkpoints name the MTP module -> our `mtp_layers.0.*`; other names unchanged."""
     for pattern, name in MTP_RENAMES:
         if pattern.match(checkpoint_name):
@@ -198,7 +198,7 @@ class Qwen3_5ForCausalLM(Qwen3ForCausalLM):
         """The text model's tensors, named as transformers' text model names them, and the MTP
         module's (`mtp.*`, skipped as transformers skips them where mtp_num_hidden_layers is 0)."""
         return super().load_weights(
-            (mtp_parameter_name(name.replace("model.language_model.", "model.", 1)), tensor)
+            (mtp_checkpoint_name(name.replace("model.language_model.", "model.", 1)), tensor)
             for name, tensor in weights
             if not name.startswith(SKIPPED_PREFIXES) and (self.num_mtp_layers or not name.startswith(MTP_PREFIX))
         )
