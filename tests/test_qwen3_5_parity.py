@@ -104,11 +104,14 @@ def qwen3_5_config(model_type: str, **overrides: object) -> transformers.Pretrai
     return FAMILIES[model_type][1](**(PARITY_SETTINGS | settings | overrides))
 
 
-def save_checkpoint(path: Path, config: transformers.PretrainedConfig) -> torch.nn.Module:
+def save_checkpoint(
+    path: Path, config: transformers.PretrainedConfig, redraw: dict[str, tuple[float, float]] | None = None
+) -> torch.nn.Module:
     """transformers' model with random weights, the constant ones drawn too so that each must land:
-    the zero-centred norms around 0, the DeltaNet's output norm around 1, dt_bias around 1."""
-    redraw = {"linear_attn.norm.weight": (1.0, 0.1), "norm.weight": (0.0, 0.1), "dt_bias": (1.0, 0.1)}
-    return save_random_model(path, FAMILIES[config.model_type][0], config, redraw=redraw)
+    the zero-centred norms around 0, the DeltaNet's output norm around 1, dt_bias around 1 (and what
+    `redraw` adds, as save_random_model's)."""
+    constants = {"linear_attn.norm.weight": (1.0, 0.1), "norm.weight": (0.0, 0.1), "dt_bias": (1.0, 0.1)}
+    return save_random_model(path, FAMILIES[config.model_type][0], config, redraw=(redraw or {}) | constants)
 
 
 def load_qwen3_5(path: Path, config: transformers.PretrainedConfig) -> torch.nn.Module:
@@ -290,6 +293,9 @@ def speculative_run(model_dir: Path, records: list, **speculative: object):
     return OfflineInference(config, str(model_dir)).generate(records)
 
 
+LOOPING_EMBEDDINGS = {"embed_tokens.weight": (0.0, 0.3)}
+
+
 @pytest.fixture(scope="module")
 def looping_model(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
     """A tiny Qwen3.5 with tied embeddings drawn large (std 0.3) so that it tends to repeat tokens,
@@ -297,10 +303,7 @@ def looping_model(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
     the verify step's states needs (a plain random model rejects every draft)."""
     path = tmp_path_factory.mktemp("looping_qwen3_5")
     config = qwen3_5_config("qwen3_5_text", **ENGINE_CONFIG, tie_word_embeddings=True)
-    redraw = {"linear_attn.norm.weight": (1.0, 0.1), "norm.weight": (0.0, 0.1), "dt_bias": (1.0, 0.1)}
-    hf_model = save_random_model(
-        path, transformers.Qwen3_5ForCausalLM, config, redraw=redraw | {"embed_tokens.weight": (0.0, 0.3)}
-    )
+    hf_model = save_checkpoint(path, config, redraw=LOOPING_EMBEDDINGS)
     tiny_tokenizer().save_pretrained(path)
     return path, hf_model
 
@@ -355,25 +358,28 @@ def test_speculative_decoding_is_refused_where_a_recurrent_layer_keeps_no_positi
         speculative_run(looping_model[0], repetitive_records(), **NGRAM)
 
 
+# cann-recipes' qwen3_5.yaml on the tiny MoE model: its TP 4 and ge_graph set back to one CPU process
+CANN_RECIPES_TINY_OVERRIDES = [
+    "model_config.model_path=models/qwen3_5_moe/tiny_random",
+    "model_config.with_ckpt=false",
+    "model_config.exe_mode=eager",
+    "model_config.device=cpu",
+    "parallel_config.world_size=1",
+    *(f"parallel_config.{key}=1" for key in ("attn_tp_size", "moe_tp_size", "embed_tp_size", "lmhead_tp_size")),
+    "parallel_config.shared_tp_size=1",
+    "data_config.num_prompts=2",
+    "data_config.apply_chat_template=false",
+    "scheduler_config.max_new_tokens=3",
+]
+
+
 def test_cann_recipes_qwen3_5_yaml_runs_on_the_tiny_moe_model(tmp_path, monkeypatch):
     """tests/data/cann_recipes/qwen3_5.yaml (cann-recipes' keys; model_name qwen3.5 finds
     models/qwen3_5_moe) in one process on CPU with the tiny random model: its TP 4 and ge_graph set
     back to what one CPU process runs."""
     monkeypatch.chdir(ROOT)
     output_dir = tmp_path / "run"
-    overrides = [
-        "model_config.model_path=models/qwen3_5_moe/tiny_random",
-        "model_config.with_ckpt=false",
-        "model_config.exe_mode=eager",
-        "model_config.device=cpu",
-        "parallel_config.world_size=1",
-        *(f"parallel_config.{key}=1" for key in ("attn_tp_size", "moe_tp_size", "embed_tp_size", "lmhead_tp_size")),
-        "parallel_config.shared_tp_size=1",
-        "data_config.num_prompts=2",
-        "data_config.apply_chat_template=false",
-        "scheduler_config.max_new_tokens=3",
-        f"model_config.output_path={output_dir}",
-    ]
+    overrides = [*CANN_RECIPES_TINY_OVERRIDES, f"model_config.output_path={output_dir}"]
     yaml = ROOT / "tests" / "data" / "cann_recipes" / "qwen3_5.yaml"
     assert offline_main(["--yaml", str(yaml), *(arg for o in overrides for arg in ("--set", o))]) == 0
     assert len((output_dir / "outputs.jsonl").read_text().splitlines()) == 2

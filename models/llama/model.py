@@ -229,7 +229,7 @@ class LlamaForCausalLM(CausalLM):
         self.num_mtp_layers = self.mtp_layers_to_build(hf_config)
         self.mtp_layers = nn.ModuleList(
             [
-                mtp_layer_class(self.decoder_layer_cls)(hf_config, hf_config.num_hidden_layers - 1, parallel, backend)
+                mtp_layer_class(self.decoder_layer_cls)(hf_config, self.mtp_layer_index(hf_config), parallel, backend)
                 for _ in range(self.num_mtp_layers)
             ]
         )
@@ -238,6 +238,11 @@ class LlamaForCausalLM(CausalLM):
     def mtp_layers_to_build(config: PretrainedConfig) -> int:
         """The config's num_nextn_predict_layers; a family whose MTP layers are not built here says 0."""
         return num_mtp_layers_of(config)
+
+    @staticmethod
+    def mtp_layer_index(config: PretrainedConfig) -> int:
+        """The decoder layer whose kind (token mixer, MLP) the MTP layers are built as: the last one."""
+        return config.num_hidden_layers - 1
 
     def mtp_layer(self, layer: int) -> MTPLayerMixin:
         if not 0 <= layer < self.num_mtp_layers:

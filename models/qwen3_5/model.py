@@ -14,12 +14,20 @@ What differs from Qwen3, each through a hook of the Llama / Qwen3 classes:
   softmax top-k routing (always renormalised).
 
 Checkpoints of the multimodal model name the text model `model.language_model.*`: it loads as
-`model.*`, its vision tower (`model.visual.*`) is skipped, as are the MTP weights (`mtp.*`, not
-built here). Parity with transformers: tests/test_qwen3_5_parity.py.
+`model.*`, its vision tower (`model.visual.*`) is skipped. Parity with transformers:
+tests/test_qwen3_5_parity.py.
+
+MTP (config mtp_num_hidden_layers, 1 in the released models; the checkpoints' `mtp.*`): module/mtp.py's
+module, named otherwise (MTP_RENAMES): pre_fc_norm_embedding and pre_fc_norm_hidden (zero-centred,
+as every norm here) over the embedding and the main model's final hidden state, fc over their
+concatenation (embedding first), one full-attention decoder layer of the model's kind (`mtp.layers.0`)
+and the closing norm `mtp.norm`; the embedding and LM head are the main model's. transformers skips
+`mtp.*`; tests/test_qwen3_5_mtp.py checks the module against a direct reference.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Hashable, Iterable
 
 import torch
@@ -27,6 +35,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from executor.types_.checkpoint_tensor import materialize
+from executor.types_.errors import WeightLoadError
 from executor.types_.model_inputs import ForwardMetaData
 from models.llama.model import LlamaModel, head_dim_of
 from models.qwen3.model import Qwen3Attention, Qwen3DecoderLayer, Qwen3ForCausalLM
@@ -38,8 +47,18 @@ from ops.backend import Backend
 from ops.linear_method import LinearMethod
 
 LINEAR_ATTENTION = "linear_attention"
+FULL_ATTENTION = "full_attention"
 # checkpoint prefixes of the multimodal model's parts this text model does not hold
-SKIPPED_PREFIXES = ("mtp.", "model.visual.", "visual.")
+SKIPPED_PREFIXES = ("model.visual.", "visual.")
+MTP_PREFIX = "mtp."
+# (checkpoint name pattern, ours): the MTP module's parts as Qwen's checkpoints name them -> module/mtp.py's
+MTP_RENAMES = (
+    (re.compile(r"^mtp\.pre_fc_norm_embedding\."), "mtp_layers.0.enorm."),
+    (re.compile(r"^mtp\.pre_fc_norm_hidden\."), "mtp_layers.0.hnorm."),
+    (re.compile(r"^mtp\.fc\."), "mtp_layers.0.eh_proj."),
+    (re.compile(r"^mtp\.norm\."), "mtp_layers.0.shared_head.norm."),
+    (re.compile(r"^mtp\.layers\.0\."), "mtp_layers.0."),
+)
 
 
 class Qwen3_5Attention(Qwen3Attention):
@@ -143,16 +162,45 @@ def is_zero_centred_norm(name: str) -> bool:
     return name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight")
 
 
+def mtp_checkpoint_name(checkpoint_name: str) -> str:
+    """`mtp.*` as Qwen's checkpoints name the MTP module -> our `mtp_layers.0.*`; other names unchanged."""
+    for pattern, name in MTP_RENAMES:
+        if pattern.match(checkpoint_name):
+            return pattern.sub(name, checkpoint_name, count=1)
+    if checkpoint_name.startswith(MTP_PREFIX):
+        raise WeightLoadError(f"checkpoint tensor {checkpoint_name!r}: not a part of Qwen's one MTP layer")
+    return checkpoint_name
+
+
 class Qwen3_5ForCausalLM(Qwen3ForCausalLM):
     decoder_layer_cls = Qwen3_5DecoderLayer
     base_model_cls = Qwen3_5Model
+    mtp_absent_reason = "config.json mtp_num_hidden_layers is 0 or absent"
+
+    @staticmethod
+    def mtp_layers_to_build(config: PretrainedConfig) -> int:
+        """mtp_num_hidden_layers (Qwen's key): 0 or 1, since the checkpoints hold one fc and one set of
+        norms for the MTP, which module/mtp.py keeps per layer."""
+        value = getattr(config, "mtp_num_hidden_layers", None) or 0
+        if isinstance(value, bool) or value not in (0, 1):
+            raise ValueError(f"config.json: mtp_num_hidden_layers must be 0 or 1 (Qwen's one MTP layer), got {value!r}")
+        return value
+
+    @staticmethod
+    def mtp_layer_index(config: PretrainedConfig) -> int:
+        """The last full-attention layer: the MTP layer is full attention with the model's MLP."""
+        full = [index for index, kind in enumerate(config.layer_types) if kind == FULL_ATTENTION]
+        if not full:
+            raise ValueError("config.json layer_types: the MTP layer is built as a full_attention layer; there is none")
+        return full[-1]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """The text model's tensors, named as transformers' text model names them."""
+        """The text model's tensors, named as transformers' text model names them, and the MTP
+        module's (`mtp.*`, skipped as transformers skips them where mtp_num_hidden_layers is 0)."""
         return super().load_weights(
-            (name.replace("model.language_model.", "model.", 1), tensor)
+            (mtp_checkpoint_name(name.replace("model.language_model.", "model.", 1)), tensor)
             for name, tensor in weights
-            if not name.startswith(SKIPPED_PREFIXES)
+            if not name.startswith(SKIPPED_PREFIXES) and (self.num_mtp_layers or not name.startswith(MTP_PREFIX))
         )
 
     def _load_tensor(

@@ -95,6 +95,7 @@ class MTPProposer:
             sequences,
             block_size=self.kv_cache_manager.block_size,
             max_blocks_per_request=self.max_blocks_per_request,
+            state_groups=self.kv_cache_manager.state_groups,
         )
         inputs = build_model_inputs(layout, self.builder)
         hidden = self.model.mtp_forward(
@@ -112,11 +113,16 @@ class MTPProposer:
         num_lookahead_tokens of them with the step, short of max_model_len, and gives them back
         after the next verify)."""
         kept, sequences = [], []
-        block_size = self.kv_cache_manager.block_size
+        block_size, state_groups = self.kv_cache_manager.block_size, self.kv_cache_manager.state_groups
         for position, (item, token) in enumerate(zip(drafting, tokens, strict=True)):
             row_position = item.position + 1
             block_ids = self.kv_cache_manager.get_block_ids(context.requests[item.index].request_id)
-            if any(len(group_blocks) * block_size <= row_position for group_blocks in block_ids):
+            # a recurrent group's row holds state slots, not blocks (the MTP layers keep no state)
+            if any(
+                len(group_blocks) * block_size <= row_position
+                for group, group_blocks in enumerate(block_ids)
+                if group not in state_groups
+            ):
                 continue
             item.position = row_position
             kept.append(position)
