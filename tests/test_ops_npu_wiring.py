@@ -256,6 +256,8 @@ KNOWN_NPU_GAPS = {
     "clamped_silu_and_mul",
     "moe_experts_clamped_silu",
     "moe_experts_gelu_tanh",
+    "indexer_topk",  # DSA: no indexer or sparse-attention operator in shared/npu-api-facts.md
+    "sparse_mla_attention",
 }
 
 
