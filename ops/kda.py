@@ -26,12 +26,7 @@ from __future__ import annotations
 import torch
 
 from executor.types_.model_inputs import RecurrentStateTables
-from ops.recurrent_ref import (  # the slots: each row's state, its rows, its kept positions, the writes
-    _position_slots,
-    _row_bounds,
-    _row_states,
-    _write_states,
-)
+from ops.recurrent_ref import row_states, scan_rows
 
 CHUNK_SIZE = 64
 L2_NORM_EPS = 1e-6
@@ -139,23 +134,8 @@ def chunk_kda(
     verify step), the state after each position in that position's slot -> output [T, H, V] in
     value's dtype."""
     query, key = prepare_query_key(query, key)
-    initial = _row_states(state_cache, tables)
-    bounds = _row_bounds(tables)
-    position_slots_per_row = _position_slots(tables, len(bounds))
-    outputs, finals, kept = [], [], []
-    for row, ((start, end), position_slots) in enumerate(zip(bounds, position_slots_per_row, strict=True)):
-        rows = slice(start, end)
-        args = (query[rows], key[rows], value[rows].float(), gate[rows].float(), beta[rows].float(), initial[row])
-        if position_slots is None:
-            output, final = kda_chunked(*args)
-            finals.append(final)
-        else:
-            output, states = kda_positions(*args)
-            finals.append(None)
-            kept.append((position_slots, states))
-        outputs.append(output)
-    _write_states(state_cache, tables, finals, kept)
-    return torch.cat(outputs).to(value.dtype)
+    inputs = (query, key, value.float(), gate.float(), beta.float())
+    return scan_rows(state_cache, tables, inputs, kda_chunked, kda_positions).to(value.dtype)
 
 
 def recurrent_kda(
@@ -171,7 +151,7 @@ def recurrent_kda(
     state read from each row's slot and written to its final slot, with no host read (graph buckets;
     padded rows use the null slot) -> output [rows, H, V] in value's dtype."""
     query, key = prepare_query_key(query, key)
-    states = _row_states(state_cache, tables)
+    states = row_states(state_cache, tables)
     output, states = kda_step(query, key, value.float(), gate.float(), beta.float(), states)
     state_cache.index_copy_(0, tables.write_slots, states)
     return output.to(value.dtype)

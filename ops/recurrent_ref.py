@@ -24,6 +24,9 @@ Computed in fp32, as transformers and the FLA kernels do; the recurrent state is
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -197,7 +200,7 @@ def conv1d_step(
     return _activate(output, activation).to(x.dtype), window[:, 1:]
 
 
-def _row_states(cache: torch.Tensor, tables: RecurrentStateTables) -> torch.Tensor:
+def row_states(cache: torch.Tensor, tables: RecurrentStateTables) -> torch.Tensor:
     """Each row's state from its slot, or zeros where it starts fresh (a slot never written may hold
     anything, NaN included: `where`, not a product, keeps it out)."""
     states = cache.index_select(0, tables.state_slots)
@@ -231,6 +234,36 @@ def _write_states(
     cache.index_copy_(0, index, torch.stack(states).to(cache.dtype))
 
 
+def scan_rows(
+    state_cache: torch.Tensor,
+    tables: RecurrentStateTables,
+    inputs: tuple[torch.Tensor, ...],
+    chunked: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    positions: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+) -> torch.Tensor:
+    """The multi-token step of a recurrent op: each request's rows of the packed `inputs` ([T, ...]
+    each), from its initial state, through `chunked` (-> output, final state, written to its final
+    slot) or, in a row that fits its ring of slots (a verify step), `positions` (-> output, the state
+    after each position, written to that position's slot) -> the outputs packed again."""
+    initial = row_states(state_cache, tables)
+    bounds = _row_bounds(tables)
+    outputs, finals, kept = [], [], []
+    for row, ((start, end), position_slots) in enumerate(
+        zip(bounds, _position_slots(tables, len(bounds)), strict=True)
+    ):
+        args = (*(tensor[start:end] for tensor in inputs), initial[row])
+        if position_slots is None:
+            output, final = chunked(*args)
+            finals.append(final)
+        else:
+            output, states = positions(*args)
+            finals.append(None)
+            kept.append((position_slots, states))
+        outputs.append(output)
+    _write_states(state_cache, tables, finals, kept)
+    return torch.cat(outputs)
+
+
 def causal_conv1d_fn(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -241,7 +274,7 @@ def causal_conv1d_fn(
     """Packed rows x [T, C] of several tokens each through the conv, each request continuing its conv
     state from conv_cache [slots, K - 1, C] (or zeros) and leaving its last K - 1 inputs in its final
     slot (after each position, in a row that fits its ring)."""
-    initial = _row_states(conv_cache, tables)
+    initial = row_states(conv_cache, tables)
     bounds = _row_bounds(tables)
     outputs, finals, kept = [], [], []
     for row, ((start, end), position_slots) in enumerate(
@@ -267,7 +300,7 @@ def causal_conv1d_update(
 ) -> torch.Tensor:
     """One token per row x [rows, C] through the conv, the state read from each row's slot and written
     to its final slot."""
-    output, state = conv1d_step(x, weight, _row_states(conv_cache, tables), activation)
+    output, state = conv1d_step(x, weight, row_states(conv_cache, tables), activation)
     conv_cache.index_copy_(0, tables.write_slots, state.to(conv_cache.dtype))
     return output
 
@@ -286,23 +319,13 @@ def chunk_gated_delta_rule(
     request continuing its state from state_cache [slots, Hv, Dk, Dv] (or zeros) and leaving its
     final state in its final slot (a row that fits its ring: the state after each position, token by
     token) -> output [T, Hv, Dv]."""
-    initial = _row_states(state_cache, tables)
-    bounds = _row_bounds(tables)
-    outputs, finals, kept = [], [], []
-    for row, ((start, end), position_slots) in enumerate(
-        zip(bounds, _position_slots(tables, len(bounds)), strict=True)
-    ):
-        args = (query[start:end], key[start:end], value[start:end], g[start:end], beta[start:end], initial[row])
-        if position_slots is None:
-            output, final = gated_delta_rule_chunked(*args, use_qk_l2norm=use_qk_l2norm)
-            finals.append(final)
-        else:
-            output, states = gated_delta_rule_positions(*args, use_qk_l2norm=use_qk_l2norm)
-            finals.append(None)
-            kept.append((position_slots, states))
-        outputs.append(output)
-    _write_states(state_cache, tables, finals, kept)
-    return torch.cat(outputs)
+    return scan_rows(
+        state_cache,
+        tables,
+        (query, key, value, g, beta),
+        functools.partial(gated_delta_rule_chunked, use_qk_l2norm=use_qk_l2norm),
+        functools.partial(gated_delta_rule_positions, use_qk_l2norm=use_qk_l2norm),
+    )
 
 
 def recurrent_gated_delta_rule(
@@ -317,7 +340,7 @@ def recurrent_gated_delta_rule(
 ) -> torch.Tensor:
     """One token per row (q, k [rows, Hk, Dk], v [rows, Hv, Dv], g, beta [rows, Hv]), the state read
     from each row's slot and written to its final slot -> output [rows, Hv, Dv]."""
-    output, state = gated_delta_rule_step(query, key, value, g, beta, _row_states(state_cache, tables), use_qk_l2norm)
+    output, state = gated_delta_rule_step(query, key, value, g, beta, row_states(state_cache, tables), use_qk_l2norm)
     state_cache.index_copy_(0, tables.write_slots, state.to(state_cache.dtype))
     return output
 

@@ -20,7 +20,7 @@ import yaml
 from executor.core.config import ConfigError
 from executor.core.config.model_registry import check_model_name
 from models.kimi_linear import KimiLinearForCausalLM
-from ops import kda
+from ops import recurrent_ref
 from tests import paged_harness
 from tests.backends import cpu_backend
 from tests.engine_harness import (
@@ -161,7 +161,7 @@ def test_ngram_speculation_keeps_each_positions_state_and_gives_greedy_output(lo
 
 def test_speculation_is_wrong_without_kdas_states_kept_per_position(looping_checkpoint, monkeypatch):
     """The mutation: KDA's verify rows keep only the state after their last draft, accepted or not."""
-    monkeypatch.setattr(kda, "_position_slots", lambda tables, num_rows: [None] * num_rows)
+    monkeypatch.setattr(recurrent_ref, "_position_slots", lambda tables, num_rows: [None] * num_rows)
     _, outputs, expected = ngram_outputs(*looping_checkpoint, "kimi_linear")
     assert outputs != expected
 
