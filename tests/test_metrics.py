@@ -1,5 +1,7 @@
 """The run summary and KV-cache sizing arithmetic."""
 
+import dataclasses
+
 import pytest
 
 from executor.core.engine.kv_cache_sizing import plan_num_blocks
@@ -9,11 +11,14 @@ from executor.offline.metrics import (
     cann_closing_lines,
     cann_decode_average_ms,
     percentile,
+    speculation_stats,
     step_breakdown,
     summarize,
     upper_fence,
 )
-from executor.types_ import FinishReason
+from executor.offline.run_summary import run_summary
+from executor.offline.summary_table import summary_lines
+from executor.types_ import AcceptCounts, FinishReason
 from tests.factories import make_request
 
 
@@ -132,3 +137,59 @@ def test_breakdown_of_steps_timed_without_parts_has_the_total_only():
     assert list(step_breakdown(steps)["decode"]["parts"]) == ["total"]
     lines = breakdown_lines(step_breakdown(steps))
     assert lines[0].startswith("decode: 1 steps, 0 outlier(s)") and "total" in lines[-1]
+
+
+def test_accept_counts_count_each_draft_position_of_a_verify():
+    counts = AcceptCounts()
+    counts.add_verify(3, 2)  # drafts 1 and 2 accepted, 3 rejected
+    counts.add_verify(3, 0)
+    counts.add_verify(1, 1)
+    assert (counts.drafted, counts.accepted, counts.verifies) == ([3, 2, 2], [2, 1, 0], 3)
+    assert (counts.num_drafted, counts.num_accepted) == (7, 3)
+    other = AcceptCounts([1], [1], 1)
+    counts.add(other)
+    assert (counts.drafted, counts.accepted, counts.verifies) == ([4, 2, 2], [3, 1, 0], 4)
+    assert counts.per_position()[0] == {"position": 1, "draft_tokens": 4, "accepted_tokens": 3, "accept_rate": 0.75}
+
+
+def spec_step(step: int, drafted: list[int], accepted: list[int], verified: int, *, part: int = 1) -> dict:
+    """A decode step line that verified drafts (StepRecord's speculation fields)."""
+    return {
+        "part": part,
+        "step": step,
+        "phase": "decode",
+        "step_time_ms": 10.0,
+        "num_draft_tokens": sum(drafted),
+        "num_accepted_tokens": sum(accepted),
+        "num_verified_requests": verified,
+        "drafted_per_position": drafted,
+        "accepted_per_position": accepted,
+    }
+
+
+def test_speculation_stats_add_each_position_over_steps_replicas_and_parts():
+    replica_0 = [spec_step(1, [2, 2], [2, 1], 2), spec_step(1, [1, 1, 1], [1, 1, 0], 1, part=2)]
+    replica_1 = [spec_step(1, [1], [0], 1), {"part": 1, "step": 2, "phase": "decode", "step_time_ms": 10.0}]
+    spec = speculation_stats([*replica_0, *replica_1])["speculative"]
+    assert (spec["draft_tokens"], spec["accepted_tokens"], spec["verify_steps"]) == (8, 5, 3)
+    assert spec["mean_accept_length"] == 1 + 5 / 4
+    assert spec["per_position"] == [
+        {"position": 1, "draft_tokens": 4, "accepted_tokens": 3, "accept_rate": 0.75},
+        {"position": 2, "draft_tokens": 3, "accepted_tokens": 2, "accept_rate": 2 / 3},
+        {"position": 3, "draft_tokens": 1, "accepted_tokens": 0, "accept_rate": 0.0},
+    ]
+    assert speculation_stats(replica_1[1:]) == {}
+
+
+def test_the_run_summary_counts_speculation_over_every_replicas_step_log():
+    replica_0, replica_1 = [spec_step(1, [2, 1], [1, 0], 2)], [spec_step(1, [1, 1], [1, 1], 1)]
+    summary = run_summary("complete", [], replica_0, [], 0, replica_1)
+    assert [entry["accepted_tokens"] for entry in summary["speculative"]["per_position"]] == [2, 1]
+    assert summary["decode"]["steps"] == 1  # step times stay replica 0's
+    assert "accept by draft  1: 0.667 (2/3), 2: 0.500 (1/2)" in summary_lines(summary)
+
+
+def test_a_step_record_logs_and_records_its_drafts_by_position():
+    record = StepRecord(4, "decode", 2, 6, 10.0, 0.1, 2, 0.0, 0, 0, 4, 3, 2, [2, 2], [2, 1])
+    assert "accepted 3/4 drafts (by position 2/2 1/2), accept length 2.50" in record.log_line()
+    assert AcceptCounts.from_step_line(dataclasses.asdict(record)) == AcceptCounts([2, 2], [2, 1], 2)

@@ -342,6 +342,7 @@ def test_the_scheduler_applies_a_step_result_accepted_drafts_logprobs_and_next_d
     assert (r.num_computed_tokens, r.output_token_ids, r.spec_token_ids) == (7, [11, 5, 9], [])
     assert r.output_logprobs == logprob
     assert (record.num_draft_tokens, record.num_accepted_tokens, record.num_verified_requests) == (2, 1, 1)
+    assert (record.drafted_per_position, record.accepted_per_position) == ([1, 1], [1, 0])
 
 
 def test_lookahead_slots_are_allocated_with_the_step_and_given_back_after_a_verify():

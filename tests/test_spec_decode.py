@@ -21,6 +21,7 @@ from executor.types_ import Batch, StepResult
 from tests.conftest import save_tiny_llama
 from tests.engine_harness import token_records
 from tests.factories import make_request
+from tests.spec_decode_harness import ngram_accept_counts
 
 
 def test_greedy_verification_keeps_the_matching_prefix_then_the_targets_token():
@@ -111,11 +112,18 @@ def greedy(tiny_llama_dir) -> list[list[int]]:
     return outputs(run(tiny_llama_dir, repetitive_records()))
 
 
-def test_ngram_speculation_gives_greedy_output(tiny_llama_dir, greedy):
-    result = run(tiny_llama_dir, repetitive_records(), method="ngram", num_speculative_tokens=3, prompt_lookup_min=1)
+def test_ngram_speculation_gives_greedy_output_and_counts_each_draft_position(tiny_llama_dir, greedy):
+    """The accept counts, per draft position, are those the greedy outputs imply (spec_decode_harness)."""
+    records = repetitive_records()
+    result = run(tiny_llama_dir, records, method="ngram", num_speculative_tokens=3, prompt_lookup_min=1)
     assert outputs(result) == greedy
+    assert [len(output) for output in greedy] == [r.sampling_overrides["max_new_tokens"] for r in records]  # no EOS
     stats = result.summary["speculative"]
-    assert stats["draft_tokens"] > 0 and 0 <= stats["accept_rate"] <= 1
+    ngram = NgramProposer(num_speculative_tokens=3, min_n=1, max_n=4)
+    expected = ngram_accept_counts(zip([r.prompt_token_ids for r in records], greedy, strict=True), ngram, 96)
+    assert stats["per_position"] == expected.per_position()
+    assert len(stats["per_position"]) == 3 and 0 < stats["accepted_tokens"] < stats["draft_tokens"]
+    assert (stats["draft_tokens"], stats["accepted_tokens"]) == (expected.num_drafted, expected.num_accepted)
     assert stats["mean_accept_length"] == 1 + stats["accepted_tokens"] / sum(
         s.num_verified_requests for s in result.steps
     )

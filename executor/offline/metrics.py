@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from executor.core.scheduler import StepRecord
-from executor.types_ import FinishReason, Request
+from executor.types_ import AcceptCounts, FinishReason, Request
 from executor.utils.step_timer import PARTS
 
 
@@ -67,23 +67,24 @@ def speculation_stats(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Speculative decoding over the decode steps, as cann-recipes reports it: drafts proposed and
     accepted, the accept rate, the mean accept length (tokens a request emits per verify step: its
     accepted drafts plus one) and the equivalent per-token decode time (mean decode step time over
-    the mean accept length). Empty when no step verified drafts."""
-    verify = [s for s in steps if s.get("num_draft_tokens")]
-    if not verify:
+    the mean accept length); then each draft position's counts and rate, as vLLM reports them. The
+    steps may be any replicas' and parts': the counts add up. Empty when no step verified drafts."""
+    counts = AcceptCounts()
+    for step in steps:
+        counts.add(AcceptCounts.from_step_line(step))
+    if not counts.num_drafted:
         return {}
-    drafted = sum(s["num_draft_tokens"] for s in verify)
-    accepted = sum(s["num_accepted_tokens"] for s in verify)
-    verified = sum(s["num_verified_requests"] for s in verify)
-    accept_length = 1 + accepted / verified
+    accept_length = 1 + counts.num_accepted / counts.verifies
     decode_ms = [s["step_time_ms"] for s in steps if s.get("phase") == "decode"]
     return {
         "speculative": {
-            "verify_steps": len(verify),
-            "draft_tokens": drafted,
-            "accepted_tokens": accepted,
-            "accept_rate": accepted / drafted,
+            "verify_steps": sum(1 for s in steps if s.get("num_draft_tokens")),
+            "draft_tokens": counts.num_drafted,
+            "accepted_tokens": counts.num_accepted,
+            "accept_rate": counts.num_accepted / counts.num_drafted,
             "mean_accept_length": accept_length,
             "equivalent_decode_ms_per_token": statistics.fmean(decode_ms) / accept_length,
+            "per_position": counts.per_position(),
         }
     }
 

@@ -31,6 +31,7 @@ from executor.offline.run_folder import (
     CONFIG_FILE,
     OUTPUTS_FILE,
     REPLICA_OUTPUTS_PATTERN,
+    REPLICA_STEPS_PATTERN,
     STEPS_FILE,
     SUMMARY_FILE,
     RunPlan,
@@ -193,7 +194,10 @@ class ResultWriter:
         lines = self._done_lines()
         done = {line["id"] for line in lines}
         pending = sum(request_id not in done for request_id in self._request_hashes)
-        summary = run_summary(status, lines, self._step_lines, parts, pending)
+        replica_steps = [
+            line for path in replica_files(self.output_dir, REPLICA_STEPS_PATTERN) for line in _whole_lines(path)
+        ]
+        summary = run_summary(status, lines, self._step_lines, parts, pending, replica_steps)
         atomic_write_text(self.output_dir / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
         return summary
 

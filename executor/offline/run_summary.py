@@ -1,7 +1,8 @@
 """summary.json for a whole run, however many parts (interrupted, killed, resumed) it took.
 
 Counts and token totals come from outputs.jsonl and step times from steps.jsonl, so they cover
-every part, killed ones included. Times that only a part's own summary knows (TTFT, TPOT, wall
+every part, killed ones included; speculation's counts from every replica's step log
+(steps.jsonl and steps_dp<d>.jsonl), as they add up. Times that only a part's own summary knows (TTFT, TPOT, wall
 time) are combined from the parts that wrote one, each listed under `parts`.
 """
 
@@ -19,7 +20,10 @@ def run_summary(
     step_lines: Sequence[dict[str, Any]],
     parts: Sequence[dict[str, Any]],
     pending_requests: int,
+    replica_step_lines: Sequence[dict[str, Any]] = (),
 ) -> dict[str, Any]:
+    """`step_lines`: steps.jsonl's (replica 0's); `replica_step_lines`: the other data-parallel
+    replicas' (steps_dp<d>.jsonl), which count in the speculation figures."""
     served = [line for line in output_lines if line.get("error") is None]
     timed = [part for part in parts if part.get("total_s")]
     total_s = sum(part["total_s"] for part in timed)
@@ -40,7 +44,7 @@ def run_summary(
         **_latencies(timed, "tpot"),
         "output_tokens_per_s": part_output_tokens / total_s if total_s > 0 else 0.0,
         **_cache_stats(parts),
-        **speculation_stats(step_lines),
+        **speculation_stats([*step_lines, *replica_step_lines]),
         "device": latest.get("device"),
         "dtype": latest.get("dtype"),
         "linear_layers": latest.get("linear_layers"),

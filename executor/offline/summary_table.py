@@ -49,6 +49,12 @@ def summary_lines(summary: Mapping[str, Any], summary_path: Path | None = None) 
                 f"{spec['equivalent_decode_ms_per_token']:.2f} ms per token",
             )
         )
+        by_position = [
+            f"{entry['position']}: {entry['accept_rate']:.3f} ({entry['accepted_tokens']}/{entry['draft_tokens']})"
+            for entry in spec.get("per_position", [])
+        ]
+        if by_position:
+            rows.append(("accept by draft", ", ".join(by_position)))
     if summary_path is not None:
         rows.append(("summary", str(summary_path)))
     return [f"=== run {summary.get('status', '')}".rstrip(), *(f"{label:16s} {value}" for label, value in rows)]

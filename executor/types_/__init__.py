@@ -1,5 +1,6 @@
 """Plain data shared by the scheduler, the engine, the worker and the models."""
 
+from executor.types_.accept_counts import AcceptCounts
 from executor.types_.batch import Batch, StepResult, StepRunner
 from executor.types_.block_hash import BlockHash
 from executor.types_.kv_cache_spec import AttentionKind, KVCacheSpec, KVTensorSpec, attention_spec, recurrent_spec
@@ -14,6 +15,7 @@ from executor.types_.model_inputs import (
 from executor.types_.request import FinishReason, Request, RequestStatus, SamplingParams, TokenLogprobs
 
 __all__ = [
+    "AcceptCounts",
     "AttentionKind",
     "Batch",
     "BlockHash",

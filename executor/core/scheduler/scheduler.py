@@ -28,10 +28,19 @@ from collections import deque
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from executor.core.kv_cache import KVCacheManager
-from executor.types_ import Batch, FinishReason, Request, RequestStatus, StepResult, StepRunner, TokenLogprobs
+from executor.types_ import (
+    AcceptCounts,
+    Batch,
+    FinishReason,
+    Request,
+    RequestStatus,
+    StepResult,
+    StepRunner,
+    TokenLogprobs,
+)
 from executor.utils.step_timer import StepTimer
 
 logger = logging.getLogger(__name__)
@@ -62,9 +71,13 @@ class StepRecord:
     prefix_hit_rate: float  # of the run so far: cached tokens reused / tokens looked up at admission
     evictions: int  # of the run so far
     preemptions: int  # of the run so far
-    num_draft_tokens: int = 0  # speculative decoding: drafts verified this step
-    num_accepted_tokens: int = 0  # of them, accepted
-    num_verified_requests: int = 0  # requests that verified drafts this step
+    # speculative decoding, this step's AcceptCounts: drafts verified, accepted, the requests that
+    # verified, and the first two per draft position (the totals are their sums)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verified_requests: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
     parts_ms: dict[str, float] | None = None  # step_time_ms split into step_timer.PARTS; None: breakdown off
     profiled: bool = False  # ran under the profiler, so its times are not the run's
     # bytes this rank handed to each collective this step ("<group>.<op>"); empty in one process
@@ -77,8 +90,10 @@ class StepRecord:
             f"| prefix hits {self.prefix_hit_rate:5.1%} | evicted {self.evictions} | preempted {self.preemptions}"
         )
         if self.num_draft_tokens:
+            by_position = zip(self.accepted_per_position, self.drafted_per_position, strict=True)
             line += (
-                f" | accepted {self.num_accepted_tokens}/{self.num_draft_tokens} drafts, accept length "
+                f" | accepted {self.num_accepted_tokens}/{self.num_draft_tokens} drafts "
+                f"(by position {' '.join(f'{a}/{d}' for a, d in by_position)}), accept length "
                 f"{1 + self.num_accepted_tokens / self.num_verified_requests:.2f}"
             )
         if self.parts_ms:
@@ -370,15 +385,17 @@ class Scheduler:
         return None
 
 
-def _speculation_counts(batch: Batch, result: StepResult) -> dict[str, int]:
-    """Drafts verified in the step, how many of them the runner accepted, and by how many requests."""
-    verified = [
-        (len(drafts), accepted)
-        for drafts, accepted in zip(batch.draft_token_ids, result.num_accepted_drafts, strict=False)
-        if drafts
-    ]
+def _speculation_counts(batch: Batch, result: StepResult) -> dict[str, Any]:
+    """StepRecord's speculation fields: the step's AcceptCounts (drafts verified and accepted, per
+    position and in all, and by how many requests)."""
+    counts = AcceptCounts()
+    for drafts, accepted in zip(batch.draft_token_ids, result.num_accepted_drafts, strict=False):
+        if drafts:
+            counts.add_verify(len(drafts), accepted)
     return {
-        "num_draft_tokens": sum(num_drafts for num_drafts, _ in verified),
-        "num_accepted_tokens": sum(accepted for _, accepted in verified),
-        "num_verified_requests": len(verified),
+        "num_draft_tokens": counts.num_drafted,
+        "num_accepted_tokens": counts.num_accepted,
+        "num_verified_requests": counts.verifies,
+        "drafted_per_position": counts.drafted,
+        "accepted_per_position": counts.accepted,
     }
