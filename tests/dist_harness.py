@@ -56,16 +56,33 @@ def run_distributed(
 RUN_ENV = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
 
-def launch_command(
-    run_yaml: Path, out: Path, overrides: list[str], entry: list[str] | None = None, nproc: int | None = None
-) -> list[str]:
+def entry_args(run_yaml: Path, out: Path, overrides: list[str]) -> list[str]:
+    """The offline entry's arguments for a run of `run_yaml` into `out` with `overrides`."""
     args = ["--yaml", str(run_yaml), "--set", f"model_config.output_path={out}"]
     for override in overrides:
         args += ["--set", override]
+    return args
+
+
+def launch_command(
+    run_yaml: Path, out: Path, overrides: list[str], entry: list[str] | None = None, nproc: int | None = None
+) -> list[str]:
+    args = entry_args(run_yaml, out, overrides)
     if entry is None:
         return [sys.executable, "-m", "executor.offline.launch", *args]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     return [*command, *entry, *args]
+
+
+def run_in_one_launch(runs: list[list[str]], nproc: int, runs_file: Path) -> subprocess.CompletedProcess:
+    """torchrun over tests/dist_runs_entry.py: the offline entry with each of `runs` (entry_args
+    lists, written to `runs_file`) in turn, in one process group of `nproc` ranks."""
+    runs_file.write_text(json.dumps(runs))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    command += ["tests/dist_runs_entry.py", str(runs_file)]
+    return subprocess.run(
+        command, cwd=ROOT, env=RUN_ENV, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False
+    )
 
 
 def start_distributed(run_yaml: Path, out: Path, overrides: list[str], log: Path) -> subprocess.Popen:

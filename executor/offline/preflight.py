@@ -13,7 +13,8 @@ from typing import Any
 
 from executor.core.config import ConfigError, InferenceConfig
 from executor.core.config.comm_manager import DistEnv, launch_problem
-from executor.core.config.parallel_layout import ParallelLayout, model_fit_problems
+from executor.core.config.parallel_layout import ParallelLayout, model_fit_problems, num_experts_of
+from executor.core.spec_decode.factory import draft_model_config
 from executor.model_loader.default_loader import INDEX_FILE, checkpoint_shards
 from executor.model_loader.quantization_config import quantization_request, read_quantization
 from executor.platform.platform import detect_device_type
@@ -165,16 +166,32 @@ def check_parallel_layout(config: InferenceConfig, hf_config: Any) -> None:
     if layout.world_size > 1:
         where = f"with world_size {layout.world_size} in {config.source}"
         problems += [f"{problem} {where}" for problem in _one_process_only(config)]
+        problems += [f"{problem} in {config.source}" for problem in _draft_model_problems(config, layout, hf_config)]
     if problems:
         raise ConfigError.from_problems(problems, config.source)
 
 
 def _one_process_only(config: InferenceConfig) -> list[str]:
-    """Features not built for several processes yet: graphs would have to capture the collectives,
-    and the proposers' forwards would have to run in step on every rank."""
+    """Features not built for several processes yet: graphs would have to capture the collectives."""
     problems = []
     if config.model_config.exe_mode != "eager":
         problems.append(f"model_config.exe_mode {config.model_config.exe_mode!r} is not built for several processes")
-    if config.speculation[0]:
-        problems.append(f"speculative decoding ({config.speculation[0]}) is not built for several processes")
+    return problems
+
+
+def _draft_model_problems(config: InferenceConfig, layout: ParallelLayout, hf_config: Any) -> list[str]:
+    """Above one process the draft model runs on the target's layout: it must split by it too, and
+    its groups may span the replicas only where the target's do (the replicas then step in
+    lock-step; otherwise a replica may have stopped while another's draft forward waits for it)."""
+    if config.speculation[0] != "draft_model":
+        return []
+    draft_path = Path(draft_model_config(config).model_config.model_path)
+    draft_hf_config = check_model_folder(draft_path, type(hf_config), with_ckpt=False)
+    problems = [f"the draft model ({draft_path}): {problem}" for problem in model_fit_problems(layout, draft_hf_config)]
+    draft_kinds = layout.lock_step_kinds(has_experts=num_experts_of(draft_hf_config) > 0)
+    if draft_kinds and not layout.lock_step_kinds(has_experts=num_experts_of(hf_config) > 0):
+        problems.append(
+            f"the draft model ({draft_path}) has experts whose groups ({', '.join(draft_kinds)}) span the "
+            "data-parallel replicas while the target's do not: not built (the replicas do not step in lock-step)"
+        )
     return problems

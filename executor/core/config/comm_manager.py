@@ -2,11 +2,12 @@
 
 Model groups (on the platform's backend: gloo on CPU, nccl on CUDA, hccl on NPU) go to the layers as
 a ModelParallel, each marked when it spans data-parallel replicas; the gloo groups carry Python
-objects and flags: the world (KV block counts; in lock-step, whether anyone still has work), each
-attention TP group (agreeing to stop after a step) and the DP leaders (gathering the replicas'
-results). The o_proj TP and attention DP groups of the layout are not created: no layer here splits
-o_proj other than with the attention heads, and the DP replicas talk through their leaders, the world
-group and the model groups that span them (lock-step, docs/distributed.md). All ranks call
+objects and flags: the world (KV block counts; in lock-step, whether anyone still has work and how
+many proposer forwards a step runs), each attention TP group (agreeing to stop after a step; its
+rank 0's speculative drafts) and the DP leaders (gathering the replicas' results). The o_proj TP
+and attention DP groups of the layout are not created: no layer here splits o_proj other than with
+the attention heads, and the DP replicas talk through their leaders, the world group and the model
+groups that span them (lock-step, docs/distributed.md). All ranks call
 new_group for every group in the same order, as torch.distributed requires; groups with the same
 ranks and backend are created once and shared. Every collective has the run's timeout, so a rank
 that is gone turns into an error within it, never a hang.
@@ -128,11 +129,30 @@ class CommManager:
 
     def min_over_world(self, value: int) -> int:
         """The smallest `value` over all ranks (KV block counts: every rank must size the same pool)."""
+        return self._reduce_over_world(value, dist.ReduceOp.MIN)
+
+    def max_over_world(self, value: int) -> int:
+        """The largest `value` over all ranks (in lock-step, the proposer forwards every replica runs in a step)."""
+        return self._reduce_over_world(value, dist.ReduceOp.MAX)
+
+    def _reduce_over_world(self, value: int, op: Any) -> int:
         if not self.is_distributed:
             return value
         tensor = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.world_cpu)
+        dist.all_reduce(tensor, op=op, group=self.world_cpu)
         return int(tensor.item())
+
+    def share_in_replica(self, rows: list[list[int]], width: int) -> list[list[int]]:
+        """`rows` (each of at most `width` ids >= 0) as this attention TP group's rank 0 holds them,
+        on every rank of the group: one gloo broadcast of a [rows, width] table padded with -1.
+        Every rank of the group passes as many rows (they run the same batch)."""
+        if self.layout.attn_tp_size == 1 or not rows:
+            return rows
+        table = torch.full((len(rows), width), -1, dtype=torch.int64)
+        for index, row in enumerate(rows):
+            table[index, : len(row)] = torch.tensor(row, dtype=torch.int64)
+        dist.broadcast(table, group=self.tp_cpu, group_src=0)
+        return [[token for token in row if token >= 0] for row in table.tolist()]
 
     def any_in_replica(self, flag: bool) -> bool:
         """Whether any rank of this attention TP group says so: its ranks run the same steps, so

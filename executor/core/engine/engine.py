@@ -26,8 +26,8 @@ from executor.core.model_worker import ModelWorker
 from executor.core.model_worker.graph_runner import GraphRunner
 from executor.core.sampler import Sampler
 from executor.core.scheduler import Scheduler, SchedulerLimits
-from executor.core.spec_decode.factory import draft_model_config, make_proposer
-from executor.core.spec_decode.proposer import Proposer
+from executor.core.spec_decode.factory import DraftParts, draft_model_config, make_proposer
+from executor.core.spec_decode.proposer import LockStep, Proposer
 from executor.model_loader.hf_config import load_hf_config
 from executor.model_loader.quantization_config import quantization_request, read_quantization
 from executor.platform import create_platform, resolve_dtype
@@ -198,15 +198,24 @@ class ExecutionEngine:
                     f"({engine.vocab_size}) differs from the target's ({self.vocab_size}); it needs the same tokenizer"
                 )
             assert engine.runner is not None and engine.kv_cache_manager is not None
-            draft = (engine.runner, engine.kv_cache_manager)
+            draft = DraftParts(engine.runner, engine.kv_cache_manager, engine.proposer_lock_step())
         return make_proposer(
             self.config,
             self.worker.model,
             self.kv_cache_manager,
             self.metadata_builder,
             self.max_blocks_per_request,
+            self.comm,
+            self.proposer_lock_step(),
             draft,
         )
+
+    def proposer_lock_step(self) -> LockStep | None:
+        """How a proposer's forwards on this engine's model keep in lock-step; None when its groups
+        do not span the replicas (docs/distributed.md, "Speculation across processes")."""
+        if not self.lock_step:
+            return None
+        return LockStep(self.comm.max_over_world, joins_lm_head="lmhead_tp" in self.lock_step_kinds)
 
     def _warm_up(self, probe: KVCacheManager, num_tokens: int) -> None:
         """One dummy prefill and one decode step on the probe cache, so first-call costs stay out of

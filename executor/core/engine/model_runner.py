@@ -58,6 +58,7 @@ class ModelRunner:
         hidden_states, all_logits = self._forward(layout)  # marks h2d
         if not layout.logits_indices and not layout.prompt_logprob_indices:
             self._join_lm_head_without_rows(hidden_states)
+            self._propose_nothing(hidden_states)
             self.step_timer.mark("forward")
             return StepResult.empty(len(sequences))
         logits = self._logits(hidden_states, all_logits, layout)
@@ -75,6 +76,8 @@ class ModelRunner:
         if self.proposer is not None and num_sampled:
             result.next_drafts = self._propose(batch.requests, drafts, sequences, result, hidden_states, layout)
             self.step_timer.mark("propose")
+        else:
+            self._propose_nothing(hidden_states)
         return result
 
     def prepare_inputs(self, batch: Batch, drafts: list[list[int]]) -> tuple[list[ScheduledSequence], StepLayout]:
@@ -234,6 +237,13 @@ class ModelRunner:
         )
         hidden_states, _ = self._forward(layout)
         self._join_lm_head_without_rows(hidden_states)
+        self._propose_nothing(hidden_states)
+
+    def _propose_nothing(self, hidden_states: torch.Tensor) -> None:
+        """A step that drafts nothing here still joins the proposer forwards of the other replicas
+        (lock-step: they hold collectives across the replicas)."""
+        if self.proposer is not None:
+            self.proposer.propose_nothing(hidden_states)
 
     def _join_lm_head_without_rows(self, hidden_states: torch.Tensor) -> None:
         """A step that samples no row still joins the LM head's collectives when its group spans

@@ -7,15 +7,19 @@ changes one): each draft forward reads fresh Requests made from the mirrors. Eac
 feeds the draft model the tokens it has not seen (the prompt the first time, then the step's
 accepted tokens), then k - 1 single-token steps; where the target rejected drafts, the mirror's
 computed tokens roll back to what the two agree on, so its K/V is reused up to there and
-overwritten after it.
+overwritten after it. When the draft model's own groups span data-parallel replicas (lock-step), a
+replica that drafts nothing in a step runs the k idle forwards that meet another replica's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
 
 from executor.core.kv_cache import KVCacheManager
-from executor.core.spec_decode.proposer import ProposalContext
+from executor.core.spec_decode.proposer import LockStep, ProposalContext
 from executor.types_ import Batch, Request, SamplingParams, StepRunner
 
 
@@ -43,13 +47,27 @@ class DraftMirror:
         )
 
 
+class DraftRunner(StepRunner, Protocol):
+    def idle_forward(self) -> None:
+        """A forward over nothing, that meets the collectives of another replica's (lock-step)."""
+        ...
+
+
 class DraftModelProposer:
     num_lookahead_tokens = 0  # the drafts' K/V goes to the draft model's own cache
 
-    def __init__(self, runner: StepRunner, kv_cache_manager: KVCacheManager, num_speculative_tokens: int) -> None:
+    def __init__(
+        self,
+        runner: DraftRunner,
+        kv_cache_manager: KVCacheManager,
+        num_speculative_tokens: int,
+        lock_step: LockStep | None = None,
+    ) -> None:
+        """`lock_step`: the draft model's own groups span the replicas (its forwards then match)."""
         self.runner = runner
         self.kv_cache_manager = kv_cache_manager
         self.num_speculative_tokens = num_speculative_tokens
+        self.lock_step = lock_step
         self.mirrors: dict[str, DraftMirror] = {}  # by request id
 
     def propose(self, context: ProposalContext) -> list[list[int]]:
@@ -64,8 +82,12 @@ class DraftModelProposer:
             needed = mirror.num_unseen_tokens + self.num_speculative_tokens - 1
             if self.kv_cache_manager.allocate_slots(mirror.as_request(), needed):
                 active.append((index, mirror))
+        num_forwards = self._agreed_forwards(self.num_speculative_tokens if active else 0)
+        if not active:
+            self._idle_forwards(num_forwards)
+            return drafts
         num_scheduled = [mirror.num_unseen_tokens for _, mirror in active]
-        for depth in range(self.num_speculative_tokens if active else 0):
+        for depth in range(num_forwards):
             batch = Batch([mirror.as_request() for _, mirror in active], num_scheduled, is_prefill=depth == 0)
             new = self.runner.execute(batch).new_token_ids
             for (index, mirror), scheduled, tokens in zip(active, num_scheduled, new, strict=True):
@@ -74,6 +96,17 @@ class DraftModelProposer:
                 drafts[index].extend(tokens)
             num_scheduled = [1] * len(active)
         return drafts
+
+    def propose_nothing(self, hidden_states: torch.Tensor) -> None:
+        self._idle_forwards(self._agreed_forwards(0))
+
+    def _agreed_forwards(self, num_forwards: int) -> int:
+        """Draft forwards this step: this replica's, or in lock-step the most any replica runs (0 or k)."""
+        return self.lock_step.max_over_world(num_forwards) if self.lock_step else num_forwards
+
+    def _idle_forwards(self, num_forwards: int) -> None:
+        for _ in range(num_forwards):
+            self.runner.idle_forward()
 
     def _sync_mirror(self, request: Request, new_tokens: list[int]) -> DraftMirror:
         """The request's mirror holding the target's tokens so far (its own and this step's), with

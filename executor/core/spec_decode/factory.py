@@ -7,19 +7,30 @@ in as its runner and KV cache manager, so that nothing here imports the engine.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from executor.core.config import InferenceConfig
+from executor.core.config.comm_manager import CommManager
 from executor.core.kv_cache import KVCacheManager
-from executor.core.spec_decode.draft_model import DraftModelProposer
+from executor.core.spec_decode.draft_model import DraftModelProposer, DraftRunner
 from executor.core.spec_decode.mtp import MTPProposer
 from executor.core.spec_decode.ngram import NgramProposer, NgramStepProposer
-from executor.core.spec_decode.proposer import Proposer
+from executor.core.spec_decode.proposer import LockStep, Proposer, ReplicaSharedDrafts
 from executor.model_loader.default_model import expand_home_vars
-from executor.types_ import StepRunner
 from ops.attention_metadata import AttentionMetadataBuilder
+
+
+@dataclass(frozen=True, slots=True)
+class DraftParts:
+    """What the engine builds for method draft_model: the draft's runner and KV cache manager, and
+    its lock-step (None unless the draft model's own groups span the replicas)."""
+
+    runner: DraftRunner
+    kv_cache_manager: KVCacheManager
+    lock_step: LockStep | None
 
 
 def make_proposer(
@@ -28,27 +39,34 @@ def make_proposer(
     kv_cache_manager: KVCacheManager,
     metadata_builder: AttentionMetadataBuilder,
     max_blocks_per_request: int,
-    draft: tuple[StepRunner, KVCacheManager] | None = None,
+    comm: CommManager,
+    lock_step: LockStep | None = None,
+    draft: DraftParts | None = None,
 ) -> Proposer | None:
-    """None when speculative decoding is off; built after the target's weights and cache. `draft`:
-    the draft model's runner and KV cache manager, for method draft_model."""
+    """None when speculative decoding is off; built after the target's weights and cache.
+    `lock_step`: the target's, when its groups span the replicas; `draft`: for method draft_model.
+    Above one rank per attention TP group, the group's ranks take its rank 0's drafts."""
     method, num_tokens = config.speculation
     spec = config.speculative_config
     if not method:
         return None
+    proposer: Proposer
     if method == "ngram":
-        return NgramStepProposer(NgramProposer(num_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max))
-    if method == "mtp":
-        return MTPProposer(
+        proposer = NgramStepProposer(NgramProposer(num_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max))
+    elif method == "mtp":
+        proposer = MTPProposer(
             model,
             kv_cache_manager,
             metadata_builder,
             num_speculative_tokens=num_tokens,
             max_blocks_per_request=max_blocks_per_request,
             source=config.source,
+            lock_step=lock_step,
         )
-    assert draft is not None, "method draft_model needs the draft model's runner"
-    return DraftModelProposer(*draft, num_tokens)
+    else:
+        assert draft is not None, "method draft_model needs the draft model's runner"
+        proposer = DraftModelProposer(draft.runner, draft.kv_cache_manager, num_tokens, draft.lock_step)
+    return ReplicaSharedDrafts(proposer, comm, num_tokens) if comm.layout.attn_tp_size > 1 else proposer
 
 
 def draft_model_config(config: InferenceConfig) -> InferenceConfig:

@@ -16,7 +16,7 @@ import torch
 
 from executor.core.config import ConfigError
 from executor.core.kv_cache import KVCacheManager
-from executor.core.spec_decode.proposer import ProposalContext
+from executor.core.spec_decode.proposer import LockStep, ProposalContext
 from executor.types_.model_inputs import ScheduledSequence, build_step_layout
 from ops.attention_metadata import AttentionMetadataBuilder, build_model_inputs
 
@@ -39,6 +39,7 @@ class MTPProposer:
         num_speculative_tokens: int,
         max_blocks_per_request: int,
         source: str,
+        lock_step: LockStep | None = None,
     ) -> None:
         if getattr(model, "num_mtp_layers", 0) < 1:
             reason = getattr(model, "mtp_absent_reason", "config.json num_nextn_predict_layers is 0 or absent")
@@ -51,6 +52,7 @@ class MTPProposer:
         self.num_speculative_tokens = num_speculative_tokens
         self.num_lookahead_tokens = num_speculative_tokens - 1  # drafts 2..k write one position on each
         self.max_blocks_per_request = max_blocks_per_request
+        self.lock_step = lock_step
 
     @torch.inference_mode()
     def propose(self, context: ProposalContext) -> list[list[int]]:
@@ -72,20 +74,63 @@ class MTPProposer:
             hidden_rows.extend(range(row, row + num_valid))
             if new_tokens:
                 drafting.append(_Drafting(index, end - 1))
+        # each request drafts at every depth whose row has a slot, up to num_speculative_tokens
+        num_passes = max((self._depths(context, item) for item in drafting), default=0)
+        num_passes = self.lock_step.max_over_world(num_passes) if self.lock_step else num_passes
         if not drafting:
+            self._idle_passes(num_passes, context.hidden_states)
             return drafts
         hidden = context.hidden_states[torch.tensor(hidden_rows, device=context.hidden_states.device)]
-        for depth in range(self.num_speculative_tokens):
-            hidden, tokens = self._run(min(depth, self.model.num_mtp_layers - 1), sequences, hidden)
+        for depth in range(num_passes):
+            layer = min(depth, self.model.num_mtp_layers - 1)
+            if not drafting:  # lock-step: another replica's requests draft further
+                self._idle_pass(layer, context.hidden_states)
+                continue
+            hidden, tokens = self._run(layer, sequences, hidden)
             for item, token in zip(drafting, tokens, strict=True):
                 drafts[item.index].append(token)
             if depth + 1 < self.num_speculative_tokens:
                 kept, sequences = self._next_rows(context, drafting, tokens)
-                if not kept:
-                    break
-                hidden = hidden[torch.tensor(kept, device=hidden.device)]
+                hidden = hidden[torch.tensor(kept, device=hidden.device, dtype=torch.int64)]
                 drafting = [drafting[i] for i in kept]
         return drafts
+
+    def propose_nothing(self, hidden_states: torch.Tensor) -> None:
+        if self.lock_step:
+            self._idle_passes(self.lock_step.max_over_world(0), hidden_states)
+
+    def _idle_passes(self, num_passes: int, hidden_states: torch.Tensor) -> None:
+        for depth in range(num_passes):
+            self._idle_pass(min(depth, self.model.num_mtp_layers - 1), hidden_states)
+
+    def _idle_pass(self, layer: int, hidden_states: torch.Tensor) -> None:
+        """Lock-step: a pass of MTP module `layer` over one padding token whose K/V goes to the null
+        block, as the runner's idle forward does, so that the collectives of another replica's pass
+        meet this one's; its output is dropped."""
+        null_blocks = [[0]] * self.kv_cache_manager.num_groups
+        layout = build_step_layout(
+            [ScheduledSequence([0], 0, null_blocks, num_sampled_rows=0)],
+            block_size=self.kv_cache_manager.block_size,
+            max_blocks_per_request=self.max_blocks_per_request,
+            state_groups=self.kv_cache_manager.state_groups,
+        )
+        inputs = build_model_inputs(layout, self.builder)
+        hidden = self.model.mtp_forward(
+            layer, inputs.input_ids, inputs.positions, hidden_states[:1], inputs.forward_metadata
+        )
+        if self.lock_step is not None and self.lock_step.joins_lm_head:
+            self.model.mtp_compute_logits(layer, hidden, inputs.logits_indices)  # no row: the gathers only
+
+    def _depths(self, context: ProposalContext, item: _Drafting) -> int:
+        """MTP passes the request drafts in: one per position from its last row on that holds a slot."""
+        block_ids = self.kv_cache_manager.get_block_ids(context.requests[item.index].request_id)
+        return min(self.num_speculative_tokens, self._slots_end(block_ids) - item.position)
+
+    def _slots_end(self, block_ids: list[list[int]]) -> int:
+        """The first position for which some attention group of the request holds no K/V slot (a
+        recurrent group's row holds state slots, not blocks; the MTP layers keep no state)."""
+        block_size, state_groups = self.kv_cache_manager.block_size, self.kv_cache_manager.state_groups
+        return min(len(blocks) * block_size for group, blocks in enumerate(block_ids) if group not in state_groups)
 
     def _run(
         self, layer: int, sequences: list[ScheduledSequence], previous_hidden: torch.Tensor
@@ -113,16 +158,10 @@ class MTPProposer:
         num_lookahead_tokens of them with the step, short of max_model_len, and gives them back
         after the next verify)."""
         kept, sequences = [], []
-        block_size, state_groups = self.kv_cache_manager.block_size, self.kv_cache_manager.state_groups
         for position, (item, token) in enumerate(zip(drafting, tokens, strict=True)):
             row_position = item.position + 1
             block_ids = self.kv_cache_manager.get_block_ids(context.requests[item.index].request_id)
-            # a recurrent group's row holds state slots, not blocks (the MTP layers keep no state)
-            if any(
-                len(group_blocks) * block_size <= row_position
-                for group, group_blocks in enumerate(block_ids)
-                if group not in state_groups
-            ):
+            if self._slots_end(block_ids) <= row_position:
                 continue
             item.position = row_position
             kept.append(position)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from executor.core.spec_decode.proposer import ProposalContext
 
@@ -45,3 +46,6 @@ class NgramStepProposer:
             self.ngram.propose_for([*request.prompt_token_ids, *request.output_token_ids, *new]) if new else []
             for request, new in zip(context.requests, context.new_token_ids, strict=True)
         ]
+
+    def propose_nothing(self, hidden_states: torch.Tensor) -> None:
+        """No forward to match: lookups hold no collective."""

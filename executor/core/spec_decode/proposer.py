@@ -8,11 +8,13 @@ no draft probabilities.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from executor.core.config.comm_manager import CommManager
 from executor.types_ import Request
 from executor.types_.model_inputs import ScheduledSequence
 
@@ -29,6 +31,17 @@ class ProposalContext:
     row_starts: list[int]  # first row of each request's sequence
 
 
+@dataclass(frozen=True, slots=True)
+class LockStep:
+    """Lock-step data parallelism (docs/distributed.md): the proposer's forwards hold collectives
+    across the replicas, so in each step every replica runs as many of them as the one that runs
+    most (`max_over_world` agrees on it), idle ones where it has fewer or none; `joins_lm_head`: an
+    idle forward still calls the LM head, whose group spans the replicas."""
+
+    max_over_world: Callable[[int], int]
+    joins_lm_head: bool
+
+
 class Proposer(Protocol):
     # KV slots the proposer writes past each step's tokens in the target's cache (MTP: its drafts
     # after the first), which the scheduler allocates with the step's own
@@ -37,3 +50,29 @@ class Proposer(Protocol):
     def propose(self, context: ProposalContext) -> list[list[int]]:
         """Draft tokens per request of the step, for its next decode step."""
         ...
+
+    def propose_nothing(self, hidden_states: torch.Tensor) -> None:
+        """A step of this replica that drafts for no request (it sampled no row, or was an idle
+        forward; `hidden_states`: its target rows, one at least): in lock-step, the idle forwards
+        that match the other replicas' proposer forwards; nothing otherwise."""
+        ...
+
+
+class ReplicaSharedDrafts:
+    """A proposer whose drafts are its attention TP group's rank 0's, on every rank of the group.
+    The drafts decide the tokens each rank feeds next and the KV slots it allocates, so the ranks
+    of a group must hold the same ones: they compute them from the same tokens and the same
+    all-gathered logits, and one small broadcast per step (CommManager.share_in_replica) makes
+    that so by construction rather than by bitwise agreement of their arithmetic."""
+
+    def __init__(self, proposer: Proposer, comm: CommManager, num_speculative_tokens: int) -> None:
+        self.proposer = proposer
+        self.comm = comm
+        self.num_speculative_tokens = num_speculative_tokens
+        self.num_lookahead_tokens = proposer.num_lookahead_tokens
+
+    def propose(self, context: ProposalContext) -> list[list[int]]:
+        return self.comm.share_in_replica(self.proposer.propose(context), self.num_speculative_tokens)
+
+    def propose_nothing(self, hidden_states: torch.Tensor) -> None:
+        self.proposer.propose_nothing(hidden_states)

@@ -1,0 +1,173 @@
+"""Speculative decoding across processes (torchrun, gloo on CPU): greedy outputs equal to the
+one-process run without speculation, and the accept counts of every replica summed into the one
+summary.json, for n-gram and MTP drafts at attention TP 2 (EP 2 inside the TP group) and at DP 2 x
+EP 2 (lock-step: the replicas' verify steps feed different row counts, and a replica whose requests
+are done or draft less runs idle forwards and idle MTP passes), for a draft model at DP 2 x EP 2,
+and for n-gram drafts at TP 3.
+
+The layouts of one world size run in one torchrun launch (tests/dist_runs_entry.py), so the ranks
+start once. n-gram's counts are exact: the greedy outputs imply them (tests/spec_decode_harness.py).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from executor.core.spec_decode.ngram import NgramProposer
+from executor.types_ import AcceptCounts
+from tests.conftest import save_tiny_llama
+from tests.deepseek_v3_harness import save_checkpoint
+from tests.dist_harness import entry_args, parallel_overrides, run_in_one_launch, run_one_process, token_ids
+from tests.factories import deepseek_config, tiny_tokenizer
+from tests.run_harness import outputs_by_id, summary, write_run
+from tests.spec_decode_harness import ngram_accept_counts
+from tests.test_distributed import save_moe_folder
+
+# Replica 0 serves r0 and r2, replica 1 r1 and r3: replica 0 is done first and idles while r1 drafts.
+NEW_TOKENS = {"r0": 5, "r1": 12, "r2": 7, "r3": 4}
+NGRAM = ["speculative_config.method=ngram", "speculative_config.num_speculative_tokens=3"]
+NGRAM += ["speculative_config.prompt_lookup_min=1"]
+NGRAM_PROPOSER = NgramProposer(num_speculative_tokens=3, min_n=1, max_n=4)  # the config's lookup
+MTP = ["speculative_config.method=mtp", "speculative_config.num_speculative_tokens=2"]
+# Everything split inside one replica; or attention DP 2 with the MoE, embedding and LM head across both.
+TP_2 = parallel_overrides(2, attn_tp_size=2, moe_tp_size=1, dense_tp_size=2, embed_tp_size=2, lmhead_tp_size=2)
+DP_2_EP_2 = parallel_overrides(2, attn_tp_size=1, moe_tp_size=1, embed_tp_size=2, lmhead_tp_size=2)
+LAYOUTS = {"tp2": TP_2, "dp2ep2": DP_2_EP_2}
+
+
+def write_repetitive_run(tmp_path: Path, model_dir: Path, model_name: str) -> Path:
+    """write_run's YAML over 4 prompts that repeat a phrase (n-grams recur), each with its own
+    max_new_tokens (NEW_TOKENS)."""
+    tmp_path.mkdir()
+    run_yaml = write_run(tmp_path, model_dir, num_prompts=len(NEW_TOKENS))
+    rng = random.Random(3)
+    lines = []
+    for request_id, new_tokens in NEW_TOKENS.items():
+        phrase = [rng.randrange(3, 250) for _ in range(4)]
+        prompt = phrase * 3 + [rng.randrange(3, 250)]
+        lines.append({"id": request_id, "prompt_token_ids": prompt, "max_new_tokens": new_tokens})
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    if model_name:
+        run_yaml.write_text(
+            run_yaml.read_text().replace("model_config:\n", f"model_config:\n  model_name: {model_name}\n")
+        )
+    return run_yaml
+
+
+def prompts_and_outputs(run_yaml: Path, reference: dict[str, dict]) -> list[tuple[list[int], list[int]]]:
+    prompts = {
+        line["id"]: line["prompt_token_ids"] for line in map(json.loads, (run_yaml.parent / "prompts.jsonl").open())
+    }
+    return [(prompts[request_id], line["output_token_ids"]) for request_id, line in reference.items()]
+
+
+def step_counts(out: Path) -> AcceptCounts:
+    """The accept counts of every replica's step lines."""
+    counts = AcceptCounts()
+    for steps_file in sorted(out.glob("steps*.jsonl")):
+        for line in steps_file.read_text().splitlines():
+            counts.add(AcceptCounts.from_step_line(json.loads(line)))
+    return counts
+
+
+def assert_summed(out: Path) -> dict:
+    """summary.json's speculation counts are every replica's steps', and its replicas' summaries'."""
+    whole = summary(out)
+    spec = whole["speculative"]
+    counts = step_counts(out)
+    assert counts.num_drafted > 0 and spec["per_position"] == counts.per_position()
+    assert (spec["draft_tokens"], spec["accepted_tokens"]) == (counts.num_drafted, counts.num_accepted)
+    replicas = whole["parts"][-1].get("data_parallel_replicas")
+    if replicas:
+        by_position: dict[int, list[int]] = {}
+        for replica in replicas:
+            for entry in replica.get("speculative", {}).get("per_position", []):
+                drafted_accepted = by_position.setdefault(entry["position"], [0, 0])
+                drafted_accepted[0] += entry["draft_tokens"]
+                drafted_accepted[1] += entry["accepted_tokens"]
+        assert [by_position[position] for position in sorted(by_position)] == [
+            [entry["draft_tokens"], entry["accepted_tokens"]] for entry in spec["per_position"]
+        ]
+    return spec
+
+
+def verify_met_other_rows(out: Path) -> bool:
+    """Lock-step: the replicas' steps pair up in order (idle forwards come only after a replica's
+    work); whether a verify step met a step of the other replica that fed another token count."""
+    replica_0, replica_1 = (
+        [json.loads(line) for line in (out / name).read_text().splitlines()]
+        for name in ("steps.jsonl", "steps_dp1.jsonl")
+    )
+    return any(
+        (a["num_draft_tokens"] or b["num_draft_tokens"]) and a["num_tokens"] != b["num_tokens"]
+        for a, b in zip(replica_0, replica_1, strict=False)
+    )
+
+
+@pytest.mark.slow
+def test_ngram_and_mtp_across_two_processes_give_one_process_tokens_and_summed_accept_counts(tmp_path):
+    deepseek_dir = tmp_path / "deepseek_v3"
+    save_checkpoint(deepseek_dir, deepseek_config(num_nextn_predict_layers=1))
+    tiny_tokenizer().save_pretrained(deepseek_dir)
+    qwen_dir = save_moe_folder(tmp_path / "qwen3_moe", "qwen3_moe")
+    cases = {
+        "deepseek_v3": (write_repetitive_run(tmp_path / "deepseek_v3_run", deepseek_dir, "deepseek_v3"), [NGRAM, MTP]),
+        "qwen3_moe": (write_repetitive_run(tmp_path / "qwen3_moe_run", qwen_dir, "qwen3_moe"), [NGRAM]),
+    }
+    references, runs = {}, []
+    for family, (run_yaml, methods) in cases.items():
+        references[family] = run_one_process(run_yaml, tmp_path / f"{family}_one_process")
+        for method in methods:
+            for layout in LAYOUTS:
+                out = tmp_path / f"{family}_{method[0].rpartition('=')[2]}_{layout}"
+                runs.append((family, method, layout, out))
+    # the target as its own draft model, whose experts span the replicas: its forwards keep lock-step too
+    draft_model = ["speculative_config.method=draft_model", f"speculative_config.draft_model_path={deepseek_dir}"]
+    draft_model += ["speculative_config.num_speculative_tokens=2"]
+    runs.append(("deepseek_v3", draft_model, "dp2ep2", tmp_path / "deepseek_v3_draft_model_dp2ep2"))
+    launch = run_in_one_launch(
+        [entry_args(cases[family][0], out, [*method, *LAYOUTS[layout]]) for family, method, layout, out in runs],
+        nproc=2,
+        runs_file=tmp_path / "runs.json",
+    )
+    assert launch.returncode == 0, (launch.stdout + launch.stderr)[-4000:]
+    mtp_one_process = run_one_process(cases["deepseek_v3"][0], tmp_path / "mtp_one_process", *MTP)
+    mtp_counts = summary(tmp_path / "mtp_one_process")["speculative"]["per_position"]
+    for family, method, layout, out in runs:
+        run_yaml = cases[family][0]
+        assert token_ids(outputs_by_id(out)) == token_ids(references[family]), out.name
+        spec = assert_summed(out)
+        if method is NGRAM:
+            expected = ngram_accept_counts(prompts_and_outputs(run_yaml, references[family]), NGRAM_PROPOSER, 128)
+            assert spec["per_position"] == expected.per_position(), out.name
+        elif method is draft_model:
+            assert len(spec["per_position"]) == 2 and spec["accept_rate"] == 1.0  # the target drafts its own tokens
+        else:
+            assert token_ids(mtp_one_process) == token_ids(references[family])
+            assert spec["per_position"] == mtp_counts, out.name  # the same drafts as in one process
+        if layout == "dp2ep2":
+            replicas = summary(out)["parts"][-1]["data_parallel_replicas"]
+            assert replicas[0]["lock_step_idle_steps"] > 0, out.name  # replica 0 idled while replica 1 drafted
+            assert verify_met_other_rows(out), out.name
+
+
+@pytest.mark.slow
+def test_ngram_at_attention_tp_3_gives_one_process_tokens_and_exact_accept_counts(tmp_path):
+    """A tiny Llama whose 6 query and 3 KV heads split 3 ways; the dense FFN too."""
+    model_dir = save_tiny_llama(
+        tmp_path / "llama", hidden_size=48, num_attention_heads=6, num_key_value_heads=3, intermediate_size=96
+    )
+    run_yaml = write_repetitive_run(tmp_path / "run", model_dir, "")
+    reference = run_one_process(run_yaml, tmp_path / "one_process")
+    out = tmp_path / "tp3"
+    sizes = parallel_overrides(3, attn_tp_size=3, dense_tp_size=3)
+    launch = run_in_one_launch([entry_args(run_yaml, out, [*NGRAM, *sizes])], nproc=3, runs_file=tmp_path / "runs.json")
+    assert launch.returncode == 0, (launch.stdout + launch.stderr)[-4000:]
+    assert token_ids(outputs_by_id(out)) == token_ids(reference)
+    spec = assert_summed(out)
+    expected = ngram_accept_counts(prompts_and_outputs(run_yaml, reference), NGRAM_PROPOSER, 256)
+    assert spec["per_position"] == expected.per_position()
