@@ -45,7 +45,7 @@ def make_proposer(
             metadata_builder,
             num_speculative_tokens=num_tokens,
             max_blocks_per_request=max_blocks_per_request,
-            source=config.source,
+            config=config,
         )
     assert draft is not None, "method draft_model needs the draft model's runner"
     return DraftModelProposer(*draft, num_tokens)
