@@ -89,7 +89,8 @@ def run_case(name: str, tmp_path: Path, tiny_llama_dir: Path, monkeypatch, capsy
 
 
 def fill(template: bytes, places: dict[str, str]) -> bytes:
-    """Put the case's paths in for {model}, {dataset}, {out}, {tmp} and {root}; bytes, so non-UTF-8 files stay as they are."""
+    """Put the case's paths in for {model}, {dataset}, {out}, {tmp} and {root}; bytes, so that
+    non-UTF-8 files stay as they are."""
     for key, value in places.items():
         template = template.replace(f"{{{key}}}".encode(), value.encode())
     return template
