@@ -31,6 +31,7 @@ from executor.model_loader.default_model import default_model_path
 from executor.types_ import Batch, Request, SamplingParams
 
 PROMPT_TOKENS = 100
+MAX_MODEL_LEN = 1024
 GRAPH_MODES = ("ge_graph", "npugraph_ex")
 
 
@@ -50,9 +51,9 @@ def build_engine(args: argparse.Namespace, exe_mode: str, cache_dir: str) -> Exe
             "scheduler_config": {
                 "batch_size": max(args.batch_sizes),
                 "graph_buckets": args.batch_sizes,
-                "block_size": 16,
-                "max_model_len": 1024,
-                "num_blocks": max(args.batch_sizes) * 12 + 65,  # ~106 + 2 x steps tokens each; one max_model_len
+                "block_size": args.block_size,
+                "max_model_len": MAX_MODEL_LEN,
+                "num_blocks": num_blocks(args),
             },
         },
         source="bench_graph_modes",
@@ -60,6 +61,13 @@ def build_engine(args: argparse.Namespace, exe_mode: str, cache_dir: str) -> Exe
     engine = ExecutionEngine(config)
     engine.init(*resolve_model(args.model_name), str(args.model_path))
     return engine
+
+
+def num_blocks(args: argparse.Namespace) -> int:
+    """Each request's ~106 + 2 x steps tokens with room to spare, and one max_model_len request (the
+    pool's own check) beside the null block."""
+    per_request = -(-(PROMPT_TOKENS + 7 + 2 * args.steps) // args.block_size) + 4
+    return max(args.batch_sizes) * per_request + -(-MAX_MODEL_LEN // args.block_size) + 1
 
 
 def prefilled(engine: ExecutionEngine, batch_size: int) -> list[Request]:
@@ -96,6 +104,7 @@ def warm_up_seconds(args: argparse.Namespace, exe_mode: str, cache_dir: str) -> 
     """Graph warm-up time of a fresh process (so only the on-disk cache can help)."""
     command = [sys.executable, __file__, "--warm-up-only", exe_mode, "--cache-dir", cache_dir, "--dtype", args.dtype]
     command += ["--model-path", str(args.model_path), "--batch-sizes", *map(str, args.batch_sizes)]
+    command += ["--block-size", str(args.block_size), "--steps", str(args.steps)]
     command += ["--model-name", args.model_name] + (["--random-weights"] if args.random_weights else [])
     output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
     return float(output.strip().splitlines()[-1])
@@ -110,6 +119,9 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--modes", nargs="+", default=list(GRAPH_MODES), choices=GRAPH_MODES)
     parser.add_argument("--steps", type=int, default=10, help="timed decode steps per batch size and pass")
+    parser.add_argument(
+        "--block-size", type=int, default=16, help="scheduler_config.block_size (a model may need a multiple of 128)"
+    )
     parser.add_argument("--cache-dir", default=None, help="compile cache (default: a new temporary folder)")
     parser.add_argument("--skip-warm-up-timing", action="store_true", help="time decode steps only")
     parser.add_argument("--warm-up-timing-only", action="store_true", help="time warm-up (cold, warm cache) only")

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 
 from executor.types_.model_inputs import ForwardMetaData
 from module.embedding import ParallelLMHead
-from module.mtp import MTPLayerMixin
+from module.mtp import MTPLayerMixin, num_mtp_layers_of
 
 
 class CausalLM(nn.Module):
@@ -16,8 +17,16 @@ class CausalLM(nn.Module):
 
     model: nn.Module
     lm_head: ParallelLMHead
-    num_mtp_layers: int
-    mtp_absent_reason = "config.json num_nextn_predict_layers is 0 or absent"  # said where num_mtp_layers is 0
+    num_mtp_layers: int  # mtp_layers_to_build(config), set as the layers are built
+    mtp_absent_reason = "config.json num_nextn_predict_layers is 0 or absent"  # why mtp_layers_to_build gave 0
+
+    @classmethod
+    def mtp_layers_to_build(cls, config: PretrainedConfig) -> int:
+        """How many MTP layers this class builds from HF `config` (none: mtp_absent_reason says why).
+        A class method, so that MTP drafting on a model without them is refused before it loads
+        (executor/core/spec_decode/mtp.py's check_mtp_layers, from the preflight and the proposer);
+        the model builds this many. A ValueError for a config whose MTP keys are unusable."""
+        return num_mtp_layers_of(config)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_metadata: ForwardMetaData

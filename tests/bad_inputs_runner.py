@@ -73,7 +73,7 @@ def run_case(name: str, tmp_path: Path, tiny_llama_dir: Path, monkeypatch, capsy
     model = edited_model(source, tmp_path / "model", edits) if edits else source
     out = tmp_path / "out"
     places = {"model": str(model), "dataset": str(case_file(case_dir, "prompts.jsonl")), "out": str(out)}
-    places["tmp"] = str(tmp_path)
+    places |= {"tmp": str(tmp_path), "root": str(CASES_DIR.parents[1])}
     for relative, text in case.get("files", {}).items():
         (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / relative).write_bytes(fill(text.encode(), places))
@@ -89,7 +89,8 @@ def run_case(name: str, tmp_path: Path, tiny_llama_dir: Path, monkeypatch, capsy
 
 
 def fill(template: bytes, places: dict[str, str]) -> bytes:
-    """Put the case's paths in for {model}, {dataset}, {out} and {tmp}; bytes, so non-UTF-8 files stay as they are."""
+    """Put the case's paths in for {model}, {dataset}, {out}, {tmp} and {root}; bytes, so that
+    non-UTF-8 files stay as they are."""
     for key, value in places.items():
         template = template.replace(f"{{{key}}}".encode(), value.encode())
     return template

@@ -187,7 +187,10 @@ def test_speculation_is_wrong_without_kdas_states_kept_per_position(looping_chec
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("models", [name for name in CONFIGS if name != "ling3_bounded_gate"], indirect=True)
 def test_a_decode_step_traces_as_one_graph_equal_to_eager(models):
-    """What ge_graph compiles (fullgraph, static shapes): a padded decode step over the state slots."""
+    """What ge_graph compiles (fullgraph, static shapes): a padded decode step over the state slots.
+    Not on ling3_bounded_gate, the tiny YAML's structure, which tests/test_tiny_configs.py compiles
+    in ge_graph through the engine (inductor, fullgraph) against eager's tokens."""
     _, ours = models
     check_decode_traces_as_one_graph(ours, random_prompts((5, 9, 3), seed=6))

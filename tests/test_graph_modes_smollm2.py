@@ -1,7 +1,8 @@
 """The real default model in each graph mode: greedy output equal to eager's on the shipped prompts.
 
 Slow (each bucket of the real model takes one to two minutes to compile on two cores), so marked
-slow and run in CI; the graphs go to the default compile cache.
+slow and run in CI, with one bucket per mode (several buckets, and which steps each serves, are
+tests/test_graph_modes.py's, on the tiny model); the graphs go to the default compile cache.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from tests.test_graph_modes import CACHED_ORIGIN
 
 pytestmark = pytest.mark.slow
 
-SETTINGS = {"batch_size": 6, "graph_buckets": [2, 4], "max_model_len": 1024, "num_blocks": 160}
-NUM_PROMPTS = 7  # 7 requests at batch 6: decode steps of 6, 5 (no bucket), 4, 3 (bucket 4), 2, 1 (bucket 2) rows
+SETTINGS = {"batch_size": 6, "graph_buckets": [4], "max_model_len": 1024, "num_blocks": 160}
+NUM_PROMPTS = 7  # 7 requests at batch 6: decode steps of 6, 5 (no bucket), then 4 to 1 rows (padded to bucket 4)
 
 
 def greedy(smollm2_dir, records, **model_config) -> tuple[list[list[int]], dict]:

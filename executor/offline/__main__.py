@@ -43,6 +43,7 @@ from executor.offline.preflight import (
     check_model_folder,
     check_parallel_layout,
     check_quantization,
+    check_speculation,
     one_line,
 )
 from executor.offline.results import ResultWriter, default_output_dir, failed_record_result
@@ -113,9 +114,10 @@ def prepare_run(yaml_path: str, overrides: list[str]) -> PreparedRun:
     check_model_name(config.model_config.model_name, config.source)
     records = load_records(config)
     model_path = resolve_model_path(config)
-    _, config_cls = resolve_model(config.model_config.model_name)
+    model_cls, config_cls = resolve_model(config.model_config.model_name)
     hf_config = check_model_folder(model_path, config_cls, config.model_config.with_ckpt)
     check_quantization(config, hf_config, model_path)
+    check_speculation(config, model_cls, hf_config, model_path)
     check_parallel_layout(config, hf_config)
     device_type = check_device(config)
     check_kv_pool(config, getattr(hf_config, "max_position_embeddings", 0))

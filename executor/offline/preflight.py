@@ -15,6 +15,7 @@ from executor.core.config import ConfigError, InferenceConfig
 from executor.core.config.comm_manager import DistEnv, launch_problem
 from executor.core.config.parallel_layout import ParallelLayout, model_fit_problems, num_experts_of
 from executor.core.spec_decode.factory import draft_model_config
+from executor.core.spec_decode.mtp import check_mtp_layers
 from executor.model_loader.default_loader import INDEX_FILE, checkpoint_shards
 from executor.model_loader.quantization_config import quantization_request, read_quantization
 from executor.platform.platform import detect_device_type
@@ -152,6 +153,13 @@ def check_quantization(config: InferenceConfig, hf_config: Any, model_path: Path
         read_quantization(hf_config, quantization_request(config.model_config), f"{model_path / 'config.json'}")
     except WeightLoadError as exc:
         raise ConfigError(f"{exc} ({config.source})") from None
+
+
+def check_speculation(config: InferenceConfig, model_cls: Any, hf_config: Any, model_path: Path) -> None:
+    """MTP drafting (model_config.next_n, speculative_config.method mtp) needs MTP layers that the
+    model class builds from this config.json; a model without them is refused before it loads."""
+    if config.speculation[0] == "mtp":
+        check_mtp_layers(model_cls, hf_config, config, str(model_path / "config.json"))
 
 
 def check_parallel_layout(config: InferenceConfig, hf_config: Any) -> None:

@@ -99,6 +99,7 @@ class BailingHybridForCausalLM(KimiLinearForCausalLM):
     base_model_cls = BailingHybridModel
     family = "Ling 3 (Bailing hybrid)"
     checkpoint_renames = CHECKPOINT_RENAMES
+    mtp_absent_reason = "Ling 3's MTP layers are not built: transformers defines no module to run them"
 
     def _is_skipped(self, checkpoint_name: str) -> bool:
         """The MTP layers (model.layers.N.. past the decoder), as transformers skips them."""

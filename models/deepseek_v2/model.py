@@ -60,6 +60,7 @@ class DeepseekV2Model(DeepseekV3Model):
 
 class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):
     base_model_cls = DeepseekV2Model
+    mtp_absent_reason = "DeepSeek-V2 has no MTP modules"
     family = "DeepSeek-V2"
 
     @staticmethod

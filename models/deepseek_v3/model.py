@@ -24,7 +24,7 @@ from module.embedding import ParallelLMHead, VocabParallelEmbedding
 from module.mla import MLAAttention
 from module.mlp import GatedMLP
 from module.moe import FusedExperts, Router, SparseMoeBlock, TopkRouter, load_expert_tensor
-from module.mtp import SHARED_MTP_TENSOR, MTPLayerMixin
+from module.mtp import SHARED_MTP_TENSOR, MTPLayerMixin, num_mtp_layers_of
 from module.norm import RMSNorm
 from module.parallel_group import ONE_PROCESS, ModelParallel
 from module.rotary import RotaryEmbedding
@@ -159,7 +159,8 @@ class DeepseekV3Model(nn.Module):
 
     @staticmethod
     def num_mtp_layers(config: DeepseekV3Config) -> int:
-        return config.num_nextn_predict_layers or 0
+        """How many MTP layers `layers` holds after the decoder ones."""
+        return num_mtp_layers_of(config)
 
 
 class DeepseekV3ForCausalLM(CausalLM):
@@ -187,7 +188,12 @@ class DeepseekV3ForCausalLM(CausalLM):
         )
         if self.ties_word_embeddings(hf_config):
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.num_mtp_layers = len(self.model.layers) - self.model.num_hidden_layers
+        self.num_mtp_layers = self.mtp_layers_to_build(hf_config)
+
+    @classmethod
+    def mtp_layers_to_build(cls, config: DeepseekV3Config) -> int:
+        """Those that base_model_cls's `layers` holds after the decoder layers."""
+        return cls.base_model_cls.num_mtp_layers(config)
 
     @staticmethod
     def check_config(config: DeepseekV3Config) -> None:

@@ -20,7 +20,7 @@ from transformers import DeepseekV32Config
 from executor.types_.model_inputs import ForwardMetaData
 from models.deepseek_v3.model import DeepseekV3DecoderLayer, DeepseekV3ForCausalLM, DeepseekV3Model
 from module.dsa import SparseMLAAttention
-from module.mtp import MTPLayerMixin, num_mtp_layers_of
+from module.mtp import MTPLayerMixin
 from module.parallel_group import ModelParallel
 from ops.backend import Backend
 
@@ -91,11 +91,6 @@ class DeepseekV32MTPLayer(MTPLayerMixin, DeepseekV32DecoderLayer):
 class DeepseekV32Model(DeepseekV3Model):
     decoder_layer_cls = DeepseekV32DecoderLayer
     mtp_layer_cls = DeepseekV32MTPLayer
-
-    @staticmethod
-    def num_mtp_layers(config: DeepseekV32Config) -> int:
-        """transformers' DeepseekV32Config keeps num_nextn_predict_layers only where config.json has it."""
-        return num_mtp_layers_of(config)
 
     def run_layers(
         self, hidden_states: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], forward_metadata: ForwardMetaData

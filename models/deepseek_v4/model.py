@@ -295,6 +295,10 @@ class DeepseekV4ForCausalLM(DeepseekV3ForCausalLM):
     NEEDED_OPS = (*DeepseekV4Attention.NEEDED_OPS, *ClampedSiluExperts.NEEDED_OPS, "silu_and_mul")
     mtp_absent_reason = "DeepSeek-V4's MTP modules are not built: transformers does not define them"
 
+    @classmethod
+    def mtp_layers_to_build(cls, config: DeepseekV4Config) -> int:
+        return 0
+
     @staticmethod
     def check_config(config: DeepseekV4Config) -> None:
         """Refuse, before anything is built, what transformers' V4 would build otherwise than we do."""

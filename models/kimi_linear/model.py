@@ -122,6 +122,7 @@ class KimiLinearForCausalLM(DeepseekV3ForCausalLM):
     base_model_cls = KimiLinearModel
     family = "Kimi-Linear"
     checkpoint_renames: tuple[tuple[re.Pattern, str], ...] = CHECKPOINT_RENAMES
+    mtp_absent_reason = "Kimi-Linear has no MTP modules (transformers' kimi_linear defines none)"
 
     @staticmethod
     def ties_word_embeddings(config: PretrainedConfig) -> bool:

@@ -20,7 +20,7 @@ from module.decoder_layer import PreNormDecoderLayer
 from module.embedding import ParallelLMHead, VocabParallelEmbedding
 from module.linear import QKVParallelLinear, RowParallelLinear, divide
 from module.mlp import GatedMLP
-from module.mtp import MTPLayerMixin, mtp_layer_class, mtp_parameter_name, num_mtp_layers_of
+from module.mtp import MTPLayerMixin, mtp_layer_class, mtp_parameter_name
 from module.norm import RMSNorm
 from module.parallel_group import ONE_PROCESS, ModelParallel
 from module.rotary import RotaryEmbedding
@@ -225,7 +225,7 @@ class LlamaForCausalLM(CausalLM):
         )
         if hf_config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        # config.num_nextn_predict_layers of them; none (an empty list, no parameters) without the key.
+        # mtp_layers_to_build(config) of them; none is an empty list, no parameters.
         self.num_mtp_layers = self.mtp_layers_to_build(hf_config)
         self.mtp_layers = nn.ModuleList(
             [
@@ -233,11 +233,6 @@ class LlamaForCausalLM(CausalLM):
                 for _ in range(self.num_mtp_layers)
             ]
         )
-
-    @staticmethod
-    def mtp_layers_to_build(config: PretrainedConfig) -> int:
-        """The config's num_nextn_predict_layers; a family whose MTP layers are not built here says 0."""
-        return num_mtp_layers_of(config)
 
     @staticmethod
     def mtp_layer_index(config: PretrainedConfig) -> int:

@@ -31,7 +31,7 @@ from module.mlp import GatedMLP
 from module.moe import EXPERT_TENSOR, FusedExperts, Router, SparseMoeBlock
 from module.mtp import MTPLayerMixin, num_mtp_layers_of
 from module.norm import RMSNorm
-from module.parallel_group import ONE_PROCESS, ModelParallel, ParallelGroup
+from module.parallel_group import ModelParallel, ParallelGroup
 from ops.backend import Backend
 
 
@@ -228,11 +228,10 @@ class LongcatFlashForCausalLM(DeepseekV3ForCausalLM):
     base_model_cls = LongcatFlashModel
     family = "LongCat-Flash"
 
-    def __init__(
-        self, hf_config: LongcatFlashConfig, *, parallel: ModelParallel = ONE_PROCESS, backend: Backend
-    ) -> None:
-        super().__init__(hf_config, parallel=parallel, backend=backend)
-        self.num_mtp_layers = 0 if self.model.mtp is None else len(self.model.mtp.layers)
+    @classmethod
+    def mtp_layers_to_build(cls, config: LongcatFlashConfig) -> int:
+        """num_nextn_predict_layers, built as `model.mtp` (none among `layers`)."""
+        return num_mtp_layers_of(config)
 
     def mtp_layer(self, layer: int) -> LongcatFlashMTPLayer:
         if not 0 <= layer < self.num_mtp_layers:

@@ -266,6 +266,7 @@ def check_config(config: Step3p7TextConfig) -> None:
 class Step3p7ForCausalLM(LlamaForCausalLM):
     decoder_layer_cls = Step3p7DecoderLayer
     base_model_cls = Step3p7Model
+    mtp_absent_reason = "Step-3.7's MTP layers are not built: transformers defines no Step-3.7 MTP module"
 
     def __init__(
         self, hf_config: Step3p7TextConfig, *, parallel: ModelParallel = ONE_PROCESS, backend: Backend

@@ -60,7 +60,7 @@ def make_proposer(
             metadata_builder,
             num_speculative_tokens=num_tokens,
             max_blocks_per_request=max_blocks_per_request,
-            source=config.source,
+            config=config,
             lock_step=lock_step,
         )
     else:

@@ -11,14 +11,33 @@ drafts, as vLLM does for a model with a single MTP module), writing its K/V one 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from executor.core.config import ConfigError
+from executor.core.config import ConfigError, InferenceConfig
 from executor.core.kv_cache import KVCacheManager
 from executor.core.spec_decode.proposer import LockStep, ProposalContext
 from executor.types_.model_inputs import ScheduledSequence, build_step_layout
+from module.causal_lm import CausalLM
 from ops.attention_metadata import AttentionMetadataBuilder, build_model_inputs
+
+
+def check_mtp_layers(model_cls: type[CausalLM], hf_config: Any, config: InferenceConfig, config_json: str) -> None:
+    """Refuse MTP drafting for a model that `model_cls` builds from `hf_config` without MTP layers
+    (the class says how many it builds, and why none): the preflight asks before anything loads, the
+    proposer again for engines built without it. `config_json` names where hf_config was read."""
+    next_n = config.model_config.next_n
+    key = f"model_config.next_n {next_n}" if next_n > 0 else "speculative_config.method 'mtp'"
+    try:
+        num_layers = model_cls.mtp_layers_to_build(hf_config)
+    except ValueError as exc:
+        raise ConfigError(f"{key} in {config.source}: {config_json}: {' '.join(str(exc).split())}") from None
+    if num_layers < 1:
+        raise ConfigError(
+            f"{key} in {config.source} asks for MTP drafts, but {model_cls.__name__} builds no MTP module "
+            f"from {config_json} ({model_cls.mtp_absent_reason})"
+        )
 
 
 @dataclass(slots=True)
@@ -32,20 +51,16 @@ class _Drafting:
 class MTPProposer:
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: CausalLM,
         kv_cache_manager: KVCacheManager,
         builder: AttentionMetadataBuilder,
         *,
         num_speculative_tokens: int,
         max_blocks_per_request: int,
-        source: str,
+        config: InferenceConfig,
         lock_step: LockStep | None = None,
     ) -> None:
-        if getattr(model, "num_mtp_layers", 0) < 1:
-            reason = getattr(model, "mtp_absent_reason", "config.json num_nextn_predict_layers is 0 or absent")
-            raise ConfigError(
-                f"speculative method mtp in {source}: {type(model).__name__} has no MTP modules ({reason})"
-            )
+        check_mtp_layers(type(model), model.config, config, "its config.json")
         self.model = model
         self.kv_cache_manager = kv_cache_manager
         self.builder = builder
