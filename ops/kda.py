@@ -85,14 +85,15 @@ def kda_chunked(
         cumulative = g.cumsum(dim=1)  # [H, C, K]
         length = end - start
         causal = torch.ones(length, length, dtype=torch.bool, device=query.device).tril()
-        decay = (cumulative.unsqueeze(2) - cumulative.unsqueeze(1)).masked_fill(~causal[..., None], float("-inf"))
-        decay = decay.exp()  # [H, t, j, K]: exp(G_t - G_j) where j <= t, else 0
-        key_key = torch.einsum("htc,hjc,htjc->htj", k, k, decay)
+        # [H, t, j, K]: exp(G_t - G_j) k_j where j <= t, else 0; formed once, in place (the largest
+        # tensor of a chunk), and contracted with k_t and q_t in one batched product
+        decayed_keys = cumulative.unsqueeze(2) - cumulative.unsqueeze(1)
+        decayed_keys.masked_fill_(~causal[..., None], float("-inf")).exp_().mul_(k.unsqueeze(1))
+        key_key, query_key = (decayed_keys @ torch.stack((k, q), dim=-1)).unbind(-1)  # [H, t, j] each
         system = torch.eye(length, dtype=key_key.dtype, device=query.device) + (b.unsqueeze(-1) * key_key).tril(-1)
         decayed_key = k * cumulative.exp()
         rhs = b.unsqueeze(-1) * (v - decayed_key @ state)
         update = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
-        query_key = torch.einsum("htc,hjc,htjc->htj", q, k, decay)
         outputs.append((q * cumulative.exp()) @ state + query_key @ update)
         last = cumulative[:, -1:, :]  # [H, 1, K]
         carried_key = k * (last - cumulative).exp()
