@@ -90,6 +90,8 @@ class SparseMLAAttention(MLAAttention):
 
     NEEDED_OPS = (*MLAAttention.NEEDED_OPS, "indexer_topk", "sparse_mla_attention")
 
+    context_parallel = False  # its indexer writes a key cache of its own through the step's slots
+
     def __init__(
         self,
         config: PretrainedConfig,

@@ -19,6 +19,7 @@ from executor.core.config.comm_manager import CommManager, DistEnv
 from executor.core.config.inference_config import check_device_rules
 from executor.core.config.model_registry import resolve_model
 from executor.core.config.parallel_layout import ParallelLayout, num_experts_of
+from executor.core.engine.context_parallel import ContextParallelForward
 from executor.core.engine.kv_cache_sizing import size_kv_cache
 from executor.core.engine.model_runner import ModelRunner
 from executor.core.kv_cache import KVCacheManager, cdiv
@@ -36,6 +37,7 @@ from executor.platform.host_allocator import keep_freed_host_memory
 from executor.types_ import Request, SamplingParams
 from executor.utils.graph_buckets import resolve_buckets
 from executor.utils.step_timer import StepTimer
+from module.attention import KVCacheLayer
 from ops.backend import make_backend
 
 logger = logging.getLogger(__name__)
@@ -110,7 +112,7 @@ class ExecutionEngine:
             )
         request = quantization_request(self.config.model_config)
         quantization = read_quantization(hf_config, request, f"{model_path}/config.json")
-        self.worker.init(model_cls, hf_config, model_path, quantization)
+        self.worker.init(model_cls, hf_config, model_path, quantization, before_load=self._check_context_parallel)
         self._check_speculation_with_states()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.eos_token_ids = self._collect_eos_token_ids(model_path)
@@ -127,6 +129,22 @@ class ExecutionEngine:
         if graph_runner is not None:
             self.worker.init_graphs(graph_runner)
         self.runner = self._make_runner(self.kv_cache_manager, self._make_proposer())
+
+    def _check_context_parallel(self, model: torch.nn.Module) -> None:
+        """Under context parallel, before any weight is read: every cache layer writes through
+        ForwardMetaData.cache_writes and attends through its block table (full and sliding-window
+        attention, MLA); other caches (recurrent states, DSA's indexer keys, compressed KV) are refused."""
+        cp_size = self.config.parallel_config.cp_size
+        if cp_size == 1:
+            return
+        lacking = sorted(
+            {type(m).__name__ for m in model.modules() if isinstance(m, KVCacheLayer) and not m.context_parallel}
+        )
+        if lacking:
+            raise ConfigError(
+                f"parallel_config.cp_size {cp_size} in {self.config.source}: context parallel is not built for this "
+                f"model's caches ({', '.join(lacking)}: recurrent state, indexer or compressed KV); set cp_size 1"
+            )
 
     def _check_speculation_with_states(self) -> None:
         """Speculative decoding with recurrent states needs every recurrent layer to keep the state
@@ -183,7 +201,12 @@ class ExecutionEngine:
             max_blocks_per_request=self.max_blocks_per_request,
             lock_step_kinds=self.lock_step_kinds,
             proposer=proposer,
+            context_parallel=self._context_parallel_forward(),
         )
+
+    def _context_parallel_forward(self) -> ContextParallelForward | None:
+        group = self.comm.groups["cp"]
+        return ContextParallelForward(group, self.metadata_builder) if group.size > 1 else None
 
     def _make_proposer(self) -> Proposer | None:
         """The run's proposer; a draft model gets an engine of its own, built here and handed in."""
