@@ -12,14 +12,28 @@ from pathlib import Path
 import pytest
 import transformers
 
-from executor.core.config import ConfigError
+from executor.core.config import ConfigError, build_config
+from executor.core.config.model_registry import resolve_model
 from executor.core.config.parallel_layout import ParallelLayout
-from executor.core.engine.context_parallel import gather_order, local_layout, rank_rows, request_share
-from executor.core.config import build_config
+from executor.core.engine.context_parallel import (
+    gather_order,
+    layers_without_context_parallel,
+    local_layout,
+    rank_rows,
+    request_share,
+)
 from executor.types_.model_inputs import ScheduledSequence, build_step_layout
+from module.parallel_group import ONE_PROCESS
 from tests import deepseek_v3_harness
-from tests.dist_harness import DistRun, max_logprob_difference, parallel_overrides, run_distributed, run_one_process
-from tests.dist_harness import token_ids
+from tests.backends import reference_backend
+from tests.dist_harness import (
+    DistRun,
+    max_logprob_difference,
+    parallel_overrides,
+    run_distributed,
+    run_one_process,
+    token_ids,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -128,6 +142,27 @@ def test_cp_mini_batch_caps_the_requests_of_a_prefill_step_under_context_paralle
     assert config.prefill_token_budget == 10 * 2  # cann-recipes' budget: truncated length x the cap
     assert build_config(settings).max_prefill_requests == 0
 
+
+@pytest.mark.parametrize(
+    ("family", "refused"),
+    [
+        ("qwen3", []),  # full attention
+        ("gemma_4", []),  # sliding-window and KV-shared layers
+        ("deepseek_v3", []),  # MLA
+        ("deepseek_v3_2", []),  # DSA: its indexer's key cache is gathered as MLA's latents are
+        ("deepseek_v4", ["DeepseekV4Attention"]),  # compressed KV
+        ("qwen3_next", ["Qwen3NextGatedDeltaNet"]),  # recurrent state
+    ],
+)
+def test_models_whose_caches_cannot_take_a_step_in_shares_are_named(family, refused):
+    """What the engine refuses under context parallel once the model is built, before its weights load."""
+    model_cls, config_cls = resolve_model(family)
+    model = model_cls(
+        config_cls.from_pretrained(ROOT / f"models/{family}/tiny_random"),
+        parallel=ONE_PROCESS,
+        backend=reference_backend(),
+    )
+    assert layers_without_context_parallel(model) == refused
 
 
 # -- several processes (slow) --------------------------------------------------------------------

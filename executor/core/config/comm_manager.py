@@ -1,15 +1,16 @@
 """CommManager: every process group of a run, created once at start from parallel_config.
 
 Model groups (on the platform's backend: gloo on CPU, nccl on CUDA, hccl on NPU) go to the layers as
-a ModelParallel, each marked when it spans data-parallel replicas; the gloo groups carry Python
-objects and flags: the world (KV block counts; in lock-step, whether anyone still has work), each
-replica's ranks (an attention TP group, or the context-parallel world: agreeing to stop after a step) and the DP leaders (gathering the replicas'
-results). The o_proj TP and attention DP groups of the layout are not created: no layer here splits
-o_proj other than with the attention heads, and the DP replicas talk through their leaders, the world
-group and the model groups that span them (lock-step, docs/distributed.md). All ranks call
-new_group for every group in the same order, as torch.distributed requires; groups with the same
-ranks and backend are created once and shared. Every collective has the run's timeout, so a rank
-that is gone turns into an error within it, never a hang.
+a ModelParallel, each marked when its ranks hold different tokens (across data-parallel replicas, or
+context parallel's shares); the gloo groups carry Python objects and flags: the world (KV block
+counts; in lock-step, whether anyone still has work), each replica's ranks (an attention TP group,
+times the context-parallel ranks: agreeing to stop after a step) and the DP leaders (gathering the
+replicas' results). The o_proj TP and attention DP groups of the layout are not created: no layer
+here splits o_proj other than with the attention heads, and the DP replicas talk through their
+leaders, the world group and the model groups that span them (lock-step, docs/distributed.md). All
+ranks call new_group for every group in the same order, as torch.distributed requires; groups with
+the same ranks and backend are created once and shared. Every collective has the run's timeout, so a
+rank that is gone turns into an error within it, never a hang.
 """
 
 from __future__ import annotations

@@ -273,7 +273,9 @@ class ParallelConfig:
     world_size processes are started by infer.sh through torchrun (docs/distributed.md)."""
 
     world_size: int = parallel_size("processes (one per device); above 1 infer.sh starts them with torchrun")
-    attn_tp_size: int = parallel_size("attention tensor parallel size; data parallel size = world_size / this")
+    attn_tp_size: int = parallel_size(
+        "attention tensor parallel size; data parallel size = world_size / (this x cp_size)"
+    )
     moe_tp_size: int = parallel_size("MoE tensor parallel size (EP = world_size / this)")
     moe_ep_size: int = not_applicable(
         0, "derived as world_size / moe_tp_size (cann-recipes ignores the written value too)", min=0

@@ -17,8 +17,17 @@ from __future__ import annotations
 import torch
 
 from executor.types_.model_inputs import ContextParallelRows, StepLayout
+from module.attention import KVCacheLayer
 from module.parallel_group import ParallelGroup
 from ops.attention_metadata import AttentionMetadataBuilder, build_model_inputs, to_device
+
+
+def layers_without_context_parallel(model: torch.nn.Module) -> list[str]:
+    """The classes of the model's cache layers that do not write through ForwardMetaData.cache_writes
+    and attend through their block table (KVCacheLayer.context_parallel): recurrent states, DSA's
+    indexer keys, compressed KV. Under context parallel such a model is refused before its weights load."""
+    layers = {type(m).__name__ for m in model.modules() if isinstance(m, KVCacheLayer) and not m.context_parallel}
+    return sorted(layers)
 
 
 def segment(num_tokens: int, index: int, num_segments: int) -> range:
@@ -50,8 +59,15 @@ def local_layout(layout: StepLayout, shares: list[tuple[int, range]]) -> StepLay
     if not shares:
         return StepLayout.padding(1, num_groups, layout.max_blocks_per_request, layout.state_groups)
     local = StepLayout(
-        [], [], [], [], [[] for _ in range(num_groups)], [[] for _ in range(num_groups)], [],
-        layout.max_blocks_per_request, state_groups=layout.state_groups,
+        [],
+        [],
+        [],
+        [],
+        [[] for _ in range(num_groups)],
+        [[] for _ in range(num_groups)],
+        [],
+        layout.max_blocks_per_request,
+        state_groups=layout.state_groups,
     )
     for request, rows in shares:
         local.input_ids.extend(layout.input_ids[rows.start : rows.stop])

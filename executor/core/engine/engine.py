@@ -19,7 +19,7 @@ from executor.core.config.comm_manager import CommManager, DistEnv
 from executor.core.config.inference_config import check_device_rules
 from executor.core.config.model_registry import resolve_model
 from executor.core.config.parallel_layout import ParallelLayout, num_experts_of
-from executor.core.engine.context_parallel import ContextParallelForward
+from executor.core.engine.context_parallel import ContextParallelForward, layers_without_context_parallel
 from executor.core.engine.kv_cache_sizing import size_kv_cache
 from executor.core.engine.model_runner import ModelRunner
 from executor.core.kv_cache import KVCacheManager, cdiv
@@ -37,7 +37,6 @@ from executor.platform.host_allocator import keep_freed_host_memory
 from executor.types_ import Request, SamplingParams
 from executor.utils.graph_buckets import resolve_buckets
 from executor.utils.step_timer import StepTimer
-from module.attention import KVCacheLayer
 from ops.backend import make_backend
 
 logger = logging.getLogger(__name__)
@@ -131,19 +130,14 @@ class ExecutionEngine:
         self.runner = self._make_runner(self.kv_cache_manager, self._make_proposer())
 
     def _check_context_parallel(self, model: torch.nn.Module) -> None:
-        """Under context parallel, before any weight is read: every cache layer writes through
-        ForwardMetaData.cache_writes and attends through its block table (full and sliding-window
-        attention, MLA); other caches (recurrent states, DSA's indexer keys, compressed KV) are refused."""
+        """Under context parallel, before any weight is read: every cache layer must take a step's
+        tokens in shares (full and sliding-window attention, MLA do)."""
         cp_size = self.config.parallel_config.cp_size
-        if cp_size == 1:
-            return
-        lacking = sorted(
-            {type(m).__name__ for m in model.modules() if isinstance(m, KVCacheLayer) and not m.context_parallel}
-        )
+        lacking = layers_without_context_parallel(model) if cp_size > 1 else []
         if lacking:
             raise ConfigError(
                 f"parallel_config.cp_size {cp_size} in {self.config.source}: context parallel is not built for this "
-                f"model's caches ({', '.join(lacking)}: recurrent state, indexer or compressed KV); set cp_size 1"
+                f"model's caches ({', '.join(lacking)}: recurrent state, indexer keys or compressed KV); set cp_size 1"
             )
 
     def _check_speculation_with_states(self) -> None:

@@ -96,9 +96,10 @@ class ModelWorker:
     ) -> None:
         """Build the model from its HF config on the device with this rank's groups, give the layers
         that `quantization` quantizes their scheme (and check the checkpoint holds their tensors),
-        run `before_load` on the built model (a check that must not wait for the weights), load its shard of the folder's weights (each layer cuts its part out of each checkpoint
-        tensor as it streams by), let each linear layer's method process its weights once (the CPU
-        packs them; a scheme quantizes or dequantizes them), and group its KV cache layers by spec."""
+        run `before_load` on the built model (a check that must not wait for the weights), load its
+        shard of the folder's weights (each layer cuts its part out of each checkpoint tensor as it
+        streams by), let each linear layer's method process its weights once (the CPU packs them; a
+        scheme quantizes or dequantizes them), and group its KV cache layers by spec."""
         with _default_dtype(self.dtype), self.platform.device:
             model = model_cls(hf_config, parallel=self.parallel, backend=self.backend)
             if quantization is not None:

@@ -189,7 +189,9 @@ class Scheduler:
                 requests.append(request)
                 num_tokens.append(chunk)
                 budget -= chunk
-        while self.waiting and budget > 0 and len(self.running) < self.limits.batch_size and len(requests) < max_requests:
+        while self.waiting and budget > 0 and len(self.running) < self.limits.batch_size:
+            if len(requests) == max_requests:
+                break
             request = self.waiting[0]
             hit = self.kv_cache_manager.find_prefix_hit(request)
             if not self.kv_cache_manager.can_admit(request, hit, self._lookahead(request, request.num_tokens)):
