@@ -24,8 +24,8 @@ from ops.attention_metadata import AttentionMetadataBuilder, build_model_inputs,
 
 def layers_without_context_parallel(model: torch.nn.Module) -> list[str]:
     """The classes of the model's cache layers that do not write through ForwardMetaData.cache_writes
-    and attend through their block table (KVCacheLayer.context_parallel): recurrent states, DSA's
-    indexer keys, compressed KV. Under context parallel such a model is refused before its weights load."""
+    and attend through their block table (KVCacheLayer.context_parallel): recurrent states and
+    compressed KV. Under context parallel such a model is refused before its weights load."""
     layers = {type(m).__name__ for m in model.modules() if isinstance(m, KVCacheLayer) and not m.context_parallel}
     return sorted(layers)
 

@@ -131,13 +131,13 @@ class ExecutionEngine:
 
     def _check_context_parallel(self, model: torch.nn.Module) -> None:
         """Under context parallel, before any weight is read: every cache layer must take a step's
-        tokens in shares (full and sliding-window attention, MLA do)."""
+        tokens in shares (full and sliding-window attention, MLA and DSA do)."""
         cp_size = self.config.parallel_config.cp_size
         lacking = layers_without_context_parallel(model) if cp_size > 1 else []
         if lacking:
             raise ConfigError(
                 f"parallel_config.cp_size {cp_size} in {self.config.source}: context parallel is not built for this "
-                f"model's caches ({', '.join(lacking)}: recurrent state, indexer keys or compressed KV); set cp_size 1"
+                f"model's caches ({', '.join(lacking)}: recurrent state or compressed KV); set cp_size 1"
             )
 
     def _check_speculation_with_states(self) -> None:
