@@ -32,6 +32,9 @@ class KVCacheLayer(nn.Module):
 
     kv_cache_group_id: int = -1
     kv_scheme: KVCacheScheme | None = None  # C8 where set: an int8 cache
+    # writes its cache through ForwardMetaData.cache_writes and attends through the block table, so a
+    # context-parallel step works (docs/distributed.md); a layer with other caches does not say so
+    context_parallel: bool = False
 
     def kv_cache_spec(self) -> KVCacheSpec:
         raise NotImplementedError
@@ -78,6 +81,8 @@ def load_static_kv_scale(
 
 
 class Attention(KVCacheLayer):
+    context_parallel = True
+
     def __init__(
         self,
         num_heads: int,
@@ -138,7 +143,8 @@ class Attention(KVCacheLayer):
             raise RuntimeError("Attention has no KV cache: the worker must call bind_kv_cache before forward")
         tables = forward_metadata.groups[self.kv_cache_group_id]
         caches = (self.key_cache, self.value_cache)
-        self.ops.write_kv_cache(key, value, *caches, tables.slot_mapping, **self.kv_scales())
+        (key_rows, value_rows), slots = forward_metadata.cache_writes(self.kv_cache_group_id, key, value)
+        self.ops.write_kv_cache(key_rows, value_rows, *caches, slots, **self.kv_scales())
         return self.attend(query, key, value, tables.block_table, forward_metadata)
 
     def attend(

@@ -18,7 +18,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from executor.types_.kv_cache_spec import KVCacheSpec, dsa_spec
-from executor.types_.model_inputs import CacheGroupTables, ForwardMetaData
+from executor.types_.model_inputs import ForwardMetaData
 from module.linear import ColumnParallelLinear
 from module.mla import MLAAttention, deinterleave
 from module.parallel_group import SINGLE, ParallelGroup
@@ -55,11 +55,12 @@ class LightningIndexer(nn.Module):
         q_resid: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor],
         forward_metadata: ForwardMetaData,
-        tables: CacheGroupTables,
+        group_id: int,
         index_cache: torch.Tensor,
         index_scale: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Write the step's indexer keys, then select -> [T, index_topk] positions (-1: none)."""
+        """Write the step's indexer keys into cache group `group_id`, then select -> [T, index_topk]
+        positions (-1: none)."""
         query = self.wq_b(q_resid).view(-1, self.num_heads, self.head_dim)
         key = self.k_norm(self.wk(hidden_states)).unsqueeze(1)  # [T, 1, D]
         split = [self.rope_dim, self.head_dim - self.rope_dim]
@@ -70,13 +71,14 @@ class LightningIndexer(nn.Module):
         q_rot, k_rot = self.ops.apply_rotary(q_rot, k_rot, *rotary)
         query = torch.cat((q_rot, q_pass), dim=-1)
         key = torch.cat((k_rot, k_pass), dim=-1).squeeze(1)
-        self.ops.write_latent_cache(key, index_cache, tables.slot_mapping, index_scale)
+        (rows,), slots = forward_metadata.cache_writes(group_id, key)
+        self.ops.write_latent_cache(rows, index_cache, slots, index_scale)
         weights = F.linear(hidden_states.float(), self.weights_proj.weight) * self.num_heads**-0.5
         return self.ops.indexer_topk(
             query,
             weights,
             index_cache,
-            tables.block_table,
+            forward_metadata.groups[group_id].block_table,
             forward_metadata,
             self.softmax_scale,
             self.topk,
@@ -150,7 +152,13 @@ class SparseMLAAttention(MLAAttention):
             selection = shared_selection
         else:
             selection = self.indexer(
-                hidden_states, q_resid, rotary, forward_metadata, tables, self.index_cache, self.index_scale_cache
+                hidden_states,
+                q_resid,
+                rotary,
+                forward_metadata,
+                self.kv_cache_group_id,
+                self.index_cache,
+                self.index_scale_cache,
             )
         output = self.ops.sparse_mla_attention(
             q_nope,

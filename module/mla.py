@@ -40,6 +40,8 @@ class MLAAttention(KVCacheLayer):
 
     NEEDED_OPS = ("write_latent_cache", "mla_attention")
 
+    context_parallel = True
+
     def __init__(self, config: PretrainedConfig, tp: ParallelGroup = SINGLE, *, backend: Backend) -> None:
         super().__init__()
         backend.require(self.NEEDED_OPS, "multi-head latent attention")
@@ -182,10 +184,6 @@ class MLAAttention(KVCacheLayer):
         # The cached latent is kv_b_proj's input: quantized as its scheme quantizes inputs (a no-op
         # unquantized), which the absorbed decode and the decompressing prefill then both read.
         latent = self.kv_b_proj.linear_method.quantize_input(self.kv_b_proj, self.normed_latent(latent))
-        self.ops.write_latent_cache(
-            torch.cat((latent, k_pe.squeeze(1)), dim=-1),
-            self.latent_cache,
-            forward_metadata.groups[self.kv_cache_group_id].slot_mapping,
-            self.latent_scale(),
-        )
+        (rows,), slots = forward_metadata.cache_writes(self.kv_cache_group_id, torch.cat((latent, k_pe.squeeze(1)), -1))
+        self.ops.write_latent_cache(rows, self.latent_cache, slots, self.latent_scale())
         return q_nope, q_pe, q_resid

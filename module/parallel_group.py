@@ -6,9 +6,9 @@ A layer never reaches for torch.distributed's default group: it holds the Parall
 bytes it hands over, so the step log can say what each collective cost.
 
 A group may span data-parallel replicas (cann-recipes' attention DP with a wider MoE EP or embedding
-TP): its ranks then hold different tokens, and a layer first gathers them (gather_rows), runs on all
-of them, and keeps its own rows. The replicas step in lock-step so that these collectives meet
-(docs/distributed.md).
+TP), or split a context-parallel step's tokens: its ranks then hold different tokens, and a layer
+first gathers them (gather_rows), runs on all of them, and keeps its own rows. The replicas step in
+lock-step so that these collectives meet (docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ class ParallelGroup:
     size: int = 1
     group: Any = None  # torch.distributed.ProcessGroup
     stats: CommStats | None = None
-    spans_replicas: bool = False  # its ranks serve different DP replicas, so they hold different tokens
+    # its ranks hold different tokens (they serve different DP replicas, or shares of a context-parallel step)
+    spans_replicas: bool = False
 
     def __post_init__(self) -> None:
         assert 0 <= self.rank < self.size, f"{self.name}: rank {self.rank} outside size {self.size}"
@@ -109,6 +110,7 @@ class ModelParallel:
     """The groups a model is built with, by parallel_config's names; all SINGLE in one process.
 
     MoE layers hold two: moe_tp splits each expert's intermediate dim, moe_ep splits the experts.
+    cp is the context-parallel group, over which the runner splits a step's tokens (no layer holds it).
     """
 
     attn_tp: ParallelGroup = SINGLE
@@ -117,6 +119,7 @@ class ModelParallel:
     moe_ep: ParallelGroup = SINGLE
     embed_tp: ParallelGroup = SINGLE
     lmhead_tp: ParallelGroup = SINGLE
+    cp: ParallelGroup = SINGLE
 
 
 ONE_PROCESS = ModelParallel()  # every group SINGLE: the default a model is built with

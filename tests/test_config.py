@@ -140,11 +140,11 @@ def test_not_applicable_keys_set_in_the_file_are_reported_with_their_reason_what
 
 def test_a_refused_value_names_the_key_the_reason_and_what_runs():
     with pytest.raises(ConfigError) as err:
-        build_config({"parallel_config": {"cp_size": 2}}, source="run.yaml")
+        build_config({"parallel_config": {"pp_size": 2}}, source="run.yaml")
     message = str(err.value)
-    assert "parallel_config.cp_size in run.yaml is refused at 2: context parallel is not built" in message
+    assert "parallel_config.pp_size in run.yaml is refused at 2: pipeline parallel is not built" in message
     assert "runs with 1" in message
-    build_config({"parallel_config": {"world_size": 2, "cp_size": 1}, "model_config": {"force_eplb": False}})
+    build_config({"parallel_config": {"world_size": 2, "pp_size": 1}, "model_config": {"force_eplb": False}})
 
 
 def test_every_problem_of_a_file_is_reported_at_once_one_line_each(tmp_path):

@@ -373,3 +373,12 @@ def test_the_kv_cache_manager_reports_a_prefix_hit_and_the_scheduler_applies_it(
     scheduler.add_request(second)
     scheduler.run_step(engine)
     assert engine.scheduled[-1] == [1] and second.num_computed_tokens == 9  # 8 cached tokens, the last computed
+
+
+def test_max_prefill_requests_caps_the_requests_of_each_prefill_step():
+    """cp_mini_batch under context parallel: 5 waiting prompts prefill 2, 2, then 1 at a time."""
+    scheduler, engine = make_scheduler(batch_size=8), FakeEngine()
+    scheduler.limits.max_prefill_requests = 2
+    run_all(scheduler, engine, [request(f"r{index}", 3) for index in range(5)])
+    prefill_sizes = [len(ids) for is_prefill, ids, _ in engine.batches if is_prefill]
+    assert prefill_sizes == [2, 2, 1]

@@ -48,7 +48,9 @@ class OfflineInference:
         self.runner = self.engine.runner
         sched = config.scheduler_config
         self.scheduler = Scheduler(
-            SchedulerLimits(sched.batch_size, config.prefill_token_budget, self.engine.max_model_len),
+            SchedulerLimits(
+                sched.batch_size, config.prefill_token_budget, self.engine.max_model_len, config.max_prefill_requests
+            ),
             self.engine.kv_cache_manager,
             self.engine.eos_token_ids,
             timer=self.engine.step_timer,
@@ -69,7 +71,7 @@ class OfflineInference:
             logprobs=data.logprobs,
             prompt_logprobs=data.prompt_logprobs,
         )
-        self._replica_of_one_rank = self.engine.comm.layout.attn_tp_size == 1
+        self._replica_of_one_rank = self.engine.comm.layout.replica_size == 1
 
     @property
     def tokenizer(self) -> Any:

@@ -12,6 +12,7 @@ one shape for life.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -58,6 +59,28 @@ class RecurrentStateTables:
         return self.state_slots if self.final_state_slots is None else self.final_state_slots
 
 
+class RowGatherer(Protocol):
+    def gather_rows(self, tensor: torch.Tensor) -> tuple[torch.Tensor, slice]:
+        """Every rank's rows concatenated in rank order (module/parallel_group.py's ParallelGroup)."""
+        ...
+
+
+@dataclass(slots=True)
+class ContextParallelRows:
+    """Under context parallel, where a step's K/V go: each rank computes the K/V of its own share of
+    the step's tokens, and every rank writes every token's to its cache (the all-gather form), so that
+    its queries read any earlier position, and decode reads any request, from its own cache."""
+
+    group: RowGatherer  # the context-parallel group
+    order: torch.Tensor  # [T] int64: where each of the step's tokens lies among the gathered rows
+    slot_mappings: list[torch.Tensor | None]  # per cache group: the step's slots, every token's
+
+    def gather(self, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's rows [t, ...] -> every token's of the step [T, ...], in the step's order."""
+        gathered, _ = self.group.gather_rows(rows)
+        return gathered.index_select(0, self.order)
+
+
 @dataclass(slots=True)
 class ForwardMetaData:
     """The part every ops backend reads; backends subclass it with their own fields."""
@@ -65,11 +88,25 @@ class ForwardMetaData:
     max_query_len: int  # longest query of the step: 1 in decode, k+1 in a verify step
     # indexed by the layers' cache group id; a recurrent group's entry is its RecurrentStateTables
     groups: list[CacheGroupTables | RecurrentStateTables]
+    # context parallel: the rows are this rank's share of the step, and what every rank writes to its cache
+    context_parallel: ContextParallelRows | None = None
 
     @property
     def is_decode_shaped(self) -> bool:
         """The one definition, used by every backend: each request has one query token."""
         return self.max_query_len == 1
+
+    def cache_writes(self, group_id: int, *rows: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """What a layer writes to cache group `group_id` from its `rows` (K, V, a latent, ... [t, ...]):
+        those rows and their slots; under context parallel every rank's rows and the step's slots."""
+        tables = self.groups[group_id]
+        assert isinstance(tables, CacheGroupTables), "a recurrent group has no slots"
+        cp = self.context_parallel
+        if cp is None:
+            return list(rows), tables.slot_mapping
+        slots = cp.slot_mappings[group_id]
+        assert slots is not None
+        return [cp.gather(row) for row in rows], slots
 
 
 @dataclass(slots=True)

@@ -1,16 +1,17 @@
 """CommManager: every process group of a run, created once at start from parallel_config.
 
 Model groups (on the platform's backend: gloo on CPU, nccl on CUDA, hccl on NPU) go to the layers as
-a ModelParallel, each marked when it spans data-parallel replicas; the gloo groups carry Python
-objects and flags: the world (KV block counts; in lock-step, whether anyone still has work and how
-many proposer forwards a step runs), each attention TP group (agreeing to stop after a step; its
-rank 0's speculative drafts) and the DP leaders (gathering the replicas' results). The o_proj TP
-and attention DP groups of the layout are not created: no layer here splits o_proj other than with
-the attention heads, and the DP replicas talk through their leaders, the world group and the model
-groups that span them (lock-step, docs/distributed.md). All ranks call
-new_group for every group in the same order, as torch.distributed requires; groups with the same
-ranks and backend are created once and shared. Every collective has the run's timeout, so a rank
-that is gone turns into an error within it, never a hang.
+a ModelParallel, each marked when its ranks hold different tokens (across data-parallel replicas, or
+context parallel's shares); the gloo groups carry Python objects and flags: the world (KV block
+counts; in lock-step, whether anyone still has work and how many proposer forwards a step runs),
+each replica's ranks (an attention TP group, times the context-parallel ranks: agreeing to stop
+after a step; its first rank's speculative drafts) and the DP leaders (gathering the replicas'
+results). The o_proj TP and attention DP groups of the layout are not created: no layer
+here splits o_proj other than with the attention heads, and the DP replicas talk through their
+leaders, the world group and the model groups that span them (lock-step, docs/distributed.md). All
+ranks call new_group for every group in the same order, as torch.distributed requires; groups with
+the same ranks and backend are created once and shared. Every collective has the run's timeout, so a
+rank that is gone turns into an error within it, never a hang.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from executor.core.config.parallel_layout import ParallelLayout
 from module.parallel_group import CommStats, ModelParallel, ParallelGroup
 
 CPU_BACKEND = "gloo"
-MODEL_KINDS = ("attn_tp", "dense_tp", "moe_tp", "moe_ep", "embed_tp", "lmhead_tp")
+MODEL_KINDS = ("attn_tp", "dense_tp", "moe_tp", "moe_ep", "embed_tp", "lmhead_tp", "cp")
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +81,7 @@ class CommManager:
         for kind in MODEL_KINDS:
             self.groups[kind] = self._create(kind, backend)
         self.world_cpu = self._handle(list(range(env.world_size)), CPU_BACKEND)
-        self.tp_cpu = self._create_cpu("attn_tp")
+        self.tp_cpu = self._create_cpu("replica")
         self.dp_leaders_cpu = self._create_cpu("dp_leaders")
 
     @property
@@ -103,7 +104,8 @@ class CommManager:
             return ParallelGroup(kind)
         handle = self._create_cpu(kind, backend)
         rank = self.layout.group_rank(kind, self.rank)
-        return ParallelGroup(kind, rank, size, handle, self.stats, spans_replicas=self.layout.spans_replicas(kind))
+        spans = self.layout.holds_different_tokens(kind)
+        return ParallelGroup(kind, rank, size, handle, self.stats, spans_replicas=spans)
 
     def _create_cpu(self, kind: str, backend: str = CPU_BACKEND) -> Any:
         """Every group of `kind` created (as all ranks must); the handle of this rank's, or None."""
@@ -124,8 +126,9 @@ class CommManager:
 
     @property
     def is_dp_leader(self) -> bool:
-        """Attention TP rank 0: the rank that speaks for its data-parallel replica."""
-        return self.groups["attn_tp"].rank == 0
+        """The first rank of its replica (attention TP rank 0, CP rank 0): it speaks for its
+        data-parallel replica."""
+        return self.rank % self.layout.replica_size == 0
 
     def min_over_world(self, value: int) -> int:
         """The smallest `value` over all ranks (KV block counts: every rank must size the same pool)."""
@@ -155,9 +158,9 @@ class CommManager:
         return [[token for token in row if token >= 0] for row in table.tolist()]
 
     def any_in_replica(self, flag: bool) -> bool:
-        """Whether any rank of this attention TP group says so: its ranks run the same steps, so
-        they must stop after the same one."""
-        if self.layout.attn_tp_size == 1:
+        """Whether any rank of this replica (attention TP group, times the CP ranks) says so: its
+        ranks run the same steps, so they must stop after the same one."""
+        if self.layout.replica_size == 1:
             return flag
         tensor = torch.tensor([int(flag)], dtype=torch.int64)
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.tp_cpu)

@@ -60,12 +60,20 @@ class InferenceConfig:
     @property
     def prefill_token_budget(self) -> int:
         """scheduler_config.max_prefill_tokens, or when 0 cann-recipes' derived budget: every
-        request's truncated prompt at once (input_truncated_len x batch_size); 8192 per request
-        slot without truncation."""
+        request's truncated prompt at once (input_truncated_len x batch_size, or x the context-parallel
+        cap max_prefill_requests where it is smaller); 8192 per request slot without truncation."""
         sched = self.scheduler_config
         if sched.max_prefill_tokens:
             return sched.max_prefill_tokens
-        return (self.data_config.input_truncated_len or DEFAULT_PREFILL_TOKENS) * sched.batch_size
+        slots = min(sched.batch_size, self.max_prefill_requests or sched.batch_size)
+        return (self.data_config.input_truncated_len or DEFAULT_PREFILL_TOKENS) * slots
+
+    @property
+    def max_prefill_requests(self) -> int:
+        """The most requests one prefill step holds: scheduler_config.cp_mini_batch under context
+        parallel when it is positive (cann-recipes' meaning), else 0 (no cap beyond batch_size)."""
+        cap = self.scheduler_config.cp_mini_batch
+        return cap if self.parallel_config.cp_size > 1 and cap > 0 else 0
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
@@ -342,6 +350,27 @@ def _check_cross_rules(config: InferenceConfig, problems: list[str]) -> None:
     except ConfigError as exc:
         problems.append(str(exc))
     problems.extend(f"{problem} in {config.source}" for problem in parallel_size_problems(config))
+    problems.extend(f"{problem} in {config.source}" for problem in context_parallel_problems(config))
+
+
+def context_parallel_problems(config: InferenceConfig) -> list[str]:
+    """cann-recipes' rules for context parallel: cp_size is 1 or world_size, with attn_tp_size 1
+    (every rank takes a share of each step's tokens, none splits the heads)."""
+    parallel = config.parallel_config
+    if parallel.cp_size == 1:
+        return []
+    problems = []
+    if parallel.cp_size != parallel.world_size:
+        problems.append(
+            f"parallel_config.cp_size {parallel.cp_size} must be 1 or world_size ({parallel.world_size}): context "
+            "parallel spans every rank"
+        )
+    if parallel.attn_tp_size != 1:
+        problems.append(
+            f"parallel_config.attn_tp_size {parallel.attn_tp_size} must be 1 with cp_size {parallel.cp_size}: "
+            "context parallel splits the tokens, not the heads"
+        )
+    return problems
 
 
 def parallel_size_problems(config: InferenceConfig) -> list[str]:

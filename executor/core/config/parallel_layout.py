@@ -8,6 +8,9 @@ Meanings, as in cann-recipes-infer (world W, rank r):
 - MoE EP size = W / moe_tp_size; an EP group is the ranks with the same MoE TP rank (a stride of moe_tp_size).
 - an attention DP group is the ranks with the same attention TP rank (one per DP replica); the DP
   leaders are the one with attention TP rank 0.
+- context parallel (cp_size 1 or W, with attn_tp_size 1): the one CP group is the world, which is one
+  replica (DP size W / (attn_tp_size x cp_size)); its ranks each take a share of every step's tokens,
+  so every model group but the LM head's (which runs on rows gathered first) holds different tokens.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from executor.core.config.sections import ParallelConfig
 
 # Group kinds, by the names CommManager and the step log use.
 TP_KINDS = ("attn_tp", "dense_tp", "moe_tp", "embed_tp", "lmhead_tp", "o_proj_tp")
-KINDS = (*TP_KINDS, "moe_ep", "attn_dp", "dp_leaders", "world")
+KINDS = (*TP_KINDS, "moe_ep", "cp", "replica", "attn_dp", "dp_leaders", "world")
 # Groups of dense layers whose ranks need the same tokens: across DP replicas they gather them first.
 TOKEN_SHARING_KINDS = ("dense_tp", "embed_tp", "lmhead_tp")
 
@@ -33,14 +36,20 @@ class ParallelLayout:
     embed_tp_size: int = 1
     lmhead_tp_size: int = 1
     o_proj_tp_size: int = 1
+    cp_size: int = 1
 
     @classmethod
     def from_config(cls, config: ParallelConfig) -> ParallelLayout:
         return cls(**{name: getattr(config, name) for name in cls.__dataclass_fields__})
 
     @property
+    def replica_size(self) -> int:
+        """Ranks serving the same requests: an attention TP group, times the context-parallel ranks."""
+        return self.attn_tp_size * self.cp_size
+
+    @property
     def attn_dp_size(self) -> int:
-        return self.world_size // self.attn_tp_size
+        return self.world_size // self.replica_size
 
     @property
     def moe_ep_size(self) -> int:
@@ -48,7 +57,12 @@ class ParallelLayout:
 
     def size_of(self, kind: str) -> int:
         """The size of every group of `kind`."""
-        sizes = {"moe_ep": self.moe_ep_size, "attn_dp": self.attn_dp_size, "dp_leaders": self.attn_dp_size}
+        sizes = {
+            "moe_ep": self.moe_ep_size,
+            "attn_dp": self.attn_dp_size,
+            "dp_leaders": self.attn_dp_size,
+            "replica": self.replica_size,
+        }
         return sizes.get(kind) or (self.world_size if kind == "world" else getattr(self, f"{kind}_size"))
 
     def size_problems(self) -> list[str]:
@@ -69,9 +83,11 @@ class ParallelLayout:
         if kind == "moe_ep":
             return strided(world, self.moe_tp_size)
         if kind == "attn_dp":
-            return strided(world, self.attn_tp_size)
+            return strided(world, self.replica_size)
         if kind == "dp_leaders":
-            return strided(world, self.attn_tp_size)[:1]
+            return strided(world, self.replica_size)[:1]
+        if kind == "replica":
+            return consecutive(world, self.replica_size)
         return consecutive(world, getattr(self, f"{kind}_size"))
 
     def group_of(self, kind: str, rank: int) -> list[int]:
@@ -82,7 +98,7 @@ class ParallelLayout:
         return group
 
     def dp_rank(self, rank: int) -> int:
-        return rank // self.attn_tp_size
+        return rank // self.replica_size
 
     def group_rank(self, kind: str, rank: int) -> int:
         """`rank`'s index within its group of `kind`."""
@@ -93,6 +109,14 @@ class ParallelLayout:
         different tokens: its layers must then exchange tokens (module/parallel_group.py's
         gather_rows) and every replica must step in lock-step."""
         return any(len({self.dp_rank(rank) for rank in group}) > 1 for group in self.groups(kind))
+
+    def holds_different_tokens(self, kind: str) -> bool:
+        """Whether the ranks of a group of `kind` hold different tokens in a step, so that its layers
+        gather them first: across DP replicas (spans_replicas), and under context parallel every model
+        group but the LM head's, whose rows the runner gathers over the CP group before it."""
+        if self.cp_size > 1 and kind != "lmhead_tp":
+            return self.size_of(kind) > 1
+        return self.spans_replicas(kind)
 
     def lock_step_kinds(self, has_experts: bool) -> list[str]:
         """The model groups that span data-parallel replicas (the MoE ones only for a model with

@@ -273,7 +273,9 @@ class ParallelConfig:
     world_size processes are started by infer.sh through torchrun (docs/distributed.md)."""
 
     world_size: int = parallel_size("processes (one per device); above 1 infer.sh starts them with torchrun")
-    attn_tp_size: int = parallel_size("attention tensor parallel size; data parallel size = world_size / this")
+    attn_tp_size: int = parallel_size(
+        "attention tensor parallel size; data parallel size = world_size / (this x cp_size)"
+    )
     moe_tp_size: int = parallel_size("MoE tensor parallel size (EP = world_size / this)")
     moe_ep_size: int = not_applicable(
         0, "derived as world_size / moe_tp_size (cann-recipes ignores the written value too)", min=0
@@ -295,7 +297,12 @@ class ParallelConfig:
         min=1,
         help="shared-expert tensor parallel size",
     )
-    cp_size: int = refused(1, (1,), "context parallel is not built", min=1, help="context parallel size")
+    cp_size: int = rule(
+        1,
+        min=1,
+        help="context parallel size: 1, or world_size (cann-recipes' rule, with attn_tp_size 1): every step's "
+        "tokens split over the ranks (docs/distributed.md)",
+    )
     pp_size: int = refused(
         1, (1,), "pipeline parallel is not built", min=1, help="pipeline parallel size (cann-recipes does not read it)"
     )
@@ -324,7 +331,10 @@ class SchedulerConfig:
     num_reserved_decode_tokens: int = not_applicable(
         64, "admission control of online prefill-decode disaggregation; runs here are offline", min=0
     )
-    cp_mini_batch: int = not_applicable(-1, "caps a context-parallel prefill step; context parallel is not built")
+    cp_mini_batch: int = rule(
+        -1,
+        help="most requests in one prefill step when parallel_config.cp_size > 1; -1 (or 0) = no cap",
+    )
     num_blocks: int = rule(0, min=0, help="ours: KV blocks to allocate; 0 = size from the memory budget")
     max_model_len: int = rule(
         0, min=0, help="ours: longest prompt+output, at least 2; 0 = the model's max_position_embeddings"

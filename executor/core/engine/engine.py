@@ -19,6 +19,7 @@ from executor.core.config.comm_manager import CommManager, DistEnv
 from executor.core.config.inference_config import check_device_rules
 from executor.core.config.model_registry import resolve_model
 from executor.core.config.parallel_layout import ParallelLayout, num_experts_of
+from executor.core.engine.context_parallel import ContextParallelForward, layers_without_context_parallel
 from executor.core.engine.kv_cache_sizing import size_kv_cache
 from executor.core.engine.model_runner import ModelRunner
 from executor.core.kv_cache import KVCacheManager, cdiv
@@ -110,7 +111,7 @@ class ExecutionEngine:
             )
         request = quantization_request(self.config.model_config)
         quantization = read_quantization(hf_config, request, f"{model_path}/config.json")
-        self.worker.init(model_cls, hf_config, model_path, quantization)
+        self.worker.init(model_cls, hf_config, model_path, quantization, before_load=self._check_context_parallel)
         self._check_speculation_with_states()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.eos_token_ids = self._collect_eos_token_ids(model_path)
@@ -127,6 +128,17 @@ class ExecutionEngine:
         if graph_runner is not None:
             self.worker.init_graphs(graph_runner)
         self.runner = self._make_runner(self.kv_cache_manager, self._make_proposer())
+
+    def _check_context_parallel(self, model: torch.nn.Module) -> None:
+        """Under context parallel, before any weight is read: every cache layer must take a step's
+        tokens in shares (full and sliding-window attention, MLA and DSA do)."""
+        cp_size = self.config.parallel_config.cp_size
+        lacking = layers_without_context_parallel(model) if cp_size > 1 else []
+        if lacking:
+            raise ConfigError(
+                f"parallel_config.cp_size {cp_size} in {self.config.source}: context parallel is not built for this "
+                f"model's caches ({', '.join(lacking)}: recurrent state or compressed KV); set cp_size 1"
+            )
 
     def _check_speculation_with_states(self) -> None:
         """Speculative decoding with recurrent states needs every recurrent layer to keep the state
@@ -183,7 +195,12 @@ class ExecutionEngine:
             max_blocks_per_request=self.max_blocks_per_request,
             lock_step_kinds=self.lock_step_kinds,
             proposer=proposer,
+            context_parallel=self._context_parallel_forward(),
         )
+
+    def _context_parallel_forward(self) -> ContextParallelForward | None:
+        group = self.comm.groups["cp"]
+        return ContextParallelForward(group, self.metadata_builder) if group.size > 1 else None
 
     def _make_proposer(self) -> Proposer | None:
         """The run's proposer; a draft model gets an engine of its own, built here and handed in."""

@@ -12,6 +12,7 @@ import itertools
 
 import torch
 
+from executor.core.engine.context_parallel import ContextParallelForward
 from executor.core.kv_cache import KVCacheManager
 from executor.core.model_worker import ModelWorker
 from executor.core.sampler import Sampler, SamplingMetadata, prompt_logprobs
@@ -37,8 +38,10 @@ class ModelRunner:
         max_blocks_per_request: int,
         lock_step_kinds: list[str],
         proposer: Proposer | None = None,
+        context_parallel: ContextParallelForward | None = None,
     ) -> None:
-        """`lock_step_kinds`: the model groups spanning data-parallel replicas (docs/distributed.md)."""
+        """`lock_step_kinds`: the model groups spanning data-parallel replicas; `context_parallel`: the
+        forward of a step split over the ranks (docs/distributed.md)."""
         self.worker = worker
         self.sampler = sampler
         self.kv_cache_manager = kv_cache_manager
@@ -47,6 +50,7 @@ class ModelRunner:
         self.max_blocks_per_request = max_blocks_per_request
         self.lock_step_kinds = lock_step_kinds
         self.proposer = proposer
+        self.context_parallel = context_parallel
         self.device = device  # where the sampled rows' indices go
 
     def execute(self, batch: Batch) -> StepResult:
@@ -111,6 +115,8 @@ class ModelRunner:
         """The model on the step: through the bucket's graph where one serves it, else eagerly.
         Hidden states [rows, hidden] (a graph's padding rows follow the layout's) and, from a graph,
         the logits of every row; None where the LM head runs on the sampled rows after (_logits)."""
+        if self.context_parallel is not None:
+            return self.context_parallel(self.worker.model, layout), None
         graph_runner = self.worker.graph_runner
         if graph_runner is not None and (output := graph_runner.forward(layout)) is not None:
             return output

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,16 +92,20 @@ class ModelWorker:
         hf_config: Any,
         model_path: str,
         quantization: QuantizationPlan | None = None,
+        before_load: Callable[[torch.nn.Module], None] | None = None,
     ) -> None:
         """Build the model from its HF config on the device with this rank's groups, give the layers
         that `quantization` quantizes their scheme (and check the checkpoint holds their tensors),
-        load its shard of the folder's weights (each layer cuts its part out of each checkpoint
-        tensor as it streams by), let each linear layer's method process its weights once (the CPU
-        packs them; a scheme quantizes or dequantizes them), and group its KV cache layers by spec."""
+        run `before_load` on the built model (a check that must not wait for the weights), load its
+        shard of the folder's weights (each layer cuts its part out of each checkpoint tensor as it
+        streams by), let each linear layer's method process its weights once (the CPU packs them; a
+        scheme quantizes or dequantizes them), and group its KV cache layers by spec."""
         with _default_dtype(self.dtype), self.platform.device:
             model = model_cls(hf_config, parallel=self.parallel, backend=self.backend)
             if quantization is not None:
                 self.quantized_layers = quantize_model(model, quantization, self.backend, self.dtype)
+        if before_load is not None:
+            before_load(model)
         if quantization is not None and not quantization.at_load and self.with_ckpt:
             check_quantized_tensors(self.quantized_layers, quantization, checkpoint_header(model_path))
         source = f"from {model_path}" if self.with_ckpt else "(random, with_ckpt false)"

@@ -2,8 +2,9 @@
 
 Waiting -> Prefilling -> Running -> Finished. Every step gives each scheduled request its
 remaining tokens (num_tokens - num_computed_tokens), in a prefill step capped by the token budget
-(max_prefill_tokens): a prompt longer than the budget is prefilled in chunks over several steps, a
-preempted request recomputes its prompt and outputs, a decode step feeds one token. A step is a
+(max_prefill_tokens; under context parallel also at most cp_mini_batch requests): a prompt longer
+than the budget is prefilled in chunks over several steps, a preempted request recomputes its
+prompt and outputs, a decode step feeds one token. A step is a
 prefill step (admitted requests still prefilling, then waiting requests, while slots and budget
 last) or, when nothing needs prefilling, a decode step for every running request.
 
@@ -57,6 +58,8 @@ class SchedulerLimits:
     batch_size: int
     max_prefill_tokens: int
     max_model_len: int
+    # most requests in one prefill step (scheduler_config.cp_mini_batch under context parallel); 0: no cap
+    max_prefill_requests: int = 0
 
 
 @dataclass(slots=True)
@@ -190,8 +193,9 @@ class Scheduler:
         requests: list[Request] = []
         num_tokens: list[int] = []
         budget = self.limits.max_prefill_tokens
+        max_requests = self.limits.max_prefill_requests or self.limits.batch_size
         for request in [r for r in self.running if r.status is RequestStatus.PREFILLING]:
-            if budget == 0:
+            if budget == 0 or len(requests) == max_requests:
                 break
             if request.status is RequestStatus.WAITING:  # preempted for an older request this step
                 continue
@@ -201,6 +205,8 @@ class Scheduler:
                 num_tokens.append(chunk)
                 budget -= chunk
         while self.waiting and budget > 0 and len(self.running) < self.limits.batch_size:
+            if len(requests) == max_requests:
+                break
             request = self.waiting[0]
             hit = self.kv_cache_manager.find_prefix_hit(request)
             if not self.kv_cache_manager.can_admit(request, hit, self._lookahead(request, request.num_tokens)):
