@@ -170,11 +170,9 @@ def check_parallel_layout(config: InferenceConfig, hf_config: Any) -> None:
 
 
 def _one_process_only(config: InferenceConfig) -> list[str]:
-    """Features not built for several processes yet: graphs would have to capture the collectives,
-    and the proposers' forwards would have to run in step on every rank."""
+    """Features not built for several processes yet: the proposers' forwards would have to run in
+    step on every rank."""
     problems = []
-    if config.model_config.exe_mode != "eager":
-        problems.append(f"model_config.exe_mode {config.model_config.exe_mode!r} is not built for several processes")
     if config.speculation[0]:
         problems.append(f"speculative decoding ({config.speculation[0]}) is not built for several processes")
     return problems

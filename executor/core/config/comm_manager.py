@@ -128,11 +128,26 @@ class CommManager:
 
     def min_over_world(self, value: int) -> int:
         """The smallest `value` over all ranks (KV block counts: every rank must size the same pool)."""
+        return self._over_world(value, dist.ReduceOp.MIN)
+
+    def max_over_world(self, value: int) -> int:
+        """The largest `value` over all ranks (lock-step graphs: the rows that pick every rank's bucket)."""
+        return self._over_world(value, dist.ReduceOp.MAX)
+
+    def _over_world(self, value: int, op: Any) -> int:
         if not self.is_distributed:
             return value
         tensor = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.world_cpu)
+        dist.all_reduce(tensor, op=op, group=self.world_cpu)
         return int(tensor.item())
+
+    def graph_key_settings(self) -> dict[str, object]:
+        """What a compiled graph of this rank depends on beyond the model: its rank (its shard: which
+        experts, which vocabulary rows) and the model groups its collectives name; empty in one process."""
+        if not self.is_distributed:
+            return {}
+        names = {kind: group.group.group_name for kind, group in self.groups.items() if group.group is not None}
+        return {"rank": self.rank, "layout": self.layout, "groups": names}
 
     def any_in_replica(self, flag: bool) -> bool:
         """Whether any rank of this attention TP group says so: its ranks run the same steps, so
