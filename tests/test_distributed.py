@@ -68,14 +68,15 @@ def test_a_layout_the_model_cannot_split_is_refused_before_it_loads_with_each_pr
     assert not (tmp_path / "refused").exists()
 
 
-def test_speculation_is_refused_for_several_processes_and_graph_modes_are_not(llama_case, tmp_path, capsys):
+@pytest.mark.parametrize("exe_mode", ["ge_graph", "npugraph_ex"])
+def test_speculation_and_cpu_npugraph_ex_are_refused_for_several_processes(exe_mode, llama_case, tmp_path, capsys):
     run_yaml, _ = llama_case
-    overrides = ["model_config.exe_mode=ge_graph", "speculative_config.method=ngram"]
+    overrides = [f"model_config.exe_mode={exe_mode}", "speculative_config.method=ngram"]
     overrides += ["speculative_config.num_speculative_tokens=2", *parallel_overrides(2, attn_tp_size=2)]
     assert run_into(run_yaml, tmp_path / "refused", *overrides) == COULD_NOT_START
     err = capsys.readouterr().err
     assert "speculative decoding (ngram) is not built for several processes with world_size 2" in err
-    assert "exe_mode" not in err
+    assert ("exe_mode 'npugraph_ex' on the cpu (AOTInductor packages) hangs" in err) == (exe_mode == "npugraph_ex")
 
 
 def test_attention_tp_2_gives_one_process_tokens_and_logs_bytes_per_collective(llama_case, tmp_path):

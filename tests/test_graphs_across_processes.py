@@ -2,19 +2,17 @@
 c10d's functional ones, and greedy outputs equal the one-process eager run token for token.
 
 Each run compiles for real, in every process, so the cases are few and small: one bucket each, the
-tiny MoE models at attention TP 2 with EP 2 (inside one replica) and at DP 2 x EP 2 (lock-step,
-one replica idle for its last steps, its idle forwards served by the same graph as the other's
-decode steps), npugraph_ex's AOTInductor packages at TP 2, and SmolLM2 (9 heads, 3 KV heads) at
-TP 3. Logits move by rounding (the row-parallel sums' order, inductor's C++ GEMMs): logprobs are
-held to the distributed tests' bound.
+tiny DeepSeek-V3 at attention TP 2 with EP 2 (inside one replica), and at DP 2 x EP 2
+(lock-step, one replica idle for its last steps, its idle forwards served by the same graph as the
+other's decode steps). Logits move by rounding (the row-parallel sums' order, inductor's C++
+GEMMs): logprobs are held to the distributed tests' bound. The CPU's npugraph_ex is refused above
+one process (test_distributed.py).
 """
 
 from __future__ import annotations
 
 import pytest
-from transformers import AutoTokenizer
 
-from executor.offline.dataset import DATASET_DIR, load_prompts, tokenize_record
 from tests.dist_harness import (
     DistRun,
     max_logprob_difference,
@@ -31,7 +29,6 @@ from tests.test_distributed import (
     assert_lock_step_equals_one_process,
     assert_ran,
     save_moe_folder,
-    write_smollm2_run,
     write_uneven_run,
 )
 
@@ -61,9 +58,9 @@ def assert_tp_run_equals_one_process(run: DistRun, reference: dict[str, dict]) -
     assert graph["eager_steps"] == len(run.steps()) - decode_steps  # the prefills
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
-def test_ge_graph_at_attention_tp_2_with_ep_2_gives_one_process_tokens(family, tmp_path):
+def test_ge_graph_at_attention_tp_2_with_ep_2_gives_one_process_tokens(tmp_path):
     """The attention all-reduces and the experts' combine over moe_ep inside the compiled graph."""
+    family = "deepseek_v3"
     model_dir = save_moe_folder(tmp_path / "model", family)
     run_yaml = write_run(tmp_path, model_dir, num_prompts=4)
     name = f"model_config.model_name={family}"
@@ -72,10 +69,11 @@ def test_ge_graph_at_attention_tp_2_with_ep_2_gives_one_process_tokens(family, t
     overrides = [name, LOGPROBS, GE_GRAPH, one_bucket(3), *parallel_overrides(2, **sizes)]
     run = run_distributed(run_yaml, tmp_path / "tp2ep2", overrides)
     assert_tp_run_equals_one_process(run, reference)
-    assert run.steps()[-1]["comm_bytes"]["moe_ep.all_reduce"] > 0  # counted inside the graph too
+    assert "moe_ep.all_reduce" in run.steps()[0]["comm_bytes"]  # the eager prefill counts its bytes
+    assert run.steps()[-1]["comm_bytes"] == {}  # a graph step runs no Python that could count them
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["deepseek_v3"])
 def test_ge_graph_lock_step_dp_2_by_ep_2_serves_idle_forwards_through_the_same_graph(family, tmp_path):
     """Replica 0 serves r0 (2 tokens) then r2 (4), replica 1 r1 (8), one request at a time. 8 world
     steps: both prefill (eager); both decode (graph); replica 0 prefills r2 while replica 1 decodes,
@@ -92,24 +90,3 @@ def test_ge_graph_lock_step_dp_2_by_ep_2_serves_idle_forwards_through_the_same_g
     graphs = graph_stats(run)
     assert [graph["graph_steps_per_bucket"] for graph in graphs] == [{"1": 6}, {"1": 6}]
     assert [graph["eager_steps"] for graph in graphs] == [2, 2]
-
-
-def test_npugraph_ex_packages_at_tp_2_give_one_process_tokens(tiny_llama_dir, tmp_path):
-    """AOTInductor packages the c10d functional collectives on the CPU (torch 2.13) and runs them."""
-    run_yaml = write_run(tmp_path, tiny_llama_dir, num_prompts=4)
-    reference = run_one_process(run_yaml, tmp_path / "one_process", LOGPROBS)
-    overrides = [LOGPROBS, "model_config.exe_mode=npugraph_ex", one_bucket(3)]
-    run = run_distributed(run_yaml, tmp_path / "tp2", [*overrides, *parallel_overrides(2, attn_tp_size=2)])
-    assert_tp_run_equals_one_process(run, reference)
-
-
-def test_smollm2_ge_graph_at_tp_3_gives_one_process_tokens(smollm2_dir, tmp_path):
-    """SmolLM2's 9 query and 3 KV heads split by 3; the tied embedding and LM head too."""
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
-    records = load_prompts(DATASET_DIR / "default.jsonl")[:2]
-    run_yaml = write_smollm2_run(tmp_path, smollm2_dir, [tokenize_record(r, tokenizer, True) for r in records])
-    reference = run_one_process(run_yaml, tmp_path / "one_process", LOGPROBS)
-    sizes = dict(attn_tp_size=3, dense_tp_size=3, embed_tp_size=3, lmhead_tp_size=3)
-    overrides = [LOGPROBS, GE_GRAPH, one_bucket(2), *parallel_overrides(3, **sizes)]
-    run = run_distributed(run_yaml, tmp_path / "tp3", overrides)
-    assert_tp_run_equals_one_process(run, reference)
