@@ -2,7 +2,7 @@
 c10d's functional ones, and greedy outputs equal the one-process eager run token for token.
 
 Each run compiles for real, in every process, so the cases are few and small: one bucket each, the
-tiny DeepSeek-V3 at attention TP 2 with EP 2 (inside one replica), and at DP 2 x EP 2
+tiny DeepSeek-V3 at attention TP 2 with EP 2 (inside one replica), it and the tiny Qwen3-MoE at DP 2 x EP 2
 (lock-step, one replica idle for its last steps, its idle forwards served by the same graph as the
 other's decode steps). Logits move by rounding (the row-parallel sums' order, inductor's C++
 GEMMs): logprobs are held to the distributed tests' bound. The CPU's npugraph_ex is refused above
@@ -73,7 +73,7 @@ def test_ge_graph_at_attention_tp_2_with_ep_2_gives_one_process_tokens(tmp_path)
     assert run.steps()[-1]["comm_bytes"] == {}  # a graph step runs no Python that could count them
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
 def test_ge_graph_lock_step_dp_2_by_ep_2_serves_idle_forwards_through_the_same_graph(family, tmp_path):
     """Replica 0 serves r0 (2 tokens) then r2 (4), replica 1 r1 (8), one request at a time. 8 world
     steps: both prefill (eager); both decode (graph); replica 0 prefills r2 while replica 1 decodes,
