@@ -9,6 +9,11 @@ A group may span data-parallel replicas (cann-recipes' attention DP with a wider
 TP), or split a context-parallel step's tokens: its ranks then hold different tokens, and a layer
 first gathers them (gather_rows), runs on all of them, and keeps its own rows. The replicas step in
 lock-step so that these collectives meet (docs/distributed.md).
+
+Inside a graph (traced by dynamo or torch.export, or captured on a CUDA stream) the collectives are
+c10d's functional ones, which the compilers trace, and gather_rows cannot read the counts on the
+host: there every rank of the group holds the same number of rows (the graph runner's bucket, agreed
+by the replicas of a lock-step group), padding included, and the gather takes them all.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 
 @dataclass(slots=True)
@@ -54,14 +60,18 @@ class ParallelGroup:
         assert 0 <= self.rank < self.size, f"{self.name}: rank {self.rank} outside size {self.size}"
 
     def _count(self, op: str, tensor: torch.Tensor) -> None:
+        """Add the bytes to the step's count, outside graphs only: a graph runs no Python, and under
+        dynamo the count would be a side effect guarded on the counter's values (a recompile)."""
         assert self.group is not None, f"{self.name} (size {self.size}) has no process group to {op} over"
-        if self.stats is not None:
+        if self.stats is not None and not torch.compiler.is_compiling():
             self.stats.add(f"{self.name}.{op}", tensor)
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum `tensor` in place over the group (no-op at size 1)."""
+        """The sum of `tensor` over the group (in place outside graphs; `tensor` at size 1)."""
         if self.size > 1:
             self._count("all_reduce", tensor)
+            if torch.compiler.is_compiling():
+                return funcol.all_reduce(tensor, "sum", self.group)
             dist.all_reduce(tensor, group=self.group)
         return tensor
 
@@ -70,6 +80,11 @@ class ParallelGroup:
         if self.size == 1:
             return tensor
         self._count("all_gather", tensor)
+        return self._all_gather(tensor, dim)
+
+    def _all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return funcol.all_gather_tensor(tensor.contiguous(), dim % tensor.dim(), self.group)
         shards = [torch.empty_like(tensor) for _ in range(self.size)]
         dist.all_gather(shards, tensor.contiguous(), group=self.group)
         return torch.cat(shards, dim=dim)
@@ -78,10 +93,13 @@ class ParallelGroup:
         """Every rank's rows (dim 0; the counts may differ) concatenated in rank order, the same on
         every rank, and the slice where this rank's own rows lie in it. The counts are exchanged
         first (one host read), then each rank's rows padded to the largest count are all-gathered;
-        both count under "<group>.gather_rows"."""
+        both count under "<group>.gather_rows". Inside a graph every rank holds the same count
+        (module docstring): no exchange, all rows gathered, nothing counted."""
         own_count = tensor.shape[0]
         if self.size == 1:
             return tensor, slice(0, own_count)
+        if in_graph(tensor):
+            return self._all_gather(tensor, 0), slice(self.rank * own_count, (self.rank + 1) * own_count)
         count = torch.tensor([own_count], dtype=torch.int64, device=tensor.device)
         self._count("gather_rows", count)
         count_shards = [torch.empty_like(count) for _ in range(self.size)]
@@ -100,6 +118,12 @@ class ParallelGroup:
         shards = [torch.empty_like(padded) for _ in range(self.size)]
         dist.all_gather(shards, padded, group=self.group)
         return torch.cat([shard[:n] for shard, n in zip(shards, counts, strict=True)]), own
+
+
+def in_graph(tensor: torch.Tensor) -> bool:
+    """Whether the code runs inside a graph being made: traced by dynamo or torch.export, or captured
+    on the CUDA stream `tensor` lives on; its shapes are then fixed and no host read may happen."""
+    return torch.compiler.is_compiling() or (tensor.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 SINGLE = ParallelGroup()

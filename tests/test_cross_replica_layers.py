@@ -2,7 +2,9 @@
 replica of its own with its own number of tokens (one has none, as an idle replica's LM head): the
 MoE block at attention TP 1 x MoE TP 2 x EP 2 (both MoE groups span replicas, and the shared experts
 gather over MoE TP), the embedding and the LM head at TP 4. Each rank's output equals the same layer
-in one process on that rank's tokens; the torchrun tests (test_distributed.py) cover world 2 end to end.
+in one process on that rank's tokens, eagerly and traced as in a graph step (every rank's rows padded
+to one count); the torchrun tests (test_distributed.py, test_graphs_across_processes.py) cover world 2
+end to end.
 """
 
 from __future__ import annotations
@@ -75,8 +77,29 @@ def check_rank(rank: int, init_file: str) -> None:
         rows = torch.arange(TOKENS_PER_RANK[rank])
         torch.testing.assert_close(head(hidden_states, rows), whole_head(hidden_states, rows), atol=1e-5, rtol=1e-5)
         assert head(hidden_states, rows[:0]).shape == (0, VOCAB)  # no rank samples: every rank returns early
+        check_in_graph(block, whole_moe, head, whole_head, hidden_states)
     finally:
         dist.destroy_process_group()
+
+
+def check_in_graph(
+    block: SparseMoeBlock,
+    whole_moe: SparseMoeBlock,
+    head: ParallelLMHead,
+    whole_head: ParallelLMHead,
+    hidden_states: torch.Tensor,
+) -> None:
+    """Traced by dynamo, as in a graph step: every rank pads its rows to the same bucket, the gathers
+    take them all with no count exchange (functional collectives), and each rank's own rows equal
+    the whole layer's."""
+    own = hidden_states.shape[0]
+    padded = torch.cat([hidden_states, hidden_states.new_zeros(max(TOKENS_PER_RANK) - own, HIDDEN)])
+    rows = torch.arange(padded.shape[0])
+    graph_block = torch.compile(block, backend="eager", fullgraph=True)
+    graph_head = torch.compile(head, backend="eager", fullgraph=True)
+    tolerance = {"atol": 1e-5, "rtol": 1e-5}
+    torch.testing.assert_close(graph_block(padded)[:own], whole_moe(hidden_states), **tolerance)
+    torch.testing.assert_close(graph_head(padded, rows)[:own], whole_head(hidden_states, rows[:own]), **tolerance)
 
 
 @pytest.mark.slow  # four processes

@@ -69,19 +69,20 @@ def test_a_layout_the_model_cannot_split_is_refused_before_it_loads_with_each_pr
     assert not (tmp_path / "refused").exists()
 
 
-def test_graph_modes_and_a_draft_model_the_layout_cannot_split_are_refused_for_several_processes(
+def test_cpu_npugraph_ex_and_a_draft_model_the_layout_cannot_split_are_refused_for_several_processes(
     llama_case, tmp_path, capsys
 ):
-    """Speculation runs above one process (tests/test_spec_decode_distributed.py), but its draft
-    model must split by the layout as the target does."""
+    """Graphs (ge_graph) and speculation run above one process (tests/test_graphs_across_processes.py,
+    tests/test_spec_decode_distributed.py), but not the CPU's npugraph_ex packages, and a draft model
+    must split by the layout as the target does."""
     run_yaml, _ = llama_case
     draft = save_tiny_llama(tmp_path / "draft", hidden_size=48, num_attention_heads=3, num_key_value_heads=1)
-    overrides = ["model_config.exe_mode=ge_graph", "speculative_config.method=draft_model"]
+    overrides = ["model_config.exe_mode=npugraph_ex", "speculative_config.method=draft_model"]
     overrides += [f"speculative_config.draft_model_path={draft}", "speculative_config.num_speculative_tokens=2"]
     overrides += parallel_overrides(2, attn_tp_size=2)
     assert run_into(run_yaml, tmp_path / "refused", *overrides) == COULD_NOT_START
     err = capsys.readouterr().err
-    assert "model_config.exe_mode 'ge_graph' is not built for several processes with world_size 2" in err
+    assert "exe_mode 'npugraph_ex' on the cpu (AOTInductor packages) hangs" in err
     assert f"the draft model ({draft}): parallel_config.attn_tp_size 2 does not divide the model's " in err
     assert "num_attention_heads 3" in err and "speculative decoding" not in err
 

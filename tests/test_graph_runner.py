@@ -10,7 +10,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from executor.core.model_worker.graph_runner import GraphRunner, copy_step
+from executor.core.model_worker.graph_runner import NOT_DECODE, GraphRunner, copy_step
 from executor.platform.compile_cache import CompileCache, graph_key
 from executor.platform.graph_compilers import GraphCallable, GraphCompiler
 from executor.types_.model_inputs import ModelInputs, ScheduledSequence, StepLayout, build_step_layout
@@ -104,8 +104,7 @@ class RecordingCompiler(GraphCompiler):
         return GraphCallable(run, "recorded")
 
 
-@pytest.fixture
-def runner() -> GraphRunner:
+def make_runner(agree_rows=None) -> GraphRunner:
     runner = GraphRunner(
         torch.nn.Identity(),
         RecordingCompiler(),
@@ -115,9 +114,15 @@ def runner() -> GraphRunner:
         num_cache_groups=1,
         max_blocks_per_request=MAX_BLOCKS,
         pin_host_buffers=False,
+        agree_rows=agree_rows,
     )
     runner.warm_up()
     return runner
+
+
+@pytest.fixture
+def runner() -> GraphRunner:
+    return make_runner()
 
 
 def layout_of(seq_lens: list[int]) -> StepLayout:
@@ -153,6 +158,27 @@ def test_a_prefill_runs_eagerly_without_a_warning(runner, caplog):
     with caplog.at_level(logging.WARNING):
         assert runner.forward(prefill) is None
     assert not caplog.records
+
+
+def test_in_lock_step_the_largest_step_of_any_replica_picks_the_bucket_and_a_prefill_keeps_all_eager():
+    """agree_rows stands in for the MAX over the world: the other replica's rows at each step."""
+    other_rows = iter([3, 1, NOT_DECODE, 1, 5])
+    asked: list[int] = []
+
+    def agree_rows(rows: int) -> int:
+        asked.append(rows)
+        return max(rows, next(other_rows))
+
+    runner = make_runner(agree_rows)
+    runner.compiler.runs.clear()
+    prefill = build_step_layout([ScheduledSequence([1, 2, 3], 0, [[1]])], block_size=4, max_blocks_per_request=8)
+    steps = [layout_of([5]), layout_of([5]), layout_of([5]), prefill, layout_of([5])]
+    served = [runner.forward(layout) is not None for layout in steps]
+    assert asked == [1, 1, 1, NOT_DECODE, 1]
+    assert served == [True, True, False, False, False]  # the other's 3 rows, 1 row, its prefill, ours, 5 rows
+    assert [run[0] for run in runner.compiler.runs] == [4, 2]  # a step of 1 row ran in the agreed buckets
+    assert runner.compiler.runs[0][2] == [10, 0, 0, 0]
+    assert runner.eager_steps == 3
 
 
 def test_the_compile_cache_is_off_unless_enabled_and_keys_change_with_settings(tmp_path, monkeypatch):

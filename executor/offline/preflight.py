@@ -183,10 +183,14 @@ def check_parallel_layout(config: InferenceConfig, hf_config: Any) -> None:
 
 
 def _one_process_only(config: InferenceConfig) -> list[str]:
-    """Features not built for several processes yet: graphs would have to capture the collectives."""
+    """Features that do not run on several processes yet: the CPU's npugraph_ex packages
+    (AOTInductor) hang in a collective (docs/distributed.md, Graphs across processes)."""
     problems = []
-    if config.model_config.exe_mode != "eager":
-        problems.append(f"model_config.exe_mode {config.model_config.exe_mode!r} is not built for several processes")
+    if config.model_config.exe_mode == "npugraph_ex" and check_device(config) == "cpu":
+        problems.append(
+            "model_config.exe_mode 'npugraph_ex' on the cpu (AOTInductor packages) hangs in a collective's "
+            "wait after a few steps across processes (torch 2.13, gloo); use ge_graph"
+        )
     return problems
 
 

@@ -223,7 +223,9 @@ class AotInductorCompiler(GraphCompiler):
 
 class CudaGraphCompiler(GraphCompiler):
     """CUDA npugraph_ex: the decode forward captured into a CUDA graph per bucket and replayed,
-    all buckets in one memory pool (captured largest first, so smaller ones reuse its memory)."""
+    all buckets in one memory pool (captured largest first, so smaller ones reuse its memory).
+    Across processes the graph holds the NCCL collectives c10d enqueues on the capturing stream
+    (NCCL 2.9.6 and later can be captured; ProcessGroupNCCL leaves captured work out of its watchdog)."""
 
     name = "npugraph_ex (CUDA graph capture/replay)"
 
@@ -238,6 +240,10 @@ class CudaGraphCompiler(GraphCompiler):
         with torch.cuda.stream(side):
             forward(buffers)  # lazy initialisation (cuBLAS handles, workspaces) stays out of the graph
         torch.cuda.current_stream(self.platform.device).wait_stream(side)
+        # Several processes: that forward also ran the NCCL collectives once outside the graph (the
+        # communicators exist before capture), and none of their work is left for the process
+        # group's watchdog to poll while the capture runs.
+        torch.cuda.synchronize(self.platform.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             output = forward(buffers)

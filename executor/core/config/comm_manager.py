@@ -135,7 +135,8 @@ class CommManager:
         return self._reduce_over_world(value, dist.ReduceOp.MIN)
 
     def max_over_world(self, value: int) -> int:
-        """The largest `value` over all ranks (in lock-step, the proposer forwards every replica runs in a step)."""
+        """The largest `value` over all ranks (in lock-step: the proposer forwards every replica runs
+        in a step; with graphs, the rows that pick every rank's bucket)."""
         return self._reduce_over_world(value, dist.ReduceOp.MAX)
 
     def _reduce_over_world(self, value: int, op: Any) -> int:
@@ -156,6 +157,14 @@ class CommManager:
             table[index, : len(row)] = torch.tensor(row, dtype=torch.int64)
         dist.broadcast(table, group=self.tp_cpu, group_src=0)
         return [[token for token in row if token >= 0] for row in table.tolist()]
+
+    def graph_key_settings(self) -> dict[str, object]:
+        """What a compiled graph of this rank depends on beyond the model: its rank (its shard: which
+        experts, which vocabulary rows) and the model groups its collectives name; empty in one process."""
+        if not self.is_distributed:
+            return {}
+        names = {kind: group.group.group_name for kind, group in self.groups.items() if group.group is not None}
+        return {"rank": self.rank, "layout": self.layout, "groups": names}
 
     def any_in_replica(self, flag: bool) -> bool:
         """Whether any rank of this replica (attention TP group, times the CP ranks) says so: its

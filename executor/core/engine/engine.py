@@ -259,6 +259,7 @@ class ExecutionEngine:
                 "block_size": sched.block_size,
                 "max_blocks_per_request": self.max_blocks_per_request,
                 "device": self.platform.device_type,
+                **self.comm.graph_key_settings(),
             },
             static_kernel=model_config.enable_static_kernel,
         )
@@ -274,6 +275,7 @@ class ExecutionEngine:
             pin_host_buffers=self.platform.device_type != "cpu",
             step_timer=self.step_timer,
             state_groups=self.worker.state_groups(),
+            agree_rows=self.comm.max_over_world if self.lock_step else None,
         )
 
     def _measure_graph_memory(self) -> int:

@@ -61,7 +61,7 @@ class ModelRunner:
         self.step_timer.mark("prepare")
         hidden_states, all_logits = self._forward(layout)  # marks h2d
         if not layout.logits_indices and not layout.prompt_logprob_indices:
-            self._join_lm_head_without_rows(hidden_states)
+            self._join_lm_head_without_rows(hidden_states, all_logits)
             self._propose_nothing(hidden_states)
             self.step_timer.mark("forward")
             return StepResult.empty(len(sequences))
@@ -236,13 +236,14 @@ class ModelRunner:
         shares with busy replicas meet in every collective. One padding token (id 0, position 0) whose
         K/V goes to slot 0 of the null block 0 (its state to the null state slot), where padded rows
         write and which no request reads;
-        its hidden state and logits are dropped. Not a step of the run: nothing is scheduled."""
+        its hidden state and logits are dropped. Not a step of the run: nothing is scheduled. With
+        graphs it runs in the bucket the replicas agree on (a decode step of one row), padded."""
         null_blocks = [[0]] * self.kv_cache_manager.num_groups
         layout = self._pack(
             [ScheduledSequence(token_ids=[0], num_computed_tokens=0, block_ids=null_blocks, num_sampled_rows=0)]
         )
-        hidden_states, _ = self._forward(layout)
-        self._join_lm_head_without_rows(hidden_states)
+        hidden_states, all_logits = self._forward(layout)
+        self._join_lm_head_without_rows(hidden_states, all_logits)
         self._propose_nothing(hidden_states)
 
     def _propose_nothing(self, hidden_states: torch.Tensor) -> None:
@@ -251,10 +252,10 @@ class ModelRunner:
         if self.proposer is not None:
             self.proposer.propose_nothing(hidden_states)
 
-    def _join_lm_head_without_rows(self, hidden_states: torch.Tensor) -> None:
+    def _join_lm_head_without_rows(self, hidden_states: torch.Tensor, all_logits: torch.Tensor | None) -> None:
         """A step that samples no row still joins the LM head's collectives when its group spans
-        replicas (another replica may sample in this step)."""
-        if "lmhead_tp" in self.lock_step_kinds:
+        replicas (another replica may sample in this step); a graph's LM head (all_logits) has."""
+        if all_logits is None and "lmhead_tp" in self.lock_step_kinds:
             self.worker.compute_logits(hidden_states, torch.empty(0, dtype=torch.int64, device=hidden_states.device))
 
 

@@ -5,13 +5,20 @@ as there. A decode step of n rows is padded to the smallest bucket holding n (pa
 the null block's slot 0 and are never sampled), its inputs are copied into that bucket's buffers,
 allocated once, and the bucket's callable runs on them. Steps that fit no bucket run eagerly; the log
 says why, once per reason.
+
+In lock-step data parallelism (docs/distributed.md) the replicas' graphs gather each other's rows,
+so every rank must run the same bucket's graph or every rank the eager step: before each step they
+agree on the largest decode step of any replica (a MAX over the world), and that picks everyone's
+bucket; a replica's prefill makes the step eager everywhere. An idle forward joins as a step of one row.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +32,8 @@ from executor.utils.tensor_tree import map_tensors, same_structure, tensor_leave
 from ops.attention_metadata import AttentionMetadataBuilder, build_model_inputs
 
 logger = logging.getLogger(__name__)
+
+NOT_DECODE = sys.maxsize  # the rows a step that no graph serves asks for in the lock-step agreement
 
 
 def copy_step(destination: ModelInputs, source: ModelInputs) -> None:
@@ -83,8 +92,11 @@ class GraphRunner:
         pin_host_buffers: bool,
         step_timer: StepTimer | None = None,
         state_groups: tuple[int, ...] = (),
+        agree_rows: Callable[[int], int] | None = None,
     ) -> None:
-        """`state_groups`: the recurrent cache groups, whose padded rows read and write the null state slot."""
+        """`state_groups`: the recurrent cache groups, whose padded rows read and write the null state slot.
+        `agree_rows`: in lock-step, the largest of every rank's rows (a collective every rank calls
+        at every step); None where the ranks that share graphs run the same steps anyway."""
         self.step = DecodeStep(model)
         self.step_timer = step_timer if step_timer is not None else StepTimer()  # marks the end of h2d
         self.compiler = compiler
@@ -95,6 +107,7 @@ class GraphRunner:
         self.max_blocks_per_request = max_blocks_per_request
         self.state_groups = state_groups
         self.pin_host_buffers = pin_host_buffers
+        self.agree_rows = agree_rows
         self.graphs: dict[int, BucketGraph] = {}
         self.eager_reasons_logged: set[str] = set()
         self.steps_per_bucket: Counter[int] = Counter()
@@ -153,12 +166,16 @@ class GraphRunner:
         return graph.run(graph.buffers)
 
     def _bucket_for(self, layout: StepLayout) -> int | None:
-        if layout.max_query_len != 1:
-            return None  # prefill and verify steps run eagerly, as in cann-recipes; nothing to log
-        bucket = pick_bucket(layout.num_rows, self.buckets)
+        # prefill and verify steps run eagerly, as in cann-recipes; nothing to log
+        num_rows = layout.num_rows if layout.max_query_len == 1 else NOT_DECODE
+        if self.agree_rows is not None:
+            num_rows = self.agree_rows(num_rows)
+        if num_rows == NOT_DECODE:
+            return None
+        bucket = pick_bucket(num_rows, self.buckets)
         if bucket is None:
             self._log_eager_once(
-                f"a decode step of {layout.num_rows} rows fits no graph bucket (largest {self.buckets[-1]}); "
+                f"a decode step of {num_rows} rows fits no graph bucket (largest {self.buckets[-1]}); "
                 "steps this large run eagerly (scheduler_config.graph_buckets)"
             )
         return bucket
