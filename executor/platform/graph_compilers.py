@@ -146,7 +146,7 @@ def _inductor_origin(before: dict[str, int], after: dict[str, int], *, autotunin
 
 
 class _FlatDecode(torch.nn.Module):
-    """The model as a function of flat tensors (the step's inputs, then every KV cache tensor), as
+    """The step module as a function of flat tensors (the step's inputs, then every KV cache tensor), as
     torch.export wants it: the caches become inputs that the program writes in place, rather than
     constants baked into it."""
 
@@ -161,13 +161,13 @@ class _FlatDecode(torch.nn.Module):
         return [tensor for layer in self.layers for tensor in layer.kv_caches().values()]
 
     def forward(self, *tensors: torch.Tensor) -> torch.Tensor:
-        input_ids, positions, forward_metadata = with_tensors(self.template, list(tensors[: self.num_input_tensors]))
+        step_args = with_tensors(self.template, list(tensors[: self.num_input_tensors]))
         caches = iter(tensors[self.num_input_tensors :])
         bound = [layer.kv_caches() for layer in self.layers]
         try:
             for layer, current in zip(self.layers, bound, strict=True):
                 layer.bind_kv_cache({name: next(caches) for name in current}, layer.kv_cache_group_id)
-            return self.step(input_ids, positions, forward_metadata)
+            return self.step(*step_args)
         finally:
             for layer, current in zip(self.layers, bound, strict=True):
                 layer.bind_kv_cache(current, layer.kv_cache_group_id)

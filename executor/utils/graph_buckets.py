@@ -32,6 +32,7 @@ class Bucket:
         for 4 requests of 3 tokens."""
         return str(self.num_rows) if self.tokens_per_row == 1 else f"{self.num_rows}x{self.tokens_per_row}"
 
+
 SMALL_BUCKETS = (1, 2, 4, 8)
 BUCKET_STRIDE = 16
 

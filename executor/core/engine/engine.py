@@ -129,10 +129,13 @@ class ExecutionEngine:
             warm_up=self._warm_up,
             measure_graph_memory=self._measure_graph_memory,
         )
+        # The compiler (ge_graph on the CPU resets dynamo) is made before a draft model's engine compiles
+        # its graphs, and this engine's graphs after: neither engine's reset drops the other's graphs.
         graph_runner = self._make_graph_runner()
+        draft = self._make_draft_engine()
         if graph_runner is not None:
             self.worker.init_graphs(graph_runner)
-        self.runner = self._make_runner(self.kv_cache_manager, self._make_proposer())
+        self.runner = self._make_runner(self.kv_cache_manager, self._make_proposer(draft))
 
     def _check_speculation_with_states(self) -> None:
         """Speculative decoding with recurrent states needs every recurrent layer to keep the state
@@ -191,20 +194,23 @@ class ExecutionEngine:
             proposer=proposer,
         )
 
-    def _make_proposer(self) -> Proposer | None:
-        """The run's proposer; a draft model gets an engine of its own, built here and handed in."""
+    def _make_draft_engine(self) -> tuple[ModelRunner, KVCacheManager] | None:
+        """With method draft_model, the draft model's engine (its runner and KV cache), else None."""
+        if self.config.speculation[0] != "draft_model":
+            return None
+        engine = ExecutionEngine(draft_model_config(self.config), comm=self.comm)
+        engine.init(*resolve_model(self.config.model_config.model_name), engine.config.model_config.model_path)
+        if engine.vocab_size != self.vocab_size:
+            raise ConfigError(
+                f"speculative_config.draft_model_path in {self.config.source}: the draft model's vocabulary "
+                f"({engine.vocab_size}) differs from the target's ({self.vocab_size}); it needs the same tokenizer"
+            )
+        assert engine.runner is not None and engine.kv_cache_manager is not None
+        return engine.runner, engine.kv_cache_manager
+
+    def _make_proposer(self, draft: tuple[ModelRunner, KVCacheManager] | None) -> Proposer | None:
+        """The run's proposer; `draft`: the draft model's engine's runner and KV cache (_make_draft_engine)."""
         assert self.kv_cache_manager is not None and self.worker.model is not None
-        draft = None
-        if self.config.speculation[0] == "draft_model":
-            engine = ExecutionEngine(draft_model_config(self.config), comm=self.comm)
-            engine.init(*resolve_model(self.config.model_config.model_name), engine.config.model_config.model_path)
-            if engine.vocab_size != self.vocab_size:
-                raise ConfigError(
-                    f"speculative_config.draft_model_path in {self.config.source}: the draft model's vocabulary "
-                    f"({engine.vocab_size}) differs from the target's ({self.vocab_size}); it needs the same tokenizer"
-                )
-            assert engine.runner is not None and engine.kv_cache_manager is not None
-            draft = (engine.runner, engine.kv_cache_manager)
         proposer = make_proposer(
             self.config,
             self.worker.model,
@@ -275,8 +281,10 @@ class ExecutionEngine:
         if tokens_per_verify_row is None:
             tokens_per_verify_row = 1 + num_speculative_tokens if method else 1
         if step is None:  # the target's runner (the probe's, then the run's) makes the engine's compiler
-            # an upper bound on the graphs of all step modules: decode and verify buckets of the target and the MTP layers
-            num_graphs = len(buckets) * 2 * (1 + (num_speculative_tokens if method == "mtp" else 0))
+            # an upper bound on the graphs of all step modules: decode and verify buckets of the target and
+            # the MTP layers (a draft model's engine compiles its decode buckets under our step's code object)
+            extra = {"mtp": 2 * num_speculative_tokens, "draft_model": 1}.get(method, 0)
+            num_graphs = len(buckets) * (2 + extra)
             self.graph_compiler = self.backend.graph_compiler(
                 self.platform,
                 CompileCache.from_config(model_config.enable_cache_compile, model_config.compile_cache_dir),

@@ -154,7 +154,11 @@ class GraphRunner:
                 self.graphs[bucket] = graph = made[shape]
                 logger.info(
                     "%s: bucket %s%s runs the graph of bucket %s%s (the same shapes)",
-                    self.compiler.name, self.name, bucket.name, self.name, graph.bucket.name,
+                    self.compiler.name,
+                    self.name,
+                    bucket.name,
+                    self.name,
+                    graph.bucket.name,
                 )
                 continue
             layout = StepLayout.padding(
@@ -195,6 +199,7 @@ class GraphRunner:
 
     def stats(self) -> dict[str, object]:
         """For the run summary: how each bucket was made, what ran as a graph and what did not."""
+
         def origin(bucket: Bucket, graph: BucketGraph) -> str:
             return graph.origin if graph.bucket == bucket else f"the graph of bucket {graph.bucket.name}"
 

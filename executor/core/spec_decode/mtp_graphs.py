@@ -33,7 +33,9 @@ class MTPStep(torch.nn.Module):
         previous_hidden_states: torch.Tensor,
         forward_metadata: ForwardMetaData,
     ) -> GraphOutput:
-        hidden_states = self.model.mtp_forward(self.layer, input_ids, positions, previous_hidden_states, forward_metadata)
+        hidden_states = self.model.mtp_forward(
+            self.layer, input_ids, positions, previous_hidden_states, forward_metadata
+        )
         rows = torch.arange(hidden_states.shape[0], device=hidden_states.device)
         return hidden_states, self.model.mtp_compute_logits(self.layer, hidden_states, rows)
 
