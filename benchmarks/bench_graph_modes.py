@@ -8,6 +8,12 @@ A step is timed whole (host input preparation, copies, forward, argmax and its h
 requests with ~100-token prompts. Prints JSON; docs/graph_modes.md records the figures.
 
     python benchmarks/bench_graph_modes.py --dtype float32 --batch-sizes 1 8 32
+
+With --verify-tokens K the graph modes' engines are built with n-gram speculation of K drafts, so
+each batch size has a verify bucket of 1 + K tokens per request too, and a verify step (each
+request's last token and K drafts) is timed beside the one-token decode step, interleaved: the
+cost ratio of a verify step in a graph to a decode step in a graph at the same batch size.
+--profile-verify prints torch.profiler's table of the verify steps of the first graph mode.
 """
 
 from __future__ import annotations
@@ -55,6 +61,11 @@ def build_engine(args: argparse.Namespace, exe_mode: str, cache_dir: str) -> Exe
                 "max_model_len": MAX_MODEL_LEN,
                 "num_blocks": num_blocks(args),
             },
+            "speculative_config": (
+                {"method": "ngram", "num_speculative_tokens": args.verify_tokens}
+                if args.verify_tokens and exe_mode != "eager"
+                else {}
+            ),
         },
         source="bench_graph_modes",
     )
@@ -64,9 +75,9 @@ def build_engine(args: argparse.Namespace, exe_mode: str, cache_dir: str) -> Exe
 
 
 def num_blocks(args: argparse.Namespace) -> int:
-    """Each request's ~106 + 2 x steps tokens with room to spare, and one max_model_len request (the
-    pool's own check) beside the null block."""
-    per_request = -(-(PROMPT_TOKENS + 7 + 2 * args.steps) // args.block_size) + 4
+    """Each request's ~106 + (2 + 2 K) x steps tokens (K: --verify-tokens) with room to spare, and one
+    max_model_len request (the pool's own check) beside the null block."""
+    per_request = -(-(PROMPT_TOKENS + 7 + (2 + 2 * args.verify_tokens) * args.steps) // args.block_size) + 4
     return max(args.batch_sizes) * per_request + -(-MAX_MODEL_LEN // args.block_size) + 1
 
 
@@ -100,6 +111,28 @@ def decode_ms(engine: ExecutionEngine, requests: list[Request], steps: int) -> l
     return times
 
 
+def verify_ms(engine: ExecutionEngine, requests: list[Request], steps: int, drafts: int) -> list[float]:
+    """Per-step milliseconds of `steps` verify steps of all `requests`, each feeding its last token
+    and `drafts` draft tokens (its own last tokens again: what is drafted does not change the cost);
+    the requests then advance by one token, as if every draft were rejected."""
+    times = []
+    for _ in range(steps):
+        for request in requests:
+            assert engine.kv_cache_manager.allocate_slots(request, 1 + drafts) is not None
+        draft_token_ids = [
+            request.token_ids_between(request.num_tokens - drafts, request.num_tokens) for request in requests
+        ]
+        batch = Batch(requests, [1 + drafts] * len(requests), is_prefill=False, draft_token_ids=draft_token_ids)
+        start = time.perf_counter()
+        new_tokens = engine.runner.execute(batch).new_token_ids
+        times.append((time.perf_counter() - start) * 1e3)
+        for request, tokens in zip(requests, new_tokens, strict=True):
+            request.num_computed_tokens += 1
+            request.output_token_ids.extend(tokens[:1])
+            engine.kv_cache_manager.free_tail(request, request.num_tokens)
+    return times
+
+
 def warm_up_seconds(args: argparse.Namespace, exe_mode: str, cache_dir: str) -> float:
     """Graph warm-up time of a fresh process (so only the on-disk cache can help)."""
     command = [sys.executable, __file__, "--warm-up-only", exe_mode, "--cache-dir", cache_dir, "--dtype", args.dtype]
@@ -125,6 +158,8 @@ def main() -> None:
     parser.add_argument("--cache-dir", default=None, help="compile cache (default: a new temporary folder)")
     parser.add_argument("--skip-warm-up-timing", action="store_true", help="time decode steps only")
     parser.add_argument("--warm-up-timing-only", action="store_true", help="time warm-up (cold, warm cache) only")
+    parser.add_argument("--verify-tokens", type=int, default=0, help="K: also time verify steps of 1 + K tokens")
+    parser.add_argument("--profile-verify", action="store_true", help="profile the first graph mode's verify steps")
     parser.add_argument("--warm-up-only", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -146,10 +181,20 @@ def main() -> None:
     engines = {mode: build_engine(args, mode, cache_dir) for mode in ("eager", *args.modes)}
     order = [*engines, *reversed(engines)]
     step_ms: dict[str, dict[int, list[float]]] = {mode: {b: [] for b in args.batch_sizes} for mode in engines}
+    verify_step_ms: dict[str, dict[int, list[float]]] = {mode: {b: [] for b in args.batch_sizes} for mode in args.modes}
     for batch_size in args.batch_sizes:
         requests = {mode: prefilled(engine, batch_size) for mode, engine in engines.items()}
         for mode in order:
             step_ms[mode][batch_size] += decode_ms(engines[mode], requests[mode], args.steps)
+            if args.verify_tokens and mode != "eager":
+                times = verify_ms(engines[mode], requests[mode], args.steps, args.verify_tokens)
+                verify_step_ms[mode][batch_size] += times
+        if args.profile_verify and args.verify_tokens:
+            mode = args.modes[0]
+            with torch.profiler.profile() as profile:
+                verify_ms(engines[mode], requests[mode], 5, args.verify_tokens)
+            print(f"{mode}, batch {batch_size}, 5 verify steps:", file=sys.stderr)
+            print(profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), file=sys.stderr)
         for mode, engine in engines.items():
             for request in requests[mode]:
                 engine.kv_cache_manager.free(request)
@@ -168,6 +213,14 @@ def main() -> None:
         },
         "warm_up_s": warm_up,
     }
+    if args.verify_tokens:
+        verify_median = {mode: {b: statistics.median(t) for b, t in by.items()} for mode, by in verify_step_ms.items()}
+        report["verify_tokens_per_request"] = 1 + args.verify_tokens
+        report["verify_ms_per_step_median"] = verify_median
+        report["verify_over_decode"] = {
+            mode: {b: ms / median[mode][b] for b, ms in by_batch.items()} for mode, by_batch in verify_median.items()
+        }
+        report["graph_steps"] = {mode: engines[mode].graph_stats() for mode in args.modes}
     print(json.dumps(report, indent=2))
 
 

@@ -8,6 +8,11 @@ equal to speculation off's. docs/benchmarks.md records the figures.
 
     python benchmarks/bench_spec_decode.py --methods ngram --dataset repeat_input --batch-sizes 1 8
     python benchmarks/bench_spec_decode.py --methods mtp draft_model --batch-sizes 1 8
+    python benchmarks/bench_spec_decode.py --methods ngram --dataset repeat_input --batch-sizes 1 \
+        --exe-mode ge_graph --graph-buckets 1 --rounds 3
+
+In a graph mode each engine is built once per batch size and run again in every round (its graphs,
+verify buckets included, compiled once); `graph` in the output says which steps ran in them.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import statistics
 from pathlib import Path
 
 import torch
-from bench_vs_transformers import add_engine_args, load_records, run_ours
+from bench_vs_transformers import add_engine_args, build_inference, load_records, run_ours
 
 from executor.model_loader.default_model import default_model_path
 
@@ -47,6 +52,7 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--draft-model-path", type=Path, default=None, help="default: <model>-draft8 beside it")
     parser.add_argument("--mtp-model-path", type=Path, default=None, help="default: <model>-MTP beside it")
+    parser.add_argument("--rounds", type=int, default=1, help="times the order off, methods, reversed, off is run")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     base_model = Path(args.model_path or default_model_path())
@@ -60,20 +66,25 @@ def main() -> None:
         "prompts": len(records),
         "max_new_tokens": args.max_new_tokens,
         "num_speculative_tokens": args.num_speculative_tokens,
+        "exe_mode": args.exe_mode,
         "by_batch_size": {},
     }
     for batch_size in args.batch_sizes:
         args.batch_size = batch_size
         runs: dict[str, list[dict]] = {}
         outputs: dict[str, list] = {}
-        for method in ["off", *args.methods, *reversed(args.methods), "off"]:
+        engines: dict = {}  # graph modes: one engine per method, run in every round
+        for method in ["off", *args.methods, *reversed(args.methods), "off"] * args.rounds:
             # MTP needs the model folder that holds the trained MTP head (scripts/train_mtp_head.py)
             args.model_path = (
                 (args.mtp_model_path or base_model.with_name(f"{base_model.name}-MTP"))
                 if method == "mtp"
                 else base_model
             )
-            figures, _ = run_ours(args, records, max_model_len=1024, sections=sections_for(method, args))
+            sections = sections_for(method, args)
+            if args.exe_mode != "eager" and method not in engines:
+                engines[method] = build_inference(args, max_model_len=1024, sections=sections)
+            figures, _ = run_ours(args, records, max_model_len=1024, sections=sections, inference=engines.get(method))
             runs.setdefault(method, []).append(figures)
             outputs.setdefault(method, figures.pop("output_token_ids", None))
         off = statistics.fmean(f["decode_output_tokens_per_s"] for f in runs["off"])
@@ -83,6 +94,7 @@ def main() -> None:
                 "speedup_over_off": statistics.fmean(f["decode_output_tokens_per_s"] for f in figures) / off,
                 "speculative": figures[0]["speculative"],
                 "outputs_equal_to_off": figures[0]["outputs_sha256"] == runs["off"][0]["outputs_sha256"],
+                "graph": figures[-1]["graph"],
             }
             for method, figures in runs.items()
         }

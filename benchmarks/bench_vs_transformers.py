@@ -43,17 +43,15 @@ from ops.cpu_kernels import cpu_flags
 KERNEL_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8", "amx_bf16")
 
 
-def run_ours(
+def build_inference(
     args: argparse.Namespace,
-    records: list,
     max_model_len: int = 2048,
     scheduler_overrides: dict | None = None,
     sections: dict | None = None,
     quantization: str = "",
-    outputs: list[list[int]] | None = None,
-) -> tuple[dict, list[list[int]]]:
-    """Our engine over `records`; `sections` adds whole config sections (speculative_config, ...),
-    `quantization` is model_config.quantization; `outputs`, if given, receives the output token ids."""
+) -> OfflineInference:
+    """Our engine as run_ours runs it; `sections` adds whole config sections (speculative_config,
+    ...), `quantization` is model_config.quantization."""
     config = build_config(
         {
             **(sections or {}),
@@ -78,7 +76,23 @@ def run_ours(
         },
         source="bench",
     )
-    inference = OfflineInference(config, str(args.model_path))
+    return OfflineInference(config, str(args.model_path))
+
+
+def run_ours(
+    args: argparse.Namespace,
+    records: list,
+    max_model_len: int = 2048,
+    scheduler_overrides: dict | None = None,
+    sections: dict | None = None,
+    quantization: str = "",
+    outputs: list[list[int]] | None = None,
+    inference: OfflineInference | None = None,
+) -> tuple[dict, list[list[int]]]:
+    """Our engine over `records` (build_inference's arguments); `outputs`, if given, receives the
+    output token ids; `inference`, if given, is an engine build_inference made, run again (graph
+    modes compile once)."""
+    inference = inference or build_inference(args, max_model_len, scheduler_overrides, sections, quantization)
     prompts = [tokenize_record(r, inference.tokenizer, True) for r in records]
     start = time.perf_counter()
     result = inference.generate(records)
@@ -104,8 +118,8 @@ def run_ours(
         "speculative": result.summary.get("speculative"),
         # equal digests: token-for-token equal outputs (speculation or graph modes against eager)
         "outputs_sha256": hashlib.sha256(json.dumps(token_ids).encode()).hexdigest(),
+        "graph": result.summary.get("graph"),
     }
-    del inference
     return figures, prompts
 
 

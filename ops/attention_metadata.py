@@ -71,7 +71,8 @@ class AttentionMetadataBuilder:
         """Each row's slots in its request's ring (RecurrentStateTables; the null slot 0 for a padded
         row): the one it reads, the one its final state goes to, and in a multi-token step those of
         each position where the row fits its ring; whether it continues a state; the query ends as a
-        host list where a row may hold several tokens."""
+        host list where a row may hold several tokens. A step padded into token rows (pad_to with
+        tokens_per_row) reads per request and writes per token."""
         starts = [0, *layout.query_ends[:-1]]
         read, final, positions = [], [], []
         for ring, seq_len, start, end in zip(slots, layout.seq_lens, starts, layout.query_ends, strict=True):
@@ -82,12 +83,15 @@ class AttentionMetadataBuilder:
             fits = end - start <= len(ring)
             positions.append([ring[p % len(ring)] for p in range(computed, seq_len)] if fits else None)
         multi_token = layout.max_query_len > 1
+        # rows of one token each, tokens_per_row per request: a request reads where its first token does
+        per_request = slice(None, None, layout.tokens_per_row)
         return RecurrentStateTables(
-            state_slots=to_device(read, torch.int64, self.device),
-            has_initial_state=to_device(layout.has_initial_state, torch.bool, self.device),
+            state_slots=to_device(read[per_request], torch.int64, self.device),
+            has_initial_state=to_device(layout.has_initial_state[per_request], torch.bool, self.device),
             query_ends_list=list(layout.query_ends) if multi_token else None,
             final_state_slots=to_device(final, torch.int64, self.device),
             position_state_slots=positions if multi_token else None,
+            tokens_per_row=layout.tokens_per_row,
         )
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from executor.types_.model_inputs import RecurrentStateTables
-from ops.recurrent_ref import row_states, scan_rows
+from ops.recurrent_ref import scan_rows, step_rows
 
 CHUNK_SIZE = 64
 L2_NORM_EPS = 1e-6
@@ -148,11 +148,10 @@ def recurrent_kda(
     state_cache: torch.Tensor,
     tables: RecurrentStateTables,
 ) -> torch.Tensor:
-    """One token per row (query, key, gate [rows, H, K], value [rows, H, V], beta [rows, H]), the
-    state read from each row's slot and written to its final slot, with no host read (graph buckets;
-    padded rows use the null slot) -> output [rows, H, V] in value's dtype."""
+    """One token per row (query, key, gate [rows, H, K], value [rows, H, V], beta [rows, H];
+    tables.tokens_per_row per row in a verify graph), the state read from each row's slot and written
+    to its final slot (each token's), with no host read (graph buckets; padded rows use the null
+    slot) -> output [rows, H, V] in value's dtype."""
     query, key = prepare_query_key(query, key)
-    states = row_states(state_cache, tables)
-    output, states = kda_step(query, key, value.float(), gate.float(), beta.float(), states)
-    state_cache.index_copy_(0, tables.write_slots, states)
-    return output.to(value.dtype)
+    inputs = (query, key, value.float(), gate.float(), beta.float())
+    return step_rows(state_cache, tables, inputs, kda_step).to(value.dtype)

@@ -15,7 +15,9 @@ row's last token back to the slot:
   token by token, so that the next step finds the accepted prefix's state;
 - `causal_conv1d_update` / `recurrent_gated_delta_rule`: a decode-shaped step, one token per row,
   with shapes that depend only on the number of rows (graph buckets; padded rows read and write the
-  null slot 0 and start from zeros).
+  null slot 0 and start from zeros); or a verify step in a graph, whose rows hold 1 + k tokens each
+  (RecurrentStateTables.tokens_per_row): token by token, each token's state to its slot
+  (`step_rows`).
 
 The delta rule, per value head h and token t, with S [Dk, Dv] the state, q and k L2-normalised and
 q scaled by Dk^-0.5:  S = exp(g_t) S;  S = S + k_t (beta_t (v_t - k_t^T S));  o_t = q_t^T S.
@@ -291,6 +293,27 @@ def causal_conv1d_fn(
     return torch.cat(outputs)
 
 
+def step_rows(
+    state_cache: torch.Tensor,
+    tables: RecurrentStateTables,
+    inputs: tuple[torch.Tensor, ...],
+    step: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+) -> torch.Tensor:
+    """The decode-shaped step of a recurrent op, no host read: packed `inputs` ([T, ...] each) of
+    tables.tokens_per_row tokens per row (1 in a decode step), each row's state read from its slot,
+    its tokens through `step` (-> output, new state) one position at a time, and the state after each
+    token written to that token's slot -> the outputs [T, ...]."""
+    tokens_per_row = tables.tokens_per_row
+    state = row_states(state_cache, tables)
+    outputs, states = [], []
+    for position in range(tokens_per_row):
+        output, state = step(*(x.unflatten(0, (-1, tokens_per_row))[:, position] for x in inputs), state)
+        outputs.append(output)
+        states.append(state)
+    state_cache.index_copy_(0, tables.write_slots, torch.stack(states, 1).flatten(0, 1).to(state_cache.dtype))
+    return torch.stack(outputs, 1).flatten(0, 1)
+
+
 def causal_conv1d_update(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -298,11 +321,9 @@ def causal_conv1d_update(
     tables: RecurrentStateTables,
     activation: str | None = "silu",
 ) -> torch.Tensor:
-    """One token per row x [rows, C] through the conv, the state read from each row's slot and written
-    to its final slot."""
-    output, state = conv1d_step(x, weight, row_states(conv_cache, tables), activation)
-    conv_cache.index_copy_(0, tables.write_slots, state.to(conv_cache.dtype))
-    return output
+    """One token per row x [rows, C] (tables.tokens_per_row per row in a verify graph) through the
+    conv, the state read from each row's slot and written to its final slot (each token's)."""
+    return step_rows(conv_cache, tables, (x,), lambda rows, state: conv1d_step(rows, weight, state, activation))
 
 
 def chunk_gated_delta_rule(
@@ -338,11 +359,11 @@ def recurrent_gated_delta_rule(
     tables: RecurrentStateTables,
     use_qk_l2norm: bool = True,
 ) -> torch.Tensor:
-    """One token per row (q, k [rows, Hk, Dk], v [rows, Hv, Dv], g, beta [rows, Hv]), the state read
-    from each row's slot and written to its final slot -> output [rows, Hv, Dv]."""
-    output, state = gated_delta_rule_step(query, key, value, g, beta, row_states(state_cache, tables), use_qk_l2norm)
-    state_cache.index_copy_(0, tables.write_slots, state.to(state_cache.dtype))
-    return output
+    """One token per row (q, k [rows, Hk, Dk], v [rows, Hv, Dv], g, beta [rows, Hv]; tables.tokens_per_row
+    per row in a verify graph), the state read from each row's slot and written to its final slot
+    (each token's) -> output [rows, Hv, Dv]."""
+    step = functools.partial(gated_delta_rule_step, use_qk_l2norm=use_qk_l2norm)
+    return step_rows(state_cache, tables, (query, key, value, g, beta), step)
 
 
 def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

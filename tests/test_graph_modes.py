@@ -19,6 +19,7 @@ from executor.offline import offline_inference
 from executor.offline.dataset import PromptRecord
 from executor.offline.offline_inference import OfflineInference
 from executor.types_ import Batch
+from executor.utils.graph_buckets import Bucket
 from ops.attention_metadata import build_model_inputs
 from tests.conftest import SlidingLlama
 from tests.engine_harness import make_inference, token_records
@@ -129,7 +130,7 @@ def test_a_graph_decode_step_gives_eager_logits(exe_mode, dtype, tolerance, tiny
         eager = worker.compute_logits(worker.forward(build_model_inputs(layout, engine.metadata_builder)), rows)
         _, graph_logits = worker.graph_runner.forward(layout)  # the LM head runs inside the graph
         graph = graph_logits[rows]
-    assert worker.graph_runner.steps_per_bucket[4] == 1  # 3 rows padded to the bucket of 4
+    assert worker.graph_runner.steps_per_bucket[Bucket(4)] == 1  # 3 rows padded to the bucket of 4
     scale = eager.float().abs().max()
     assert (graph.float() - eager.float()).abs().max() <= tolerance * scale
     assert graph.argmax(-1).tolist() == eager.argmax(-1).tolist()

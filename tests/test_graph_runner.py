@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 
 from executor.core.model_worker.graph_runner import NOT_DECODE, GraphRunner, copy_step
 from executor.platform.compile_cache import CompileCache, graph_key
-from executor.platform.graph_compilers import GraphCallable, GraphCompiler
+from executor.platform.graph_compilers import GraphCallable, GraphCompiler, GraphInputs
 from executor.types_.model_inputs import ModelInputs, ScheduledSequence, StepLayout, build_step_layout
-from executor.utils.graph_buckets import default_buckets, pick_bucket, resolve_buckets
+from executor.utils.graph_buckets import Bucket, default_buckets, pick_bucket, resolve_buckets
 from executor.utils.tensor_tree import map_tensors, tensor_leaves, with_tensors
 from ops.attention_metadata import TorchMetadataBuilder, build_model_inputs
 from tests.backends import cpu_backend
@@ -89,17 +89,14 @@ class RecordingCompiler(GraphCompiler):
     def __init__(self) -> None:
         self.runs: list[tuple[int, int, list[int], list[int]]] = []
 
-    def compile(self, model: torch.nn.Module, buffers: ModelInputs, num_rows: int) -> GraphCallable:
-        def run(inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    def compile(self, model: torch.nn.Module, buffers: GraphInputs, bucket: str) -> GraphCallable:
+        def run(inputs: GraphInputs) -> tuple[torch.Tensor, torch.Tensor]:
+            input_ids, *_, forward_metadata = inputs.forward_args()
             self.runs.append(
-                (
-                    num_rows,
-                    inputs.input_ids.data_ptr(),
-                    inputs.input_ids.tolist(),
-                    inputs.forward_metadata.groups[0].slot_mapping.tolist(),
-                )
+                (bucket, input_ids.data_ptr(), input_ids.tolist(), forward_metadata.groups[0].slot_mapping.tolist())
             )
-            return torch.zeros(num_rows, 2), torch.zeros(num_rows, 5)
+            rows = input_ids[:, None].float()  # each row's output is its input token, to see the rows come back
+            return rows.expand(-1, 2), rows.expand(-1, 5)
 
         return GraphCallable(run, "recorded")
 
@@ -137,8 +134,8 @@ def test_steps_reuse_their_buckets_buffers_and_pad_with_the_null_slot(runner):
         hidden = runner.forward(layout_of(seq_lens))
         assert hidden is not None
     (b4_first, b4_second, b2) = compiler.runs
-    assert b4_first[0] == b4_second[0] == 4 and b2[0] == 2
-    assert b4_first[1] == b4_second[1] == runner.graphs[4].buffers.input_ids.data_ptr()  # one buffer, reused
+    assert b4_first[0] == b4_second[0] == "4" and b2[0] == "2"
+    assert b4_first[1] == b4_second[1] == runner.graphs[Bucket(4)].buffers.inputs.input_ids.data_ptr()  # reused
     assert b4_second[2] == [10, 11, 12, 0] and b4_second[3][-1] == 0  # this step's tokens; padding -> slot 0
     assert b2[2] == [10, 0]
     assert runner.stats()["graph_steps_per_bucket"] == {"2": 1, "4": 2}

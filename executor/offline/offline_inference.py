@@ -162,8 +162,8 @@ class OfflineInference:
             "weight_bytes": self.engine.worker.weight_bytes,
             "kv_bytes_per_token": self.engine.worker.kv_cache_bytes_per_token(),
         }
-        if self.engine.worker.graph_runner is not None:
-            summary["graph"] = self.engine.worker.graph_runner.stats()
+        if (graph := self.engine.graph_stats()) is not None:
+            summary["graph"] = graph
         if writer is not None:
             writer.write_summary(summary)
         return RunResult(requests, [results[r.request_id] for r in requests if r.request_id in results], steps, summary)

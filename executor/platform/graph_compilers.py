@@ -6,9 +6,10 @@
   per bucket in one memory pool on CUDA; torch.compile(backend="npugraph_ex"), aclgraph
   capture/replay, on NPU.
 
-A compiler turns the decode step (the model's forward and its LM head over every row), at one
-bucket's persistent input buffers, into a GraphCallable that runs it on those buffers. Everything
-device-specific is imported lazily.
+A compiler turns a step module (the model's forward and its LM head over every row, for a decode or
+a verify step; an MTP layer's forward and its LM head), at one bucket's persistent input buffers,
+into a GraphCallable that runs it on those buffers. One compiler serves every step module of an
+engine. Everything device-specific is imported lazily.
 """
 
 from __future__ import annotations
@@ -25,13 +26,18 @@ import torch
 from executor.platform import npu_runtime
 from executor.platform.compile_cache import CompileCache, graph_key
 from executor.platform.platform import Platform
-from executor.types_.model_inputs import ModelInputs
 from executor.utils.tensor_tree import tensor_leaves, with_tensors
 
 logger = logging.getLogger(__name__)
 
 
 GraphOutput = tuple[torch.Tensor, torch.Tensor]  # hidden states [rows, hidden], logits [rows, vocab]
+
+
+class GraphInputs(Protocol):
+    """A bucket's buffers (ModelInputs, or the graph runner's StepBuffers): what the step module reads."""
+
+    def forward_args(self) -> tuple[object, ...]: ...
 
 
 def kv_cache_layers(step: torch.nn.Module) -> list[torch.nn.Module]:
@@ -44,15 +50,15 @@ def kv_cache_layers(step: torch.nn.Module) -> list[torch.nn.Module]:
 class GraphCallable:
     """Runs the decode step on one bucket's buffers; `origin` says how it was made, for the log."""
 
-    fn: Callable[[ModelInputs], GraphOutput]
+    fn: Callable[[GraphInputs], GraphOutput]
     origin: str
 
-    def __call__(self, inputs: ModelInputs) -> GraphOutput:
+    def __call__(self, inputs: GraphInputs) -> GraphOutput:
         return self.fn(inputs)
 
 
-def _forward(step: Callable[..., GraphOutput]) -> Callable[[ModelInputs], GraphOutput]:
-    """The decode step (or its compiled form) as a function of one step's inputs."""
+def _forward(step: Callable[..., GraphOutput]) -> Callable[[GraphInputs], GraphOutput]:
+    """The step module (or its compiled form) as a function of one step's inputs."""
     return lambda inputs: step(*inputs.forward_args())
 
 
@@ -61,8 +67,9 @@ class GraphCompiler:
 
     name = "graph"
 
-    def compile(self, step: torch.nn.Module, buffers: ModelInputs, num_rows: int) -> GraphCallable:
-        """`step` maps a step's forward args to (hidden states, logits of every row)."""
+    def compile(self, step: torch.nn.Module, buffers: GraphInputs, bucket: str) -> GraphCallable:
+        """`step` maps a step's forward args to (hidden states, logits of every row); `bucket` names
+        the graph among the engine's (the compile cache's file names)."""
         raise NotImplementedError
 
     def synchronize(self) -> None:
@@ -72,14 +79,15 @@ class GraphCompiler:
 class InductorCompiler(GraphCompiler):
     """torch.compile with inductor and static shapes: one graph per bucket, specialised to it.
 
-    One compiled module serves every bucket (dynamo compiles one graph per input shape), so the
-    recompile limit is raised to the number of buckets. Static shapes rather than one graph
+    One compiled module per step module serves its buckets (dynamo compiles one graph per input
+    shape), so the recompile limit is raised to the number of graphs. Static shapes rather than one graph
     dynamic in the batch: see docs/graph_modes.md for the measurement behind the choice.
     """
 
     name = "ge_graph (torch.compile, inductor)"
 
     def __init__(self, platform: Platform, cache: CompileCache, num_buckets: int) -> None:
+        """`num_buckets`: the graphs compiled, every step module's together."""
         import torch._dynamo.config
 
         self.platform = platform
@@ -92,21 +100,21 @@ class InductorCompiler(GraphCompiler):
         torch._dynamo.config.accumulated_recompile_limit = max(
             torch._dynamo.config.accumulated_recompile_limit, 8 * limit
         )
-        self._compiled: torch.nn.Module | None = None
+        self._compiled: dict[torch.nn.Module, torch.nn.Module] = {}  # by step module
 
-    def compile(self, step: torch.nn.Module, buffers: ModelInputs, num_rows: int) -> GraphCallable:
+    def compile(self, step: torch.nn.Module, buffers: GraphInputs, bucket: str) -> GraphCallable:
         import torch._inductor.config
         from torch._dynamo.utils import counters
 
-        if self._compiled is None:
-            self._compiled = torch.compile(step, backend="inductor", dynamic=False, fullgraph=True)
+        if step not in self._compiled:
+            self._compiled[step] = torch.compile(step, backend="inductor", dynamic=False, fullgraph=True)
         for layer in kv_cache_layers(step):
             for cache in layer.kv_caches().values():
                 # The block count follows free memory from run to run; code generic in it keeps the
                 # compile cache valid across runs (only the cache write and attention index it).
                 torch._dynamo.mark_dynamic(cache, 0)
         before = dict(counters["inductor"])
-        run = _forward(self._compiled)
+        run = _forward(self._compiled[step])
         # Set around the compiling call rather than passed as torch.compile(options=...): measured
         # here, freezing and the GEMM autotuning did not take effect through `options`.
         options = self.inductor_options()
@@ -138,11 +146,11 @@ def _inductor_origin(before: dict[str, int], after: dict[str, int], *, autotunin
 
 
 class _FlatDecode(torch.nn.Module):
-    """The model as a function of flat tensors (the step's inputs, then every KV cache tensor), as
+    """The step module as a function of flat tensors (the step's inputs, then every KV cache tensor), as
     torch.export wants it: the caches become inputs that the program writes in place, rather than
     constants baked into it."""
 
-    def __init__(self, step: torch.nn.Module, template: ModelInputs, layers: list[torch.nn.Module]) -> None:
+    def __init__(self, step: torch.nn.Module, template: GraphInputs, layers: list[torch.nn.Module]) -> None:
         super().__init__()
         self.step = step
         self.template = template.forward_args()
@@ -153,13 +161,13 @@ class _FlatDecode(torch.nn.Module):
         return [tensor for layer in self.layers for tensor in layer.kv_caches().values()]
 
     def forward(self, *tensors: torch.Tensor) -> torch.Tensor:
-        input_ids, positions, forward_metadata = with_tensors(self.template, list(tensors[: self.num_input_tensors]))
+        step_args = with_tensors(self.template, list(tensors[: self.num_input_tensors]))
         caches = iter(tensors[self.num_input_tensors :])
         bound = [layer.kv_caches() for layer in self.layers]
         try:
             for layer, current in zip(self.layers, bound, strict=True):
                 layer.bind_kv_cache({name: next(caches) for name in current}, layer.kv_cache_group_id)
-            return self.step(input_ids, positions, forward_metadata)
+            return self.step(*step_args)
         finally:
             for layer, current in zip(self.layers, bound, strict=True):
                 layer.bind_kv_cache(current, layer.kv_cache_group_id)
@@ -181,22 +189,22 @@ class AotInductorCompiler(GraphCompiler):
         self.settings = settings
         self._scratch = tempfile.TemporaryDirectory(prefix="infer-recipes-aoti-") if cache.root is None else None
 
-    def package_path(self, step: torch.nn.Module, num_rows: int) -> Path:
+    def package_path(self, step: torch.nn.Module, bucket: str) -> Path:
         folder = self.cache.folder("aoti")
         if folder is None:
             assert self._scratch is not None
             folder = Path(self._scratch.name)
         key = graph_key(step.model, **self.settings)
         (folder / key).mkdir(parents=True, exist_ok=True)
-        return folder / key / f"bucket_{num_rows}.pt2"
+        return folder / key / f"bucket_{bucket}.pt2"
 
-    def compile(self, step: torch.nn.Module, buffers: ModelInputs, num_rows: int) -> GraphCallable:
+    def compile(self, step: torch.nn.Module, buffers: GraphInputs, bucket: str) -> GraphCallable:
         import torch._inductor
         import torch._inductor.config
 
         layers = kv_cache_layers(step)
         flat = _FlatDecode(step, buffers, layers)
-        path = self.package_path(step, num_rows)
+        path = self.package_path(step, bucket)
         origin = "loaded from the compile cache"
         if not path.exists():
             origin = "compiled"
@@ -214,7 +222,7 @@ class AotInductorCompiler(GraphCompiler):
             {name: constants[name] for name in runner.get_constant_fqns()}, check_full_update=True, user_managed=True
         )
 
-        def run(inputs: ModelInputs) -> GraphOutput:
+        def run(inputs: GraphInputs) -> GraphOutput:
             hidden_states, logits = runner(*tensor_leaves(inputs.forward_args()), *flat.cache_tensors())
             return hidden_states, logits
 
@@ -233,7 +241,7 @@ class CudaGraphCompiler(GraphCompiler):
         self.platform = platform
         self.pool = torch.cuda.graph_pool_handle()
 
-    def compile(self, step: torch.nn.Module, buffers: ModelInputs, num_rows: int) -> GraphCallable:
+    def compile(self, step: torch.nn.Module, buffers: GraphInputs, bucket: str) -> GraphCallable:
         forward = _forward(step)
         side = torch.cuda.Stream(self.platform.device)
         side.wait_stream(torch.cuda.current_stream(self.platform.device))
@@ -248,7 +256,7 @@ class CudaGraphCompiler(GraphCompiler):
         with torch.cuda.graph(graph, pool=self.pool):
             output = forward(buffers)
 
-        def replay(inputs: ModelInputs) -> GraphOutput:
+        def replay(inputs: GraphInputs) -> GraphOutput:
             assert inputs is buffers, "a captured graph reads only the buffers it was captured on"
             graph.replay()
             return output
@@ -278,13 +286,13 @@ class TorchairGeCompiler(GraphCompiler):
         config.experimental_config.topology_sorting_strategy = "StableRDFS"
         self.config = config
         self.cache_dir = cache.folder("torchair")
-        self._compiled: Callable[..., torch.Tensor] | None = None
+        self._compiled: dict[torch.nn.Module, Callable[..., GraphOutput]] = {}  # by step module
 
-    def compile(self, step: torch.nn.Module, buffers: ModelInputs, num_rows: int) -> GraphCallable:
-        if self._compiled is None:
+    def compile(self, step: torch.nn.Module, buffers: GraphInputs, bucket: str) -> GraphCallable:
+        if step not in self._compiled:
             backend = self.torchair.get_npu_backend(compiler_config=self.config)
             if self.cache_dir is not None:
-                self._compiled = self.torchair.inference.cache_compile(
+                self._compiled[step] = self.torchair.inference.cache_compile(
                     step.forward,
                     config=self.config,
                     dynamic=False,
@@ -292,8 +300,8 @@ class TorchairGeCompiler(GraphCompiler):
                     ge_cache=True,
                 )
             else:
-                self._compiled = torch.compile(step, backend=backend, dynamic=False, fullgraph=True)
-        return GraphCallable(_forward(self._compiled), "compiled")
+                self._compiled[step] = torch.compile(step, backend=backend, dynamic=False, fullgraph=True)
+        return GraphCallable(_forward(self._compiled[step]), "compiled")
 
     def synchronize(self) -> None:
         self.platform.synchronize()
@@ -315,19 +323,19 @@ class NpuGraphExCompiler(GraphCompiler):
             "clone_input": False,  # the buffers are persistent already
         }
         self.cache_dir = cache.folder("npugraph_ex")
-        self._compiled: Callable[..., torch.Tensor] | None = None
+        self._compiled: dict[torch.nn.Module, Callable[..., GraphOutput]] = {}  # by step module
 
-    def compile(self, step: torch.nn.Module, buffers: ModelInputs, num_rows: int) -> GraphCallable:
-        if self._compiled is None:
+    def compile(self, step: torch.nn.Module, buffers: GraphInputs, bucket: str) -> GraphCallable:
+        if step not in self._compiled:
             if self.cache_dir is not None:
-                self._compiled = torch.npu.npugraph_ex.inference.cache_compile(
+                self._compiled[step] = torch.npu.npugraph_ex.inference.cache_compile(
                     step.forward, dynamic=False, cache_dir=str(self.cache_dir), options=self.options
                 )
             else:
-                self._compiled = torch.compile(
+                self._compiled[step] = torch.compile(
                     step, backend="npugraph_ex", fullgraph=True, dynamic=False, options=self.options
                 )
-        return GraphCallable(_forward(self._compiled), "captured")
+        return GraphCallable(_forward(self._compiled[step]), "captured")
 
     def synchronize(self) -> None:
         self.platform.synchronize()

@@ -6,7 +6,8 @@ so the hot loop makes no device round-trips; the ops backend's builder decides w
 ForwardMetaData is what attention reads: built once per step through the backend's builder (which
 adds what that backend's attention reads) and passed down explicitly; no layer keeps it. In a
 decode-shaped step every shape depends only on the number of rows, so a padded graph bucket keeps
-one shape for life.
+one shape for life. A verify step (1 + k tokens per request) enters a graph decode-shaped too, each
+token an attention row of its own (StepLayout.pad_to with tokens_per_row).
 """
 
 from __future__ import annotations
@@ -52,10 +53,14 @@ class RecurrentStateTables:
     # multi-token steps, per row: the slot of the state after each of its positions where the row
     # fits its ring (a verify step), else None (only the final state is kept); None in decode steps
     position_state_slots: list[list[int] | None] | None = None
+    # A decode-shaped step whose rows hold this many tokens each, packed row after row (a verify step
+    # in a graph: StepLayout.pad_to): state_slots and has_initial_state are per row, final_state_slots
+    # per token (the state after each token, the null slot for padding tokens). 1 in a decode step.
+    tokens_per_row: int = 1
 
     @property
     def write_slots(self) -> torch.Tensor:
-        """[rows] the slot each row's final state goes to."""
+        """[rows] the slot each row's final state goes to ([tokens]: each token's, with tokens_per_row)."""
         return self.state_slots if self.final_state_slots is None else self.final_state_slots
 
 
@@ -146,6 +151,8 @@ class StepLayout:
     # rows whose logits score a prompt token (ScheduledSequence.prompt_logprob_rows), never sampled
     prompt_logprob_indices: list[int] = field(default_factory=list)
     state_groups: tuple[int, ...] = ()  # recurrent cache groups (state slots, no blocks)
+    # >1: a step padded by pad_to into rows of one token each, tokens_per_row of them per request
+    tokens_per_row: int = 1
 
     @property
     def num_rows(self) -> int:
@@ -166,9 +173,15 @@ class StepLayout:
 
     @classmethod
     def padding(
-        cls, num_rows: int, num_groups: int, max_blocks_per_request: int, state_groups: tuple[int, ...] = ()
+        cls,
+        num_rows: int,
+        num_groups: int,
+        max_blocks_per_request: int,
+        state_groups: tuple[int, ...] = (),
+        tokens_per_row: int = 1,
     ) -> StepLayout:
-        """A decode step of `num_rows` padding rows only: what graph buffers are allocated from."""
+        """A step of `num_rows` padding requests of `tokens_per_row` tokens: what graph buffers are
+        allocated from."""
         empty = cls(
             [],
             [],
@@ -180,34 +193,71 @@ class StepLayout:
             max_blocks_per_request,
             state_groups=state_groups,
         )
-        return empty.pad_to(num_rows)
+        return empty.pad_to(num_rows, tokens_per_row)
 
-    def pad_to(self, num_rows: int) -> StepLayout:
-        """A decode-shaped step padded with rows that read and write only the null block's slot 0.
+    def pad_to(self, num_rows: int, tokens_per_row: int = 1) -> StepLayout:
+        """This step as a graph bucket takes it: `num_rows` requests of `tokens_per_row` tokens, each
+        token an attention row of its own, decode-shaped.
 
-        A padded row is one token 0 at position 0, with one token of K/V (the one it writes) and an
-        all-null block table row (in a recurrent group: the null state slot, started fresh); its
-        logits are never taken.
+        A request's token at position p attends as a decode row whose K/V length is p + 1 over its
+        request's blocks; after the request's own tokens come padding tokens, then padding requests.
+        A padding token is token 0 at position 0 with one token of K/V (the one it writes, to the null
+        block's slot 0) and an all-null block table row (in a recurrent group: the null state slot,
+        started fresh); its logits are never taken. So a request's tokens read only its own K/V, and
+        no real token reads a padding token's. In a recurrent group the request keeps its ring: its
+        first token reads the request's state, each token's state goes to its position's slot
+        (RecurrentStateTables.tokens_per_row). With one token per request this is the decode step
+        padded with padding rows.
         """
-        assert self.max_query_len <= 1, "only decode-shaped steps are padded"
+        assert self.tokens_per_row == 1, "a step is padded once"
+        assert self.max_query_len <= tokens_per_row, f"rows of {self.max_query_len} tokens exceed {tokens_per_row}"
         extra = num_rows - self.num_rows
         assert extra >= 0, f"cannot pad {self.num_rows} rows down to {num_rows}"
-        last_end = self.query_ends[-1] if self.query_ends else 0
+        if tokens_per_row == 1:
+            rows = self
+        else:
+            rows = StepLayout([], [], [], [], [[] for _ in self.block_ids], [[] for _ in self.slot_mappings], [], 0)
+            for index, (start, end) in enumerate(zip([0, *self.query_ends][:-1], self.query_ends, strict=True)):
+                count, pad = end - start, tokens_per_row - (end - start)
+                rows.input_ids += self.input_ids[start:end] + [0] * pad
+                rows.positions += self.positions[start:end] + [0] * pad
+                rows.seq_lens += [position + 1 for position in self.positions[start:end]] + [1] * pad
+                for group, blocks in enumerate(self.block_ids):
+                    rows.block_ids[group] += [blocks[index]] * count + [[]] * pad
+                    if group not in self.state_groups:
+                        rows.slot_mappings[group] += self.slot_mappings[group][start:end] + [0] * pad
+            rows.query_ends = list(range(1, len(rows.input_ids) + 1))
+        padded_tokens = extra * tokens_per_row
+        last_end = rows.query_ends[-1] if rows.query_ends else 0
+        row_of = self.token_rows(tokens_per_row)
         return StepLayout(
-            input_ids=self.input_ids + [0] * extra,
-            positions=self.positions + [0] * extra,
-            query_ends=self.query_ends + list(range(last_end + 1, last_end + extra + 1)),
-            seq_lens=self.seq_lens + [1] * extra,
-            block_ids=[group + [[]] * extra for group in self.block_ids],
+            input_ids=rows.input_ids + [0] * padded_tokens,
+            positions=rows.positions + [0] * padded_tokens,
+            query_ends=rows.query_ends + list(range(last_end + 1, last_end + padded_tokens + 1)),
+            seq_lens=rows.seq_lens + [1] * padded_tokens,
+            block_ids=[group + [[]] * padded_tokens for group in rows.block_ids],
             slot_mappings=[
-                slots if group in self.state_groups else slots + [0] * extra
-                for group, slots in enumerate(self.slot_mappings)
+                slots if group in self.state_groups else slots + [0] * padded_tokens
+                for group, slots in enumerate(rows.slot_mappings)
             ],
-            logits_indices=list(self.logits_indices),
+            logits_indices=[row_of[row] for row in self.logits_indices],
             max_blocks_per_request=self.max_blocks_per_request,
-            prompt_logprob_indices=list(self.prompt_logprob_indices),
+            prompt_logprob_indices=[row_of[row] for row in self.prompt_logprob_indices],
             state_groups=self.state_groups,
+            tokens_per_row=tokens_per_row,
         )
+
+    def token_rows(self, tokens_per_row: int) -> list[int]:
+        """The row of each of this step's tokens in pad_to(_, tokens_per_row): request i's tokens
+        start at row i * tokens_per_row."""
+        if tokens_per_row == 1:
+            return list(range(len(self.input_ids)))
+        starts = [0, *self.query_ends][:-1]
+        return [
+            index * tokens_per_row + offset
+            for index, (start, end) in enumerate(zip(starts, self.query_ends, strict=True))
+            for offset in range(end - start)
+        ]
 
 
 def build_step_layout(

@@ -3,13 +3,35 @@
 A graph has static shapes, so a decode step of n rows runs in the smallest bucket that holds n,
 padded with rows that touch only the null block. Few buckets keep warm-up short; the ones below
 keep the padding under 2x for small batches and under 16 rows past them, as cann-recipes and
-vLLM's CUDA-graph sizes do.
+vLLM's CUDA-graph sizes do. With speculative decoding each batch size has a second bucket whose
+requests hold 1 + k tokens each (a verify step), as cann-recipes' decode graphs hold next_n + 1.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Bucket:
+    """A graph's shape: `num_rows` requests of `tokens_per_row` tokens each (1 in a decode step,
+    1 + k in a verify step)."""
+
+    num_rows: int
+    tokens_per_row: int = 1
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_rows * self.tokens_per_row
+
+    @property
+    def name(self) -> str:
+        """`4` for a decode bucket (the names the logs, summaries and compile caches always had), `4x3`
+        for 4 requests of 3 tokens."""
+        return str(self.num_rows) if self.tokens_per_row == 1 else f"{self.num_rows}x{self.tokens_per_row}"
+
 
 SMALL_BUCKETS = (1, 2, 4, 8)
 BUCKET_STRIDE = 16

@@ -28,11 +28,14 @@ from executor.core.model_worker.graph_runner import GraphRunner
 from executor.core.sampler import Sampler
 from executor.core.scheduler import Scheduler, SchedulerLimits
 from executor.core.spec_decode.factory import DraftParts, draft_model_config, make_proposer
+from executor.core.spec_decode.mtp import MTPProposer
+from executor.core.spec_decode.mtp_graphs import mtp_graph_runners
 from executor.core.spec_decode.proposer import LockStep, Proposer
 from executor.model_loader.hf_config import load_hf_config
 from executor.model_loader.quantization_config import quantization_request, read_quantization
 from executor.platform import create_platform, resolve_dtype
 from executor.platform.compile_cache import CompileCache
+from executor.platform.graph_compilers import GraphCompiler
 from executor.platform.host_allocator import keep_freed_host_memory
 from executor.types_ import Request, SamplingParams
 from executor.utils.graph_buckets import resolve_buckets
@@ -78,7 +81,9 @@ class ExecutionEngine:
         self.max_model_len = 0
         self.max_blocks_per_request = 0
         self.vocab_size = 0
+        self.hidden_size = 0
         self.eos_token_ids: set[int] = set()
+        self.graph_compiler: GraphCompiler | None = None  # one per engine, for every step module's graphs
         # Model groups spanning data-parallel replicas (set by init): non-empty, the replicas step in lock-step.
         self.lock_step_kinds: list[str] = []
         # Whether every data-parallel replica must run a forward at every step (docs/distributed.md);
@@ -101,6 +106,7 @@ class ExecutionEngine:
         self.max_model_len = self._resolve_max_model_len(hf_config.max_position_embeddings)  # before the weights
         self.max_blocks_per_request = cdiv(self.max_model_len, self.config.scheduler_config.block_size)
         self.vocab_size = hf_config.vocab_size
+        self.hidden_size = hf_config.hidden_size
         self.lock_step_kinds = self.comm.layout.lock_step_kinds(has_experts=num_experts_of(hf_config) > 0)
         self.lock_step = bool(self.lock_step_kinds)
         if self.lock_step_kinds:
@@ -124,10 +130,13 @@ class ExecutionEngine:
             warm_up=self._warm_up,
             measure_graph_memory=self._measure_graph_memory,
         )
+        # The compiler (ge_graph on the CPU resets dynamo) is made before a draft model's engine compiles
+        # its graphs, and this engine's graphs after: neither engine's reset drops the other's graphs.
         graph_runner = self._make_graph_runner()
+        draft = self._make_draft_engine()
         if graph_runner is not None:
             self.worker.init_graphs(graph_runner)
-        self.runner = self._make_runner(self.kv_cache_manager, self._make_proposer())
+        self.runner = self._make_runner(self.kv_cache_manager, self._make_proposer(draft))
 
     def _check_context_parallel(self, model: torch.nn.Module) -> None:
         """Under context parallel, before any weight is read: every cache layer must take a step's
@@ -202,21 +211,24 @@ class ExecutionEngine:
         group = self.comm.groups["cp"]
         return ContextParallelForward(group, self.metadata_builder) if group.size > 1 else None
 
-    def _make_proposer(self) -> Proposer | None:
-        """The run's proposer; a draft model gets an engine of its own, built here and handed in."""
+    def _make_draft_engine(self) -> DraftParts | None:
+        """With method draft_model, the draft model's engine (its runner, KV cache and lock-step), else None."""
+        if self.config.speculation[0] != "draft_model":
+            return None
+        engine = ExecutionEngine(draft_model_config(self.config), comm=self.comm)
+        engine.init(*resolve_model(self.config.model_config.model_name), engine.config.model_config.model_path)
+        if engine.vocab_size != self.vocab_size:
+            raise ConfigError(
+                f"speculative_config.draft_model_path in {self.config.source}: the draft model's vocabulary "
+                f"({engine.vocab_size}) differs from the target's ({self.vocab_size}); it needs the same tokenizer"
+            )
+        assert engine.runner is not None and engine.kv_cache_manager is not None
+        return DraftParts(engine.runner, engine.kv_cache_manager, engine.proposer_lock_step())
+
+    def _make_proposer(self, draft: DraftParts | None) -> Proposer | None:
+        """The run's proposer; `draft`: the draft model's engine's parts (_make_draft_engine)."""
         assert self.kv_cache_manager is not None and self.worker.model is not None
-        draft = None
-        if self.config.speculation[0] == "draft_model":
-            engine = ExecutionEngine(draft_model_config(self.config), comm=self.comm)
-            engine.init(*resolve_model(self.config.model_config.model_name), engine.config.model_config.model_path)
-            if engine.vocab_size != self.vocab_size:
-                raise ConfigError(
-                    f"speculative_config.draft_model_path in {self.config.source}: the draft model's vocabulary "
-                    f"({engine.vocab_size}) differs from the target's ({self.vocab_size}); it needs the same tokenizer"
-                )
-            assert engine.runner is not None and engine.kv_cache_manager is not None
-            draft = DraftParts(engine.runner, engine.kv_cache_manager, engine.proposer_lock_step())
-        return make_proposer(
+        proposer = make_proposer(
             self.config,
             self.worker.model,
             self.kv_cache_manager,
@@ -226,6 +238,38 @@ class ExecutionEngine:
             self.proposer_lock_step(),
             draft,
         )
+        # in lock-step the MTP passes run eagerly: another replica's idle passes (eager) must meet their collectives
+        if isinstance(proposer, MTPProposer) and self.graph_compiler is not None and not self.lock_step:
+            proposer.graph_runners = mtp_graph_runners(
+                self.worker.model, proposer.num_speculative_tokens, self.hidden_size, self.dtype, self._mtp_graph_runner
+            )
+            with torch.inference_mode():
+                for runner in proposer.graph_runners:
+                    runner.warm_up()
+        return proposer
+
+    def _mtp_graph_runner(
+        self,
+        step: torch.nn.Module,
+        tokens_per_verify_row: int,
+        row_inputs: tuple[tuple[int, torch.dtype], ...],
+        name: str,
+    ) -> GraphRunner:
+        runner = self._make_graph_runner(
+            step=step, tokens_per_verify_row=tokens_per_verify_row, row_inputs=row_inputs, name=name
+        )
+        assert runner is not None, "MTP graphs are made in graph modes only"
+        return runner
+
+    def graph_stats(self) -> dict[str, object] | None:
+        """The summary's `graph` entry: the target's graphs, and the MTP layers' under `mtp`; None in eager mode."""
+        if self.worker.graph_runner is None:
+            return None
+        stats = self.worker.graph_runner.stats()
+        proposer = self.runner.proposer if self.runner is not None else None
+        if isinstance(proposer, MTPProposer) and proposer.graph_runners:
+            stats["mtp"] = {runner.name.rstrip("-"): runner.stats() for runner in proposer.graph_runners}
+        return stats
 
     def proposer_lock_step(self) -> LockStep | None:
         """How a proposer's forwards on this engine's model keep in lock-step; None when its groups
@@ -243,39 +287,61 @@ class ExecutionEngine:
         while scheduler.has_work():
             scheduler.run_step(runner)
 
-    def _make_graph_runner(self, buckets: list[int] | None = None) -> GraphRunner | None:
+    def _make_graph_runner(
+        self,
+        buckets: list[int] | None = None,
+        *,
+        step: torch.nn.Module | None = None,
+        tokens_per_verify_row: int | None = None,
+        row_inputs: tuple[tuple[int, torch.dtype], ...] = (),
+        name: str = "",
+    ) -> GraphRunner | None:
         """The graph runner of model_config.exe_mode over `buckets` (default: the configured ones),
-        or None in eager mode."""
+        or None in eager mode: the target's decode step (and with speculative decoding its verify
+        step of 1 + k tokens per request) unless `step` is given (an MTP layer's, with its
+        `tokens_per_verify_row` and `row_inputs`)."""
         model_config, sched = self.config.model_config, self.config.scheduler_config
         buckets = buckets or resolve_buckets(sched.graph_buckets, sched.batch_size)
         if self.backend.graph_compiler is None:
             return None
-        compiler = self.backend.graph_compiler(
-            self.platform,
-            CompileCache.from_config(model_config.enable_cache_compile, model_config.compile_cache_dir),
-            num_buckets=len(buckets),
-            settings={
-                "dtype": self.dtype,
-                "block_size": sched.block_size,
-                "max_blocks_per_request": self.max_blocks_per_request,
-                "device": self.platform.device_type,
-                **self.comm.graph_key_settings(),
-            },
-            static_kernel=model_config.enable_static_kernel,
-        )
-        assert self.worker.model is not None
+        method, num_speculative_tokens = self.config.speculation
+        if tokens_per_verify_row is None:  # lock-step replicas agree on decode buckets only: verify steps run eagerly
+            tokens_per_verify_row = 1 + num_speculative_tokens if method and not self.lock_step else 1
+        if step is None:  # the target's runner (the probe's, then the run's) makes the engine's compiler
+            # an upper bound on the graphs of all step modules: decode and verify buckets of the target and
+            # the MTP layers (a draft model's engine compiles its decode buckets under our step's code object)
+            extra = {"mtp": 2 * num_speculative_tokens, "draft_model": 1}.get(method, 0)
+            num_graphs = len(buckets) * (2 + extra)
+            self.graph_compiler = self.backend.graph_compiler(
+                self.platform,
+                CompileCache.from_config(model_config.enable_cache_compile, model_config.compile_cache_dir),
+                num_buckets=num_graphs,
+                settings={
+                    "dtype": self.dtype,
+                    "block_size": sched.block_size,
+                    "max_blocks_per_request": self.max_blocks_per_request,
+                    "device": self.platform.device_type,
+                    **self.comm.graph_key_settings(),
+                },
+                static_kernel=model_config.enable_static_kernel,
+            )
+        assert self.worker.model is not None and self.graph_compiler is not None
         return GraphRunner(
             self.worker.model,
-            compiler,
+            self.graph_compiler,
             buckets,
             self.metadata_builder,
             self.host_metadata_builder,
             num_cache_groups=len(self.worker.kv_cache_groups),
             max_blocks_per_request=self.max_blocks_per_request,
             pin_host_buffers=self.platform.device_type != "cpu",
-            step_timer=self.step_timer,
+            step_timer=self.step_timer if step is None else None,
             state_groups=self.worker.state_groups(),
             agree_rows=self.comm.max_over_world if self.lock_step else None,
+            tokens_per_verify_row=tokens_per_verify_row,
+            step=step,
+            row_inputs=row_inputs,
+            name=name,
         )
 
     def _measure_graph_memory(self) -> int:

@@ -6,6 +6,7 @@ over each request's rows whose K/V stands, with the inputs shifted by one token,
 KV cache complete (prefill chunks included), and its last row's prediction is draft 1. Draft j > 1
 feeds draft j - 1 back through the module (the last one, when the model has fewer modules than
 drafts, as vLLM does for a model with a single MTP module), writing its K/V one position further on.
+In graph modes the decode-shaped passes run through the engine's MTP graph runners (mtp_graphs.py).
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ import torch
 
 from executor.core.config import ConfigError, InferenceConfig
 from executor.core.kv_cache import KVCacheManager
+from executor.core.model_worker.graph_runner import GraphRunner
 from executor.core.spec_decode.proposer import LockStep, ProposalContext
 from executor.types_.model_inputs import ScheduledSequence, build_step_layout
 from module.causal_lm import CausalLM
-from ops.attention_metadata import AttentionMetadataBuilder, build_model_inputs
+from ops.attention_metadata import AttentionMetadataBuilder, build_model_inputs, to_device
 
 
 def check_mtp_layers(model_cls: type[CausalLM], hf_config: Any, config: InferenceConfig, config_json: str) -> None:
@@ -68,6 +70,7 @@ class MTPProposer:
         self.num_lookahead_tokens = num_speculative_tokens - 1  # drafts 2..k write one position on each
         self.max_blocks_per_request = max_blocks_per_request
         self.lock_step = lock_step
+        self.graph_runners: list[GraphRunner] = []  # by MTP layer, in graph modes (the engine sets them)
 
     @torch.inference_mode()
     def propose(self, context: ProposalContext) -> list[list[int]]:
@@ -157,13 +160,20 @@ class MTPProposer:
             max_blocks_per_request=self.max_blocks_per_request,
             state_groups=self.kv_cache_manager.state_groups,
         )
-        inputs = build_model_inputs(layout, self.builder)
-        hidden = self.model.mtp_forward(
-            layer, inputs.input_ids, inputs.positions, previous_hidden, inputs.forward_metadata
-        )
-        logits = self.model.mtp_compute_logits(layer, hidden, inputs.logits_indices)
+        graph_output = self.graph_runners[layer].forward(layout, previous_hidden) if self.graph_runners else None
+        if graph_output is None:
+            inputs = build_model_inputs(layout, self.builder)
+            hidden = self.model.mtp_forward(
+                layer, inputs.input_ids, inputs.positions, previous_hidden, inputs.forward_metadata
+            )
+            logits = self.model.mtp_compute_logits(layer, hidden, inputs.logits_indices)
+            sampled = inputs.logits_indices
+        else:  # the LM head ran on every row inside the graph
+            hidden, all_logits = graph_output
+            sampled = to_device(layout.logits_indices, torch.int64, hidden.device)
+            logits = all_logits[sampled]
         # rows of the next pass are the sampled rows, one per drafting request, in order
-        return hidden[inputs.logits_indices], logits.argmax(dim=-1).tolist()
+        return hidden[sampled], logits.argmax(dim=-1).tolist()
 
     def _next_rows(
         self, context: ProposalContext, drafting: list[_Drafting], tokens: list[int]
