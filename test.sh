@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run the tests: bash test.sh [pytest args]. Without args, tests marked slow are skipped unless
-# RUN_SLOW=1; CI runs everything with -m "slow or not slow".
+# RUN_SLOW=1; CI (.ci/run) runs -m "not long": the slow tests too, but those marked long (past its budget).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 source "$root/scripts/setup.sh"

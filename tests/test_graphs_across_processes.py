@@ -73,7 +73,7 @@ def test_ge_graph_at_attention_tp_2_with_ep_2_gives_one_process_tokens(tmp_path)
     assert run.steps()[-1]["comm_bytes"] == {}  # a graph step runs no Python that could count them
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["deepseek_v3", pytest.param("qwen3_moe", marks=pytest.mark.long)])
 def test_ge_graph_lock_step_dp_2_by_ep_2_serves_idle_forwards_through_the_same_graph(family, tmp_path):
     """Replica 0 serves r0 (2 tokens) then r2 (4), replica 1 r1 (8), one request at a time. 8 world
     steps: both prefill (eager); both decode (graph); replica 0 prefills r2 while replica 1 decodes,

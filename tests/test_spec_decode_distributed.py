@@ -171,3 +171,32 @@ def test_ngram_at_attention_tp_3_gives_one_process_tokens_and_exact_accept_count
     spec = assert_summed(out)
     expected = ngram_accept_counts(prompts_and_outputs(run_yaml, reference), NGRAM_PROPOSER, 256)
     assert spec["per_position"] == expected.per_position()
+
+
+@pytest.mark.slow
+def test_ge_graph_with_mtp_at_tp_2_and_ngram_in_lock_step_give_one_process_tokens(tmp_path):
+    """The flagship combination on the tiny DeepSeek-V3: at attention TP 2 (EP 2 inside the group) the
+    verify steps and the MTP passes run in graphs on both ranks; at DP 2 x EP 2 (lock-step) the decode
+    steps run in the agreed bucket's graph, the verify steps eagerly (lock-step has no verify buckets)."""
+    deepseek_dir = tmp_path / "deepseek_v3"
+    save_checkpoint(deepseek_dir, deepseek_config(num_nextn_predict_layers=1))
+    tiny_tokenizer().save_pretrained(deepseek_dir)
+    run_yaml = write_repetitive_run(tmp_path / "run", deepseek_dir, "deepseek_v3")
+    reference = run_one_process(run_yaml, tmp_path / "one_process")
+    graph = ["model_config.exe_mode=ge_graph", "scheduler_config.graph_buckets=[2]"]
+    runs = [(MTP, "tp2", tmp_path / "mtp_tp2"), (NGRAM, "dp2ep2", tmp_path / "ngram_dp2ep2")]
+    launch = run_in_one_launch(
+        [entry_args(run_yaml, out, [*method, *graph, *LAYOUTS[layout]]) for method, layout, out in runs],
+        nproc=2,
+        runs_file=tmp_path / "runs.json",
+    )
+    assert launch.returncode == 0, (launch.stdout + launch.stderr)[-4000:]
+    for _, _, out in runs:
+        assert token_ids(outputs_by_id(out)) == token_ids(reference), out.name
+        assert_summed(out)
+        part = summary(out)["parts"][-1]
+        graphs = [replica["graph"] for replica in part.get("data_parallel_replicas", [part])]
+        assert all(sum(graph["graph_steps_per_bucket"].values()) > 0 for graph in graphs), out.name
+    tp_graph = summary(runs[0][2])["parts"][-1]["graph"]
+    assert any("x" in bucket for bucket in tp_graph["graph_steps_per_bucket"])  # a verify step in its graph
+    assert sum(sum(layer["graph_steps_per_bucket"].values()) for layer in tp_graph["mtp"].values()) > 0

@@ -209,7 +209,7 @@ def check_graph_run(result: RunResult, eager: RunResult, verify_buckets: int = 2
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("exe_mode", ["ge_graph", "npugraph_ex"])
+@pytest.mark.parametrize("exe_mode", ["ge_graph", pytest.param("npugraph_ex", marks=pytest.mark.long)])
 def test_ngram_and_draft_model_verify_steps_in_graphs_give_eager_output(
     exe_mode, tiny_llama_dir, tmp_path, quick_inductor
 ):
@@ -231,7 +231,7 @@ def check_mtp_graphs(result: RunResult, first_pass_of_several_rows: bool) -> Non
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("exe_mode", ["ge_graph", "npugraph_ex"])
+@pytest.mark.parametrize("exe_mode", ["ge_graph", pytest.param("npugraph_ex", marks=pytest.mark.long)])
 def test_mtp_on_deepseek_in_graphs_gives_eager_output_and_drafts(exe_mode, deepseek_dir, quick_inductor):  # noqa: F811
     speculative = {"method": "mtp", "num_speculative_tokens": K}
     eager = run(deepseek_dir, "eager", "deepseek_v3", **speculative)
@@ -242,6 +242,7 @@ def test_mtp_on_deepseek_in_graphs_gives_eager_output_and_drafts(exe_mode, deeps
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_mtp_on_a_hybrid_recurrent_model_in_graphs_gives_eager_output(looping_mtp_model, quick_inductor):  # noqa: F811
     """Qwen3.5: verify buckets whose recurrent layers keep each request's ring of 1 + k states."""
     path, _ = looping_mtp_model
