@@ -250,7 +250,13 @@ def one_process_run(tmp_path_factory, tiny_llama_dir) -> Callable[[str], tuple[P
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("family", "cp_size", "prefix_caching"),
-    [("llama", 2, True), ("llama", 4, False), ("deepseek_v3", 2, False), ("deepseek_v3", 4, True), pytest.param("glm_5", 2, True, marks=pytest.mark.long)],
+    [
+        ("llama", 2, True),
+        ("llama", 4, False),
+        ("deepseek_v3", 2, False),
+        ("deepseek_v3", 4, True),
+        pytest.param("glm_5", 2, True, marks=pytest.mark.long),
+    ],
 )
 def test_context_parallel_gives_one_process_tokens(one_process_run, family, cp_size, prefix_caching, tmp_path):
     run_yaml, reference = one_process_run(family)
