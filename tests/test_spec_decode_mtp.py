@@ -74,3 +74,24 @@ def test_mtp_drafts_write_into_lookahead_slots_the_scheduler_allocated(deepseek_
     assert result.summary["speculative"]["draft_tokens"] > 0
     assert not any(during for during, _ in calls)
     assert (False, 2) in calls
+
+
+def test_mtp_writes_its_kv_for_prompt_chunks_that_sample_no_row(deepseek_dir, monkeypatch):
+    """A prompt of 40 tokens in chunks of 16: the first two chunks sample no row, yet the MTP layer
+    runs over their rows (inputs shifted by one), so its K/V covers every prompt position before the
+    first draft reads it."""
+    covered: list[int] = []
+    run = MTPProposer._run
+
+    def recording_run(self, layer, sequences, previous_hidden):
+        for sequence in sequences:
+            start = sequence.num_computed_tokens
+            covered.extend(range(start, start + len(sequence.token_ids)))
+        return run(self, layer, sequences, previous_hidden)
+
+    monkeypatch.setattr(MTPProposer, "_run", recording_run)
+    inference = make_inference(
+        deepseek_dir, model_config={"model_name": "deepseek_v3", "next_n": 1}, max_prefill_tokens=16, max_new_tokens=2
+    )
+    inference.generate(token_records(random_prompts([40], seed=7)))
+    assert set(range(40)) <= set(covered)

@@ -62,9 +62,25 @@ class ModelRunner:
         hidden_states, all_logits = self._forward(layout)  # marks h2d
         if not layout.logits_indices and not layout.prompt_logprob_indices:
             self._join_lm_head_without_rows(hidden_states, all_logits)
-            self._propose_nothing(hidden_states)
             self.step_timer.mark("forward")
-            return StepResult.empty(len(sequences))
+            result = StepResult.empty(len(sequences))
+        else:
+            result = self._sample_and_verify(batch, drafts, sequences, hidden_states, all_logits, layout)
+        if self.proposer is not None:  # a step that samples no row too: MTP writes its K/V for the rows
+            result.next_drafts = self._propose(batch.requests, drafts, sequences, result, hidden_states, layout)
+            self.step_timer.mark("propose")
+        return result
+
+    def _sample_and_verify(
+        self,
+        batch: Batch,
+        drafts: list[list[int]],
+        sequences: list[ScheduledSequence],
+        hidden_states: torch.Tensor,
+        all_logits: torch.Tensor | None,
+        layout: StepLayout,
+    ) -> StepResult:
+        """The step's sampled rows as what each request emits (verifying its drafts), and its prompt logprobs."""
         logits = self._logits(hidden_states, all_logits, layout)
         self.step_timer.mark("forward")
         num_sampled = len(layout.logits_indices)
@@ -77,11 +93,6 @@ class ModelRunner:
         if layout.prompt_logprob_indices:
             result.prompt_logprobs = self._prompt_logprobs(logits[num_sampled:], batch.requests, sequences)
         self.step_timer.mark("sample")
-        if self.proposer is not None and num_sampled:
-            result.next_drafts = self._propose(batch.requests, drafts, sequences, result, hidden_states, layout)
-            self.step_timer.mark("propose")
-        else:
-            self._propose_nothing(hidden_states)
         return result
 
     def prepare_inputs(self, batch: Batch, drafts: list[list[int]]) -> tuple[list[ScheduledSequence], StepLayout]:

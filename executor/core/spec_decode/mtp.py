@@ -92,16 +92,15 @@ class MTPProposer:
             hidden_rows.extend(range(row, row + num_valid))
             if new_tokens:
                 drafting.append(_Drafting(index, end - 1))
-        # each request drafts at every depth whose row has a slot, up to num_speculative_tokens
-        num_passes = max((self._depths(context, item) for item in drafting), default=0)
+        # each request drafts at every depth whose row has a slot, up to num_speculative_tokens; a step
+        # that drafts for none (prompt chunks short of their end) still runs the first pass, which
+        # writes the MTP layer's K/V for its rows
+        num_passes = max((self._depths(context, item) for item in drafting), default=1 if sequences else 0)
         num_passes = self.lock_step.max_over_world(num_passes) if self.lock_step else num_passes
-        if not drafting:
-            self._idle_passes(num_passes, context.hidden_states)
-            return drafts
         hidden = context.hidden_states[torch.tensor(hidden_rows, device=context.hidden_states.device)]
         for depth in range(num_passes):
             layer = min(depth, self.model.num_mtp_layers - 1)
-            if not drafting:  # lock-step: another replica's requests draft further
+            if not sequences:  # lock-step: another replica's requests draft further
                 self._idle_pass(layer, context.hidden_states)
                 continue
             hidden, tokens = self._run(layer, sequences, hidden)
