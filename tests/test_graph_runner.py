@@ -173,7 +173,7 @@ def test_in_lock_step_the_largest_step_of_any_replica_picks_the_bucket_and_a_pre
     served = [runner.forward(layout) is not None for layout in steps]
     assert asked == [1, 1, 1, NOT_DECODE, 1]
     assert served == [True, True, False, False, False]  # the other's 3 rows, 1 row, its prefill, ours, 5 rows
-    assert [run[0] for run in runner.compiler.runs] == [4, 2]  # a step of 1 row ran in the agreed buckets
+    assert [run[0] for run in runner.compiler.runs] == ["4", "2"]  # a step of 1 row ran in the agreed buckets
     assert runner.compiler.runs[0][2] == [10, 0, 0, 0]
     assert runner.eager_steps == 3
 

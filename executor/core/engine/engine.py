@@ -30,7 +30,7 @@ from executor.core.scheduler import Scheduler, SchedulerLimits
 from executor.core.spec_decode.factory import DraftParts, draft_model_config, make_proposer
 from executor.core.spec_decode.mtp import MTPProposer
 from executor.core.spec_decode.mtp_graphs import mtp_graph_runners
-from executor.core.spec_decode.proposer import LockStep, Proposer
+from executor.core.spec_decode.proposer import LockStep, Proposer, drafting_proposer
 from executor.model_loader.hf_config import load_hf_config
 from executor.model_loader.quantization_config import quantization_request, read_quantization
 from executor.platform import create_platform, resolve_dtype
@@ -239,12 +239,13 @@ class ExecutionEngine:
             draft,
         )
         # in lock-step the MTP passes run eagerly: another replica's idle passes (eager) must meet their collectives
-        if isinstance(proposer, MTPProposer) and self.graph_compiler is not None and not self.lock_step:
-            proposer.graph_runners = mtp_graph_runners(
-                self.worker.model, proposer.num_speculative_tokens, self.hidden_size, self.dtype, self._mtp_graph_runner
+        mtp = drafting_proposer(proposer)
+        if isinstance(mtp, MTPProposer) and self.graph_compiler is not None and not self.lock_step:
+            mtp.graph_runners = mtp_graph_runners(
+                self.worker.model, mtp.num_speculative_tokens, self.hidden_size, self.dtype, self._mtp_graph_runner
             )
             with torch.inference_mode():
-                for runner in proposer.graph_runners:
+                for runner in mtp.graph_runners:
                     runner.warm_up()
         return proposer
 
@@ -266,7 +267,7 @@ class ExecutionEngine:
         if self.worker.graph_runner is None:
             return None
         stats = self.worker.graph_runner.stats()
-        proposer = self.runner.proposer if self.runner is not None else None
+        proposer = drafting_proposer(self.runner.proposer if self.runner is not None else None)
         if isinstance(proposer, MTPProposer) and proposer.graph_runners:
             stats["mtp"] = {runner.name.rstrip("-"): runner.stats() for runner in proposer.graph_runners}
         return stats

@@ -76,3 +76,8 @@ class ReplicaSharedDrafts:
 
     def propose_nothing(self, hidden_states: torch.Tensor) -> None:
         self.proposer.propose_nothing(hidden_states)
+
+
+def drafting_proposer(proposer: Proposer | None) -> Proposer | None:
+    """The proposer that drafts, under a ReplicaSharedDrafts (the MTP proposer's graphs are set on it)."""
+    return proposer.proposer if isinstance(proposer, ReplicaSharedDrafts) else proposer
