@@ -242,7 +242,6 @@ def test_mtp_on_deepseek_in_graphs_gives_eager_output_and_drafts(exe_mode, deeps
 
 
 @pytest.mark.slow
-@pytest.mark.long
 def test_mtp_on_a_hybrid_recurrent_model_in_graphs_gives_eager_output(looping_mtp_model, quick_inductor):  # noqa: F811
     """Qwen3.5: verify buckets whose recurrent layers keep each request's ring of 1 + k states."""
     path, _ = looping_mtp_model
