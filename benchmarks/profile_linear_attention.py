@@ -31,16 +31,8 @@ from executor.core.config import build_config
 from executor.core.config.model_registry import resolve_model
 from executor.core.engine.engine import ExecutionEngine
 from executor.types_ import Batch, Request, SamplingParams
+from ops.backend import RECURRENT_OPS
 
-RECURRENT_OPS = (
-    "causal_conv1d_fn",
-    "causal_conv1d_update",
-    "chunk_gated_delta_rule",
-    "recurrent_gated_delta_rule",
-    "rms_norm_gated",
-    "chunk_kda",
-    "recurrent_kda",
-)
 STEP = "step"
 # The released models' per-layer sizes (transformers' config defaults), over the tiny config.json.
 REAL_SIZES: dict[str, dict[str, object]] = {
