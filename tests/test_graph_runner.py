@@ -101,7 +101,7 @@ class RecordingCompiler(GraphCompiler):
         return GraphCallable(run, "recorded")
 
 
-def make_runner(agree_rows=None) -> GraphRunner:
+def make_runner(agree_shape=None) -> GraphRunner:
     runner = GraphRunner(
         torch.nn.Identity(),
         RecordingCompiler(),
@@ -111,7 +111,7 @@ def make_runner(agree_rows=None) -> GraphRunner:
         num_cache_groups=1,
         max_blocks_per_request=MAX_BLOCKS,
         pin_host_buffers=False,
-        agree_rows=agree_rows,
+        agree_shape=agree_shape,
     )
     runner.warm_up()
     return runner
@@ -158,20 +158,20 @@ def test_a_prefill_runs_eagerly_without_a_warning(runner, caplog):
 
 
 def test_in_lock_step_the_largest_step_of_any_replica_picks_the_bucket_and_a_prefill_keeps_all_eager():
-    """agree_rows stands in for the MAX over the world: the other replica's rows at each step."""
+    """agree_shape stands in for the MAX over the world: the other replica's rows at each step."""
     other_rows = iter([3, 1, NOT_DECODE, 1, 5])
-    asked: list[int] = []
+    asked: list[list[int]] = []
 
-    def agree_rows(rows: int) -> int:
-        asked.append(rows)
-        return max(rows, next(other_rows))
+    def agree_shape(shape: list[int]) -> list[int]:
+        asked.append(shape)
+        return [max(shape[0], next(other_rows)), shape[1]]
 
-    runner = make_runner(agree_rows)
+    runner = make_runner(agree_shape)
     runner.compiler.runs.clear()
     prefill = build_step_layout([ScheduledSequence([1, 2, 3], 0, [[1]])], block_size=4, max_blocks_per_request=8)
     steps = [layout_of([5]), layout_of([5]), layout_of([5]), prefill, layout_of([5])]
     served = [runner.forward(layout) is not None for layout in steps]
-    assert asked == [1, 1, 1, NOT_DECODE, 1]
+    assert asked == [[1, 1], [1, 1], [1, 1], [NOT_DECODE, 1], [1, 1]]
     assert served == [True, True, False, False, False]  # the other's 3 rows, 1 row, its prefill, ours, 5 rows
     assert [run[0] for run in runner.compiler.runs] == ["4", "2"]  # a step of 1 row ran in the agreed buckets
     assert runner.compiler.runs[0][2] == [10, 0, 0, 0]

@@ -3,7 +3,8 @@ one-process run without speculation, and the accept counts of every replica summ
 summary.json, for n-gram and MTP drafts at attention TP 2 (EP 2 inside the TP group) and at DP 2 x
 EP 2 (lock-step: the replicas' verify steps feed different row counts, and a replica whose requests
 are done or draft less runs idle forwards and idle MTP passes), for a draft model at DP 2 x EP 2,
-and for n-gram drafts at TP 3.
+and for n-gram drafts at TP 3; and for MTP in ge_graph at both layouts, every step but prefills and
+the MTP passes after them in graphs (in lock-step the replicas agree on each forward's bucket).
 
 The layouts of one world size run in one torchrun launch (tests/dist_runs_entry.py), so the ranks
 start once. n-gram's counts are exact: the greedy outputs imply them (tests/spec_decode_harness.py).
@@ -16,6 +17,8 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from executor.core.spec_decode.ngram import NgramProposer
 from executor.types_ import AcceptCounts
@@ -39,16 +42,43 @@ DP_2_EP_2 = parallel_overrides(2, attn_tp_size=1, moe_tp_size=1, embed_tp_size=2
 LAYOUTS = {"tp2": TP_2, "dp2ep2": DP_2_EP_2}
 
 
+def save_echoing_deepseek(path: Path) -> Path:
+    """The tiny DeepSeek-V3 with one MTP module that proposes the token it reads again (eh_proj passes
+    its normed embedding on, its block adds nothing, plain norms, its head the embedding), and a main
+    model that tends to repeat its last token (its LM head tied to the embedding): drafts accepted in
+    part (about 70% on write_repetitive_run's prompts), so the replicas' accept lengths differ."""
+    save_checkpoint(path, deepseek_config(num_nextn_predict_layers=1))
+    tiny_tokenizer().save_pretrained(path)
+    tensors = load_file(str(path / "model.safetensors"))
+    embedding = tensors["model.embed_tokens.weight"]
+    hidden = embedding.shape[1]
+    mtp = "model.layers.3."
+    for name in (
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+        mtp + "embed_tokens.weight",
+        mtp + "shared_head.head.weight",
+    ):
+        tensors[name] = embedding.clone()
+    tensors |= {mtp + name: torch.ones(hidden) for name in ("enorm.weight", "shared_head.norm.weight")}
+    tensors[mtp + "eh_proj.weight"] = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1)
+    for name in tensors:
+        if name.startswith(mtp) and name.endswith(("o_proj.weight", "down_proj.weight")):
+            tensors[name] = torch.zeros_like(tensors[name])
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
 def write_repetitive_run(tmp_path: Path, model_dir: Path, model_name: str) -> Path:
-    """write_run's YAML over 4 prompts that repeat a phrase (n-grams recur), each with its own
-    max_new_tokens (NEW_TOKENS)."""
+    """write_run's YAML over 4 prompts that repeat a phrase (n-grams recur) 2 to 5 times, each with
+    its own max_new_tokens (NEW_TOKENS)."""
     tmp_path.mkdir()
     run_yaml = write_run(tmp_path, model_dir, num_prompts=len(NEW_TOKENS))
     rng = random.Random(3)
     lines = []
-    for request_id, new_tokens in NEW_TOKENS.items():
+    for index, (request_id, new_tokens) in enumerate(NEW_TOKENS.items()):
         phrase = [rng.randrange(3, 250) for _ in range(4)]
-        prompt = phrase * 3 + [rng.randrange(3, 250)]
+        prompt = phrase * (2 + index) + [rng.randrange(3, 250)]
         lines.append({"id": request_id, "prompt_token_ids": prompt, "max_new_tokens": new_tokens})
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     if model_name:
@@ -65,12 +95,19 @@ def prompts_and_outputs(run_yaml: Path, reference: dict[str, dict]) -> list[tupl
     return [(prompts[request_id], line["output_token_ids"]) for request_id, line in reference.items()]
 
 
+def replica_steps(out: Path) -> list[list[dict]]:
+    """Each replica's step lines (steps.jsonl, then steps_dp1.jsonl, ...). In lock-step the replicas'
+    steps pair up in order: idle forwards, which have no line, come only after a replica's work."""
+    paths = sorted(out.glob("steps*.jsonl"))
+    return [[json.loads(line) for line in path.read_text().splitlines()] for path in paths]
+
+
 def step_counts(out: Path) -> AcceptCounts:
     """The accept counts of every replica's step lines."""
     counts = AcceptCounts()
-    for steps_file in sorted(out.glob("steps*.jsonl")):
-        for line in steps_file.read_text().splitlines():
-            counts.add(AcceptCounts.from_step_line(json.loads(line)))
+    for steps in replica_steps(out):
+        for line in steps:
+            counts.add(AcceptCounts.from_step_line(line))
     return counts
 
 
@@ -96,12 +133,8 @@ def assert_summed(out: Path) -> dict:
 
 
 def verify_met_other_rows(out: Path) -> bool:
-    """Lock-step: the replicas' steps pair up in order (idle forwards come only after a replica's
-    work); whether a verify step met a step of the other replica that fed another token count."""
-    replica_0, replica_1 = (
-        [json.loads(line) for line in (out / name).read_text().splitlines()]
-        for name in ("steps.jsonl", "steps_dp1.jsonl")
-    )
+    """Lock-step: whether a verify step met a step of the other replica that fed another token count."""
+    replica_0, replica_1 = replica_steps(out)
     return any(
         (a["num_draft_tokens"] or b["num_draft_tokens"]) and a["num_tokens"] != b["num_tokens"]
         for a, b in zip(replica_0, replica_1, strict=False)
@@ -173,30 +206,45 @@ def test_ngram_at_attention_tp_3_gives_one_process_tokens_and_exact_accept_count
     assert spec["per_position"] == expected.per_position()
 
 
+def prefill_steps(out: Path) -> int:
+    """The steps in which some replica prefills."""
+    replicas = replica_steps(out)
+    longest = max(map(len, replicas))
+    return sum(any(i < len(steps) and steps[i]["phase"] == "prefill" for steps in replicas) for i in range(longest))
+
+
+def verify_steps(graph: dict) -> int:
+    return sum(n for bucket, n in graph["graph_steps_per_bucket"].items() if "x" in bucket)
+
+
 @pytest.mark.slow
-def test_ge_graph_with_mtp_at_tp_2_and_ngram_in_lock_step_give_one_process_tokens(tmp_path):
-    """The flagship combination on the tiny DeepSeek-V3: at attention TP 2 (EP 2 inside the group) the
-    verify steps and the MTP passes run in graphs on both ranks; at DP 2 x EP 2 (lock-step) the decode
-    steps run in the agreed bucket's graph, the verify steps eagerly (lock-step has no verify buckets)."""
-    deepseek_dir = tmp_path / "deepseek_v3"
-    save_checkpoint(deepseek_dir, deepseek_config(num_nextn_predict_layers=1))
-    tiny_tokenizer().save_pretrained(deepseek_dir)
+def test_ge_graph_with_mtp_at_tp_2_and_in_lock_step_runs_every_step_but_prefills_in_graphs(tmp_path):
+    """The flagship combination on the tiny DeepSeek-V3, MTP drafting in ge_graph: at attention TP 2
+    (EP 2 inside the group) and at DP 2 x EP 2 (lock-step: the replicas' requests, prompt lengths and
+    accept lengths differ, and a replica done first runs idle forwards and idle MTP passes) one
+    process's tokens, with the verify steps, the idle forwards and every MTP pass but those after a
+    prefill in graphs, on every rank."""
+    deepseek_dir = save_echoing_deepseek(tmp_path / "deepseek_v3")
     run_yaml = write_repetitive_run(tmp_path / "run", deepseek_dir, "deepseek_v3")
     reference = run_one_process(run_yaml, tmp_path / "one_process")
-    graph = ["model_config.exe_mode=ge_graph", "scheduler_config.graph_buckets=[2]"]
-    runs = [(MTP, "tp2", tmp_path / "mtp_tp2"), (NGRAM, "dp2ep2", tmp_path / "ngram_dp2ep2")]
+    # steps of at most 2 requests, so that only the prefills (and the MTP passes after them) fit no graph
+    graph = ["model_config.exe_mode=ge_graph", "scheduler_config.graph_buckets=[2]", "scheduler_config.batch_size=2"]
+    runs = {layout: tmp_path / f"mtp_{layout}" for layout in ("tp2", "dp2ep2")}
     launch = run_in_one_launch(
-        [entry_args(run_yaml, out, [*method, *graph, *LAYOUTS[layout]]) for method, layout, out in runs],
+        [entry_args(run_yaml, out, [*MTP, *graph, *LAYOUTS[layout]]) for layout, out in runs.items()],
         nproc=2,
         runs_file=tmp_path / "runs.json",
     )
     assert launch.returncode == 0, (launch.stdout + launch.stderr)[-4000:]
-    for _, _, out in runs:
+    for out in runs.values():
         assert token_ids(outputs_by_id(out)) == token_ids(reference), out.name
         assert_summed(out)
         part = summary(out)["parts"][-1]
-        graphs = [replica["graph"] for replica in part.get("data_parallel_replicas", [part])]
-        assert all(sum(graph["graph_steps_per_bucket"].values()) > 0 for graph in graphs), out.name
-    tp_graph = summary(runs[0][2])["parts"][-1]["graph"]
-    assert any("x" in bucket for bucket in tp_graph["graph_steps_per_bucket"])  # a verify step in its graph
-    assert sum(sum(layer["graph_steps_per_bucket"].values()) for layer in tp_graph["mtp"].values()) > 0
+        for graphs in [replica["graph"] for replica in part.get("data_parallel_replicas", [part])]:
+            (mtp,) = graphs["mtp"].values()
+            assert verify_steps(graphs) > 0 and verify_steps(mtp) > 0, out.name
+            assert sum(mtp["graph_steps_per_bucket"].values()) > verify_steps(mtp), out.name  # drafts 2.. too
+            assert graphs["eager_steps"] == mtp["eager_steps"] == prefill_steps(out), out.name
+    replicas = summary(runs["dp2ep2"])["parts"][-1]["data_parallel_replicas"]
+    assert replicas[0]["lock_step_idle_steps"] > 0  # replica 0 idled, in the graphs, while replica 1 drafted
+    assert verify_met_other_rows(runs["dp2ep2"])

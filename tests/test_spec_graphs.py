@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from executor.core.config import build_config
-from executor.core.model_worker.graph_runner import GraphRunner
+from executor.core.model_worker.graph_runner import NOT_DECODE, GraphRunner
 from executor.offline.offline_inference import OfflineInference, RunResult
 from executor.platform.graph_compilers import InductorCompiler
 from executor.types_.model_inputs import RecurrentStateTables, ScheduledSequence, build_step_layout
@@ -159,6 +159,52 @@ def test_verify_steps_run_in_verify_buckets_and_give_their_rows_back_in_order(ve
         [ScheduledSequence([1, 2, 3], 5, [[1, 2]], 3)], block_size=BLOCK_SIZE, max_blocks_per_request=MAX_BLOCKS
     )
     assert verify_runner.forward(three) is None  # more tokens per request than a verify step: eager
+
+
+def test_in_lock_step_the_replicas_agree_on_the_most_rows_and_tokens_per_row_and_a_decode_step_pads_to_1_plus_k():
+    """agree_shape stands in for the MAX over the world of (rows, tokens per row), with the other
+    replica's shape at each step: our decode step meets its verify step, our verify step its decode
+    step of 3 rows, our idle forward its verify step, our decode step its prefill."""
+    peer_shapes = iter([[1, 2], [3, 1], [2, 2], [NOT_DECODE, 1]])
+    asked: list[list[int]] = []
+
+    def agree_shape(shape: list[int]) -> list[int]:
+        asked.append(shape)
+        return [max(ours, theirs) for ours, theirs in zip(shape, next(peer_shapes), strict=True)]
+
+    runner = GraphRunner(
+        torch.nn.Identity(),
+        RecordingCompiler(),
+        [1, 2, 4],
+        BUILDER,
+        BUILDER,
+        num_cache_groups=1,
+        max_blocks_per_request=MAX_BLOCKS,
+        pin_host_buffers=False,
+        tokens_per_verify_row=2,
+        agree_shape=agree_shape,
+    )
+    runner.warm_up()
+    recorded = runner.compiler.runs
+
+    def layout_of(*sequences: ScheduledSequence):
+        return build_step_layout(list(sequences), block_size=BLOCK_SIZE, max_blocks_per_request=MAX_BLOCKS)
+
+    decode = layout_of(ScheduledSequence([7], 5, [[1, 2]]), ScheduledSequence([9], 3, [[3]]))
+    hidden, logits = runner.forward(decode)
+    assert hidden[:, 0].tolist() == [7, 9] and logits.shape == (2, 5)  # the sampled rows, in the layout's order
+    assert recorded[-1][2] == [7, 0, 9, 0]  # each request's one token padded within its 2 rows
+    assert recorded[-1][3] == [decode.slot_mappings[0][0], 0, decode.slot_mappings[0][1], 0]  # padding: null slot
+    verify = layout_of(ScheduledSequence([7, 8], 5, [[1, 2]], 2))
+    hidden, _ = runner.forward(verify)
+    assert hidden[:, 0].tolist() == [7, 8] and recorded[-1][2] == [7, 8] + [0] * 6  # bucket 4x2: the peer's 3 rows
+    idle = layout_of(ScheduledSequence([0], 0, [[0]], num_sampled_rows=0))  # ModelRunner.idle_forward's
+    hidden, _ = runner.forward(idle)
+    assert hidden.shape[0] == 1 and recorded[-1][3] == [0, 0, 0, 0]
+    assert runner.forward(decode) is None  # the peer's prefill: eager everywhere
+    assert asked == [[2, 1], [1, 2], [1, 1], [2, 1]]
+    assert runner.stats()["graph_steps_per_bucket"] == {"2x2": 2, "4x2": 1}
+    assert runner.stats()["eager_steps"] == 1
 
 
 # --- whole runs, compiled -------------------------------------------------------------------------------

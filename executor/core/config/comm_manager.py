@@ -132,19 +132,23 @@ class CommManager:
 
     def min_over_world(self, value: int) -> int:
         """The smallest `value` over all ranks (KV block counts: every rank must size the same pool)."""
-        return self._reduce_over_world(value, dist.ReduceOp.MIN)
+        return self._reduce_over_world([value], dist.ReduceOp.MIN)[0]
 
     def max_over_world(self, value: int) -> int:
-        """The largest `value` over all ranks (in lock-step: the proposer forwards every replica runs
-        in a step; with graphs, the rows that pick every rank's bucket)."""
-        return self._reduce_over_world(value, dist.ReduceOp.MAX)
+        """The largest `value` over all ranks (in lock-step: the proposer forwards every replica runs in a step)."""
+        return self._reduce_over_world([value], dist.ReduceOp.MAX)[0]
 
-    def _reduce_over_world(self, value: int, op: Any) -> int:
+    def max_each_over_world(self, values: list[int]) -> list[int]:
+        """The largest of each of `values` over all ranks, in one all-reduce (in lock-step with graphs:
+        a step's rows and tokens per row, which pick every rank's bucket)."""
+        return self._reduce_over_world(values, dist.ReduceOp.MAX)
+
+    def _reduce_over_world(self, values: list[int], op: Any) -> list[int]:
         if not self.is_distributed:
-            return value
-        tensor = torch.tensor([value], dtype=torch.int64)
+            return list(values)
+        tensor = torch.tensor(values, dtype=torch.int64)
         dist.all_reduce(tensor, op=op, group=self.world_cpu)
-        return int(tensor.item())
+        return tensor.tolist()
 
     def share_in_replica(self, rows: list[list[int]], width: int) -> list[list[int]]:
         """`rows` (each of at most `width` ids >= 0) as this attention TP group's rank 0 holds them,

@@ -238,9 +238,8 @@ class ExecutionEngine:
             self.proposer_lock_step(),
             draft,
         )
-        # in lock-step the MTP passes run eagerly: another replica's idle passes (eager) must meet their collectives
         mtp = drafting_proposer(proposer)
-        if isinstance(mtp, MTPProposer) and self.graph_compiler is not None and not self.lock_step:
+        if isinstance(mtp, MTPProposer) and self.graph_compiler is not None:
             mtp.graph_runners = mtp_graph_runners(
                 self.worker.model, mtp.num_speculative_tokens, self.hidden_size, self.dtype, self._mtp_graph_runner
             )
@@ -306,8 +305,8 @@ class ExecutionEngine:
         if self.backend.graph_compiler is None:
             return None
         method, num_speculative_tokens = self.config.speculation
-        if tokens_per_verify_row is None:  # lock-step replicas agree on decode buckets only: verify steps run eagerly
-            tokens_per_verify_row = 1 + num_speculative_tokens if method and not self.lock_step else 1
+        if tokens_per_verify_row is None:
+            tokens_per_verify_row = 1 + num_speculative_tokens if method else 1
         if step is None:  # the target's runner (the probe's, then the run's) makes the engine's compiler
             # an upper bound on the graphs of all step modules: decode and verify buckets of the target and
             # the MTP layers (a draft model's engine compiles its decode buckets under our step's code object)
@@ -338,7 +337,7 @@ class ExecutionEngine:
             pin_host_buffers=self.platform.device_type != "cpu",
             step_timer=self.step_timer if step is None else None,
             state_groups=self.worker.state_groups(),
-            agree_rows=self.comm.max_over_world if self.lock_step else None,
+            agree_shape=self.comm.max_each_over_world if self.lock_step else None,
             tokens_per_verify_row=tokens_per_verify_row,
             step=step,
             row_inputs=row_inputs,

@@ -11,9 +11,11 @@ passes run through runners of their own (executor/core/spec_decode/mtp_graphs.py
 
 In lock-step data parallelism (docs/distributed.md) the replicas' graphs gather each other's rows,
 so every rank must run the same bucket's graph or every rank the eager step: before each step they
-agree on the largest decode step of any replica (a MAX over the world), and that picks everyone's
-bucket; a replica's prefill or verify step makes the step eager everywhere. An idle forward joins as
-a step of one row.
+agree, in one MAX over the world of (rows, tokens per row), on the most rows and the most tokens per
+row of any replica's step, and that picks everyone's bucket. A replica whose own step is a decode
+step runs it in the agreed verify bucket when another verifies (its one token per request padded to
+1 + k); an idle forward joins as a decode step of one row; a replica's prefill, or a step no bucket
+holds, makes the step eager everywhere.
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ from ops.attention_metadata import AttentionMetadataBuilder, build_model_inputs,
 logger = logging.getLogger(__name__)
 
 NOT_DECODE = sys.maxsize  # the rows a step that no graph serves asks for in the lock-step agreement
+
+# in lock-step, every rank's [rows, tokens per row] -> the largest of each over the world (a collective
+# every rank calls at every step of the runner)
+AgreeShape = Callable[[list[int]], list[int]]
 
 
 def copy_step(destination: ModelInputs, source: ModelInputs) -> None:
@@ -116,7 +122,7 @@ class GraphRunner:
         pin_host_buffers: bool,
         step_timer: StepTimer | None = None,
         state_groups: tuple[int, ...] = (),
-        agree_rows: Callable[[int], int] | None = None,
+        agree_shape: AgreeShape | None = None,
         tokens_per_verify_row: int = 1,
         step: torch.nn.Module | None = None,
         row_inputs: tuple[tuple[int, torch.dtype], ...] = (),
@@ -126,8 +132,9 @@ class GraphRunner:
         1): each batch size gets a verify bucket of that many tokens per request too. `state_groups`:
         the recurrent cache groups, whose padded rows read and write the null state slot. `name`: put
         before the buckets' names in the log and the compile cache (the MTP layer's runner).
-        `agree_rows`: in lock-step, the largest of every rank's rows (a collective every rank calls
-        at every step); None where the ranks that share graphs run the same steps anyway."""
+        `agree_shape`: in lock-step, the MAX over the world of every rank's (rows, tokens per row),
+        one collective every rank calls at every step; None where the ranks that share graphs run
+        the same steps anyway."""
         self.step = step if step is not None else DecodeStep(model)
         self.step_timer = step_timer if step_timer is not None else StepTimer()  # marks the end of h2d
         self.compiler = compiler
@@ -142,7 +149,7 @@ class GraphRunner:
         self.max_blocks_per_request = max_blocks_per_request
         self.state_groups = state_groups
         self.pin_host_buffers = pin_host_buffers
-        self.agree_rows = agree_rows
+        self.agree_shape = agree_shape
         self.row_inputs = row_inputs
         self.name = name
         self.graphs: dict[Bucket, BucketGraph] = {}
@@ -259,11 +266,10 @@ class GraphRunner:
     def _bucket_for(self, layout: StepLayout) -> Bucket | None:
         longest = layout.max_query_len
         tokens_per_row = 1 if longest <= 1 else self.tokens_per_verify_row
-        # a prefill runs eagerly, as in cann-recipes (and a verify step in lock-step, which has no verify
-        # buckets): nothing to log
+        # a prefill runs eagerly, as in cann-recipes: nothing to log
         num_rows = layout.num_rows if longest <= tokens_per_row else NOT_DECODE
-        if self.agree_rows is not None:
-            num_rows = self.agree_rows(num_rows)
+        if self.agree_shape is not None:  # a decode step joins a peer's verify bucket
+            num_rows, tokens_per_row = self.agree_shape([num_rows, tokens_per_row])
         if num_rows == NOT_DECODE:
             return None
         batch_size = pick_bucket(num_rows, self.batch_sizes)

@@ -6,7 +6,8 @@ over each request's rows whose K/V stands, with the inputs shifted by one token,
 KV cache complete (prefill chunks included), and its last row's prediction is draft 1. Draft j > 1
 feeds draft j - 1 back through the module (the last one, when the model has fewer modules than
 drafts, as vLLM does for a model with a single MTP module), writing its K/V one position further on.
-In graph modes the decode-shaped passes run through the engine's MTP graph runners (mtp_graphs.py).
+In graph modes the decode-shaped passes run through the engine's MTP graph runners (mtp_graphs.py),
+in lock-step the idle passes too.
 """
 
 from __future__ import annotations
@@ -112,6 +113,7 @@ class MTPProposer:
                 drafting = [drafting[i] for i in kept]
         return drafts
 
+    @torch.inference_mode()
     def propose_nothing(self, hidden_states: torch.Tensor) -> None:
         if self.lock_step:
             self._idle_passes(self.lock_step.max_over_world(0), hidden_states)
@@ -123,7 +125,7 @@ class MTPProposer:
     def _idle_pass(self, layer: int, hidden_states: torch.Tensor) -> None:
         """Lock-step: a pass of MTP module `layer` over one padding token whose K/V goes to the null
         block, as the runner's idle forward does, so that the collectives of another replica's pass
-        meet this one's; its output is dropped."""
+        meet this one's (in graph modes in the bucket the replicas agree on); its output is dropped."""
         null_blocks = [[0]] * self.kv_cache_manager.num_groups
         layout = build_step_layout(
             [ScheduledSequence([0], 0, null_blocks, num_sampled_rows=0)],
@@ -131,6 +133,8 @@ class MTPProposer:
             max_blocks_per_request=self.max_blocks_per_request,
             state_groups=self.kv_cache_manager.state_groups,
         )
+        if self.graph_runners and self.graph_runners[layer].forward(layout, hidden_states[:1]) is not None:
+            return
         inputs = build_model_inputs(layout, self.builder)
         hidden = self.model.mtp_forward(
             layer, inputs.input_ids, inputs.positions, hidden_states[:1], inputs.forward_metadata

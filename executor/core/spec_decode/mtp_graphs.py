@@ -3,7 +3,9 @@
 After a verify step the proposer's first pass runs MTP layer 0 over each request's rows whose K/V
 stands (1 to 1 + k of them), then k - 1 passes of one token per request; both shapes run through
 graph buckets of their own (the verify-shaped ones for layer 0's first pass), holding the MTP layer's
-forward and its LM head over every row. A pass after a prefill chunk runs eagerly.
+forward and its LM head over every row. A pass after a prefill chunk runs eagerly. In lock-step data
+parallelism each runner agrees on its bucket across the replicas as the target's does (graph_runner.py),
+and a replica with nothing to draft runs its idle passes through it.
 """
 
 from __future__ import annotations
