@@ -192,7 +192,8 @@ def test_in_lock_step_the_replicas_agree_on_the_most_rows_and_tokens_per_row_and
 
     decode = layout_of(ScheduledSequence([7], 5, [[1, 2]]), ScheduledSequence([9], 3, [[3]]))
     hidden, logits = runner.forward(decode)
-    assert hidden[:, 0].tolist() == [7, 9] and logits.shape == (2, 5)  # the sampled rows, in the layout's order
+    assert hidden[:, 0].tolist() == logits[:, 0].tolist() == [7, 9]  # each request's row, in the layout's order
+    assert logits[decode.logits_indices, 0].tolist() == [7, 9]  # the rows the model runner samples
     assert recorded[-1][2] == [7, 0, 9, 0]  # each request's one token padded within its 2 rows
     assert recorded[-1][3] == [decode.slot_mappings[0][0], 0, decode.slot_mappings[0][1], 0]  # padding: null slot
     verify = layout_of(ScheduledSequence([7, 8], 5, [[1, 2]], 2))
