@@ -165,10 +165,8 @@ def test_cp_mini_batch_caps_the_requests_of_a_prefill_step_under_context_paralle
 
 def seeded_requests(seeded: bool) -> list[Request]:
     """Three requests sampling at temperature 1, each with its own seed as the offline runner gives one."""
-    return [
-        Request(f"r{i}", None, [3, 4], SamplingParams(temperature=1.0, seed=request_seed(0, f"r{i}") if seeded else None))
-        for i in range(3)
-    ]
+    seeds = [request_seed(0, f"r{i}") if seeded else None for i in range(3)]
+    return [Request(f"r{i}", None, [3, 4], SamplingParams(temperature=1.0, seed=seed)) for i, seed in enumerate(seeds)]
 
 
 def test_ranks_sampling_the_same_logits_sample_the_same_random_tokens():
@@ -352,7 +350,8 @@ def test_ngram_drafts_in_ge_graph_under_context_parallel_give_one_process_tokens
     """CP 2 on the tiny Llama, prefix caching on."""
     run_yaml = write_long_run(tmp_path, tiny_llama_dir, "llama", REPEATING_PROMPTS)
     reference = run_one_process(run_yaml, tmp_path / "one_process", *SETTINGS, "scheduler_config.max_new_tokens=8")
-    overrides = [*SETTINGS, *GRAPHS_WITH_DRAFTS, "speculative_config.method=ngram", "speculative_config.prompt_lookup_min=1"]
+    overrides = [*SETTINGS, *GRAPHS_WITH_DRAFTS, "speculative_config.method=ngram"]
+    overrides.append("speculative_config.prompt_lookup_min=1")
     run = run_distributed(run_yaml, tmp_path / "cp", [*overrides, *parallel_overrides(2, cp_size=2)])
     assert_decode_and_verify_steps_in_graphs(run, reference)
     assert summary(run.out)["prefix_cache_hit_tokens"] == 24

@@ -207,4 +207,3 @@ def _draft_model_problems(config: InferenceConfig, layout: ParallelLayout, hf_co
             "data-parallel replicas while the target's do not: not built (the replicas do not step in lock-step)"
         )
     return problems
-

@@ -5,11 +5,11 @@ verify steps run whole on every rank (splits_step), as cann-recipes splits prefi
 The split (cann-recipes' head-tail zigzag): a request's tokens of the step are cut into 2 x cp
 segments, as even as integer division makes them, and a rank takes one segment from the head and
 its mirror from the tail (h and 2 cp - 1 - h), so that under the causal mask every rank attends over
-about as many keys. h = (cp rank + request index) mod cp: the request's index turns the deal. Each segment runs as a request of its
-own: its queries over the request's blocks, with the positions before it as a cached prefix, which
-every rank holds since each layer all-gathers the step's K/V and writes every token's before it
-attends (ForwardMetaData.cache_writes). A rank whose share is empty runs one padding row on the
-null block, so that it joins every collective.
+about as many keys. h = (cp rank + request index) mod cp: the request's index turns the deal. Each
+segment runs as a request of its own: its queries over the request's blocks, with the positions
+before it as a cached prefix, which every rank holds since each layer all-gathers the step's K/V and
+writes every token's before it attends (ForwardMetaData.cache_writes). A rank whose share is empty
+runs one padding row on the null block, so that it joins every collective.
 """
 
 from __future__ import annotations
