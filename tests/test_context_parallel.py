@@ -1,7 +1,9 @@
-"""Context parallel (parallel_config.cp_size): the split of a step's tokens over the ranks, the rows
-each rank runs, cp_mini_batch's cap on a prefill step, the refusals, and (slow, under torchrun on
-gloo) greedy outputs equal to one process's at CP 2 and 4, on prompts of several blocks, prefilled
-in chunks, with and without prefix caching, on the tiny Llama and the tiny DeepSeek-V3 (MLA + MoE).
+"""Context parallel (parallel_config.cp_size): which steps are split (those holding a prefill), the
+split of a step's tokens over the ranks, the rows each rank runs, every rank's random samples alike,
+cp_mini_batch's cap on a prefill step, the refusals, and (slow, under torchrun on gloo) greedy outputs
+equal to one process's at CP 2 and 4, on prompts of several blocks, prefilled in chunks, with and
+without prefix caching, on the tiny Llama and the tiny DeepSeek-V3 (MLA + MoE); at CP 2 in ge_graph
+with n-gram (Llama) and MTP (DeepSeek-V3) drafts, the decode and verify steps in their graphs.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 import transformers
 
 from executor.core.config import ConfigError, build_config
@@ -23,8 +26,10 @@ from executor.core.engine.context_parallel import (
     local_layout,
     rank_rows,
     request_share,
+    splits_step,
 )
-from executor.offline.exit_status import COULD_NOT_START
+from executor.core.sampler import Sampler, SamplingMetadata, request_seed
+from executor.types_ import Request, SamplingParams
 from executor.types_.model_inputs import ScheduledSequence, build_step_layout
 from module.parallel_group import ONE_PROCESS
 from tests import deepseek_v3_harness
@@ -37,7 +42,7 @@ from tests.dist_harness import (
     run_one_process,
     token_ids,
 )
-from tests.run_harness import run_into
+from tests.run_harness import summary
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,14 +77,25 @@ def test_the_causal_work_is_balanced_over_the_ranks():
     assert len(set(work)) == 1, work
 
 
-def test_a_decode_step_deals_one_request_to_each_rank_in_turn():
-    query_ends = [1, 2, 3, 4, 5]  # five requests, one token each
+def test_requests_of_one_token_are_dealt_to_each_rank_in_turn():
+    query_ends = [1, 2, 3, 4, 5]  # five requests, one token each (prompts of one token)
     owners = {row: rank for rank in range(2) for _, rows in rank_rows(query_ends, 2, rank) for row in rows}
     assert [owners[row] for row in range(5)] == [0, 1, 0, 1, 0]
 
 
 def sequence(num_tokens: int, computed: int, blocks: list[int], sampled: int = 1) -> ScheduledSequence:
     return ScheduledSequence(list(range(100, 100 + num_tokens)), computed, [blocks], num_sampled_rows=sampled)
+
+
+def test_only_a_step_holding_a_row_it_does_not_sample_is_split():
+    """Prompt rows (a chunk, a last chunk of several tokens) split the step; decode rows and a verify
+    step's 1 + k rows, all sampled, run whole on every rank, as does a prompt of one token."""
+    decode, verify = sequence(1, 9, [1, 2, 3]), sequence(3, 9, [1, 2, 3], sampled=3)
+    chunk, last_chunk = sequence(8, 0, [4, 5], sampled=0), sequence(5, 8, [4, 5, 6])
+    assert not splits_step([decode, verify])
+    assert not splits_step([sequence(1, 0, [7])])
+    assert splits_step([chunk]) and splits_step([last_chunk])
+    assert splits_step([decode, last_chunk])
 
 
 BLOCK = 4
@@ -147,15 +163,28 @@ def test_cp_mini_batch_caps_the_requests_of_a_prefill_step_under_context_paralle
     assert build_config(settings).max_prefill_requests == 0
 
 
-def test_graph_modes_and_speculation_are_refused_with_context_parallel_before_loading(tiny_llama_dir, tmp_path, capsys):
-    run_yaml = write_long_run(tmp_path, tiny_llama_dir, "llama")
-    overrides = ["model_config.exe_mode=ge_graph", "speculative_config.method=ngram"]
-    overrides += ["speculative_config.num_speculative_tokens=2", *parallel_overrides(2, cp_size=2)]
-    assert run_into(run_yaml, tmp_path / "refused", *overrides) == COULD_NOT_START
-    err = capsys.readouterr().err
-    assert "model_config.exe_mode 'ge_graph' is not built with parallel_config.cp_size 2" in err
-    assert "speculative decoding (ngram) is not built with parallel_config.cp_size 2" in err
-    assert not (tmp_path / "refused").exists()
+def seeded_requests(seeded: bool) -> list[Request]:
+    """Three requests sampling at temperature 1, each with its own seed as the offline runner gives one."""
+    seeds = [request_seed(0, f"r{i}") if seeded else None for i in range(3)]
+    return [Request(f"r{i}", None, [3, 4], SamplingParams(temperature=1.0, seed=seed)) for i, seed in enumerate(seeds)]
+
+
+def test_ranks_sampling_the_same_logits_sample_the_same_random_tokens():
+    """A decode or verify step runs whole on every rank, each sampling its own (equal) logits: every
+    request the offline runner makes has a seed (request_seed), whose noise depends on the seed and
+    the output index alone, so the ranks agree even where their run generators had drawn differently;
+    without seeds they would not."""
+    logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+
+    def sample_on_two_ranks(requests: list[Request]) -> list[list[int]]:
+        ranks = [Sampler(0, "cpu"), Sampler(0, "cpu")]
+        ranks[1].noise.run_generator.manual_seed(1)  # a run generator with another history
+        return [rank.sample(logits, SamplingMetadata.build(requests, "cpu")).token_ids.tolist() for rank in ranks]
+
+    first, second = sample_on_two_ranks(seeded_requests(seeded=True))
+    assert first == second
+    first, second = sample_on_two_ranks(seeded_requests(seeded=False))
+    assert first != second
 
 
 @pytest.mark.parametrize(
@@ -205,9 +234,12 @@ FP32_REORDER_BOUND = 1e-4  # the experts' and the attention's sums run in anothe
 DSA_SELECTION_BOUND = 0.05
 
 
-def write_long_run(tmp_path: Path, model_dir: Path, model_name: str) -> Path:
+def write_long_run(
+    tmp_path: Path, model_dir: Path, model_name: str, prompts: dict[str, list[int]] | None = None
+) -> Path:
     dataset = tmp_path / "prompts.jsonl"
-    dataset.write_text("".join(json.dumps({"id": key, "prompt_token_ids": ids}) + "\n" for key, ids in PROMPTS.items()))
+    lines = [json.dumps({"id": key, "prompt_token_ids": ids}) + "\n" for key, ids in (prompts or PROMPTS).items()]
+    dataset.write_text("".join(lines))
     run_yaml = tmp_path / "run.yaml"
     run_yaml.write_text(
         f"model_config:\n  model_name: {model_name}\n  model_path: {model_dir}\n  dtype: float32\n  device: cpu\n"
@@ -217,14 +249,14 @@ def write_long_run(tmp_path: Path, model_dir: Path, model_name: str) -> Path:
     return run_yaml
 
 
-def save_tiny_model(path: Path, family: str) -> Path:
+def save_tiny_model(path: Path, family: str, num_mtp_modules: int = 0) -> Path:
     """The model of models/<family>/tiny_random with random weights saved, so that every rank reads the
-    same experts; no MTP module. DeepSeek-V3: MLA, a dense layer then MoE layers with 16 experts. GLM-5
-    adds DeepSeek sparse attention (index_topk cut to 8 so that the 40-token prompts select)."""
+    same experts; `num_mtp_modules` MTP modules. DeepSeek-V3: MLA, a dense layer then MoE layers with 16
+    experts. GLM-5 adds DeepSeek sparse attention (index_topk cut to 8 so that the 40-token prompts select)."""
     source = ROOT / f"models/{family}/tiny_random"
     hf_cls = {"deepseek_v3": transformers.DeepseekV3ForCausalLM, "glm_5": transformers.GlmMoeDsaForCausalLM}[family]
     config = hf_cls.config_class.from_pretrained(source)
-    config.num_nextn_predict_layers = 0
+    config.num_nextn_predict_layers = num_mtp_modules
     if family == "glm_5":
         config.index_topk = 8
     deepseek_v3_harness.save_checkpoint(path, config, hf_model_cls=hf_cls)
@@ -270,10 +302,71 @@ def test_context_parallel_gives_one_process_tokens(one_process_run, family, cp_s
 
 
 def assert_prefilled_in_shares(run: DistRun, family: str, prefix_caching: bool) -> None:
-    """Every step gathered K/V (or MLA latents) over the CP group; r1's prefix hit happened only with caching."""
-    summary = json.loads((run.out / "summary.json").read_text())
-    assert (summary["prefix_cache_hit_tokens"] == 24) is prefix_caching
-    for step in run.steps():
-        assert step["comm_bytes"]["cp.gather_rows"] > 0
-        if family != "llama":
+    """Every prefill step gathered K/V (or MLA latents) over the CP group, no decode step did (each
+    rank ran it whole); r1's prefix hit happened only with caching."""
+    assert (summary(run.out)["prefix_cache_hit_tokens"] == 24) is prefix_caching
+    steps = run.steps()
+    assert {step["phase"] for step in steps} == {"prefill", "decode"}
+    for step in steps:
+        assert (step["comm_bytes"].get("cp.gather_rows", 0) > 0) is (step["phase"] == "prefill")
+        if family != "llama":  # the experts are split over the ranks (EP = cp) in every step
             assert step["comm_bytes"]["moe_ep.gather_rows"] > 0
+
+
+# -- graph modes and speculative decoding (slow) -------------------------------------------------
+
+# r0 repeats a run of 10 tokens, so n-gram drafts from its first decode step on; r1 shares its first
+# 24 tokens (a prefix cache hit of 3 blocks with caching on).
+LOOP = [(7 * i) % 200 + 3 for i in range(10)]
+REPEATING_PROMPTS = {"r0": LOOP * 4, "r1": (LOOP * 3)[:24] + PROMPTS["r1"][24:], "r2": PROMPTS["r2"]}
+K = 2
+GRAPHS_WITH_DRAFTS = [
+    "model_config.exe_mode=ge_graph",
+    "scheduler_config.graph_buckets=[2]",  # one bucket: decode steps in 2, verify steps in 2x3
+    "scheduler_config.max_new_tokens=8",
+    f"speculative_config.num_speculative_tokens={K}",
+]
+
+
+def assert_decode_and_verify_steps_in_graphs(run: DistRun, reference: dict[str, dict]) -> dict:
+    """One process's eager greedy tokens without drafts; every decode and verify step in the bucket's
+    graphs, run whole on each rank (no CP gather), every prefill step split (eager). The graph stats."""
+    assert run.returncode == 0, run.output[-4000:]
+    assert token_ids(run.outputs()) == token_ids(reference)
+    assert max_logprob_difference(run.outputs(), reference) <= FP32_REORDER_BOUND
+    steps = run.steps()
+    decode_steps = [step for step in steps if step["phase"] == "decode"]
+    graph = summary(run.out)["parts"][-1]["graph"]
+    assert sum(graph["graph_steps_per_bucket"].values()) == len(decode_steps) > 0
+    assert graph["graph_steps_per_bucket"].get(f"2x{1 + K}", 0) > 0, "no verify step ran in its graph"
+    assert graph["eager_steps"] == 0  # the split prefill steps never ask the graph runner
+    for step in steps:
+        assert (step["comm_bytes"].get("cp.gather_rows", 0) > 0) is (step["phase"] == "prefill")
+    return graph
+
+
+@pytest.mark.slow
+def test_ngram_drafts_in_ge_graph_under_context_parallel_give_one_process_tokens(tiny_llama_dir, tmp_path):
+    """CP 2 on the tiny Llama, prefix caching on."""
+    run_yaml = write_long_run(tmp_path, tiny_llama_dir, "llama", REPEATING_PROMPTS)
+    reference = run_one_process(run_yaml, tmp_path / "one_process", *SETTINGS, "scheduler_config.max_new_tokens=8")
+    overrides = [*SETTINGS, *GRAPHS_WITH_DRAFTS, "speculative_config.method=ngram"]
+    overrides.append("speculative_config.prompt_lookup_min=1")
+    run = run_distributed(run_yaml, tmp_path / "cp", [*overrides, *parallel_overrides(2, cp_size=2)])
+    assert_decode_and_verify_steps_in_graphs(run, reference)
+    assert summary(run.out)["prefix_cache_hit_tokens"] == 24
+
+
+@pytest.mark.slow
+def test_mtp_drafts_in_ge_graph_under_context_parallel_give_one_process_tokens(tmp_path):
+    """CP 2 on the tiny DeepSeek-V3 with one MTP module (random: its drafts are rejected), prefix caching
+    off: the MTP pass after each split prefill reads every prompt row's hidden state, gathered over the
+    CP group; its later passes run in the MTP layer's graphs."""
+    model_dir = save_tiny_model(tmp_path / "model", "deepseek_v3", num_mtp_modules=1)
+    run_yaml = write_long_run(tmp_path, model_dir, "deepseek_v3")
+    settings = [*SETTINGS, NO_PREFIX_CACHING, "scheduler_config.max_new_tokens=8"]
+    reference = run_one_process(run_yaml, tmp_path / "one_process", *settings)
+    overrides = [*settings, *GRAPHS_WITH_DRAFTS, "speculative_config.method=mtp"]
+    run = run_distributed(run_yaml, tmp_path / "cp", [*overrides, *parallel_overrides(2, cp_size=2)])
+    graph = assert_decode_and_verify_steps_in_graphs(run, reference)
+    assert sum(graph["mtp"]["mtp0"]["graph_steps_per_bucket"].values()) > 0

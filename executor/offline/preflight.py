@@ -175,9 +175,6 @@ def check_parallel_layout(config: InferenceConfig, hf_config: Any) -> None:
         where = f"with world_size {layout.world_size} in {config.source}"
         problems += [f"{problem} {where}" for problem in _one_process_only(config)]
         problems += [f"{problem} in {config.source}" for problem in _draft_model_problems(config, layout, hf_config)]
-    if layout.cp_size > 1:
-        where = f"with parallel_config.cp_size {layout.cp_size} in {config.source}"
-        problems += [f"{problem} {where}" for problem in _not_with_context_parallel(config)]
     if problems:
         raise ConfigError.from_problems(problems, config.source)
 
@@ -209,15 +206,4 @@ def _draft_model_problems(config: InferenceConfig, layout: ParallelLayout, hf_co
             f"the draft model ({draft_path}) has experts whose groups ({', '.join(draft_kinds)}) span the "
             "data-parallel replicas while the target's do not: not built (the replicas do not step in lock-step)"
         )
-    return problems
-
-
-def _not_with_context_parallel(config: InferenceConfig) -> list[str]:
-    """What context parallel does not run with: a decode graph would capture one rank's share of a
-    step's rows, and a proposer reads the hidden state of any row, which only its rank holds."""
-    problems = []
-    if config.model_config.exe_mode != "eager":
-        problems.append(f"model_config.exe_mode {config.model_config.exe_mode!r} is not built")
-    if config.speculation[0]:
-        problems.append(f"speculative decoding ({config.speculation[0]}) is not built")
     return problems

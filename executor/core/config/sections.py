@@ -300,8 +300,8 @@ class ParallelConfig:
     cp_size: int = rule(
         1,
         min=1,
-        help="context parallel size: 1, or world_size (cann-recipes' rule, with attn_tp_size 1): every step's "
-        "tokens split over the ranks (docs/distributed.md)",
+        help="context parallel size: 1, or world_size (cann-recipes' rule, with attn_tp_size 1): each prefill "
+        "step's tokens split over the ranks, decode and verify steps whole on each (docs/distributed.md)",
     )
     pp_size: int = refused(
         1, (1,), "pipeline parallel is not built", min=1, help="pipeline parallel size (cann-recipes does not read it)"

@@ -1,22 +1,22 @@
-"""Context parallel (parallel_config.cp_size): every step's tokens split over the ranks along the
-sequence, each rank running its share through every layer (docs/distributed.md).
+"""Context parallel (parallel_config.cp_size): a prefill step's tokens split over the ranks along
+the sequence, each rank running its share through every layer (docs/distributed.md). Decode and
+verify steps run whole on every rank (splits_step), as cann-recipes splits prefill steps only.
 
 The split (cann-recipes' head-tail zigzag): a request's tokens of the step are cut into 2 x cp
 segments, as even as integer division makes them, and a rank takes one segment from the head and
 its mirror from the tail (h and 2 cp - 1 - h), so that under the causal mask every rank attends over
-about as many keys. h = (cp rank + request index) mod cp: the request's index turns the deal, so a
-decode step's one token per request goes round the ranks. Each segment runs as a request of its
-own: its queries over the request's blocks, with the positions before it as a cached prefix, which
-every rank holds since each layer all-gathers the step's K/V and writes every token's before it
-attends (ForwardMetaData.cache_writes). A rank whose share is empty runs one padding row on the
-null block, so that it joins every collective.
+about as many keys. h = (cp rank + request index) mod cp: the request's index turns the deal. Each
+segment runs as a request of its own: its queries over the request's blocks, with the positions
+before it as a cached prefix, which every rank holds since each layer all-gathers the step's K/V and
+writes every token's before it attends (ForwardMetaData.cache_writes). A rank whose share is empty
+runs one padding row on the null block, so that it joins every collective.
 """
 
 from __future__ import annotations
 
 import torch
 
-from executor.types_.model_inputs import ContextParallelRows, StepLayout
+from executor.types_.model_inputs import ContextParallelRows, ScheduledSequence, StepLayout
 from module.attention import KVCacheLayer
 from module.parallel_group import ParallelGroup
 from ops.attention_metadata import AttentionMetadataBuilder, build_model_inputs, to_device
@@ -28,6 +28,15 @@ def layers_without_context_parallel(model: torch.nn.Module) -> list[str]:
     compressed KV. Under context parallel such a model is refused before its weights load."""
     layers = {type(m).__name__ for m in model.modules() if isinstance(m, KVCacheLayer) and not m.context_parallel}
     return sorted(layers)
+
+
+def splits_step(sequences: list[ScheduledSequence]) -> bool:
+    """Whether a step is split over the CP group: when some request computes a row it samples no
+    token from (a prompt token, or one recomputed after a preemption), i.e. the step holds a
+    prefill. Decode and verify rows all sample, so such steps run whole on every rank, which holds
+    every token's K/V: in a graph where one serves them, with no CP collective. Every rank schedules
+    the same sequences, so every rank takes the same decision."""
+    return any(len(seq.token_ids) > seq.num_sampled_rows for seq in sequences)
 
 
 def segment(num_tokens: int, index: int, num_segments: int) -> range:
@@ -96,23 +105,29 @@ def gather_order(rows_per_rank: list[list[int]], num_rows: int) -> list[int]:
 
 class ContextParallelForward:
     """The model on a step split over the context-parallel group; the rows the step reads logits
-    from are gathered back, so every rank samples the same tokens and schedules the same next step."""
+    from are gathered back, so every rank samples the same tokens and schedules the same next step.
+    `every_row`: gather every row's hidden state instead, for a proposer that reads them all (MTP
+    writes its own K/V at every prompt position), so that it runs whole on every rank."""
 
-    def __init__(self, group: ParallelGroup, metadata_builder: AttentionMetadataBuilder) -> None:
+    def __init__(
+        self, group: ParallelGroup, metadata_builder: AttentionMetadataBuilder, *, every_row: bool = False
+    ) -> None:
         assert group.size > 1
         self.group = group
         self.metadata_builder = metadata_builder
+        self.every_row = every_row
 
     def __call__(self, model: torch.nn.Module, layout: StepLayout) -> torch.Tensor:
         """Hidden states [T, hidden] of the whole step, filled at the rows whose logits it takes (the
-        sampled and prompt-logprob rows, gathered from the ranks that computed them), zero elsewhere."""
+        sampled and prompt-logprob rows, gathered from the ranks that computed them), zero elsewhere;
+        every row's with `every_row`."""
         size, rank = self.group.size, self.group.rank
         shares_per_rank = [rank_rows(layout.query_ends, size, r) for r in range(size)]
         rows_per_rank = [[row for _, rows in shares for row in rows] for shares in shares_per_rank]
         num_rows = len(layout.input_ids)
         device = self.metadata_builder.device
         inputs = build_model_inputs(local_layout(layout, shares_per_rank[rank]), self.metadata_builder)
-        inputs.forward_metadata.context_parallel = ContextParallelRows(
+        step_rows = ContextParallelRows(
             self.group,
             to_device(gather_order(rows_per_rank, num_rows), torch.int64, device),
             [
@@ -120,7 +135,10 @@ class ContextParallelForward:
                 for group, slots in enumerate(layout.slot_mappings)
             ],
         )
+        inputs.forward_metadata.context_parallel = step_rows
         hidden_states = model(*inputs.forward_args())
+        if self.every_row:  # gathered as the layers gather K/V: every rank's rows, in the step's order
+            return step_rows.gather(hidden_states)
         full = hidden_states.new_zeros((num_rows, hidden_states.shape[-1]))
         wanted = set(layout.logits_indices + layout.prompt_logprob_indices)
         if not wanted:  # the same on every rank: a prompt chunk short of its end takes no logits

@@ -208,8 +208,12 @@ class ExecutionEngine:
         )
 
     def _context_parallel_forward(self) -> ContextParallelForward | None:
+        """The forward of a prefill step split over the CP group; it gathers every row's hidden
+        state for MTP, whose pass after the step reads them all."""
         group = self.comm.groups["cp"]
-        return ContextParallelForward(group, self.metadata_builder) if group.size > 1 else None
+        if group.size == 1:
+            return None
+        return ContextParallelForward(group, self.metadata_builder, every_row=self.config.speculation[0] == "mtp")
 
     def _make_draft_engine(self) -> DraftParts | None:
         """With method draft_model, the draft model's engine (its runner, KV cache and lock-step), else None."""

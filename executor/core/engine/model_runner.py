@@ -12,7 +12,7 @@ import itertools
 
 import torch
 
-from executor.core.engine.context_parallel import ContextParallelForward
+from executor.core.engine.context_parallel import ContextParallelForward, splits_step
 from executor.core.kv_cache import KVCacheManager
 from executor.core.model_worker import ModelWorker
 from executor.core.sampler import Sampler, SamplingMetadata, prompt_logprobs
@@ -41,7 +41,7 @@ class ModelRunner:
         context_parallel: ContextParallelForward | None = None,
     ) -> None:
         """`lock_step_kinds`: the model groups spanning data-parallel replicas; `context_parallel`: the
-        forward of a step split over the ranks (docs/distributed.md)."""
+        forward of a prefill step split over the ranks (docs/distributed.md)."""
         self.worker = worker
         self.sampler = sampler
         self.kv_cache_manager = kv_cache_manager
@@ -59,7 +59,8 @@ class ModelRunner:
         drafts = batch.draft_token_ids or [[]] * len(batch.requests)
         sequences, layout = self.prepare_inputs(batch, drafts)
         self.step_timer.mark("prepare")
-        hidden_states, all_logits = self._forward(layout)  # marks h2d
+        split = self.context_parallel is not None and splits_step(sequences)
+        hidden_states, all_logits = self._forward(layout, split)  # marks h2d
         if not layout.logits_indices and not layout.prompt_logprob_indices:
             self._join_lm_head_without_rows(hidden_states, all_logits)
             self.step_timer.mark("forward")
@@ -122,11 +123,13 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def _forward(self, layout: StepLayout) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The model on the step: through the bucket's graph where one serves it, else eagerly.
-        Hidden states [rows, hidden] (a graph's padding rows follow the layout's) and, from a graph,
-        the logits of every row; None where the LM head runs on the sampled rows after (_logits)."""
-        if self.context_parallel is not None:
+    def _forward(self, layout: StepLayout, split: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The model on the step: `split` over the context-parallel group, else through the bucket's
+        graph where one serves it, else eagerly. Hidden states [rows, hidden] (a graph's padding rows
+        follow the layout's) and, from a graph, the logits of every row; None where the LM head runs
+        on the sampled rows after (_logits)."""
+        if split:
+            assert self.context_parallel is not None
             return self.context_parallel(self.worker.model, layout), None
         graph_runner = self.worker.graph_runner
         if graph_runner is not None and (output := graph_runner.forward(layout)) is not None:
