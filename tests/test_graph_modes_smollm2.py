@@ -32,7 +32,7 @@ def records():
     return load_prompts(DATASET_DIR / "default.jsonl")[:NUM_PROMPTS]
 
 
-@pytest.mark.parametrize("exe_mode", ["ge_graph", "npugraph_ex"])
+@pytest.mark.parametrize("exe_mode", ["ge_graph", pytest.param("npugraph_ex", marks=pytest.mark.long)])
 def test_real_model_graph_mode_equals_eager(exe_mode, smollm2_dir, records):
     """npugraph_ex then runs again and must load every bucket from the cache; ge_graph's warm start
     recompiles (frozen weights bypass inductor's FX-graph cache), which the tiny-model tests cover."""

@@ -22,7 +22,10 @@ W8A8_BOUND = 0.05
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("scheme", "bound"), [("w4a16_asym_g16", FP32_REORDER_BOUND), ("w8a8", W8A8_BOUND)])
+@pytest.mark.parametrize(
+    ("scheme", "bound"),
+    [pytest.param("w4a16_asym_g16", FP32_REORDER_BOUND, marks=pytest.mark.long), ("w8a8", W8A8_BOUND)],
+)
 def test_a_quantized_checkpoint_at_tp_2_gives_one_process_tokens(scheme, bound, tiny_llama_dir, tmp_path):
     checkpoint = quantize_checkpoint(tiny_llama_dir, tmp_path / "q", scheme)
     run_yaml = write_run(tmp_path, checkpoint, num_prompts=4)

@@ -61,6 +61,7 @@ def test_ngram_on_smollm2_gives_greedy_output(smollm2_dir, greedy):
     check_exact_with_acceptance(result, greedy)
 
 
+@pytest.mark.long  # the draft-model path is exact on the tiny models (test_spec_graphs.py)
 def test_layer_skip_draft_model_on_smollm2_gives_greedy_output(smollm2_dir, greedy, tmp_path):
     draft = make_draft(smollm2_dir, tmp_path / "draft8", num_layers=8)
     result = run(smollm2_dir, method="draft_model", num_speculative_tokens=2, draft_model_path=str(draft))
