@@ -4,7 +4,11 @@ the same file, and the arithmetic against compressed-tensors' own.
 Each scheme is judged teacher-forced: the last-position logits of a batch of prompts (every prompt
 fed the same tokens to both), their top-1 agreement and the mean KL between the two distributions.
 Tolerances: fp32 logits within 1e-5 of transformers (the two differ by summation order only: the
-int8 matmul is exact, the rest is the same fp32 arithmetic), bf16 within 3e-2 (bf16 rounding).
+int8 matmul is exact, the rest is the same fp32 arithmetic), bf16 within 3e-2 (bf16 rounding). Where
+activations are quantized per token at run time, that summation order (ours packs the prompts into
+one GEMM, transformers runs each alone: 1e-7 apart here) can move one activation across an int8
+rounding boundary, a step of max|x| / 127.5: one prompt's logits moved 2.2e-3 on a Xeon with AMX and
+none on an AVX-512 EPYC. So there one prompt may be off by up to DYNAMIC_FLIP_ATOL, the rest not.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from tests.engine_harness import engine_prefill_logits, make_inference
 
 PROMPTS = [[1, 5, 9, 20, 30, 40, 7], [1, 7, 3], [1, 100, 200, 3, 4, 5, 6, 7, 8, 9, 10, 11], [1, 250]]
 FP32_ATOL = 1e-5
+DYNAMIC_FLIP_ATOL = 1e-2
 
 
 @pytest.fixture(scope="module")
@@ -57,11 +62,18 @@ def ours_last_logits(model_dir: Path, dtype: str = "float32", **model_config) ->
     return engine_prefill_logits(make_inference(model_dir, dtype, model_config), PROMPTS)
 
 
-def assert_teacher_forced_agreement(ours: torch.Tensor, reference: torch.Tensor, atol: float) -> None:
+def assert_teacher_forced_agreement(
+    ours: torch.Tensor, reference: torch.Tensor, atol: float, one_prompt_atol: float | None = None
+) -> None:
+    """`one_prompt_atol`: the bound of the one prompt (if any) past `atol`, for run-time activation scales."""
     kl = F.kl_div(F.log_softmax(ours, -1), F.log_softmax(reference, -1), log_target=True, reduction="batchmean")
     assert torch.equal(ours.argmax(-1), reference.argmax(-1))
     assert kl.item() < 1e-4
-    torch.testing.assert_close(ours, reference, atol=atol, rtol=0)
+    if one_prompt_atol is None:
+        torch.testing.assert_close(ours, reference, atol=atol, rtol=0)
+        return
+    per_prompt = (ours - reference).abs().amax(-1)
+    assert (per_prompt > atol).sum() <= 1 and per_prompt.max() <= one_prompt_atol, per_prompt
 
 
 @pytest.mark.parametrize(
@@ -95,7 +107,8 @@ def test_a_compressed_tensors_checkpoint_gives_transformers_logits(scheme, stati
     reference = hf_last_logits(AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval())
     unquantized = hf_last_logits(AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval())
     ours = ours_last_logits(checkpoint)
-    assert_teacher_forced_agreement(ours, reference, FP32_ATOL)
+    dynamic_int8 = scheme in ("w8a8", "w4a8_g32") and static is not True
+    assert_teacher_forced_agreement(ours, reference, FP32_ATOL, DYNAMIC_FLIP_ATOL if dynamic_int8 else None)
     assert (ours - unquantized).abs().max() > 10 * FP32_ATOL  # the scheme did change the model
 
 
@@ -242,7 +255,9 @@ def test_enable_hadamard_is_refused_with_its_reason():
 @pytest.mark.parametrize("scheme", ["w8a8", "w4a16_g32"])
 def test_every_prompt_position_scores_as_transformers_does_under_the_scheme(scheme, tiny_llama_dir, tmp_path):
     """Teacher forced at every position (prompt logprobs): the given token's logprob within 1e-4 of
-    transformers' on the same checkpoint, and the same top-1 token at every position."""
+    transformers' on the same checkpoint (W8A8's run-time activation scales: but at one position,
+    within DYNAMIC_FLIP_ATOL there: the module docstring says why), and the same top-1 token at every
+    position."""
     checkpoint = quantize_checkpoint(tiny_llama_dir, tmp_path / "q", scheme)
     hf_model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     records = [
@@ -250,12 +265,15 @@ def test_every_prompt_position_scores_as_transformers_does_under_the_scheme(sche
         for i, ids in enumerate(PROMPTS)
     ]
     result = make_inference(checkpoint).generate(records, None)
+    differences = []
     for request in result.requests:
         with torch.no_grad():
             expected = hf_model(torch.tensor([request.prompt_token_ids])).logits[0].float().log_softmax(-1)
         for position, entry in enumerate(request.prompt_logprobs):
-            assert abs(entry.logprob - expected[position, entry.token_id].item()) < 1e-4
+            differences.append(abs(entry.logprob - expected[position, entry.token_id].item()))
             assert entry.top_token_ids[0] == expected[position].argmax().item()
+    past = [difference for difference in differences if difference >= 1e-4]
+    assert len(past) <= (1 if scheme == "w8a8" else 0) and max(differences) < DYNAMIC_FLIP_ATOL, past
 
 
 def test_default_model_w4a16_decode_through_the_few_row_kernel_equals_transformers_on_the_same_weights(smollm2_dir):
