@@ -176,9 +176,19 @@ def generate_sequences(
 
 
 def train(
-    model: nn.Module, mtp: TrainableMTPLayer, sequences: list[Sequence], steps: int, lr: float, seed: int
+    model: nn.Module,
+    mtp: TrainableMTPLayer,
+    sequences: list[Sequence],
+    steps: int,
+    lr: float,
+    seed: int,
+    rows_per_step: int,
 ) -> None:
     """AdamW, linear warm-up then cosine decay; each step one sequence (its whole context in one causal pass).
+
+    The loss reads at most `rows_per_step` of its rows, drawn at random: the tied LM head over SmolLM2's
+    49,152-token vocabulary, forward, backward and the target's, is most of a step's cost at a few hundred
+    rows, while the MTP layer is one decoder layer; fewer rows a step buys more steps over more sequences.
 
     The target of row j is the model's own next-token distribution after t_{j+1}, lm_head(h_{j+1}), whose argmax
     is t_{j+2}: cross-entropy against it says how close each other token was, not only which one won, and on the
@@ -199,9 +209,12 @@ def train(
         for step in progress:
             sequence = order.choice(sequences)
             rows = sequence.training_rows
+            num_rows = rows.stop - rows.start
+            picked = torch.tensor(sorted(order.sample(range(num_rows), min(num_rows, rows_per_step))))
             with torch.no_grad():
-                targets = model.lm_head(sequence.hidden_states[rows.start + 1 : rows.stop + 1]).softmax(-1)
-            loss = F.cross_entropy(model.lm_head(mtp_hidden_states(model, mtp, sequence, rows)), targets)
+                targets = model.lm_head(sequence.hidden_states[rows.start + 1 : rows.stop + 1][picked]).softmax(-1)
+            hidden_states = mtp_hidden_states(model, mtp, sequence, rows)[picked]
+            loss = F.cross_entropy(model.lm_head(hidden_states), targets)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(mtp.parameters(), 1.0)
@@ -268,13 +281,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--output", type=Path, default=None, help="default: <model folder>-MTP beside the model")
     parser.add_argument("--max-new-tokens", type=int, default=160, help="greedy tokens generated per prompt")
     parser.add_argument("--held-out", type=float, default=0.2, help="share of sequences kept for the accuracy")
+    parser.add_argument("--rows-per-step", type=int, default=64, help="rows of a sequence the loss reads a step")
     parser.add_argument("--lr", type=float, default=1e-3, help="of the new parts; the decoder layer's is a tenth")
     parser.add_argument("--seed", type=int, default=0)
     # One thread: on a busy machine a second one mostly waits for the first (7x slower measured on 2 shared cores).
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.max_new_tokens < 2 or not 0 < args.held_out < 1:
-        parser.error("--steps must be >= 1, --max-new-tokens >= 2 and --held-out between 0 and 1")
+    if args.steps < 1 or args.rows_per_step < 1 or args.max_new_tokens < 2 or not 0 < args.held_out < 1:
+        parser.error("--steps and --rows-per-step must be >= 1, --max-new-tokens >= 2 and --held-out between 0 and 1")
     return args
 
 
@@ -318,7 +332,7 @@ def main(argv: list[str] | None = None) -> dict:
         )  # fmt: skip
         mtp = TrainableMTPLayer(model)
         accuracy_before, num_rows = draft_accuracy(model, mtp, held_out)
-        train(model, mtp, training, args.steps, args.lr, args.seed)
+        train(model, mtp, training, args.steps, args.lr, args.seed, args.rows_per_step)
         accuracy, _ = draft_accuracy(model, mtp, held_out)
     record = {
         "held_out_draft1_top1_accuracy": round(accuracy, 4),
@@ -327,6 +341,7 @@ def main(argv: list[str] | None = None) -> dict:
         "held_out_sequences": len(held_out),
         "training_sequences": len(training),
         "steps": args.steps,
+        "rows_per_step": args.rows_per_step,
         "lr": args.lr,
         "seed": args.seed,
         "max_new_tokens": args.max_new_tokens,
