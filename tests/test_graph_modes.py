@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from torch._dynamo.utils import counters
 
 from executor.offline import offline_inference
 from executor.offline.dataset import PromptRecord
@@ -21,7 +22,7 @@ from executor.offline.offline_inference import OfflineInference
 from executor.types_ import Batch
 from executor.utils.graph_buckets import Bucket
 from ops.attention_metadata import build_model_inputs
-from tests.conftest import SlidingLlama
+from tests.conftest import SlidingLlama, save_tiny_llama
 from tests.engine_harness import make_inference, token_records
 from tests.factories import make_request
 
@@ -91,6 +92,21 @@ def test_graph_mode_equals_eager_and_the_second_run_loads_from_the_compile_cache
     assert outputs(second) == eager_outputs
     origins = set(second.result.summary["graph"]["bucket_origins"].values())
     assert origins == {CACHED_ORIGIN[exe_mode]}
+
+
+def test_ge_graph_engines_in_one_process_keep_their_own_graphs(tiny_llama_dir, records, eager_outputs, tmp_path):
+    """A second engine, on other weights, runs its own graphs, and the first engine's next run
+    compiles nothing: building an engine drops no other engine's graphs (benchmarks that interleave
+    engines would otherwise time a recompile, and without frozen weights, in the first's next run)."""
+    first = run(tiny_llama_dir, records, exe_mode="ge_graph")
+    other_dir = save_tiny_llama(tmp_path / "other", seed=1)
+    other_eager = outputs(run(other_dir, records))
+    second = run(other_dir, records, exe_mode="ge_graph")
+    assert outputs(second) == other_eager != eager_outputs
+    graphs_before = counters["stats"]["unique_graphs"]
+    first.result = first.generate(records)  # type: ignore[attr-defined]
+    assert outputs(first) == eager_outputs
+    assert counters["stats"]["unique_graphs"] == graphs_before
 
 
 def test_ge_graph_with_two_cache_groups_equals_eager(ministral_dir, monkeypatch):

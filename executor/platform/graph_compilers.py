@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import tempfile
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +63,20 @@ def _forward(step: Callable[..., GraphOutput]) -> Callable[[GraphInputs], GraphO
     return lambda inputs: step(*inputs.forward_args())
 
 
+def _with_own_code(step: torch.nn.Module) -> Callable[..., GraphOutput]:
+    """`step` called through a function whose code object is its alone. Dynamo keeps its graphs on
+    the code object of the frame it compiles, so each engine's graphs (weights frozen in) stay apart
+    from every other engine's in the process: guards that match a module by id could pass for a new
+    engine's module where a freed one's stood, and the alternative, resetting dynamo for each
+    engine, dropped the graphs of the engines built before (recompiled at their next step)."""
+
+    def call(*args: object) -> GraphOutput:
+        return step(*args)
+
+    code = call.__code__.replace()  # a new code object, so a cache of its own
+    return types.FunctionType(code, call.__globals__, call.__name__, None, call.__closure__)
+
+
 class GraphCompiler:
     """One exe_mode on one device."""
 
@@ -92,22 +107,20 @@ class InductorCompiler(GraphCompiler):
 
         self.platform = platform
         cache.configure_inductor()
-        # Each engine compiles its own graphs (from inductor's cache where enabled), never reusing
-        # another engine's dynamo entries that happen to pass their guards.
-        torch._dynamo.reset()
         limit = num_buckets + 1  # + the graph dynamo may build before specialising
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
         torch._dynamo.config.accumulated_recompile_limit = max(
             torch._dynamo.config.accumulated_recompile_limit, 8 * limit
         )
-        self._compiled: dict[torch.nn.Module, torch.nn.Module] = {}  # by step module
+        self._compiled: dict[torch.nn.Module, Callable[..., GraphOutput]] = {}  # by step module
 
     def compile(self, step: torch.nn.Module, buffers: GraphInputs, bucket: str) -> GraphCallable:
         import torch._inductor.config
         from torch._dynamo.utils import counters
 
         if step not in self._compiled:
-            self._compiled[step] = torch.compile(step, backend="inductor", dynamic=False, fullgraph=True)
+            own = _with_own_code(step)
+            self._compiled[step] = torch.compile(own, backend="inductor", dynamic=False, fullgraph=True)
         for layer in kv_cache_layers(step):
             for cache in layer.kv_caches().values():
                 # The block count follows free memory from run to run; code generic in it keeps the

@@ -130,8 +130,6 @@ class ExecutionEngine:
             warm_up=self._warm_up,
             measure_graph_memory=self._measure_graph_memory,
         )
-        # The compiler (ge_graph on the CPU resets dynamo) is made before a draft model's engine compiles
-        # its graphs, and this engine's graphs after: neither engine's reset drops the other's graphs.
         graph_runner = self._make_graph_runner()
         draft = self._make_draft_engine()
         if graph_runner is not None:
