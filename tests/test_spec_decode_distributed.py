@@ -4,7 +4,8 @@ summary.json, for n-gram and MTP drafts at attention TP 2 (EP 2 inside the TP gr
 EP 2 (lock-step: the replicas' verify steps feed different row counts, and a replica whose requests
 are done or draft less runs idle forwards and idle MTP passes), for a draft model at DP 2 x EP 2,
 and for n-gram drafts at TP 3; and for MTP in ge_graph at both layouts, every step but prefills and
-the MTP passes after them in graphs (in lock-step the replicas agree on each forward's bucket).
+the MTP passes after them in graphs (in lock-step the replicas agree on each forward's bucket), and
+SmolLM2's own layers at TP 3 in ge_graph with and without MTP.
 
 The layouts of one world size run in one torchrun launch (tests/dist_runs_entry.py), so the ranks
 start once. n-gram's counts are exact: the greedy outputs imply them (tests/spec_decode_harness.py).
@@ -22,6 +23,8 @@ from safetensors.torch import load_file, save_file
 
 from executor.core.spec_decode.ngram import NgramProposer
 from executor.types_ import AcceptCounts
+from scripts.make_layer_skip_draft import make_draft
+from scripts.train_mtp_head import TrainableMTPLayer, load_frozen_model, save_model_folder
 from tests.conftest import save_tiny_llama
 from tests.deepseek_v3_harness import save_checkpoint
 from tests.dist_harness import entry_args, parallel_overrides, run_in_one_launch, run_one_process, token_ids
@@ -248,3 +251,50 @@ def test_ge_graph_with_mtp_at_tp_2_and_in_lock_step_runs_every_step_but_prefills
     replicas = summary(runs["dp2ep2"])["parts"][-1]["data_parallel_replicas"]
     assert replicas[0]["lock_step_idle_steps"] > 0  # replica 0 idled, in the graphs, while replica 1 drafted
     assert verify_met_other_rows(runs["dp2ep2"])
+
+
+def save_smollm2_with_echoing_mtp(smollm2_dir: Path, path: Path, num_layers: int) -> Path:
+    """SmolLM2's first `num_layers` layers with its real weights and head counts (9 query and 3 KV
+    heads, which split 3 ways where the tiny configs' 4 do not), and one Llama MTP layer that proposes
+    the token it reads again (eh_proj passes its normed embedding on, its block adds nothing, plain
+    norms; the head is SmolLM2's, tied to the embedding): accepted where the model repeats a token."""
+    truncated = make_draft(smollm2_dir, path.with_name(path.name + "_truncated"), num_layers)
+    mtp = TrainableMTPLayer(load_frozen_model(truncated))
+    hidden = mtp.eh_proj.weight.shape[0]
+    with torch.no_grad():
+        mtp.eh_proj.weight.copy_(torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1))
+        for norm in (mtp.enorm, mtp.shared_head.norm):
+            norm.weight.fill_(1.0)
+        mtp.mtp_block.self_attn.o_proj.weight.zero_()
+        mtp.mtp_block.mlp.down_proj.weight.zero_()
+    save_model_folder(truncated, path, mtp.checkpoint_tensors(num_layers), {"echoing": True})
+    return path
+
+
+@pytest.mark.slow
+def test_ge_graph_at_tp_3_on_smollm2_with_and_without_mtp_gives_one_process_tokens(smollm2_dir, tmp_path):
+    """Every rank holds a third of each layer's heads and of the vocabulary; the decode, verify and
+    MTP passes after a decode step all run in graphs, with the all-reduces and gathers inside them."""
+    model_dir = save_smollm2_with_echoing_mtp(smollm2_dir, tmp_path / "smollm2_mtp", num_layers=2)
+    run_yaml = write_repetitive_run(tmp_path / "run", model_dir, "")
+    reference = run_one_process(run_yaml, tmp_path / "one_process")
+    graph = ["model_config.exe_mode=ge_graph", "scheduler_config.graph_buckets=[2]", "scheduler_config.batch_size=2"]
+    sizes = parallel_overrides(3, attn_tp_size=3, dense_tp_size=3, embed_tp_size=3, lmhead_tp_size=3)
+    runs = {"plain": (tmp_path / "tp3", []), "mtp": (tmp_path / "tp3_mtp", MTP)}
+    launch = run_in_one_launch(
+        [entry_args(run_yaml, out, [*method, *graph, *sizes]) for out, method in runs.values()],
+        nproc=3,
+        runs_file=tmp_path / "runs.json",
+    )
+    assert launch.returncode == 0, (launch.stdout + launch.stderr)[-4000:]
+    for out, _ in runs.values():
+        assert token_ids(outputs_by_id(out)) == token_ids(reference), out.name
+    plain = summary(runs["plain"][0])["parts"][-1]["graph"]
+    assert plain["graph_steps_per_bucket"]["2"] > 0 and plain["eager_steps"] == prefill_steps(runs["plain"][0])
+    out = runs["mtp"][0]
+    spec = assert_summed(out)
+    assert spec["accepted_tokens"] > 0
+    graphs = summary(out)["parts"][-1]["graph"]
+    (mtp,) = graphs["mtp"].values()
+    assert verify_steps(graphs) > 0 and verify_steps(mtp) > 0
+    assert graphs["eager_steps"] == mtp["eager_steps"] == prefill_steps(out)
