@@ -24,13 +24,18 @@ ENGINE_PROMPT_LENS = (1, 5, 17, 33, 8, 40, 3)
 
 
 def make_inference(
-    model_dir: Path, dtype: str = "float32", model_config: dict | None = None, **scheduler
+    model_dir: Path,
+    dtype: str = "float32",
+    model_config: dict | None = None,
+    speculative_config: dict | None = None,
+    **scheduler,
 ) -> OfflineInference:
     config = build_config(
         {
             "model_config": {"model_path": str(model_dir), "dtype": dtype, "device": "cpu"} | (model_config or {}),
             "data_config": {"apply_chat_template": False, "input_truncated_len": 0},
             "scheduler_config": {"block_size": 16, "max_new_tokens": 32} | scheduler,
+            "speculative_config": speculative_config or {},
         },
         source="test.yaml",
     )
