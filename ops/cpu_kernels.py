@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,8 @@ logger = logging.getLogger(__name__)
 
 # Seconds of building after which the console says the kernels are being compiled.
 BUILD_NOTICE_AFTER_S = SLOW_AFTER_S
+# Age past which torch's build lock is taken for one a killed build left (a build takes about a minute).
+STALE_BUILD_LOCK_S = 600.0
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (
@@ -119,6 +122,22 @@ def build_name(flags: list[str], sources: list[str]) -> str:
     return "infer_recipes_cpu_kernels" + ("_avx2" if flags else "") + f"_{digest}"
 
 
+def clear_stale_build_lock(name: str) -> None:
+    """torch's extension loader takes a lock file in the build folder around every load and waits for
+    it without end; a load killed in between (Ctrl-C in the first seconds of a run) leaves it, and
+    every later run then hung before its first step. One older than STALE_BUILD_LOCK_S is removed."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    try:
+        age_s = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age_s > STALE_BUILD_LOCK_S:
+        logger.warning("removing %s, left %.0f s ago by a kernel build that did not finish", lock, age_s)
+        lock.unlink(missing_ok=True)
+
+
 @functools.cache
 def extension() -> Any | None:
     """The built module of every kernel, or None (and a warning, once) where it cannot be built; the
@@ -134,8 +153,10 @@ def extension() -> Any | None:
             sources = [_DECLARATIONS, *((CSRC / source).read_text() for source in SOURCES)]
             # Keyed by the sources too: checkouts of other versions never load each other's builds.
             headers = [header.read_text() for header in sorted(CSRC.glob("*.h"))]  # #included: unseen by the loader
+            name = build_name(flags, sources + headers)
+            clear_stale_build_lock(name)
             return load_inline(
-                name=build_name(flags, sources + headers),
+                name=name,
                 cpp_sources=sources,
                 functions=list(FUNCTIONS),
                 extra_cflags=["-O3", "-fopenmp", "-fno-trapping-math", *flags],

@@ -5,6 +5,9 @@ quantization and rescale, and the one-kernel VNNI linear, give its values exactl
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -251,6 +254,20 @@ def test_the_build_is_named_by_its_sources():
     assert cpu_kernels.build_name(flags, ["a", "b"]) == cpu_kernels.build_name(flags, ["a", "b"])
     assert cpu_kernels.build_name(flags, ["a", "b"]) != cpu_kernels.build_name(flags, ["a", "c"])
     assert cpu_kernels.build_name(flags, ["a"]) != cpu_kernels.build_name([], ["a"])
+
+
+def test_a_build_lock_left_by_a_killed_load_is_removed_once_stale_and_a_fresh_one_kept(tmp_path, monkeypatch):
+    """torch's loader would wait on it for ever: every later run hung before its first step."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = tmp_path / "infer_recipes_cpu_kernels_x" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    cpu_kernels.clear_stale_build_lock("infer_recipes_cpu_kernels_x")
+    assert lock.exists()  # a build may hold it now
+    stale = time.time() - cpu_kernels.STALE_BUILD_LOCK_S - 1
+    os.utime(lock, (stale, stale))
+    cpu_kernels.clear_stale_build_lock("infer_recipes_cpu_kernels_x")
+    assert not lock.exists()
 
 
 class _Config:
