@@ -41,7 +41,8 @@ def chat_records(smollm2_dir) -> list[PromptRecord]:
     they do once the chat template frames them), as token ids through the template."""
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     texts = load_prompts(DATASET_DIR / "default.jsonl")[:3] + load_prompts(DATASET_DIR / "repeat_input.jsonl")[:4]
-    return [PromptRecord(id=r.id, prompt_token_ids=tokenize_record(r, tokenizer, True)) for r in texts]
+    templated = [tokenize_record(r, tokenizer, apply_chat_template=True) for r in texts]
+    return [PromptRecord(id=r.id, prompt_token_ids=ids) for r, ids in zip(texts, templated, strict=True)]
 
 
 @pytest.mark.parametrize("exe_mode", ["ge_graph", pytest.param("npugraph_ex", marks=pytest.mark.long)])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from concurrent.futures import ProcessPoolExecutor
 
 from executor.core.config import build_config
 from executor.core.config.sections import SECTIONS
@@ -34,6 +35,21 @@ def test_the_request_hash_follows_the_line_content_and_the_settings():
 
 def test_checking_an_output_folder_leaves_nothing_behind(tmp_path):
     check_output_dir(tmp_path / "a" / "b")
+    assert list(tmp_path.iterdir()) == []
+
+
+def _check_many_times(output_dir, times: int) -> int:
+    for _ in range(times):
+        check_output_dir(output_dir)
+    return times
+
+
+def test_ranks_checking_one_missing_output_folder_at_once_all_pass(tmp_path):
+    """Every torchrun rank checks the same output_path; a check that created and removed the folder
+    failed another rank's check now and then (seen in CI)."""
+    with ProcessPoolExecutor(2) as pool:
+        checked = list(pool.map(_check_many_times, [tmp_path / "out" / "run"] * 2, [300] * 2))
+    assert checked == [300, 300]
     assert list(tmp_path.iterdir()) == []
 
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
+import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -181,23 +181,23 @@ def plan_run(output_dir: Path, config: InferenceConfig, records: list[PromptReco
 
 
 def check_output_dir(output_dir: Path) -> None:
-    """The folder exists or can be created, and a file can be written in it; leaves nothing behind."""
-    missing = [p for p in (output_dir, *output_dir.parents) if not p.exists()]
+    """The folder exists or can be created, and can be written in; leaves nothing behind.
+
+    It writes only a probe folder of its own in the nearest folder that exists: every rank of a torchrun
+    job checks the same output_path at once, and one rank removing a folder it created while checking
+    broke another rank's check.
+    """
+    nearest = next(p for p in (output_dir, *output_dir.parents) if p.exists())
     try:
-        if output_dir.exists() and not output_dir.is_dir():
-            raise NotADirectoryError(20, "it is a file, not a folder")
-        output_dir.mkdir(parents=True, exist_ok=True)
-        probe = output_dir / f".write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
+        if not nearest.is_dir():
+            where = "it is" if nearest == output_dir else f"{nearest} is"
+            raise NotADirectoryError(20, f"{where} a file, not a folder")
+        with tempfile.TemporaryDirectory(prefix=".write-test-", dir=nearest):
+            pass
     except OSError as exc:
         raise ConfigError(
             f"model_config.output_path {str(output_dir)!r} cannot be used: {exc.strerror or exc}"
         ) from None
-    finally:
-        for created in missing:
-            if created.is_dir():
-                created.rmdir()
 
 
 def _check_same_settings(output_dir: Path, config: InferenceConfig) -> None:
