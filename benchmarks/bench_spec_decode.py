@@ -1,10 +1,11 @@
 """Speculative decoding against plain greedy decoding on the same prompts, in one process.
 
 For each batch size, runs the engine with speculation off and with each method, in the order off,
-methods, methods reversed, off (drift cancels), greedy with EOS ignored, and prints JSON: decode
-output tokens per second of each run, its speed-up over speculation off, and the accept figures
-(accept rate, mean accept length, equivalent per-token decode time). Greedy outputs are checked
-equal to speculation off's. docs/benchmarks.md records the figures.
+methods, methods reversed, off (drift cancels), greedy with EOS ignored (with --stop-at-eos each
+request ends at its EOS), and prints JSON: decode output tokens per second of each run, its speed-up
+over speculation off, and the accept figures (accept rate, mean accept length, equivalent per-token
+decode time). Greedy outputs are checked equal to speculation off's. docs/benchmarks.md records the
+figures.
 
     python benchmarks/bench_spec_decode.py --methods ngram --dataset repeat_input --batch-sizes 1 8
     python benchmarks/bench_spec_decode.py --methods mtp draft_model --batch-sizes 1 8
@@ -53,6 +54,12 @@ def main() -> None:
     parser.add_argument("--draft-model-path", type=Path, default=None, help="default: <model>-draft8 beside it")
     parser.add_argument("--mtp-model-path", type=Path, default=None, help="default: <model>-MTP beside it")
     parser.add_argument("--rounds", type=int, default=1, help="times the order off, methods, reversed, off is run")
+    parser.add_argument(
+        "--stop-at-eos",
+        action="store_true",
+        help="end each request at its EOS, as a run does (default: --max-new-tokens each, past EOS, so that every "
+        "method decodes the same token count; what a model writes past its EOS is no part of the task)",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     base_model = Path(args.model_path or default_model_path())
@@ -65,6 +72,7 @@ def main() -> None:
         "dataset": args.dataset,
         "prompts": len(records),
         "max_new_tokens": args.max_new_tokens,
+        "stop_at_eos": args.stop_at_eos,
         "num_speculative_tokens": args.num_speculative_tokens,
         "exe_mode": args.exe_mode,
         "by_batch_size": {},
@@ -82,9 +90,10 @@ def main() -> None:
                 else base_model
             )
             sections = sections_for(method, args)
+            scheduler = {"ignore_eos": not args.stop_at_eos}
             if args.exe_mode != "eager" and method not in engines:
-                engines[method] = build_inference(args, max_model_len=1024, sections=sections)
-            figures, _ = run_ours(args, records, max_model_len=1024, sections=sections, inference=engines.get(method))
+                engines[method] = build_inference(args, 1024, scheduler, sections)
+            figures, _ = run_ours(args, records, 1024, scheduler, sections, inference=engines.get(method))
             runs.setdefault(method, []).append(figures)
             outputs.setdefault(method, figures.pop("output_token_ids", None))
         off = statistics.fmean(f["decode_output_tokens_per_s"] for f in runs["off"])

@@ -305,21 +305,26 @@ def _can_write(slot_mapping: torch.Tensor, *caches: torch.Tensor | None) -> bool
 
 # -- the unquantized linear methods: weights laid out once, at load, for decode's few rows --------
 # MKL's sgemm repacks the weight on every call; at a decode step's 32 rows that repacking costs as
-# much as the multiply. So each linear layer and the LM head keep a second copy of their weight:
-# - on a CPU with AVX2 and FMA but no AVX-512, in 24-column panels for ops/csrc/packed_linear.cpp,
-#   which streams each panel once per four rows (1.3x oneDNN's blocked kernel per decode step's
-#   linears and 2x at one row, on a Zen 3 EPYC; docs/benchmarks.md). Past `PANEL_ROWS_MAX` rows (a
-#   prefill) MKL's own blocking wins and the plain weight serves;
-# - on a CPU with AVX-512, in oneDNN's blocked layout (its kernels use the wider vectors there);
-# - elsewhere (bf16 that oneDNN cannot reorder, no oneDNN) not at all.
-# Which layout is decided once, when the backend is made (ops/backend.py). The plain weight stays,
-# because torch.compile traces plain F.linear (inductor packs for itself with freezing), a tied
-# embedding reads it, and so do state_dict and the weight loaders. `model_config.prepack_weights`
-# turns the copies off (the backend then gives layers PlainLinear).
+# much as the multiply. So each linear layer and the LM head keep a second copy of their fp32 weight
+# in panels for ops/csrc/packed_linear.cpp, which streams each panel once per pass of a few rows:
+# 32 columns wide on a CPU with AVX-512 (2 to 32 rows at 1.1-1.5x MKL's packed GEMM and 1.5x its
+# plain one per step's weights, cold, on an AMX Xeon), 24 on one with AVX2 and FMA only (1.3x
+# oneDNN's blocked kernel per decode step's linears and 2x at one row on a Zen 3 EPYC;
+# docs/benchmarks.md). Past `PANEL_ROWS_MAX` rows (a prefill) MKL's own blocking wins and the plain
+# weight serves. Inside a compiled graph the panels serve from 2 rows: at one row inductor's own
+# micro-GEMM over the frozen weight is as fast, and at 2 to 32 rows (speculative verify steps) inductor
+# picks MKL's packed GEMM, which reads the weight at two thirds of the speed. bf16 weights take
+# oneDNN's blocked layout where oneDNN can reorder them; elsewhere none is kept. Which layout is
+# decided once, when the backend is made (ops/backend.py). The plain weight stays, because a tied
+# embedding reads it, and so do state_dict, the weight loaders and graphs at one row.
+# `model_config.prepack_weights` turns the copies off (the backend then gives layers PlainLinear).
 
 # Rows up to which the panel kernel beats MKL on the plain weight (measured: 1.3x at 256 rows, even
 # at about 1,000; at 4,800 MKL ran 158.6 GFLOP/s against the panels' 139.4).
 PANEL_ROWS_MAX = 1024
+# The panel width for each kernel: AVX-512 when the CPU has it, else AVX2.
+AVX512_PANEL_WIDTH = 32
+AVX2_PANEL_WIDTH = 24
 # The row count oneDNN chooses its blocking for: a decode batch. Any row count runs correctly.
 DECODE_ROWS_HINT = 32
 
@@ -334,32 +339,39 @@ class PackedWeight:
 
 
 class PanelLinear(LinearMethod):
-    """AVX2 panels (ops/csrc/packed_linear.cpp) for fp32 up to PANEL_ROWS_MAX rows, MKL past them."""
+    """fp32 panels of `width` columns (ops/csrc/packed_linear.cpp) up to PANEL_ROWS_MAX rows, MKL past
+    them; in a compiled graph, inductor's own GEMM at one row."""
 
     layout = "panels"
 
-    def __init__(self, pack: Callable[..., torch.Tensor], multiply: Callable[..., torch.Tensor]) -> None:
+    def __init__(self, pack: Callable[..., torch.Tensor], width: int) -> None:
         self.pack = pack
-        self.multiply = multiply
+        self.width = width
 
     def process_weights(self, layer: nn.Module) -> None:
         weight = layer.weight.detach()
-        layer.packed_weight = PackedWeight(self.pack(weight), weight.shape[0], self.layout)
+        layer.packed_weight = PackedWeight(self.pack(weight, self.width), weight.shape[0], self.layout)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         packed = layer.packed_weight
         rows = x.numel() // x.shape[-1]
-        if packed is None or rows > PANEL_ROWS_MAX or torch.compiler.is_compiling():
+        if packed is None or rows > PANEL_ROWS_MAX or (torch.compiler.is_compiling() and not _panels_in_graph(rows)):
             return F.linear(x, layer.weight, bias)
-        out = named("packed_linear", self.multiply)(
+        out = torch.ops.infer_recipes.packed_linear(
             x.reshape(rows, x.shape[-1]), packed.data, bias, packed.out_features
         )
         return out.view(*x.shape[:-1], packed.out_features)
 
 
+def _panels_in_graph(rows: int) -> bool:
+    """Whether a graph being compiled calls the panels at `rows`: from two rows, and not in an exported
+    program (AOTInductor packages hold no weights, and the panels are no parameter they could bind)."""
+    return rows >= 2 and not torch.compiler.is_exporting()
+
+
 class OneDnnLinear(LinearMethod):
-    """oneDNN's blocked layout (AVX-512 CPUs); the plain weight where oneDNN cannot reorder it (bf16
-    without AVX-512 BF16), or inside torch.compile."""
+    """oneDNN's blocked layout (bf16 weights, and fp32 where the panels are not built); the plain weight
+    where oneDNN cannot reorder it (bf16 without AVX-512 BF16), or inside torch.compile."""
 
     layout = "onednn"
 
@@ -383,9 +395,8 @@ class OneDnnLinear(LinearMethod):
 def cpu_linear_method(dtype: torch.dtype, extension: object | None, flags: frozenset[str]) -> LinearMethod | None:
     """The packed method for weights of `dtype` on a CPU with `flags` and the built `extension` (or
     None), or None where only the plain layout serves."""
-    panels = {"avx2", "fma"} <= flags and "avx512f" not in flags
-    if dtype == torch.float32 and extension is not None and panels:
-        return PanelLinear(extension.pack_linear_weight, extension.packed_linear)
+    if dtype == torch.float32 and extension is not None and {"avx2", "fma"} <= flags:
+        return PanelLinear(extension.pack_linear_weight, AVX512_PANEL_WIDTH if "avx512f" in flags else AVX2_PANEL_WIDTH)
     if torch.backends.mkldnn.is_available():
         return OneDnnLinear()
     return None

@@ -62,9 +62,7 @@ void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key_ca
     torch::Tensor slot_mapping, c10::optional<torch::Tensor> key_scale, c10::optional<torch::Tensor> value_scale);
 void write_latent_cache(torch::Tensor latent, torch::Tensor latent_cache, torch::Tensor slot_mapping,
     c10::optional<torch::Tensor> latent_scale);
-torch::Tensor pack_linear_weight(torch::Tensor weight);
-torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
-    int64_t out_features);
+torch::Tensor pack_linear_weight(torch::Tensor weight, int64_t width);
 std::vector<torch::Tensor> quantize_int8_per_token(torch::Tensor x);
 torch::Tensor int8_rescale(torch::Tensor accumulated, torch::Tensor x_scale, torch::Tensor w_scale,
     c10::optional<torch::Tensor> bias);
@@ -89,7 +87,6 @@ FUNCTIONS = (
     "write_kv_cache",
     "write_latent_cache",
     "pack_linear_weight",
-    "packed_linear",
     "quantize_int8_per_token",
     "int8_rescale",
     "pack_int8_weight",

@@ -4,6 +4,8 @@ width and input layout a step produces."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,18 +14,31 @@ from module.embedding import ParallelLMHead
 from module.linear import ColumnParallelLinear, RowParallelLinear
 from ops import cpu_kernels
 from ops.backend import make_backend
-from ops.cpu import PANEL_ROWS_MAX, OneDnnLinear, PanelLinear, cpu_linear_method
+from ops.cpu import (
+    AVX2_PANEL_WIDTH,
+    AVX512_PANEL_WIDTH,
+    PANEL_ROWS_MAX,
+    OneDnnLinear,
+    PanelLinear,
+    cpu_linear_method,
+)
 from ops.linear_method import LinearMethod, PlainLinear, process_linear_weights
 
 AVX2 = frozenset({"avx2", "fma"})
+AVX512 = AVX2 | {"avx512f"}
 needs_panels = pytest.mark.skipif(
     cpu_kernels.extension() is None or not AVX2 <= cpu_kernels.cpu_flags(), reason="the CPU has no AVX2/FMA"
 )
+needs_avx512 = pytest.mark.skipif(
+    cpu_kernels.extension() is None or not AVX512 <= cpu_kernels.cpu_flags(), reason="the CPU has no AVX-512"
+)
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+# Each panel kernel, on the CPUs that can run it.
+PANEL_FLAGS = [pytest.param(AVX2, marks=needs_panels, id="avx2"), pytest.param(AVX512, marks=needs_avx512, id="avx512")]
 
 
-def panels() -> LinearMethod:
-    return cpu_linear_method(torch.float32, cpu_kernels.extension(), AVX2)
+def panels(flags: frozenset[str] = AVX2) -> LinearMethod:
+    return cpu_linear_method(torch.float32, cpu_kernels.extension(), flags)
 
 
 def onednn() -> LinearMethod:
@@ -38,15 +53,15 @@ def layer_with(method: LinearMethod, weight: torch.Tensor) -> ColumnParallelLine
     return layer
 
 
-@needs_panels
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 32, 257])
-@pytest.mark.parametrize("out_features", [24, 96, 100, 7])
-def test_panel_linear_equals_the_plain_product_at_any_rows_and_width(rows, out_features):
-    """Row counts that fill four-row passes and each remainder; widths that fill 24-column panels
-    and widths that end in a partial one."""
+@pytest.mark.parametrize("flags", PANEL_FLAGS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 12, 13, 32, 257])
+@pytest.mark.parametrize("out_features", [24, 96, 100, 7, 16, 32, 33])
+def test_panel_linear_equals_the_plain_product_at_any_rows_and_width(flags, rows, out_features):
+    """Row counts that fill the passes (4 rows for AVX2, 12 for AVX-512) and leave each kind of
+    remainder; widths that fill the panels (24 or 32 columns) and widths that end in a partial one."""
     weight, bias = torch.randn(out_features, 48), torch.randn(out_features)
     x = torch.randn(rows, 48)
-    method = panels()
+    method = panels(flags)
     layer = layer_with(method, weight)
     torch.testing.assert_close(method.apply(layer, x, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(method.apply(layer, x, None), F.linear(x, weight), rtol=1e-5, atol=1e-5)
@@ -89,11 +104,44 @@ def test_packed_linear_takes_batched_and_strided_inputs(layout):
 
 
 @needs_panels
-def test_on_an_avx2_cpu_without_avx512_fp32_weights_take_panels_and_others_onednn():
-    assert isinstance(cpu_linear_method(torch.float32, cpu_kernels.extension(), AVX2), PanelLinear)
+def test_fp32_weights_take_the_widest_panels_the_cpu_runs_and_others_onednn():
+    for flags, width in ((AVX2, AVX2_PANEL_WIDTH), (AVX512, AVX512_PANEL_WIDTH)):
+        method = cpu_linear_method(torch.float32, cpu_kernels.extension(), flags)
+        assert isinstance(method, PanelLinear) and method.width == width
     if torch.backends.mkldnn.is_available():
-        assert isinstance(cpu_linear_method(torch.float32, cpu_kernels.extension(), AVX2 | {"avx512f"}), OneDnnLinear)
-        assert isinstance(cpu_linear_method(torch.bfloat16, cpu_kernels.extension(), AVX2), OneDnnLinear)
+        assert isinstance(cpu_linear_method(torch.bfloat16, cpu_kernels.extension(), AVX512), OneDnnLinear)
+        assert isinstance(cpu_linear_method(torch.float32, None, AVX512), OneDnnLinear)
+
+
+def _panel_calls(run: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:
+    with torch.profiler.profile() as profile:
+        out = run()
+    return out, sum(event.name == "infer_recipes::packed_linear" for event in profile.events())
+
+
+@pytest.mark.parametrize("flags", PANEL_FLAGS)
+def test_a_compiled_graph_calls_the_panels_from_two_rows_and_inductors_gemm_at_one(flags):
+    """Inductor picks MKL's packed GEMM at a verify step's few rows, which reads the weight slower than
+    the panels (docs/benchmarks.md); at one row its own micro-GEMM is as fast and stays."""
+    weight, bias = torch.randn(40, 32), torch.randn(40)
+    method = panels(flags)
+    layer = layer_with(method, weight)
+    compiled = torch.compile(lambda x: method.apply(layer, x, bias), backend="inductor", dynamic=False, fullgraph=True)
+    for rows, calls in ((4, 1), (1, 0)):
+        x = torch.randn(rows, 32)
+        compiled(x)  # compiles
+        out, seen = _panel_calls(lambda x=x: compiled(x))
+        assert seen == calls, rows
+        torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+@needs_panels
+def test_an_exported_program_keeps_the_plain_weight():
+    """AOTInductor packages hold no weights and bind parameters by name at load; the panels are none."""
+    layer = layer_with(panels(), torch.randn(40, 32))
+    exported = torch.export.export(layer, (torch.randn(4, 32),))
+    targets = {str(node.target) for node in exported.graph.nodes if node.op == "call_function"}
+    assert not any("packed_linear" in target for target in targets), targets
 
 
 def test_every_linear_and_the_lm_head_get_a_packed_copy_outside_the_state_dict():

@@ -1,10 +1,16 @@
-// fp32 linear layers for AVX2/FMA CPUs over a weight packed once, at load, into panels of 24 output
-// columns ([panels, K, 24], zero padded): y = x W^T (+ b). Each panel is read sequentially, once per
-// four rows of x, and 4 x 24 outputs stay in twelve registers for the whole K loop. At decode's few
-// rows (a step of 32 requests) this streams the weights at 1.3x oneDNN's blocked kernel and up to 2x
-// at one row on a Zen 3 EPYC (docs/benchmarks.md); at thousands of rows MKL's blocking of x wins, so
-// module/packed_weights.py sends those to the plain weight.
+// fp32 linear layers over a weight packed once, at load, into panels of output columns ([panels, K,
+// width], zero padded): y = x W^T (+ b). Each panel is read sequentially, once per pass of a few rows
+// of x, whose outputs stay in registers for the whole K loop; threads split the panels, so each reads
+// its share of the weight once. Two widths, chosen by the CPU (ops/cpu.py):
+// - 24 columns (three 8-float vectors, four rows a pass) on AVX2/FMA CPUs: at decode's few rows 1.3x
+//   oneDNN's blocked kernel and up to 2x at one row on a Zen 3 EPYC (docs/benchmarks.md);
+// - 32 columns (two 16-float vectors, twelve rows a pass, the next K steps prefetched) on AVX-512
+//   CPUs: at 4 rows a step's weights stream at 22 GB/s on an AMX Xeon, against MKL's 14 (plain) and
+//   20 (packed), which is what a speculative verify step needs (docs/benchmarks.md).
+// At thousands of rows MKL's blocking of x wins; ops/cpu.py sends those to the plain weight. The op
+// is registered with the dispatcher (with a shape-only Meta kernel), so compiled graphs call it too.
 #include <torch/extension.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -12,9 +18,9 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
-namespace {
+namespace avx2 {
 
-constexpr int64_t kPanelWidth = 24;  // three 8-float AVX2 vectors
+constexpr int64_t kPanelWidth = 24;  // three 8-float AVX2 vectors: the AVX2 layout
 constexpr int64_t kRowsPerPass = 4;  // 4 x 3 accumulators + 3 weight vectors + 1 broadcast: 16 registers
 
 // kRows rows of x (row stride k) times one panel, written to out (row stride ldo), columns
@@ -79,35 +85,124 @@ void panel_rows(const float* x, int64_t rows, int64_t k, const float* panel, con
   }
 }
 
+}  // namespace avx2
+
+namespace avx512 {
+
+constexpr int64_t kPanelWidth = 32;  // two 16-float vectors
+constexpr int kRowsPerPass = 12;     // 12 x 2 accumulators + 2 weight vectors + 1 broadcast: 27 of 32 registers
+// K steps (of 128 bytes) read ahead on a panel's first pass, running on into the next panel at its end;
+// of 0, 8, 16, 32, 64 and 128 steps, 32 ran best from 4 to 32 rows (4 rows: 24.6 ms per SmolLM2
+// step's weights, 28.4 without).
+constexpr int64_t kPrefetchSteps = 32;
+
+// kRows rows of x (row stride k) times one panel, written to out (row stride ldo), columns
+// [0, columns) of the panel's 32.
+template <int kRows>
+__attribute__((target("avx512f"))) inline void panel_product(const float* x, int64_t k, const float* panel,
+                                                             const float* bias, float* out, int64_t ldo,
+                                                             int64_t columns, bool prefetch) {
+  __m512 acc[kRows][2];
+#pragma GCC unroll 12
+  for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t kk = 0; kk < k; ++kk) {
+    const float* w = panel + kk * kPanelWidth;
+    if (prefetch) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchSteps * kPanelWidth), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchSteps * kPanelWidth + 16), _MM_HINT_T0);
+    }
+    const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);
+#pragma GCC unroll 12
+    for (int r = 0; r < kRows; ++r) {
+      const __m512 xv = _mm512_set1_ps(x[r * k + kk]);
+      acc[r][0] = _mm512_fmadd_ps(xv, w0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(xv, w1, acc[r][1]);
+    }
+  }
+  const __mmask16 low = columns >= 16 ? 0xFFFF : (1u << columns) - 1;
+  const __mmask16 high = columns >= 32 ? 0xFFFF : columns <= 16 ? 0 : (1u << (columns - 16)) - 1;
+  const __m512 bias0 = bias ? _mm512_maskz_loadu_ps(low, bias) : _mm512_setzero_ps();
+  const __m512 bias1 = bias ? _mm512_maskz_loadu_ps(high, bias + 16) : _mm512_setzero_ps();
+#pragma GCC unroll 12
+  for (int r = 0; r < kRows; ++r) {
+    _mm512_mask_storeu_ps(out + r * ldo, low, _mm512_add_ps(acc[r][0], bias0));
+    _mm512_mask_storeu_ps(out + r * ldo + 16, high, _mm512_add_ps(acc[r][1], bias1));
+  }
+}
+
+// The first `rows` (at most kRows) rows of x times one panel.
+template <int kRows>
+__attribute__((target("avx512f"))) void rows_times_panel(int64_t rows, const float* x, int64_t k, const float* panel,
+                                                         const float* bias, float* out, int64_t ldo, int64_t columns,
+                                                         bool prefetch) {
+  if constexpr (kRows > 1) {
+    if (rows < kRows) return rows_times_panel<kRows - 1>(rows, x, k, panel, bias, out, ldo, columns, prefetch);
+  }
+  panel_product<kRows>(x, k, panel, bias, out, ldo, columns, prefetch);
+}
+
+// Every row of x times one panel, twelve rows a pass; the first pass reads ahead.
+__attribute__((target("avx512f"))) void panel_rows(const float* x, int64_t rows, int64_t k, const float* panel,
+                                                   const float* bias, float* out, int64_t ldo, int64_t columns) {
+  for (int64_t r = 0; r < rows; r += kRowsPerPass) {
+    rows_times_panel<kRowsPerPass>(std::min<int64_t>(kRowsPerPass, rows - r), x + r * k, k, panel, bias,
+                                   out + r * ldo, ldo, columns, r == 0);
+  }
+}
+
+}  // namespace avx512
+
+namespace {
+
+// y = x W^T (+ b) over panels of kWidth columns; `panel_rows(panel index, panel, bias, out, columns)`
+// multiplies every row of x by one panel.
+template <int64_t kWidth, typename PanelRows>
+void multiply(int64_t panels, int64_t out_features, const float* bias, PanelRows panel_rows) {
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t column = p * kWidth, columns = std::min(kWidth, out_features - column);
+      panel_rows(p, end, bias ? bias + column : nullptr, column, columns);
+    }
+  });
+}
+
+torch::Tensor packed_linear_meta(const torch::Tensor& x, const torch::Tensor& packed,
+                                 const c10::optional<torch::Tensor>& bias, int64_t out_features) {
+  return at::empty({x.size(0), out_features}, x.options());
+}
+
 }  // namespace
 
-torch::Tensor pack_linear_weight(torch::Tensor weight) {
+// [out, in] -> [panels, in, width], zero padded: the AVX2 layout at width 24, the AVX-512 one at 32.
+torch::Tensor pack_linear_weight(torch::Tensor weight, int64_t width) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32, "an fp32 [out, in] weight expected");
+  TORCH_CHECK(width == avx2::kPanelWidth || width == avx512::kPanelWidth, "panel width 24 or 32 expected");
   weight = weight.contiguous();
   const int64_t out_features = weight.size(0), k = weight.size(1);
-  const int64_t panels = (out_features + kPanelWidth - 1) / kPanelWidth;
-  auto packed = torch::zeros({panels, k, kPanelWidth}, weight.options());
+  const int64_t panels = (out_features + width - 1) / width;
+  auto packed = torch::zeros({panels, k, width}, weight.options());
   const float* source = weight.data_ptr<float>();
   float* target = packed.data_ptr<float>();
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
-      const int64_t columns = std::min(kPanelWidth, out_features - p * kPanelWidth);
+      const int64_t columns = std::min(width, out_features - p * width);
       for (int64_t j = 0; j < columns; ++j) {
-        const float* row = source + (p * kPanelWidth + j) * k;
-        for (int64_t kk = 0; kk < k; ++kk) target[(p * k + kk) * kPanelWidth + j] = row[kk];
+        const float* row = source + (p * width + j) * k;
+        for (int64_t kk = 0; kk < k; ++kk) target[(p * k + kk) * width + j] = row[kk];
       }
     }
   });
   return packed;
 }
 
-torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
-                            int64_t out_features) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "fp32 x [rows, in] expected");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(1) == x.size(1) && packed.size(2) == kPanelWidth &&
-                  packed.size(0) * kPanelWidth >= out_features,
+torch::Tensor packed_linear(const torch::Tensor& x_in, const torch::Tensor& packed,
+                            const c10::optional<torch::Tensor>& bias, int64_t out_features) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == torch::kFloat32, "fp32 x [rows, in] expected");
+  const int64_t width = packed.dim() == 3 ? packed.size(2) : 0;
+  TORCH_CHECK((width == avx2::kPanelWidth || width == avx512::kPanelWidth) && packed.size(1) == x_in.size(1) &&
+                  packed.size(0) * width >= out_features && packed.is_contiguous(),
               "the packed weight does not fit x or out_features");
-  x = x.contiguous();
+  const torch::Tensor x = x_in.contiguous();
   torch::Tensor bias_values;
   if (bias.has_value()) bias_values = bias->contiguous();
   const int64_t rows = x.size(0), k = x.size(1);
@@ -116,26 +211,34 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional
   const float* weights = packed.data_ptr<float>();
   const float* bias_data = bias.has_value() ? bias_values.data_ptr<float>() : nullptr;
   float* ys = out.data_ptr<float>();
-  // Threads split the panels, so each reads its share of the weight once.
-  at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const float* panel = weights + p * k * kPanelWidth;
-      const int64_t column = p * kPanelWidth, columns = std::min(kPanelWidth, out_features - column);
-      const float* panel_bias = bias_data ? bias_data + column : nullptr;
-      const float* next_panel = p + 1 < end ? panel + k * kPanelWidth : nullptr;
-      panel_rows(xs, rows, k, panel, panel_bias, ys + column, out_features, columns, next_panel);
-    }
-  });
+  if (width == avx512::kPanelWidth) {
+    multiply<avx512::kPanelWidth>(packed.size(0), out_features, bias_data,
+                                  [&](int64_t p, int64_t, const float* b, int64_t column, int64_t columns) {
+                                    avx512::panel_rows(xs, rows, k, weights + p * k * width, b, ys + column,
+                                                       out_features, columns);
+                                  });
+  } else {
+    multiply<avx2::kPanelWidth>(packed.size(0), out_features, bias_data,
+                                [&](int64_t p, int64_t end, const float* b, int64_t column, int64_t columns) {
+                                  const float* panel = weights + p * k * width;
+                                  const float* next_panel = p + 1 < end ? panel + k * width : nullptr;
+                                  avx2::panel_rows(xs, rows, k, panel, b, ys + column, out_features, columns,
+                                                   next_panel);
+                                });
+  }
   return out;
 }
 
-#else  // built without AVX2/FMA: ops/cpu_kernels.py never hands these out
+TORCH_LIBRARY_FRAGMENT(infer_recipes, m) {
+  m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(infer_recipes, CPU, m) { m.impl("packed_linear", &packed_linear); }
+TORCH_LIBRARY_IMPL(infer_recipes, Meta, m) { m.impl("packed_linear", &packed_linear_meta); }
 
-torch::Tensor pack_linear_weight(torch::Tensor weight) { TORCH_CHECK(false, "pack_linear_weight needs AVX2 and FMA"); }
+#else  // built without AVX2/FMA: ops/cpu.py never hands the panels out, and the op is not registered
 
-torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
-                            int64_t out_features) {
-  TORCH_CHECK(false, "packed_linear needs AVX2 and FMA");
+torch::Tensor pack_linear_weight(torch::Tensor weight, int64_t width) {
+  TORCH_CHECK(false, "pack_linear_weight needs AVX2 and FMA");
 }
 
 #endif
