@@ -27,10 +27,15 @@ from tests.engine_harness import make_inference, token_records
 from tests.factories import make_request
 
 BUCKETS = [1, 2, 4]
-# How a second run makes each bucket from a warm compile cache. ge_graph freezes the weights into
-# the graph, which inductor's FX-graph cache does not take: the graph is traced and lowered again,
-# with the autotuning choices and the built kernels from the cache. npugraph_ex loads its packages.
-CACHED_ORIGIN = {"ge_graph": "compiled, autotuning from the cache", "npugraph_ex": "loaded from the compile cache"}
+# How a second run makes each bucket from a warm compile cache. ge_graph: a bucket whose GEMMs
+# inductor autotunes over its own prepacked weights misses inductor's FX-graph cache and is traced
+# and lowered again, with the autotuning choices and the built kernels from the cache; one whose
+# GEMMs are all the panel op (two rows or more, docs/graph_modes.md) is an FX-graph cache hit.
+# npugraph_ex loads its packages.
+CACHED_ORIGINS = {
+    "ge_graph": {"compiled, autotuning from the cache", "inductor cache hit"},
+    "npugraph_ex": {"loaded from the compile cache"},
+}
 BATCH_SIZE = 6  # decode steps of 5 or 6 rows fit no bucket and run eagerly
 
 
@@ -86,12 +91,12 @@ def test_graph_mode_equals_eager_and_the_second_run_loads_from_the_compile_cache
     used = {int(bucket) for bucket, steps in graph["graph_steps_per_bucket"].items() if steps}
     assert used == set(BUCKETS), f"the shrinking batch should pass through every bucket, used {used}"
     assert graph["eager_steps"] > first.result.summary["prefill"]["steps"], "steps of 5-6 rows run eagerly"
-    assert set(graph["bucket_origins"].values()) <= {"compiled", CACHED_ORIGIN[exe_mode]}
+    assert set(graph["bucket_origins"].values()) <= {"compiled", *CACHED_ORIGINS[exe_mode]}
 
     second = run(tiny_llama_dir, records, **settings)
     assert outputs(second) == eager_outputs
     origins = set(second.result.summary["graph"]["bucket_origins"].values())
-    assert origins == {CACHED_ORIGIN[exe_mode]}
+    assert origins and origins <= CACHED_ORIGINS[exe_mode], origins
 
 
 def test_ge_graph_engines_in_one_process_keep_their_own_graphs(tiny_llama_dir, records, eager_outputs, tmp_path):
