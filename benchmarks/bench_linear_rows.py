@@ -41,7 +41,7 @@ def step_weights(model_path: Path) -> list[torch.Tensor]:
         by_name = {
             name.rsplit(".", 2)[-2]: t for name, t in tensors.items() if name.startswith(f"model.layers.{layer}.")
         }
-        weights += [torch.cat([by_name[part] for part in parts]).float().contiguous() for parts in FUSED.values()]
+        weights += [torch.cat([by_name[part] for part in parts]).float().contiguous() for parts in FUSED]
     head = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])
     return [*weights, head.float().contiguous()]
 
