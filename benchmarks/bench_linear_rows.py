@@ -5,7 +5,7 @@ streams the weights when they come cold from memory, as in a real step (a loop o
 The kernels: MKL on the plain weight (`F.linear`, eager with prepack_weights off), MKL's packed GEMM
 (`mkl::_mkl_linear`, what inductor's freezing and autotuning keep in a graph at 2 to 32 rows),
 oneDNN's blocked layout, and this project's panels (ops/csrc/packed_linear.cpp, the CPU's widest).
-Prints JSON: median ms per pass over the weights, and GB/s of weights, per row count and kernel.
+Prints JSON: the best ms of --repeats passes over the weights, and GB/s of weights, per row count and kernel.
 
     python benchmarks/bench_linear_rows.py --rows 1 2 4 8 16 32
 """
@@ -13,15 +13,15 @@ Prints JSON: median ms per pass over the weights, and GB/s of weights, per row c
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
-import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from roofline import best_seconds
 from safetensors.torch import load_file
 
 from executor.model_loader.default_model import default_model_path
@@ -44,16 +44,6 @@ def step_weights(model_path: Path) -> list[torch.Tensor]:
         weights += [torch.cat([by_name[part] for part in parts]).float().contiguous() for parts in FUSED]
     head = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])
     return [*weights, head.float().contiguous()]
-
-
-def median_s(run: Callable[[], object], repeats: int) -> float:
-    run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def every_weight(kernel: Callable[[torch.Tensor, int], torch.Tensor], inputs: dict, weights: list) -> None:
@@ -93,7 +83,8 @@ def main() -> None:
         inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
         figures = {}
         for name, kernel in kernels(weights, rows).items():
-            seconds = median_s(lambda kernel=kernel, inputs=inputs: every_weight(kernel, inputs, weights), args.repeats)
+            one_pass = functools.partial(every_weight, kernel, inputs, weights)
+            seconds = best_seconds(one_pass, args.repeats)
             figures[name] = {"ms": round(seconds * 1e3, 2), "gb_per_s": round(gigabytes / seconds, 1)}
         report["by_rows"][rows] = figures
         print(rows, json.dumps(figures), flush=True)

@@ -154,18 +154,6 @@ __attribute__((target("avx512f"))) void panel_rows(const float* x, int64_t rows,
 
 namespace {
 
-// y = x W^T (+ b) over panels of kWidth columns; `panel_rows(panel index, panel, bias, out, columns)`
-// multiplies every row of x by one panel.
-template <int64_t kWidth, typename PanelRows>
-void multiply(int64_t panels, int64_t out_features, const float* bias, PanelRows panel_rows) {
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t column = p * kWidth, columns = std::min(kWidth, out_features - column);
-      panel_rows(p, end, bias ? bias + column : nullptr, column, columns);
-    }
-  });
-}
-
 torch::Tensor packed_linear_meta(const torch::Tensor& x, const torch::Tensor& packed,
                                  const c10::optional<torch::Tensor>& bias, int64_t out_features) {
   return at::empty({x.size(0), out_features}, x.options());
@@ -211,21 +199,20 @@ torch::Tensor packed_linear(const torch::Tensor& x_in, const torch::Tensor& pack
   const float* weights = packed.data_ptr<float>();
   const float* bias_data = bias.has_value() ? bias_values.data_ptr<float>() : nullptr;
   float* ys = out.data_ptr<float>();
-  if (width == avx512::kPanelWidth) {
-    multiply<avx512::kPanelWidth>(packed.size(0), out_features, bias_data,
-                                  [&](int64_t p, int64_t, const float* b, int64_t column, int64_t columns) {
-                                    avx512::panel_rows(xs, rows, k, weights + p * k * width, b, ys + column,
-                                                       out_features, columns);
-                                  });
-  } else {
-    multiply<avx2::kPanelWidth>(packed.size(0), out_features, bias_data,
-                                [&](int64_t p, int64_t end, const float* b, int64_t column, int64_t columns) {
-                                  const float* panel = weights + p * k * width;
-                                  const float* next_panel = p + 1 < end ? panel + k * width : nullptr;
-                                  avx2::panel_rows(xs, rows, k, panel, b, ys + column, out_features, columns,
-                                                   next_panel);
-                                });
-  }
+  // Threads split the panels, so each reads its share of the weight once.
+  at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const float* panel = weights + p * k * width;
+      const int64_t column = p * width, columns = std::min(width, out_features - column);
+      const float* panel_bias = bias_data ? bias_data + column : nullptr;
+      if (width == avx512::kPanelWidth) {
+        avx512::panel_rows(xs, rows, k, panel, panel_bias, ys + column, out_features, columns);
+      } else {
+        const float* next_panel = p + 1 < end ? panel + k * width : nullptr;
+        avx2::panel_rows(xs, rows, k, panel, panel_bias, ys + column, out_features, columns, next_panel);
+      }
+    }
+  });
   return out;
 }
 
