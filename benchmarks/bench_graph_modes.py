@@ -13,12 +13,13 @@ With --verify-tokens K the graph modes' engines are built with n-gram speculatio
 each batch size has a verify bucket of 1 + K tokens per request too, and a verify step (each
 request's last token and K drafts) is timed beside the one-token decode step, interleaved: the
 cost ratio of a verify step in a graph to a decode step in a graph at the same batch size.
---profile-verify prints torch.profiler's table of the verify steps of the first graph mode.
+--profile-verify prints torch.profiler's tables of the decode and the verify steps of the first graph mode.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import platform
@@ -159,7 +160,7 @@ def main() -> None:
     parser.add_argument("--skip-warm-up-timing", action="store_true", help="time decode steps only")
     parser.add_argument("--warm-up-timing-only", action="store_true", help="time warm-up (cold, warm cache) only")
     parser.add_argument("--verify-tokens", type=int, default=0, help="K: also time verify steps of 1 + K tokens")
-    parser.add_argument("--profile-verify", action="store_true", help="profile the first graph mode's verify steps")
+    parser.add_argument("--profile-verify", action="store_true", help="profile the first graph mode's decode and verify steps")
     parser.add_argument("--warm-up-only", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -191,10 +192,15 @@ def main() -> None:
                 verify_step_ms[mode][batch_size] += times
         if args.profile_verify and args.verify_tokens:
             mode = args.modes[0]
-            with torch.profiler.profile() as profile:
-                verify_ms(engines[mode], requests[mode], 5, args.verify_tokens)
-            print(f"{mode}, batch {batch_size}, 5 verify steps:", file=sys.stderr)
-            print(profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), file=sys.stderr)
+            steps = {
+                "decode": functools.partial(decode_ms, engines[mode], requests[mode], 5),
+                "verify": functools.partial(verify_ms, engines[mode], requests[mode], 5, args.verify_tokens),
+            }
+            for kind, run_steps in steps.items():
+                with torch.profiler.profile() as profile:
+                    run_steps()
+                print(f"{mode}, batch {batch_size}, 5 {kind} steps:", file=sys.stderr)
+                print(profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), file=sys.stderr)
         for mode, engine in engines.items():
             for request in requests[mode]:
                 engine.kv_cache_manager.free(request)

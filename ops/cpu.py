@@ -86,14 +86,16 @@ def paged_decode_attention(
     sinks: torch.Tensor | None = None,
     key_scale: torch.Tensor | None = None,
     value_scale: torch.Tensor | None = None,
+    rows_per_request: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """torch_ref.paged_decode_attention by the C++ kernel, which reads each request's slots in place
-    instead of gathering a padded copy (an int8 cache dequantized as read). Registered only once the
-    extension built (CpuOps)."""
+    instead of gathering a padded copy (an int8 cache dequantized as read). `rows_per_request` ([1],
+    None: 1) consecutive rows share the first one's block table (a verify step's tokens in a graph),
+    so the kernel reads their K/V once. Registered only once the extension built (CpuOps)."""
     kernel = extension().paged_decode_attention
-    return kernel(
-        query, key_cache, value_cache, block_table, seq_lens, scale, sliding_window, sinks, key_scale, value_scale
-    )
+    caches = (key_cache, value_cache, block_table, seq_lens)
+    rows = 1 if rows_per_request is None else int(rows_per_request[0])
+    return kernel(query, *caches, scale, sliding_window, sinks, key_scale, value_scale, rows)
 
 
 @paged_decode_attention.register_fake
@@ -108,6 +110,7 @@ def _(
     sinks=None,
     key_scale=None,
     value_scale=None,
+    rows_per_request=None,
 ):
     return torch.empty_like(query)
 
@@ -281,6 +284,7 @@ class CpuOps:
                 sinks,
                 key_scale,
                 value_scale,
+                metadata.rows_per_request,
             )
         paged = (key_cache, value_cache, block_table)
         if torch.compiler.is_compiling():

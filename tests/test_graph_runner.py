@@ -60,7 +60,7 @@ def test_a_padding_only_step_reads_and_writes_nothing_but_the_null_block():
 def test_tensor_tree_round_trip_keeps_everything_but_the_tensors():
     inputs = decode_inputs([5, 9, 2])
     leaves = tensor_leaves(inputs.forward_args())
-    assert len(leaves) == 5  # ids, positions, block table, slot mapping, seq_lens
+    assert len(leaves) == 6  # ids, positions, block table, slot mapping, seq_lens, rows per request
     doubled = with_tensors(inputs.forward_args(), [t * 2 for t in leaves])
     assert doubled[2].max_query_len == 1 and doubled[0].tolist() == [2 * t for t in inputs.input_ids.tolist()]
     assert map_tensors(inputs, lambda t: t).forward_metadata.seq_lens is inputs.forward_metadata.seq_lens

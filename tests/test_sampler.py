@@ -22,7 +22,7 @@ from transformers import (
 )
 
 from executor.core.config import ConfigError, build_config
-from executor.core.sampler import Sampler, SamplingMetadata, request_seed
+from executor.core.sampler import Sampler, SamplingMetadata, argmax_rows, request_seed
 from executor.offline.dataset import PromptRecord
 from executor.types_ import Request, SamplingParams
 from tests.engine_harness import hf_greedy, hf_last_logits, load_hf_model, run_engine
@@ -201,6 +201,22 @@ def test_the_stages_run_in_transformers_order_with_each_row_its_own_parameters(s
 
 
 # -- greedy and random rows -----------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    values=st.lists(
+        st.sampled_from([-1.0, 0.0, 2.0, 2.0, float("inf"), float("-inf"), float("nan")]), min_size=6, max_size=6
+    ),
+    rows=st.integers(1, 4),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_argmax_rows_picks_the_index_argmax_picks_ties_infinities_and_nan_included(values, rows, dtype):
+    """The greedy choice goes through max(dim=-1) for speed; it must pick argmax's index everywhere:
+    the first of tied maxima, NaN above all."""
+    scores = torch.tensor(values, dtype=dtype).repeat(rows, 8)
+    scores[0, -1] = 3.0  # rows that differ
+    assert torch.equal(argmax_rows(scores), scores.argmax(dim=-1))
 
 
 def test_an_all_greedy_batch_is_one_argmax_over_the_raw_logits(monkeypatch):

@@ -58,9 +58,14 @@ def test_a_verify_step_pads_each_request_to_1_plus_k_tokens_each_a_decode_row():
     assert padded.seq_lens[:9] == [6, 7, 8, 9, 10, 11, 1, 1, 3]  # each token sees up to itself
     assert padded.slot_mappings[0][:4] == layout.slot_mappings[0][:4]
     padding = [row for row in range(16) if row not in rows]
-    assert all(padded.slot_mappings[0][row] == 0 and padded.block_ids[0][row] == [] for row in padding)
+    assert all(padded.slot_mappings[0][row] == 0 for row in padding)  # padding writes the null slot only
     assert padded.logits_indices == rows  # every fed token is sampled in a verify step
-    assert all(padded.block_ids[0][row] == layout.block_ids[0][0] for row in range(4))
+    # every row of a request reads its blocks (a padding token, position 0 of them); a padding request, none
+    for request in range(3):
+        assert all(
+            padded.block_ids[0][row] == layout.block_ids[0][request] for row in range(4 * request, 4 * request + 4)
+        )
+    assert all(padded.block_ids[0][row] == [] for row in range(12, 16))
 
 
 def test_token_row_attention_equals_the_eager_verify_attention_whatever_padding_holds():

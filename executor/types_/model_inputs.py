@@ -201,13 +201,14 @@ class StepLayout:
 
         A request's token at position p attends as a decode row whose K/V length is p + 1 over its
         request's blocks; after the request's own tokens come padding tokens, then padding requests.
-        A padding token is token 0 at position 0 with one token of K/V (the one it writes, to the null
-        block's slot 0) and an all-null block table row (in a recurrent group: the null state slot,
-        started fresh); its logits are never taken. So a request's tokens read only its own K/V, and
-        no real token reads a padding token's. In a recurrent group the request keeps its ring: its
-        first token reads the request's state, each token's state goes to its position's slot
-        (RecurrentStateTables.tokens_per_row). With one token per request this is the decode step
-        padded with padding rows.
+        A padding token is token 0 at position 0 with one token of K/V: it writes to the null block's
+        slot 0 and reads position 0 through its request's block table row (a padding request's is all
+        null), so that all of a request's rows share one table (the CPU kernel reads their K/V once);
+        in a recurrent group it takes the null state slot, started fresh. Its logits are never taken.
+        So a request's tokens read only its own K/V, and no real token reads a padding token's. In a
+        recurrent group the request keeps its ring: its first token reads the request's state, each
+        token's state goes to its position's slot (RecurrentStateTables.tokens_per_row). With one
+        token per request this is the decode step padded with padding rows.
         """
         assert self.tokens_per_row == 1, "a step is padded once"
         assert self.max_query_len <= tokens_per_row, f"rows of {self.max_query_len} tokens exceed {tokens_per_row}"
@@ -223,7 +224,8 @@ class StepLayout:
                 rows.positions += self.positions[start:end] + [0] * pad
                 rows.seq_lens += [position + 1 for position in self.positions[start:end]] + [1] * pad
                 for group, blocks in enumerate(self.block_ids):
-                    rows.block_ids[group] += [blocks[index]] * count + [[]] * pad
+                    padding_blocks = [] if group in self.state_groups else blocks[index]
+                    rows.block_ids[group] += [blocks[index]] * count + [padding_blocks] * pad
                     if group not in self.state_groups:
                         rows.slot_mappings[group] += self.slot_mappings[group][start:end] + [0] * pad
             rows.query_ends = list(range(1, len(rows.input_ids) + 1))

@@ -4,9 +4,9 @@
 // its share of the weight once. Two widths, chosen by the CPU (ops/cpu.py):
 // - 24 columns (three 8-float vectors, four rows a pass) on AVX2/FMA CPUs: at decode's few rows 1.3x
 //   oneDNN's blocked kernel and up to 2x at one row on a Zen 3 EPYC (docs/benchmarks.md);
-// - 32 columns (two 16-float vectors, twelve rows a pass, the next K steps prefetched) on AVX-512
-//   CPUs: at 4 rows a step's weights stream at 22 GB/s on an AMX Xeon, against MKL's 14 (plain) and
-//   20 (packed), which is what a speculative verify step needs (docs/benchmarks.md).
+// - 32 columns (two 16-float vectors, twelve rows a pass, the next K steps and the next panel
+//   prefetched) on AVX-512 CPUs: at 4 rows a step's weights stream at 28 GB/s on an AMX Xeon, against
+//   MKL's 15 (plain) and 22 (packed), which is what a speculative verify step needs (docs/benchmarks.md).
 // At thousands of rows MKL's blocking of x wins; ops/cpu.py sends those to the plain weight. The op
 // is registered with the dispatcher (with a shape-only Meta kernel), so compiled graphs call it too.
 #include <torch/extension.h>
@@ -93,24 +93,34 @@ constexpr int64_t kPanelWidth = 32;  // two 16-float vectors
 constexpr int kRowsPerPass = 12;     // 12 x 2 accumulators + 2 weight vectors + 1 broadcast: 27 of 32 registers
 // K steps (of 128 bytes) read ahead on a panel's first pass, running on into the next panel at its end;
 // of 0, 8, 16, 32, 64 and 128 steps, 32 ran best from 4 to 32 rows (4 rows: 24.6 ms per SmolLM2
-// step's weights, 28.4 without).
+// step's weights, 28.4 without), before the next panel was prefetched too; beside that it still
+// gains 1-6 % (a prototype, 4 to 32 rows).
 constexpr int64_t kPrefetchSteps = 32;
 
+// Cache lines of another panel pulled into L2 during one pass, spread evenly over its K steps.
+struct PanelPrefetch {
+  const char* lines = nullptr;  // the first line of this pass's share
+  int64_t count = 0;
+};
+
 // kRows rows of x (row stride k) times one panel, written to out (row stride ldo), columns
-// [0, columns) of the panel's 32.
+// [0, columns) of the panel's 32; `read_ahead` prefetches the panel itself into L1 (the first pass),
+// `next` another panel's share into L2.
 template <int kRows>
 __attribute__((target("avx512f"))) inline void panel_product(const float* x, int64_t k, const float* panel,
                                                              const float* bias, float* out, int64_t ldo,
-                                                             int64_t columns, bool prefetch) {
+                                                             int64_t columns, bool read_ahead, PanelPrefetch next) {
   __m512 acc[kRows][2];
 #pragma GCC unroll 12
   for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  int64_t due = 0;  // next.count per K step, in units of 1/k line: a line is due each time it passes k
   for (int64_t kk = 0; kk < k; ++kk) {
     const float* w = panel + kk * kPanelWidth;
-    if (prefetch) {
+    if (read_ahead) {
       _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchSteps * kPanelWidth), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchSteps * kPanelWidth + 16), _MM_HINT_T0);
     }
+    for (due += next.count; due >= k; due -= k, next.lines += 64) _mm_prefetch(next.lines, _MM_HINT_T1);
     const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);
 #pragma GCC unroll 12
     for (int r = 0; r < kRows; ++r) {
@@ -134,19 +144,31 @@ __attribute__((target("avx512f"))) inline void panel_product(const float* x, int
 template <int kRows>
 __attribute__((target("avx512f"))) void rows_times_panel(int64_t rows, const float* x, int64_t k, const float* panel,
                                                          const float* bias, float* out, int64_t ldo, int64_t columns,
-                                                         bool prefetch) {
+                                                         bool read_ahead, PanelPrefetch next) {
   if constexpr (kRows > 1) {
-    if (rows < kRows) return rows_times_panel<kRows - 1>(rows, x, k, panel, bias, out, ldo, columns, prefetch);
+    if (rows < kRows) {
+      return rows_times_panel<kRows - 1>(rows, x, k, panel, bias, out, ldo, columns, read_ahead, next);
+    }
   }
-  panel_product<kRows>(x, k, panel, bias, out, ldo, columns, prefetch);
+  panel_product<kRows>(x, k, panel, bias, out, ldo, columns, read_ahead, next);
 }
 
-// Every row of x times one panel, twelve rows a pass; the first pass reads ahead.
+// Every row of x times one panel, twelve rows a pass. The first pass reads the panel ahead into L1,
+// and every pass pulls its share of `next_panel` (nullable) into L2, so that the weights stream from
+// memory while the passes compute instead of between them: at 32 rows 1.2-1.3x, at 4-8 rows 1.1x
+// per SmolLM2 step's weights (docs/benchmarks.md).
 __attribute__((target("avx512f"))) void panel_rows(const float* x, int64_t rows, int64_t k, const float* panel,
-                                                   const float* bias, float* out, int64_t ldo, int64_t columns) {
+                                                   const float* bias, float* out, int64_t ldo, int64_t columns,
+                                                   const float* next_panel) {
+  const int64_t lines = k * kPanelWidth * static_cast<int64_t>(sizeof(float)) / 64;
   for (int64_t r = 0; r < rows; r += kRowsPerPass) {
-    rows_times_panel<kRowsPerPass>(std::min<int64_t>(kRowsPerPass, rows - r), x + r * k, k, panel, bias,
-                                   out + r * ldo, ldo, columns, r == 0);
+    const int64_t pass_rows = std::min<int64_t>(kRowsPerPass, rows - r);
+    PanelPrefetch next;
+    if (next_panel != nullptr) {  // a share in proportion to the pass's rows, so to its time
+      const int64_t first = lines * r / rows;
+      next = {reinterpret_cast<const char*>(next_panel) + 64 * first, lines * (r + pass_rows) / rows - first};
+    }
+    rows_times_panel<kRowsPerPass>(pass_rows, x + r * k, k, panel, bias, out + r * ldo, ldo, columns, r == 0, next);
   }
 }
 
@@ -205,10 +227,10 @@ torch::Tensor packed_linear(const torch::Tensor& x_in, const torch::Tensor& pack
       const float* panel = weights + p * k * width;
       const int64_t column = p * width, columns = std::min(width, out_features - column);
       const float* panel_bias = bias_data ? bias_data + column : nullptr;
+      const float* next_panel = p + 1 < end ? panel + k * width : nullptr;
       if (width == avx512::kPanelWidth) {
-        avx512::panel_rows(xs, rows, k, panel, panel_bias, ys + column, out_features, columns);
+        avx512::panel_rows(xs, rows, k, panel, panel_bias, ys + column, out_features, columns, next_panel);
       } else {
-        const float* next_panel = p + 1 < end ? panel + k * width : nullptr;
         avx2::panel_rows(xs, rows, k, panel, panel_bias, ys + column, out_features, columns, next_panel);
       }
     }

@@ -1,7 +1,8 @@
-// Decode attention over the paged KV cache for the CPU: one query token per request, read straight
-// from the cache blocks (no gathered copy), one pass with an online softmax, so the work follows the
-// K/V each request actually has. Parallel over (request, KV head); all query heads of a KV head share
-// each loaded key and value row, a tile of keys at a time, the next tile's rows prefetched meanwhile.
+// Decode attention over the paged KV cache for the CPU: one query token per row, read straight from
+// the cache blocks (no gathered copy), one pass with an online softmax, so the work follows the K/V
+// each request actually has. Parallel over (request, KV head); all query heads of a KV head, and all
+// rows of a request (a verify step's 1 + k tokens), share each loaded key and value row, a tile of
+// keys at a time, the next tile's rows prefetched meanwhile.
 // With AVX2 (head dims that are multiples of 8) the tile's scores and value sums run in intrinsics,
 // portable loops otherwise. Accumulates in fp32 whatever the storage dtype; an int8 cache (C8) is
 // dequantized row by row as it is read (kv_int8.h), so the kernel streams a quarter of fp32's bytes.
@@ -123,15 +124,19 @@ inline void tile_values(const float* weights, int64_t group, int64_t head_dim, c
 
 // kHeadDim > 0: the head dim known when compiling (64, 128), so the per-key loops unroll; 0: any.
 // cache_t: the caches' storage, scalar_t or int8_t (then read with `key_scales` / `value_scales`).
+// Every `rows_per_request` consecutive rows are one request's (a verify step's tokens, each its own
+// row): they read the first row's block table, each up to its own length, so each K/V row is read
+// once for all of them.
 template <typename scalar_t, typename cache_t, int64_t kHeadDim>
 void decode_attention(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                       const infer_recipes::CacheScales& key_scales, const infer_recipes::CacheScales& value_scales,
                       const torch::Tensor& block_table, const torch::Tensor& seq_lens, const float* sinks, double scale,
-                      int64_t sliding_window, torch::Tensor& out) {
+                      int64_t sliding_window, int64_t rows_per_request, torch::Tensor& out) {
   const int64_t batch = query.size(0), num_heads = query.size(1);
   const int64_t head_dim = kHeadDim > 0 ? kHeadDim : query.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   const int64_t group = num_heads / num_kv_heads, table_width = block_table.size(1);
+  const int64_t vectors = rows_per_request * group;  // query vectors per item, row-major over (row, head)
   const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(cache_t));
   const scalar_t* q = query.data_ptr<scalar_t>();
   const cache_t* keys = key_cache.data_ptr<cache_t>();
@@ -140,45 +145,52 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& key_cache
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   scalar_t* o = out.data_ptr<scalar_t>();
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  // An item is one (request, KV head); it attends to positions [first_position(item), lens[b]).
-  const auto first_position = [&](int64_t item) {
-    const int64_t length = lens[item / num_kv_heads];
-    return sliding_window > 0 ? std::max<int64_t>(0, length - sliding_window) : int64_t{0};
+  // An item is one (request, KV head); its row b attends to positions [first_position(b), lens[b]).
+  const auto first_position = [&](int64_t b) {
+    return sliding_window > 0 ? std::max<int64_t>(0, lens[b] - sliding_window) : int64_t{0};
+  };
+  const auto first_row = [&](int64_t item) { return item / num_kv_heads * rows_per_request; };
+  // The positions an item's rows attend to between them.
+  const auto item_begin = [&](int64_t item) {
+    int64_t begin = first_position(first_row(item));
+    for (int64_t r = 1; r < rows_per_request; ++r) begin = std::min(begin, first_position(first_row(item) + r));
+    return begin;
+  };
+  const auto item_end = [&](int64_t item) {
+    return *std::max_element(lens + first_row(item), lens + first_row(item) + rows_per_request);
   };
   // Where an item's K/V row for `pos` starts in the caches, in elements.
   const auto row_offset = [&](int64_t item, int64_t pos) {
-    const int64_t b = item / num_kv_heads, kv_head = item % num_kv_heads;
-    const int64_t block = table[b * table_width + pos / block_size];
+    const int64_t block = table[first_row(item) * table_width + pos / block_size];
     const int64_t slot = block * block_size + pos % block_size;
-    return (slot * num_kv_heads + kv_head) * head_dim;
+    return (slot * num_kv_heads + item % num_kv_heads) * head_dim;
   };
 
-  at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q_rows(group * head_dim), acc(group * head_dim), scores(group * kTile);
+  at::parallel_for(0, batch / rows_per_request * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q_rows(vectors * head_dim), acc(vectors * head_dim), scores(vectors * kTile);
     std::vector<float> k_rows(kTile * head_dim), v_rows(kTile * head_dim);
-    std::vector<float> running_max(group), denominator(group);
+    std::vector<float> running_max(vectors), denominator(vectors);
     const float* k_tile[kTile];
     const float* v_tile[kTile];
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / num_kv_heads, kv_head = item % num_kv_heads;
-      const int64_t length = lens[b];
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t head = kv_head * group + g;
+      const int64_t kv_head = item % num_kv_heads;
+      const int64_t length = item_end(item);
+      for (int64_t v = 0; v < vectors; ++v) {
+        const int64_t b = first_row(item) + v / group, head = kv_head * group + v % group;
         const scalar_t* q_row = q + (b * num_heads + head) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) q_rows[g * head_dim + d] = static_cast<float>(q_row[d]) * static_cast<float>(scale);
+        for (int64_t d = 0; d < head_dim; ++d) q_rows[v * head_dim + d] = static_cast<float>(q_row[d]) * static_cast<float>(scale);
         // A sink is one more logit in the denominator whose value row is zero.
-        running_max[g] = sinks ? sinks[head] : neg_inf;
-        denominator[g] = sinks ? 1.0f : 0.0f;
+        running_max[v] = sinks ? sinks[head] : neg_inf;
+        denominator[v] = sinks ? 1.0f : 0.0f;
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t tile_start = first_position(item); tile_start < length; tile_start += kTile) {
+      for (int64_t tile_start = item_begin(item); tile_start < length; tile_start += kTile) {
         const int64_t n = std::min(kTile, length - tile_start);
         // The tile after this one, this item's or the next's, is prefetched while this one is read.
         const bool item_continues = tile_start + kTile < length;
         const int64_t next_item = item_continues ? item : item + 1;
-        const int64_t next_start = item_continues ? tile_start + kTile
-                                                  : next_item < end ? first_position(next_item) : 0;
-        const int64_t next_n = next_item < end ? std::min(kTile, lens[next_item / num_kv_heads] - next_start) : 0;
+        const int64_t next_start = item_continues ? tile_start + kTile : next_item < end ? item_begin(next_item) : 0;
+        const int64_t next_n = next_item < end ? std::min(kTile, item_end(next_item) - next_start) : 0;
         for (int64_t t = 0; t < n; ++t) {
           const int64_t row = row_offset(item, tile_start + t) / head_dim;
           k_tile[t] = infer_recipes::cached_row(keys, row, head_dim, key_scales, k_rows.data() + t * head_dim);
@@ -189,29 +201,40 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& key_cache
           prefetch_row(keys + offset, row_bytes);
           prefetch_row(values + offset, row_bytes);
         }
-        tile_scores(q_rows.data(), group, head_dim, k_tile, n, scores.data());
-        for (int64_t g = 0; g < group; ++g) {
-          float* s = scores.data() + g * kTile;
-          const float tile_max = *std::max_element(s, s + n);
-          const float new_max = std::max(running_max[g], tile_max);
-          const float correction = std::exp(running_max[g] - new_max);  // 0 while nothing is accumulated
-          for (int64_t t = 0; t < n; ++t) s[t] -= new_max;
-          infer_recipes::exp_nonpositive(s, n);
+        tile_scores(q_rows.data(), vectors, head_dim, k_tile, n, scores.data());
+        for (int64_t v = 0; v < vectors; ++v) {
+          float* s = scores.data() + v * kTile;
+          // The tile's positions this vector's row attends to: [lo, hi); the others weigh nothing.
+          const int64_t b = first_row(item) + v / group;
+          const int64_t lo = std::max<int64_t>(0, first_position(b) - tile_start);
+          const int64_t hi = std::min(n, lens[b] - tile_start);
+          if (lo >= hi) {
+            std::fill(s, s + n, 0.0f);
+            continue;
+          }
+          const float tile_max = *std::max_element(s + lo, s + hi);
+          const float new_max = std::max(running_max[v], tile_max);
+          const float correction = std::exp(running_max[v] - new_max);  // 0 while nothing is accumulated
+          for (int64_t t = lo; t < hi; ++t) s[t] -= new_max;
+          infer_recipes::exp_nonpositive(s + lo, hi - lo);
+          std::fill(s, s + lo, 0.0f);
+          std::fill(s + hi, s + n, 0.0f);
           float tile_sum = 0.0f;
-          for (int64_t t = 0; t < n; ++t) tile_sum += s[t];
-          denominator[g] = denominator[g] * correction + tile_sum;
-          running_max[g] = new_max;
+          for (int64_t t = lo; t < hi; ++t) tile_sum += s[t];
+          denominator[v] = denominator[v] * correction + tile_sum;
+          running_max[v] = new_max;
           if (correction != 1.0f) {
-            float* a = acc.data() + g * head_dim;
+            float* a = acc.data() + v * head_dim;
             for (int64_t d = 0; d < head_dim; ++d) a[d] *= correction;
           }
         }
-        tile_values(scores.data(), group, head_dim, v_tile, n, acc.data());
+        tile_values(scores.data(), vectors, head_dim, v_tile, n, acc.data());
       }
-      for (int64_t g = 0; g < group; ++g) {
-        scalar_t* row = o + (b * num_heads + kv_head * group + g) * head_dim;
-        const float inverse = 1.0f / denominator[g];
-        for (int64_t d = 0; d < head_dim; ++d) row[d] = static_cast<scalar_t>(acc[g * head_dim + d] * inverse);
+      for (int64_t v = 0; v < vectors; ++v) {
+        const int64_t b = first_row(item) + v / group, head = kv_head * group + v % group;
+        scalar_t* row = o + (b * num_heads + head) * head_dim;
+        const float inverse = 1.0f / denominator[v];
+        for (int64_t d = 0; d < head_dim; ++d) row[d] = static_cast<scalar_t>(acc[v * head_dim + d] * inverse);
       }
     }
   });
@@ -222,8 +245,11 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& key_cache
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                      torch::Tensor block_table, torch::Tensor seq_lens, double scale,
                                      int64_t sliding_window, c10::optional<torch::Tensor> sinks,
-                                     c10::optional<torch::Tensor> key_scale, c10::optional<torch::Tensor> value_scale) {
+                                     c10::optional<torch::Tensor> key_scale, c10::optional<torch::Tensor> value_scale,
+                                     int64_t rows_per_request) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [B, H, D] and caches [N, block, Hkv, D] expected");
+  TORCH_CHECK(rows_per_request >= 1 && query.size(0) % rows_per_request == 0,
+              "rows_per_request must divide the query rows");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "KV caches must be contiguous");
   TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type() &&
                   (key_cache.scalar_type() == torch::kChar || key_cache.scalar_type() == query.scalar_type()),
@@ -246,10 +272,12 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
       constexpr int64_t kHeadDim = decltype(head_dim)::value;
       if (quantized) {
         decode_attention<scalar_t, int8_t, kHeadDim>(query, key_cache, value_cache, key_scales, value_scales,
-                                                     block_table, seq_lens, sink_data, scale, sliding_window, out);
+                                                     block_table, seq_lens, sink_data, scale, sliding_window,
+                                                     rows_per_request, out);
       } else {
         decode_attention<scalar_t, scalar_t, kHeadDim>(query, key_cache, value_cache, key_scales, value_scales,
-                                                       block_table, seq_lens, sink_data, scale, sliding_window, out);
+                                                       block_table, seq_lens, sink_data, scale, sliding_window,
+                                                     rows_per_request, out);
       }
     };
     switch (query.size(2)) {

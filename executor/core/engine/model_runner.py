@@ -22,7 +22,7 @@ from executor.core.spec_decode.verify import accept_greedy, rejection_sample
 from executor.types_ import Batch, Request, StepResult, TokenLogprobs
 from executor.types_.model_inputs import ScheduledSequence, StepLayout, build_step_layout
 from executor.utils.step_timer import StepTimer
-from ops.attention_metadata import AttentionMetadataBuilder, build_model_inputs, to_device
+from ops.attention_metadata import AttentionMetadataBuilder, build_model_inputs, take_rows, to_device
 
 
 class ModelRunner:
@@ -143,11 +143,10 @@ class ModelRunner:
         output, or one LM head call on those rows (one set of collectives per step, as every
         replica of a lock-step group makes)."""
         rows = layout.logits_indices + layout.prompt_logprob_indices
-        logits_indices = to_device(rows, torch.int64, self.device)
         if all_logits is not None:
-            return all_logits[logits_indices]
+            return take_rows(all_logits, rows)
         with torch.inference_mode():
-            return self.worker.model.compute_logits(hidden_states, logits_indices)
+            return self.worker.model.compute_logits(hidden_states, to_device(rows, torch.int64, self.device))
 
     def _sample(
         self, logits: torch.Tensor, requests: list[Request], sequences: list[ScheduledSequence]

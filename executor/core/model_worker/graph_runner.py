@@ -35,7 +35,7 @@ from executor.utils.graph_buckets import Bucket, pick_bucket
 from executor.utils.slow_phase import announced_if_slow
 from executor.utils.step_timer import StepTimer
 from executor.utils.tensor_tree import map_tensors, same_structure, tensor_leaves
-from ops.attention_metadata import AttentionMetadataBuilder, build_model_inputs, to_device
+from ops.attention_metadata import AttentionMetadataBuilder, build_model_inputs, put_rows, take_rows
 
 logger = logging.getLogger(__name__)
 
@@ -248,20 +248,16 @@ class GraphRunner:
             copy_step(graph.staging, fresh)
             fresh = graph.staging
         copy_step(graph.buffers.inputs, fresh)
-        rows = None
-        if bucket.tokens_per_row > 1:  # each request's tokens start at its row of 1 + k
-            rows = to_device(layout.token_rows(bucket.tokens_per_row), torch.int64, self.device_builder.device)
+        # each request's tokens start at its row of 1 + k (consecutive rows in a decode step)
+        rows = layout.token_rows(bucket.tokens_per_row)
         for buffer, values in zip(graph.buffers.row_inputs, row_inputs, strict=True):
-            if rows is None:
-                buffer[: values.shape[0]].copy_(values, non_blocking=True)
-            else:
-                buffer.index_copy_(0, rows, values)
+            put_rows(buffer, rows, values)
         self.step_timer.mark("h2d")
         self.steps_per_bucket[bucket] += 1
         hidden_states, logits = graph.run(graph.buffers)
-        if rows is None:
+        if bucket.tokens_per_row == 1:
             return hidden_states, logits
-        return hidden_states[rows], logits[rows]
+        return take_rows(hidden_states, rows), take_rows(logits, rows)
 
     def _bucket_for(self, layout: StepLayout) -> Bucket | None:
         longest = layout.max_query_len

@@ -20,6 +20,7 @@ import torch
 from executor.core.config import ConfigError, InferenceConfig
 from executor.core.kv_cache import KVCacheManager
 from executor.core.model_worker.graph_runner import GraphRunner
+from executor.core.sampler import argmax_rows
 from executor.core.spec_decode.proposer import LockStep, ProposalContext
 from executor.types_.model_inputs import ScheduledSequence, build_step_layout
 from module.causal_lm import CausalLM
@@ -176,7 +177,7 @@ class MTPProposer:
             sampled = to_device(layout.logits_indices, torch.int64, hidden.device)
             logits = all_logits[sampled]
         # rows of the next pass are the sampled rows, one per drafting request, in order
-        return hidden[sampled], logits.argmax(dim=-1).tolist()
+        return hidden[sampled], argmax_rows(logits).tolist()
 
     def _next_rows(
         self, context: ProposalContext, drafting: list[_Drafting], tokens: list[int]
