@@ -160,7 +160,9 @@ def main() -> None:
     parser.add_argument("--skip-warm-up-timing", action="store_true", help="time decode steps only")
     parser.add_argument("--warm-up-timing-only", action="store_true", help="time warm-up (cold, warm cache) only")
     parser.add_argument("--verify-tokens", type=int, default=0, help="K: also time verify steps of 1 + K tokens")
-    parser.add_argument("--profile-verify", action="store_true", help="profile the first graph mode's decode and verify steps")
+    parser.add_argument(
+        "--profile-verify", action="store_true", help="profile the first graph mode's decode, verify steps"
+    )
     parser.add_argument("--warm-up-only", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
