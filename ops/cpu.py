@@ -94,8 +94,7 @@ def paged_decode_attention(
     so the kernel reads their K/V once. Registered only once the extension built (CpuOps)."""
     kernel = extension().paged_decode_attention
     caches = (key_cache, value_cache, block_table, seq_lens)
-    rows = 1 if rows_per_request is None else int(rows_per_request[0])
-    return kernel(query, *caches, scale, sliding_window, sinks, key_scale, value_scale, rows)
+    return kernel(query, *caches, scale, sliding_window, sinks, key_scale, value_scale, rows_per_request)
 
 
 @paged_decode_attention.register_fake

@@ -47,7 +47,7 @@ _DECLARATIONS = """
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
     torch::Tensor block_table, torch::Tensor seq_lens, double scale, int64_t sliding_window,
     c10::optional<torch::Tensor> sinks, c10::optional<torch::Tensor> key_scale,
-    c10::optional<torch::Tensor> value_scale, int64_t rows_per_request);
+    c10::optional<torch::Tensor> value_scale, c10::optional<torch::Tensor> rows_per_request);
 torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value,
     torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor block_table, torch::Tensor query_ends,
     torch::Tensor seq_lens, double scale, int64_t sliding_window, c10::optional<torch::Tensor> sinks,

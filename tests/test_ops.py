@@ -344,7 +344,7 @@ def test_cpu_decode_kernel_matches_the_gathered_reference(dtype, sliding_window,
     args = (query, key_cache, value_cache, block_table, seq_lens, 0.35, sliding_window, sinks)
     expected = torch_ref.paged_decode_attention(*args)
     tolerance = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {}
-    torch.testing.assert_close(kernel(*args, None, None, 1), expected, **tolerance)  # no C8 scales
+    torch.testing.assert_close(kernel(*args, None, None, None), expected, **tolerance)  # no C8 scales
 
 
 @needs_compiler
@@ -369,7 +369,7 @@ def test_cpu_decode_kernel_matches_the_reference_at_model_head_dims_and_block_si
     expected = torch_ref.paged_decode_attention(*args, sliding_window, sinks)
     tolerance = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {}
     kernel = cpu_kernels.extension().paged_decode_attention
-    torch.testing.assert_close(kernel(*args, sliding_window, sinks, None, None, 1), expected, **tolerance)
+    torch.testing.assert_close(kernel(*args, sliding_window, sinks, None, None, None), expected, **tolerance)
 
 
 @needs_compiler
@@ -396,12 +396,12 @@ def test_cpu_decode_kernel_reads_a_requests_rows_together_as_the_reference_reads
     args = (query, key_cache, value_cache, block_table, seq_lens, HEAD_DIM**-0.5, sliding_window, sinks)
     expected = torch_ref.paged_decode_attention(*args)
     kernel = cpu_kernels.extension().paged_decode_attention
-    together = kernel(*args, None, None, rows_per_request)
+    together = kernel(*args, None, None, torch.tensor([rows_per_request]))
     tolerance = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {}
     torch.testing.assert_close(together, expected, **tolerance)
-    torch.testing.assert_close(together, kernel(*args, None, None, 1), rtol=0, atol=1e-6)
+    torch.testing.assert_close(together, kernel(*args, None, None, None), rtol=0, atol=1e-6)
     with pytest.raises(RuntimeError, match="rows_per_request must divide"):
-        kernel(*args, None, None, 3)
+        kernel(*args, None, None, torch.tensor([3]))
 
 
 def reference_cache_write(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:

@@ -246,8 +246,16 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
                                      torch::Tensor block_table, torch::Tensor seq_lens, double scale,
                                      int64_t sliding_window, c10::optional<torch::Tensor> sinks,
                                      c10::optional<torch::Tensor> key_scale, c10::optional<torch::Tensor> value_scale,
-                                     int64_t rows_per_request) {
+                                     c10::optional<torch::Tensor> rows_per_request_tensor) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [B, H, D] and caches [N, block, Hkv, D] expected");
+  // Read here rather than by the caller: a host read per layer in Python cost 6 us.
+  int64_t rows_per_request = 1;
+  if (rows_per_request_tensor.has_value()) {
+    TORCH_CHECK(rows_per_request_tensor->scalar_type() == torch::kInt64 && rows_per_request_tensor->numel() == 1 &&
+                    rows_per_request_tensor->is_cpu(),
+                "rows_per_request must be one int64 on the CPU");
+    rows_per_request = *rows_per_request_tensor->data_ptr<int64_t>();
+  }
   TORCH_CHECK(rows_per_request >= 1 && query.size(0) % rows_per_request == 0,
               "rows_per_request must divide the query rows");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "KV caches must be contiguous");
