@@ -3,9 +3,11 @@ cumulative and per-request lengths, sampled rows, padding to a graph bucket, and
 backend's metadata, whose decode shapes depend only on the number of rows."""
 
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from executor.types_.model_inputs import ScheduledSequence, build_step_layout
-from ops.attention_metadata import TorchMetadataBuilder, block_table_tensor, build_model_inputs
+from ops.attention_metadata import TorchMetadataBuilder, block_table_tensor, build_model_inputs, put_rows, take_rows
 
 CPU = torch.device("cpu")
 BUILDER = TorchMetadataBuilder(CPU)
@@ -100,3 +102,19 @@ def test_padding_a_decode_step_adds_rows_that_touch_only_the_null_block():
 def test_block_table_tensor_pads_each_row_with_the_null_block():
     table = block_table_tensor([[7, 3], [], [5]], width=4, device=CPU)
     assert table.tolist() == [[7, 3, 0, 0], [0, 0, 0, 0], [5, 0, 0, 0]]
+
+
+@given(st.lists(st.integers(0, 7), min_size=1, max_size=8, unique=True))
+def test_rows_taken_and_put_as_indexing_would_a_consecutive_run_through_a_view(rows):
+    """take_rows / put_rows are tensor[rows] (= values): a verify step's rows come back as a view of
+    the graph's output where they run consecutively (no copy of 32 x 49,152 logits), else gathered."""
+    tensor = torch.arange(8 * 3, dtype=torch.float32).view(8, 3)
+    taken = take_rows(tensor, rows)
+    assert torch.equal(taken, tensor[rows])
+    consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
+    assert (taken.data_ptr() == tensor[rows[0]].data_ptr()) == consecutive  # a view exactly when consecutive
+    values = -torch.arange(len(rows) * 3, dtype=torch.float32).view(len(rows), 3)
+    expected = tensor.clone()
+    expected[rows] = values
+    put_rows(tensor, rows, values)
+    assert torch.equal(tensor, expected)
