@@ -128,9 +128,9 @@ class TorchAttentionMetadata(ForwardMetaData):
     query_ends: torch.Tensor | None = None  # [rows] int64 cumulative query ends; other steps only
     query_ends_list: list[int] | None = None  # other steps only
     seq_lens_list: list[int] | None = None  # other steps only
-    # [1] int64: how many consecutive rows are one request's and share its block table (a verify
-    # step's 1 + k tokens in a graph, StepLayout.pad_to; 1 otherwise). A tensor, so that a verify
-    # bucket runs the graph of the decode bucket of its token count.
+    # decode-shaped steps, [1] int64: how many consecutive rows are one request's and share its block
+    # table (a verify step's 1 + k tokens in a graph, StepLayout.pad_to; 1 otherwise). A tensor, so
+    # that a verify bucket runs the graph of the decode bucket of its token count.
     rows_per_request: torch.Tensor | None = None
 
 
@@ -138,8 +138,9 @@ class TorchMetadataBuilder(AttentionMetadataBuilder):
     def build(self, layout: StepLayout) -> TorchAttentionMetadata:
         metadata = TorchAttentionMetadata(layout.max_query_len, self.cache_group_tables(layout))
         metadata.seq_lens = to_device(layout.seq_lens, torch.int64, self.device)
-        metadata.rows_per_request = to_device([layout.tokens_per_row], torch.int64, self.device)
-        if not metadata.is_decode_shaped:
+        if metadata.is_decode_shaped:
+            metadata.rows_per_request = to_device([layout.tokens_per_row], torch.int64, self.device)
+        else:
             metadata.query_ends = to_device(layout.query_ends, torch.int64, self.device)
             metadata.query_ends_list = list(layout.query_ends)
             metadata.seq_lens_list = list(layout.seq_lens)

@@ -24,7 +24,7 @@ from executor.core.sampler import argmax_rows
 from executor.core.spec_decode.proposer import LockStep, ProposalContext
 from executor.types_.model_inputs import ScheduledSequence, build_step_layout
 from module.causal_lm import CausalLM
-from ops.attention_metadata import AttentionMetadataBuilder, build_model_inputs, to_device
+from ops.attention_metadata import AttentionMetadataBuilder, build_model_inputs, take_rows
 
 
 def check_mtp_layers(model_cls: type[CausalLM], hf_config: Any, config: InferenceConfig, config_json: str) -> None:
@@ -165,19 +165,17 @@ class MTPProposer:
             state_groups=self.kv_cache_manager.state_groups,
         )
         graph_output = self.graph_runners[layer].forward(layout, previous_hidden) if self.graph_runners else None
+        # rows of the next pass are the sampled rows, one per drafting request, in order
         if graph_output is None:
             inputs = build_model_inputs(layout, self.builder)
             hidden = self.model.mtp_forward(
                 layer, inputs.input_ids, inputs.positions, previous_hidden, inputs.forward_metadata
             )
             logits = self.model.mtp_compute_logits(layer, hidden, inputs.logits_indices)
-            sampled = inputs.logits_indices
-        else:  # the LM head ran on every row inside the graph
-            hidden, all_logits = graph_output
-            sampled = to_device(layout.logits_indices, torch.int64, hidden.device)
-            logits = all_logits[sampled]
-        # rows of the next pass are the sampled rows, one per drafting request, in order
-        return hidden[sampled], argmax_rows(logits).tolist()
+            return hidden[inputs.logits_indices], argmax_rows(logits).tolist()
+        hidden, all_logits = graph_output  # the LM head ran on every row inside the graph
+        rows = layout.logits_indices
+        return take_rows(hidden, rows), argmax_rows(take_rows(all_logits, rows)).tolist()
 
     def _next_rows(
         self, context: ProposalContext, drafting: list[_Drafting], tokens: list[int]
