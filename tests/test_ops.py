@@ -375,25 +375,29 @@ def test_cpu_decode_kernel_matches_the_reference_at_model_head_dims_and_block_si
 @needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("sliding_window, with_sinks", [(0, False), (40, False), (0, True), (40, True)])
+# 8: the AVX2 tiles; 64 and 80 (a 64-float pass and a 16-float one) the AVX-512 tiles where the CPU has
+# them, whose value sums take six query vectors a pass: 3 x 4 rows is two full passes, 3 x 3 one and a half.
+@pytest.mark.parametrize("head_dim, rows_per_request", [(8, 4), (64, 4), (80, 3)])
 def test_cpu_decode_kernel_reads_a_requests_rows_together_as_the_reference_reads_each(
-    dtype, sliding_window, with_sinks
+    dtype, sliding_window, with_sinks, head_dim, rows_per_request
 ):
     """A verify step in a graph: 1 + k rows per request over its one block table, each up to its own
     length (the last rows of a request whose drafts ran short are padding of length 1); read once for
     all of a request's rows, each row must still get what the reference gives it alone."""
-    rows_per_request, num_kv_heads, block_size = 4, 3, 16
+    num_kv_heads, block_size = 3, 16
     lengths = [[7, 8, 9, 10], [31, 32, 33, 34], [96, 97, 1, 1], [1, 1, 1, 1]]  # the last: a padding request
+    lengths = [request[:rows_per_request] for request in lengths]
     blocks_per_request = 7
     num_blocks = len(lengths) * blocks_per_request + 1
-    key_cache = torch.randn(num_blocks, block_size, num_kv_heads, HEAD_DIM, dtype=dtype)
+    key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
     value_cache = torch.randn_like(key_cache)
     tables = (torch.randperm(num_blocks - 1)[: len(lengths) * blocks_per_request] + 1).int().view(len(lengths), -1)
     tables[-1] = 0  # the padding request's all-null row
     block_table = tables.repeat_interleave(rows_per_request, dim=0)
     seq_lens = torch.tensor(lengths).flatten()
-    query = 3 * torch.randn(len(seq_lens), 3 * num_kv_heads, HEAD_DIM, dtype=dtype)
+    query = 3 * torch.randn(len(seq_lens), 3 * num_kv_heads, head_dim, dtype=dtype)
     sinks = torch.linspace(-2, 3, 3 * num_kv_heads, dtype=dtype) if with_sinks else None
-    args = (query, key_cache, value_cache, block_table, seq_lens, HEAD_DIM**-0.5, sliding_window, sinks)
+    args = (query, key_cache, value_cache, block_table, seq_lens, head_dim**-0.5, sliding_window, sinks)
     expected = torch_ref.paged_decode_attention(*args)
     kernel = cpu_kernels.extension().paged_decode_attention
     together = kernel(*args, None, None, torch.tensor([rows_per_request]))
@@ -401,7 +405,7 @@ def test_cpu_decode_kernel_reads_a_requests_rows_together_as_the_reference_reads
     torch.testing.assert_close(together, expected, **tolerance)
     torch.testing.assert_close(together, kernel(*args, None, None, None), rtol=0, atol=1e-6)
     with pytest.raises(RuntimeError, match="rows_per_request must divide"):
-        kernel(*args, None, None, torch.tensor([3]))
+        kernel(*args, None, None, torch.tensor([5]))  # 16 or 12 rows
 
 
 def reference_cache_write(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:

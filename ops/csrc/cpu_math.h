@@ -47,6 +47,30 @@ inline void exp_nonpositive(float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] = exp_nonpositive(x[i]);
 }
 
+// The max and the sum of x[0, n), n >= 1, over eight lanes so that the compiler vectorises them (a serial
+// sum waits on each add's latency).
+inline float max_of(const float* x, int64_t n) {
+  float lanes[8];
+  for (int j = 0; j < 8; ++j) lanes[j] = x[0];
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int j = 0; j < 8; ++j) lanes[j] = lanes[j] < x[i + j] ? x[i + j] : lanes[j];
+  }
+  for (; i < n; ++i) lanes[0] = lanes[0] < x[i] ? x[i] : lanes[0];
+  for (int j = 1; j < 8; ++j) lanes[0] = lanes[0] < lanes[j] ? lanes[j] : lanes[0];
+  return lanes[0];
+}
+
+inline float sum_of(const float* x, int64_t n) {
+  float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int j = 0; j < 8; ++j) lanes[j] += x[i + j];
+  }
+  for (; i < n; ++i) lanes[0] += x[i];
+  return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+}
+
 // silu(x) = x sigmoid(x), with sigmoid from e = exp(-|x|) (never overflows): 1 / (1 + e) for x >= 0,
 // e / (1 + e) below.
 inline float silu(float x) {

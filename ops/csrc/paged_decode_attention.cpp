@@ -3,8 +3,9 @@
 // each request actually has. Parallel over (request, KV head); all query heads of a KV head, and all
 // rows of a request (a verify step's 1 + k tokens), share each loaded key and value row, a tile of
 // keys at a time, the next tile's rows prefetched meanwhile.
-// With AVX2 (head dims that are multiples of 8) the tile's scores and value sums run in intrinsics,
-// portable loops otherwise. Accumulates in fp32 whatever the storage dtype; an int8 cache (C8) is
+// With AVX-512 (head dims that are multiples of 16, chosen at run time) or AVX2 (multiples of 8) the
+// tile's scores and value sums run in intrinsics, portable loops otherwise; the softmax runs in
+// loops the compiler vectorises. Accumulates in fp32 whatever the storage dtype; an int8 cache (C8) is
 // dequantized row by row as it is read (kv_int8.h), so the kernel streams a quarter of fp32's bytes.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -75,11 +76,127 @@ inline void accumulate_rows(const float* weights, const float* const* rows, int6
 }
 #endif
 
-// scores[g * kTile + t] = q_g . k_t for the group's query rows and the tile's n key rows. The AVX2
-// path scores keys eight at a time and pads k_tile to a multiple of 8 with its last row (those
-// scores are computed and never read).
+#if defined(__AVX2__) && defined(__FMA__)
+namespace avx512_attention {
+
+// {sum of a[0]'s lanes, ..., sum of a[15]'s lanes}: sixteen dot products finished in one vector, by four
+// levels of shuffles and adds (each level halves the vectors and doubles what a lane sums).
+__attribute__((target("avx512f"))) inline __m512 lane_sums(const __m512 a[16]) {
+  __m512 pairs[8], quads[4];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: {a[2i] 0+2, a[2i+1] 0+2, a[2i] 1+3, a[2i+1] 1+3}
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: a[4i .. 4i+3], each summed over its four lanes
+    quads[i] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  // The 128-bit lanes of quads[i] hold partial sums of the same four rows: fold them together.
+  const __m512 low = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 high = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(low, high, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(low, high, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// The tile's scores as tile_scores below, sixteen keys at a time (head_dim a multiple of 16; k_tile
+// padded to a multiple of 16 with its last row).
+__attribute__((target("avx512f"))) void tile_scores(const float* q_rows, int64_t vectors, int64_t head_dim,
+                                                    const float** k_tile, int64_t n, float* scores) {
+  for (int64_t t = n; t % 16 != 0; ++t) k_tile[t] = k_tile[n - 1];
+  for (int64_t t = 0; t < n; t += 16) {
+    const float* const* keys = k_tile + t;
+    for (int64_t g = 0; g < vectors; ++g) {
+      const float* q = q_rows + g * head_dim;
+      __m512 acc[16];
+      for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+      for (int64_t d = 0; d < head_dim; d += 16) {
+        const __m512 q_chunk = _mm512_loadu_ps(q + d);
+        for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(q_chunk, _mm512_loadu_ps(keys[j] + d), acc[j]);
+      }
+      _mm512_storeu_ps(scores + g * kTile + t, lane_sums(acc));
+    }
+  }
+}
+
+// acc[g][offset, offset + 16 kChunks) += sum over t < n of weights[g][t] * rows[t][...] for kVectors query
+// vectors g at once: each loaded value chunk serves all of them, the sums held in registers.
+template <int kVectors, int kChunks>
+__attribute__((target("avx512f"))) inline void accumulate(const float* weights, const float* const* rows, int64_t n,
+                                                          int64_t offset, float* acc, int64_t head_dim) {
+  __m512 sum[kVectors][kChunks];
+  for (int g = 0; g < kVectors; ++g) {
+    for (int c = 0; c < kChunks; ++c) sum[g][c] = _mm512_loadu_ps(acc + g * head_dim + offset + 16 * c);
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 value[kChunks];
+    for (int c = 0; c < kChunks; ++c) value[c] = _mm512_loadu_ps(rows[t] + offset + 16 * c);
+    for (int g = 0; g < kVectors; ++g) {
+      const __m512 weight = _mm512_set1_ps(weights[g * kTile + t]);
+      for (int c = 0; c < kChunks; ++c) sum[g][c] = _mm512_fmadd_ps(weight, value[c], sum[g][c]);
+    }
+  }
+  for (int g = 0; g < kVectors; ++g) {
+    for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(acc + g * head_dim + offset + 16 * c, sum[g][c]);
+  }
+}
+
+// Up to kVectors query vectors over `chunks` (1 to 4) 16-float chunks from `offset`.
+template <int kVectors>
+__attribute__((target("avx512f"))) inline void accumulate_chunks(int64_t chunks, const float* weights,
+                                                                 const float* const* rows, int64_t n, int64_t offset,
+                                                                 float* acc, int64_t head_dim) {
+  switch (chunks) {
+    case 4: return accumulate<kVectors, 4>(weights, rows, n, offset, acc, head_dim);
+    case 3: return accumulate<kVectors, 3>(weights, rows, n, offset, acc, head_dim);
+    case 2: return accumulate<kVectors, 2>(weights, rows, n, offset, acc, head_dim);
+    default: return accumulate<kVectors, 1>(weights, rows, n, offset, acc, head_dim);
+  }
+}
+
+// The tile's value sums as tile_values below: six query vectors by 64 floats a pass (24 accumulators of
+// the 32 registers), so each value row is loaded once per six vectors (head_dim a multiple of 16).
+__attribute__((target("avx512f"))) void tile_values(const float* weights, int64_t vectors, int64_t head_dim,
+                                                    const float* const* v_tile, int64_t n, float* acc) {
+  constexpr int64_t kVectorsPerPass = 6;
+  for (int64_t offset = 0; offset < head_dim; offset += 64) {
+    const int64_t chunks = std::min<int64_t>(4, (head_dim - offset) / 16);
+    for (int64_t g = 0; g < vectors; g += kVectorsPerPass) {
+      const float* w = weights + g * kTile;
+      float* a = acc + g * head_dim;
+      switch (std::min(kVectorsPerPass, vectors - g)) {
+        case 6: accumulate_chunks<6>(chunks, w, v_tile, n, offset, a, head_dim); break;
+        case 5: accumulate_chunks<5>(chunks, w, v_tile, n, offset, a, head_dim); break;
+        case 4: accumulate_chunks<4>(chunks, w, v_tile, n, offset, a, head_dim); break;
+        case 3: accumulate_chunks<3>(chunks, w, v_tile, n, offset, a, head_dim); break;
+        case 2: accumulate_chunks<2>(chunks, w, v_tile, n, offset, a, head_dim); break;
+        default: accumulate_chunks<1>(chunks, w, v_tile, n, offset, a, head_dim);
+      }
+    }
+  }
+}
+
+}  // namespace avx512_attention
+#endif
+
+// Whether the AVX-512 tile routines can run: built with AVX2 (so with immintrin.h), on a CPU with
+// AVX-512, for a head dim of whole 16-float vectors.
+inline bool avx512_tiles(int64_t head_dim) {
+#if defined(__AVX2__) && defined(__FMA__)
+  return head_dim % 16 == 0 && __builtin_cpu_supports("avx512f");
+#else
+  return false;
+#endif
+}
+
+// scores[g * kTile + t] = q_g . k_t for the group's query rows and the tile's n key rows; `wide`: by the
+// AVX-512 routine (avx512_tiles). The AVX2 path scores keys eight at a time and pads k_tile to a
+// multiple of 8 with its last row (those scores are computed and never read).
 inline void tile_scores(const float* q_rows, int64_t group, int64_t head_dim, const float** k_tile, int64_t n,
-                        float* scores) {
+                        float* scores, bool wide) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (wide) return avx512_attention::tile_scores(q_rows, group, head_dim, k_tile, n, scores);
+#endif
 #ifdef __AVX2__
   if (head_dim % 8 == 0) {
     for (int64_t t = n; t % 8 != 0; ++t) k_tile[t] = k_tile[n - 1];
@@ -98,9 +215,13 @@ inline void tile_scores(const float* q_rows, int64_t group, int64_t head_dim, co
   }
 }
 
-// acc_g += sum over the tile's n positions of weight[g][t] * v_t, for each query head g of the group.
+// acc_g += sum over the tile's n positions of weight[g][t] * v_t, for each query head g of the group;
+// `wide` as for tile_scores.
 inline void tile_values(const float* weights, int64_t group, int64_t head_dim, const float* const* v_tile, int64_t n,
-                        float* acc) {
+                        float* acc, bool wide) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (wide) return avx512_attention::tile_values(weights, group, head_dim, v_tile, n, acc);
+#endif
 #ifdef __AVX2__
   if (head_dim % 8 == 0) {
     for (int64_t g = 0; g < group; ++g) {
@@ -145,6 +266,7 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& key_cache
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   scalar_t* o = out.data_ptr<scalar_t>();
   const float neg_inf = -std::numeric_limits<float>::infinity();
+  const bool wide = avx512_tiles(head_dim);
   // An item is one (request, KV head); its row b attends to positions [first_position(b), lens[b]).
   const auto first_position = [&](int64_t b) {
     return sliding_window > 0 ? std::max<int64_t>(0, lens[b] - sliding_window) : int64_t{0};
@@ -201,7 +323,7 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& key_cache
           prefetch_row(keys + offset, row_bytes);
           prefetch_row(values + offset, row_bytes);
         }
-        tile_scores(q_rows.data(), vectors, head_dim, k_tile, n, scores.data());
+        tile_scores(q_rows.data(), vectors, head_dim, k_tile, n, scores.data(), wide);
         for (int64_t v = 0; v < vectors; ++v) {
           float* s = scores.data() + v * kTile;
           // The tile's positions this vector's row attends to: [lo, hi); the others weigh nothing.
@@ -212,23 +334,19 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& key_cache
             std::fill(s, s + n, 0.0f);
             continue;
           }
-          const float tile_max = *std::max_element(s + lo, s + hi);
-          const float new_max = std::max(running_max[v], tile_max);
+          const float new_max = std::max(running_max[v], infer_recipes::max_of(s + lo, hi - lo));
           const float correction = std::exp(running_max[v] - new_max);  // 0 while nothing is accumulated
-          for (int64_t t = lo; t < hi; ++t) s[t] -= new_max;
-          infer_recipes::exp_nonpositive(s + lo, hi - lo);
+          for (int64_t t = lo; t < hi; ++t) s[t] = infer_recipes::exp_nonpositive(s[t] - new_max);
           std::fill(s, s + lo, 0.0f);
           std::fill(s + hi, s + n, 0.0f);
-          float tile_sum = 0.0f;
-          for (int64_t t = lo; t < hi; ++t) tile_sum += s[t];
-          denominator[v] = denominator[v] * correction + tile_sum;
+          denominator[v] = denominator[v] * correction + infer_recipes::sum_of(s + lo, hi - lo);
           running_max[v] = new_max;
           if (correction != 1.0f) {
             float* a = acc.data() + v * head_dim;
             for (int64_t d = 0; d < head_dim; ++d) a[d] *= correction;
           }
         }
-        tile_values(scores.data(), vectors, head_dim, v_tile, n, acc.data());
+        tile_values(scores.data(), vectors, head_dim, v_tile, n, acc.data(), wide);
       }
       for (int64_t v = 0; v < vectors; ++v) {
         const int64_t b = first_row(item) + v / group, head = kv_head * group + v % group;
