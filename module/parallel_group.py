@@ -59,6 +59,12 @@ class ParallelGroup:
     def __post_init__(self) -> None:
         assert 0 <= self.rank < self.size, f"{self.name}: rank {self.rank} outside size {self.size}"
 
+    def release(self) -> None:
+        """Let go of the process group once it is destroyed (CommManager.close): the layers share
+        this object, so its handle must go here for the group's last reference to go; a collective
+        after that fails on the assertion in _count."""
+        object.__setattr__(self, "group", None)  # frozen for the layers; cleared once, at teardown
+
     def _count(self, op: str, tensor: torch.Tensor) -> None:
         """Add the bytes to the step's count, outside graphs only: a graph runs no Python, and under
         dynamo the count would be a side effect guarded on the counter's values (a recompile)."""

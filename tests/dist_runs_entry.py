@@ -17,7 +17,8 @@ from executor.offline.__main__ import main
 
 def run_all(runs_file: Path) -> int:
     close = CommManager.close
-    CommManager.close = lambda self: None  # the next run builds its groups on this process group
+    managers: list[CommManager] = []
+    CommManager.close = lambda self: managers.append(self)  # the next run builds its groups on this process group
     try:
         for argv in json.loads(runs_file.read_text()):
             status = main(argv)
@@ -26,6 +27,8 @@ def run_all(runs_file: Path) -> int:
         return 0
     finally:
         CommManager.close = close
+        for comm in managers:  # the first destroys the process group; each lets go of its run's groups
+            comm.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 

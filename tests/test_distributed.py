@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -26,6 +27,8 @@ from tests import deepseek_v3_harness, longcat_flash_harness
 from tests.conftest import save_tiny_llama
 from tests.dist_fault_entry import FAULT_CALL_ENV, FAULT_MESSAGE
 from tests.dist_harness import (
+    ROOT,
+    RUN_ENV,
     RUN_TIMEOUT_S,
     DistRun,
     max_logprob_difference,
@@ -244,6 +247,24 @@ def test_a_rank_that_raises_stops_the_run_with_its_rank_named(llama_case, tmp_pa
     assert run.returncode != 0
     assert f"error: rank 1 of 2 failed: {FAULT_MESSAGE}" in run.output
     assert time.monotonic() - start_s < timeout_s + 60  # start-up, then at most one collective timeout
+
+
+def test_closing_the_groups_leaves_no_gloo_worker_to_the_finalizing_interpreter():
+    """CommManager.close joins the gloo worker threads: a worker still releasing its last
+    collective's tensors at interpreter exit took the GIL from a finalizing interpreter and aborted
+    a rank that had finished its run (SIGABRT, "terminate called without an active exception");
+    tests/dist_close_entry.py makes that schedule certain."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    done = subprocess.run(
+        [*command, "tests/dist_close_entry.py"],
+        cwd=ROOT,
+        env=RUN_ENV,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+        check=False,
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
 
 
 # One request at a time per replica, each a prefill and 5 decodes (6 forwards; the warm-up makes 2):

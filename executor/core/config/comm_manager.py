@@ -200,5 +200,21 @@ class CommManager:
         return gathered
 
     def close(self) -> None:
-        if self.is_distributed and dist.is_initialized():
+        """Destroy the process groups and let go of every handle to them (this manager's, and its
+        ParallelGroups', which the model's layers share), so that they end here, while the
+        interpreter is whole. destroy_process_group only forgets the groups (a gloo backend's
+        shutdown does nothing): a ProcessGroupGloo's worker threads are joined by its destructor,
+        which runs (GIL released) when the last reference goes. A worker may still be releasing the
+        last collective's tensors after the rank has moved on, and releasing a tensor that has a
+        Python object takes the GIL; if the interpreter is already finalizing by then, Python ends
+        that thread with pthread_exit inside the work's noexcept destructor: std::terminate, and a
+        rank that finished its run dies with SIGABRT ("terminate called without an active
+        exception")."""
+        if not self.is_distributed:
+            return
+        if dist.is_initialized():
             dist.destroy_process_group()
+        for group in self.groups.values():
+            group.release()
+        self._handles.clear()
+        self.world_cpu = self.tp_cpu = self.dp_leaders_cpu = None
