@@ -63,7 +63,7 @@ def kernels(weights: list[torch.Tensor], rows: int) -> dict[str, Callable[[torch
     }
     method = cpu_linear_method(torch.float32, cpu_kernels.extension(), cpu_kernels.cpu_flags())
     if method is not None and method.layout == "panels":
-        panels = [method.pack(w, method.width) for w in weights]
+        panels = [method.pack(w) for w in weights]
         found[f"panels_{method.width}"] = lambda x, i: torch.ops.infer_recipes.packed_linear(
             x, panels[i], None, weights[i].shape[0]
         )

@@ -316,8 +316,10 @@ def _can_write(slot_mapping: torch.Tensor, *caches: torch.Tensor | None) -> bool
 # docs/benchmarks.md). Past `PANEL_ROWS_MAX` rows (a prefill) MKL's own blocking wins and the plain
 # weight serves. Inside a compiled graph the panels serve from 2 rows: at one row inductor's own
 # micro-GEMM over the frozen weight is as fast, and at 2 to 32 rows (speculative verify steps) inductor
-# picks MKL's packed GEMM, which reads the weight at two thirds of the speed. bf16 weights take
-# oneDNN's blocked layout where oneDNN can reorder them; elsewhere none is kept. Which layout is
+# picks MKL's packed GEMM, which reads the weight at two thirds of the speed. bf16 weights take AMX
+# tiles where the CPU has AMX bf16 (ops/csrc/amx_linear.cpp: a step's weights stream once for up to
+# 32 rows, where oneDNN's AMX kernel slows by a fifth from 8 rows to 32), else oneDNN's blocked
+# layout where oneDNN can reorder them; elsewhere none is kept. Which layout is
 # decided once, when the backend is made (ops/backend.py). The plain weight stays, because a tied
 # embedding reads it, and so do state_dict, the weight loaders and graphs at one row.
 # `model_config.prepack_weights` turns the copies off (the backend then gives layers PlainLinear).
@@ -328,42 +330,65 @@ PANEL_ROWS_MAX = 1024
 # The panel width for each kernel: AVX-512 when the CPU has it, else AVX2.
 AVX512_PANEL_WIDTH = 32
 AVX2_PANEL_WIDTH = 24
+# Rows up to which the AMX kernel serves bf16; F.linear (oneDNN on the plain weight) past them. Measured
+# on SmolLM2's three shapes (hot, 2 cores): the kernel 1.2-1.8x F.linear at 128 rows, even at 256
+# (0.9-1.8x), and behind at 384 (the LM head 0.57x): it re-reads x once per panel, oneDNN blocks x.
+AMX_ROWS_MAX = 256
+# The CPU flags the AMX kernel needs: the tiles, their bf16 products, AVX-512 BF16 for the rounding.
+AMX_FLAGS = frozenset({"amx_tile", "amx_bf16", "avx512_bf16", "avx512bw", "avx512vl"})
 # The row count oneDNN chooses its blocking for: a decode batch. Any row count runs correctly.
 DECODE_ROWS_HINT = 32
 
 
 @dataclass(frozen=True, slots=True)
 class PackedWeight:
-    """A [out, in] weight laid out for one CPU kernel: "panels" (packed_linear.cpp) or "onednn"."""
+    """A [out, in] weight laid out for one CPU kernel: "panels" (packed_linear.cpp), "amx"
+    (amx_linear.cpp) or "onednn"."""
 
     data: torch.Tensor
     out_features: int
     layout: str
 
 
-class PanelLinear(LinearMethod):
-    """fp32 panels of `width` columns (ops/csrc/packed_linear.cpp) up to PANEL_ROWS_MAX rows, MKL past
-    them; in a compiled graph, inductor's own GEMM at one row."""
+class KernelLinear(LinearMethod):
+    """A weight laid out once for one of this project's registered linear ops (`op(x, packed, bias,
+    out_features)`), which serves up to `rows_max` rows, F.linear past them; in a compiled graph,
+    inductor's own GEMM at one row."""
 
-    layout = "panels"
-
-    def __init__(self, pack: Callable[..., torch.Tensor], width: int) -> None:
+    def __init__(self, layout: str, pack: Callable[[torch.Tensor], torch.Tensor], op: Any, rows_max: int) -> None:
+        self.layout = layout
         self.pack = pack
-        self.width = width
+        self.op = op
+        self.rows_max = rows_max
 
     def process_weights(self, layer: nn.Module) -> None:
         weight = layer.weight.detach()
-        layer.packed_weight = PackedWeight(self.pack(weight, self.width), weight.shape[0], self.layout)
+        layer.packed_weight = PackedWeight(self.pack(weight), weight.shape[0], self.layout)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         packed = layer.packed_weight
         rows = x.numel() // x.shape[-1]
-        if packed is None or rows > PANEL_ROWS_MAX or (torch.compiler.is_compiling() and not _panels_in_graph(rows)):
+        if packed is None or rows > self.rows_max or (torch.compiler.is_compiling() and not _panels_in_graph(rows)):
             return F.linear(x, layer.weight, bias)
-        out = torch.ops.infer_recipes.packed_linear(
-            x.reshape(rows, x.shape[-1]), packed.data, bias, packed.out_features
-        )
+        out = self.op(x.reshape(rows, x.shape[-1]), packed.data, bias, packed.out_features)
         return out.view(*x.shape[:-1], packed.out_features)
+
+
+class PanelLinear(KernelLinear):
+    """fp32 panels of `width` columns (ops/csrc/packed_linear.cpp) up to PANEL_ROWS_MAX rows, MKL past them."""
+
+    def __init__(self, pack: Callable[[torch.Tensor, int], torch.Tensor], width: int) -> None:
+        super().__init__(
+            "panels", lambda weight: pack(weight, width), torch.ops.infer_recipes.packed_linear, PANEL_ROWS_MAX
+        )
+        self.width = width
+
+
+class AmxLinear(KernelLinear):
+    """bf16 weights in AMX tiles (ops/csrc/amx_linear.cpp) up to AMX_ROWS_MAX rows, F.linear past them."""
+
+    def __init__(self, pack: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__("amx", pack, torch.ops.infer_recipes.amx_linear, AMX_ROWS_MAX)
 
 
 def _panels_in_graph(rows: int) -> bool:
@@ -400,6 +425,8 @@ def cpu_linear_method(dtype: torch.dtype, extension: object | None, flags: froze
     None), or None where only the plain layout serves."""
     if dtype == torch.float32 and extension is not None and {"avx2", "fma"} <= flags:
         return PanelLinear(extension.pack_linear_weight, AVX512_PANEL_WIDTH if "avx512f" in flags else AVX2_PANEL_WIDTH)
+    if dtype == torch.bfloat16 and extension is not None and AMX_FLAGS <= flags and extension.amx_available():
+        return AmxLinear(extension.pack_amx_weight)
     if torch.backends.mkldnn.is_available():
         return OneDnnLinear()
     return None

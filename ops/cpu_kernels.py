@@ -42,6 +42,7 @@ SOURCES = (
     "int8_quant.cpp",
     "int8_linear.cpp",
     "wna16_linear.cpp",
+    "amx_linear.cpp",
 )
 _DECLARATIONS = """
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
@@ -76,6 +77,8 @@ torch::Tensor wna16_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor 
     c10::optional<torch::Tensor> bias, int64_t bits, int64_t out_features);
 torch::Tensor wna16_dequantize(torch::Tensor packed, torch::Tensor scales, torch::Tensor offsets, int64_t bits,
     int64_t out_features);
+bool amx_available();
+torch::Tensor pack_amx_weight(torch::Tensor weight);
 """
 FUNCTIONS = (
     "paged_decode_attention",
@@ -94,6 +97,8 @@ FUNCTIONS = (
     "pack_wna16_weight",
     "wna16_linear",
     "wna16_dequantize",
+    "amx_available",
+    "pack_amx_weight",
 )
 
 

@@ -4,6 +4,7 @@ width and input layout a step produces."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import pytest
@@ -15,9 +16,12 @@ from module.linear import ColumnParallelLinear, RowParallelLinear
 from ops import cpu_kernels
 from ops.backend import make_backend
 from ops.cpu import (
+    AMX_FLAGS,
+    AMX_ROWS_MAX,
     AVX2_PANEL_WIDTH,
     AVX512_PANEL_WIDTH,
     PANEL_ROWS_MAX,
+    AmxLinear,
     OneDnnLinear,
     PanelLinear,
     cpu_linear_method,
@@ -31,6 +35,12 @@ needs_panels = pytest.mark.skipif(
 )
 needs_avx512 = pytest.mark.skipif(
     cpu_kernels.extension() is None or not AVX512 <= cpu_kernels.cpu_flags(), reason="the CPU has no AVX-512"
+)
+needs_amx = pytest.mark.skipif(
+    cpu_kernels.extension() is None
+    or not AMX_FLAGS <= cpu_kernels.cpu_flags()
+    or not cpu_kernels.extension().amx_available(),
+    reason="the CPU has no AMX bf16 (or Linux refuses its tiles)",
 )
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 # Each panel kernel, on the CPUs that can run it.
@@ -113,26 +123,81 @@ def test_fp32_weights_take_the_widest_panels_the_cpu_runs_and_others_onednn():
         assert isinstance(cpu_linear_method(torch.float32, None, AVX512), OneDnnLinear)
 
 
-def _panel_calls(run: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:
+def _kernel_calls(run: Callable[[], torch.Tensor], op: str) -> tuple[torch.Tensor, int]:
     with torch.profiler.profile() as profile:
         out = run()
-    return out, sum(event.name == "infer_recipes::packed_linear" for event in profile.events())
+    return out, sum(event.name == f"infer_recipes::{op}" for event in profile.events())
 
 
-@pytest.mark.parametrize("flags", PANEL_FLAGS)
-def test_a_compiled_graph_calls_the_panels_from_two_rows_and_inductors_gemm_at_one(flags):
+@pytest.mark.parametrize(
+    "method_of, dtype, op",
+    [
+        *[
+            pytest.param(functools.partial(panels, f.values[0]), torch.float32, "packed_linear", marks=f.marks, id=f.id)
+            for f in PANEL_FLAGS
+        ],
+        pytest.param(
+            lambda: cpu_linear_method(torch.bfloat16, cpu_kernels.extension(), cpu_kernels.cpu_flags()),
+            torch.bfloat16,
+            "amx_linear",
+            marks=needs_amx,
+            id="amx",
+        ),
+    ],
+)
+def test_a_compiled_graph_calls_the_kernel_from_two_rows_and_inductors_gemm_at_one(method_of, dtype, op):
     """Inductor picks MKL's packed GEMM at a verify step's few rows, which reads the weight slower than
-    the panels (docs/benchmarks.md); at one row its own micro-GEMM is as fast and stays."""
-    weight, bias = torch.randn(40, 32), torch.randn(40)
-    method = panels(flags)
+    the panels (docs/benchmarks.md); at one row its own micro-GEMM is as fast and stays. The AMX
+    kernel serves bf16 graphs from two rows the same way."""
+    weight, bias = torch.randn(40, 32, dtype=dtype), torch.randn(40, dtype=dtype)
+    method = method_of()
     layer = layer_with(method, weight)
     compiled = torch.compile(lambda x: method.apply(layer, x, bias), backend="inductor", dynamic=False, fullgraph=True)
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 8e-3, "atol": 1e-2}
     for rows, calls in ((4, 1), (1, 0)):
-        x = torch.randn(rows, 32)
+        x = torch.randn(rows, 32, dtype=dtype)
         compiled(x)  # compiles
-        out, seen = _panel_calls(lambda x=x: compiled(x))
+        out, seen = _kernel_calls(lambda x=x: compiled(x), op)
         assert seen == calls, rows
-        torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out, F.linear(x, weight, bias), **tolerance)
+
+
+def bf16_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T (+ b) of bf16 tensors summed in fp32 and rounded once: what AMX's exact products give."""
+    product = x.float() @ weight.float().t()
+    return (product if bias is None else product + bias.float()).to(torch.bfloat16)
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 2, 15, 16, 17, 32, 33, 64, 100])
+@pytest.mark.parametrize("out_features, in_features", [(32, 64), (7, 32), (48, 40), (100, 576)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_amx_linear_equals_the_bf16_product_at_any_rows_and_shape(rows, out_features, in_features, with_bias):
+    """One or two A tiles a pass, several passes, partial panels of output columns, a K that is not
+    whole tile steps (padded): each output the fp32 sum rounded to bf16, at most one bf16 step away
+    where the summation order tips a rounding."""
+    weight = torch.randn(out_features, in_features).to(torch.bfloat16)
+    bias = torch.randn(out_features).to(torch.bfloat16) if with_bias else None
+    x = torch.randn(rows, in_features).to(torch.bfloat16)
+    packed = cpu_kernels.extension().pack_amx_weight(weight)
+    out = torch.ops.infer_recipes.amx_linear(x, packed, bias, out_features)
+    expected = bf16_product(x, weight, bias)
+    torch.testing.assert_close(out, expected, rtol=8e-3, atol=1e-2)
+    assert (out != expected).float().mean() < 0.01  # one step apart only where the order tips it
+
+
+@needs_amx
+def test_bf16_weights_take_the_amx_tiles_where_the_cpu_has_them_and_onednn_past_their_rows():
+    method = cpu_linear_method(torch.bfloat16, cpu_kernels.extension(), cpu_kernels.cpu_flags())
+    assert isinstance(method, AmxLinear)
+    weight = torch.randn(40, 32).to(torch.bfloat16)
+    layer = layer_with(method, weight)
+    for rows in (3, AMX_ROWS_MAX + 1):
+        x = torch.randn(rows, 32).to(torch.bfloat16)
+        out, seen = _kernel_calls(lambda x=x: method.apply(layer, x, None), "amx_linear")
+        assert seen == (rows <= AMX_ROWS_MAX), rows
+        torch.testing.assert_close(out, bf16_product(x, weight, None), rtol=8e-3, atol=1e-2)
+    assert isinstance(cpu_linear_method(torch.bfloat16, cpu_kernels.extension(), AVX512), OneDnnLinear)
 
 
 @needs_panels
@@ -162,7 +227,7 @@ def test_every_linear_and_the_lm_head_get_a_packed_copy_outside_the_state_dict()
     if isinstance(method, PlainLinear):
         assert methods == ["PlainLinear"]
         return
-    assert methods in (["PanelLinear"], ["OneDnnLinear"])
+    assert methods in (["PanelLinear"], ["OneDnnLinear"], ["AmxLinear"])
     assert all(layer.packed_weight is not None for layer in model.values())
     assert not any("packed" in name for name in model.state_dict())
     after = model["lm_head"](model["row"](model["column"](hidden)), rows)
