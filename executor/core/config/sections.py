@@ -113,7 +113,8 @@ class ModelConfig:
     prepack_weights: bool = rule(
         True,
         help="ours: on the CPU, lay linear weights out once at load for the fastest kernel at few rows (fp32: "
-        "AVX-512 or AVX2 panels, bf16: oneDNN's blocked layout; the plain weights stay too: their memory twice); "
+        "AVX-512 or AVX2 panels, bf16: AMX tiles where the CPU has AMX, else oneDNN's blocked layout; "
+        "the plain weights stay too: their memory twice); "
         "off: MKL on the plain weights",
     )
     quantization: str = rule(
