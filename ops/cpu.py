@@ -368,7 +368,7 @@ class KernelLinear(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         packed = layer.packed_weight
         rows = x.numel() // x.shape[-1]
-        if packed is None or rows > self.rows_max or (torch.compiler.is_compiling() and not _panels_in_graph(rows)):
+        if packed is None or rows > self.rows_max or (torch.compiler.is_compiling() and not _kernel_in_graph(rows)):
             return F.linear(x, layer.weight, bias)
         out = self.op(x.reshape(rows, x.shape[-1]), packed.data, bias, packed.out_features)
         return out.view(*x.shape[:-1], packed.out_features)
@@ -391,9 +391,10 @@ class AmxLinear(KernelLinear):
         super().__init__("amx", pack, torch.ops.infer_recipes.amx_linear, AMX_ROWS_MAX)
 
 
-def _panels_in_graph(rows: int) -> bool:
-    """Whether a graph being compiled calls the panels at `rows`: from two rows, and not in an exported
-    program (AOTInductor packages hold no weights, and the panels are no parameter they could bind)."""
+def _kernel_in_graph(rows: int) -> bool:
+    """Whether a graph being compiled calls a KernelLinear's op at `rows`: from two rows, and not in an
+    exported program (AOTInductor packages hold no weights, and a packed copy is no parameter it could
+    bind)."""
     return rows >= 2 and not torch.compiler.is_exporting()
 
 
