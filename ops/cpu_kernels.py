@@ -43,6 +43,7 @@ SOURCES = (
     "int8_linear.cpp",
     "wna16_linear.cpp",
     "amx_linear.cpp",
+    "argmax_rows.cpp",
 )
 _DECLARATIONS = """
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
@@ -79,6 +80,7 @@ torch::Tensor wna16_dequantize(torch::Tensor packed, torch::Tensor scales, torch
     int64_t out_features);
 bool amx_available();
 torch::Tensor pack_amx_weight(torch::Tensor weight);
+torch::Tensor argmax_rows(torch::Tensor scores, bool allow_avx512);
 """
 FUNCTIONS = (
     "paged_decode_attention",
@@ -99,6 +101,7 @@ FUNCTIONS = (
     "wna16_dequantize",
     "amx_available",
     "pack_amx_weight",
+    "argmax_rows",
 )
 
 

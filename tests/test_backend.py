@@ -35,7 +35,7 @@ def test_cpu_fp32_takes_every_cpu_kernel_and_bf16_only_the_dtype_free_ones():
         pytest.skip("the CPU kernels do not build here")
     fp32, bf16 = make_backend("cpu", "eager", torch.float32), make_backend("cpu", "eager", torch.bfloat16)
     kernels = {"rms_norm", "add_rms_norm", "apply_rotary", "silu_and_mul", "write_kv_cache", "write_latent_cache"}
-    kernels |= {"paged_attention", "paged_attention_with_sinks"}
+    kernels |= {"paged_attention", "paged_attention_with_sinks", "argmax_rows"}
     fp32_only = {"rms_norm", "add_rms_norm", "apply_rotary", "silu_and_mul", "moe_experts"}
     kernels |= {"moe_experts"}  # the reference's grouping with the fused SiLU-and-mul
     assert {name for name in OP_NAMES if is_cpu_kernel(getattr(fp32, name))} == kernels

@@ -22,9 +22,10 @@ from transformers import (
 )
 
 from executor.core.config import ConfigError, build_config
-from executor.core.sampler import Sampler, SamplingMetadata, argmax_rows, request_seed
+from executor.core.sampler import Sampler, SamplingMetadata, request_seed
 from executor.offline.dataset import PromptRecord
 from executor.types_ import Request, SamplingParams
+from ops import cpu_kernels, torch_ref
 from tests.engine_harness import hf_greedy, hf_last_logits, load_hf_model, run_engine
 from tests.factories import make_request
 from tests.run_harness import outputs_by_id, run_into, write_run
@@ -203,20 +204,49 @@ def test_the_stages_run_in_transformers_order_with_each_row_its_own_parameters(s
 # -- greedy and random rows -----------------------------------------------------------------
 
 
-@settings(max_examples=60, deadline=None)
+def kernel_argmax(allow_avx512: bool):
+    kernels = cpu_kernels.extension()
+    assert kernels is not None, "the CPU kernels build where a compiler is present"
+    return lambda scores: kernels.argmax_rows(scores, allow_avx512)
+
+
+# The greedy choice's forms: the reference (max(dim=-1)) and the CPU kernel's two paths (AVX-512 where the
+# CPU has it, the eight-float vectors on any CPU).
+ARGMAX_FORMS = {
+    "reference": lambda: torch_ref.argmax_rows,
+    "kernel_avx512": lambda: kernel_argmax(True),
+    "kernel_vectors": lambda: kernel_argmax(False),
+}
+
+
+@pytest.mark.parametrize("form", ARGMAX_FORMS)
+@settings(max_examples=80, deadline=None)
 @given(
     values=st.lists(
-        st.sampled_from([-1.0, 0.0, 2.0, 2.0, float("inf"), float("-inf"), float("nan")]), min_size=6, max_size=6
+        st.sampled_from([-1.0, 0.0, -0.0, 2.0, 2.0, 2.0, float("inf"), float("-inf"), float("nan")]),
+        min_size=1,
+        max_size=150,
     ),
     rows=st.integers(1, 4),
-    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]),
+    data=st.data(),
 )
-def test_argmax_rows_picks_the_index_argmax_picks_ties_infinities_and_nan_included(values, rows, dtype):
-    """The greedy choice goes through max(dim=-1) for speed; it must pick argmax's index everywhere:
-    the first of tied maxima, NaN above all."""
-    scores = torch.tensor(values, dtype=dtype).repeat(rows, 8)
-    scores[0, -1] = 3.0  # rows that differ
-    assert torch.equal(argmax_rows(scores), scores.argmax(dim=-1))
+def test_argmax_rows_picks_the_index_argmax_picks_ties_infinities_and_nan_included(form, values, rows, dtype, data):
+    """The greedy choice goes through max(dim=-1), or the CPU kernel's vectors, for speed; it must pick
+    argmax's index everywhere: the first of tied maxima, NaN above all, at every row length (the
+    kernel's vectors of 64, 16 and 8 and their tails)."""
+    scores = torch.tensor(values, dtype=dtype).repeat(rows, 1)
+    for row in range(1, rows):  # rows that differ
+        scores[row, data.draw(st.integers(0, len(values) - 1))] = data.draw(st.sampled_from([3.0, float("nan")]))
+    assert torch.equal(ARGMAX_FORMS[form]()(scores), scores.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("form", ARGMAX_FORMS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_over_a_vocabulary_of_logits(form, dtype):
+    """Logits as a verify step has them: 32 rows over a vocabulary that is no multiple of the vectors."""
+    scores = torch.randn(32, 49_157).to(dtype)
+    assert torch.equal(ARGMAX_FORMS[form]()(scores), scores.argmax(dim=-1))
 
 
 def test_an_all_greedy_batch_is_one_argmax_over_the_raw_logits(monkeypatch):

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import pytest
 
+from executor.core.engine import ExecutionEngine
 from executor.core.kv_cache import KVCacheManager
 from executor.core.spec_decode.mtp import MTPProposer
+from executor.core.spec_decode.proposer import drafting_proposer
+from ops import torch_ref
 from tests.deepseek_v3_harness import save_checkpoint
 from tests.engine_harness import make_inference, token_records
 from tests.factories import deepseek_config, tiny_tokenizer
@@ -25,7 +28,7 @@ def deepseek_dir(tmp_path_factory):
     return path
 
 
-def greedy(path, next_n: int) -> tuple[list[list[int]], dict]:
+def greedy(path, next_n: int) -> tuple[list[list[int]], dict, ExecutionEngine]:
     records = token_records(random_prompts([1, 5, 17, 33, 8, 40, 3], seed=5))
     for index, record in enumerate(records):
         record.sampling_overrides["max_new_tokens"] = 6 + 4 * index
@@ -37,15 +40,21 @@ def greedy(path, next_n: int) -> tuple[list[list[int]], dict]:
         max_new_tokens=40,
     )
     result = inference.generate(records)
-    return [r.output_token_ids for r in result.requests], result.summary
+    return [r.output_token_ids for r in result.requests], result.summary, inference.engine
 
 
 @pytest.mark.parametrize("next_n", [1, 2])
 def test_mtp_speculation_on_deepseek_gives_greedy_output(deepseek_dir, next_n):
-    expected, _ = greedy(deepseek_dir, 0)
-    outputs, summary = greedy(deepseek_dir, next_n)
+    expected, _, _ = greedy(deepseek_dir, 0)
+    outputs, summary, engine = greedy(deepseek_dir, next_n)
     assert outputs == expected
     assert summary["speculative"]["draft_tokens"] > 0
+    # the greedy choice of the target's rows and of the drafts: the backend's (the CPU kernel here)
+    proposer = drafting_proposer(engine.runner.proposer)
+    assert (
+        engine.sampler.argmax_rows is engine.backend.argmax_rows and proposer.argmax_rows is engine.backend.argmax_rows
+    )
+    assert engine.backend.argmax_rows != torch_ref.argmax_rows
 
 
 def test_mtp_drafts_write_into_lookahead_slots_the_scheduler_allocated(deepseek_dir, monkeypatch):

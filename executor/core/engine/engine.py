@@ -74,7 +74,7 @@ class ExecutionEngine:
             parallel=self.comm.model_parallel(),
             backend=self.backend,
         )
-        self.sampler = Sampler(config.data_config.seed, self.platform.device)
+        self.sampler = Sampler(config.data_config.seed, self.platform.device, self.backend.argmax_rows)
         self.tokenizer: Any = None
         self.kv_cache_manager: KVCacheManager | None = None
         self.runner: ModelRunner | None = None
@@ -239,6 +239,7 @@ class ExecutionEngine:
             self.comm,
             self.proposer_lock_step(),
             draft,
+            self.backend.argmax_rows,
         )
         mtp = drafting_proposer(proposer)
         if isinstance(mtp, MTPProposer) and self.graph_compiler is not None:

@@ -3,7 +3,7 @@ row, logprobs and prompt logprobs, over a whole step's rows at once (docs/sampli
 
 from executor.core.sampler.metadata import SamplingMetadata
 from executor.core.sampler.noise import request_seed
-from executor.core.sampler.sampler import LogprobsTensors, Sampler, SamplerOutput, argmax_rows, prompt_logprobs
+from executor.core.sampler.sampler import LogprobsTensors, Sampler, SamplerOutput, prompt_logprobs
 
 __all__ = [
     "LogprobsTensors",
@@ -12,5 +12,4 @@ __all__ = [
     "SamplingMetadata",
     "prompt_logprobs",
     "request_seed",
-    "argmax_rows",
 ]

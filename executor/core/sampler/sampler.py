@@ -7,6 +7,7 @@ Order of operations, as xLLM's Sampler::forward (seed 000, section 5) and vLLM: 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,13 +22,7 @@ from executor.core.sampler.processors import (
     apply_top_k_top_p,
 )
 from executor.types_ import TokenLogprobs
-
-
-def argmax_rows(scores: torch.Tensor) -> torch.Tensor:
-    """scores.argmax(dim=-1): each row's first maximum, NaN above all, through max(dim=-1), which
-    picks the same index on every input and runs 2.3x faster on CPU (0.48 against 1.09 ms over 32 x
-    49,152 logits on two cores: a verify step's greedy rows)."""
-    return scores.max(dim=-1).indices
+from ops import torch_ref
 
 
 @dataclass(slots=True)
@@ -78,8 +73,14 @@ class Sampler:
     point mass it samples from would say nothing.
     """
 
-    def __init__(self, run_seed: int, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        run_seed: int,
+        device: torch.device | str,
+        argmax_rows: Callable[[torch.Tensor], torch.Tensor] = torch_ref.argmax_rows,
+    ) -> None:
         self.noise = ExponentialNoise(run_seed, device)
+        self.argmax_rows = argmax_rows  # the greedy choice: the backend's (ops/backend.py)
 
     def processed_logits(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """float32 logits after every stage the rows ask for; -inf where a token is cut."""
@@ -100,7 +101,7 @@ class Sampler:
         processed = self.processed_logits(logits, metadata)
         probs = processed.softmax(dim=-1)
         if metadata.any_greedy:
-            point_mass = torch.zeros_like(probs).scatter_(1, argmax_rows(processed)[:, None], 1.0)
+            point_mass = torch.zeros_like(probs).scatter_(1, self.argmax_rows(processed)[:, None], 1.0)
             probs = point_mass if metadata.greedy is None else torch.where(metadata.greedy[:, None], point_mass, probs)
         return probs
 
@@ -108,13 +109,13 @@ class Sampler:
         """The token of every row (greedy rows: argmax; random rows: a draw from `probabilities`),
         and logprobs when a row asks. An all-greedy step with no penalty or logprobs is one argmax."""
         if not metadata.needs_processing:
-            return SamplerOutput(argmax_rows(logits), None)
+            return SamplerOutput(self.argmax_rows(logits), None)
         processed = self.processed_logits(logits, metadata)
-        token_ids = argmax_rows(processed)
+        token_ids = self.argmax_rows(processed)
         if metadata.random_rows is not None:
             probs = processed[metadata.random_rows].softmax(dim=-1)
             noise = self.noise.sample(metadata.random_seeds, metadata.random_positions, probs.shape[-1])
-            token_ids = token_ids.index_copy(0, metadata.random_rows, argmax_rows(probs / noise))
+            token_ids = token_ids.index_copy(0, metadata.random_rows, self.argmax_rows(probs / noise))
         max_num_logprobs = metadata.max_num_logprobs
         logprobs = None if max_num_logprobs is None else _logprobs(processed, token_ids, max_num_logprobs)
         return SamplerOutput(token_ids, logprobs)

@@ -7,6 +7,7 @@ in as its runner and KV cache manager, so that nothing here imports the engine.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from executor.core.spec_decode.mtp import MTPProposer
 from executor.core.spec_decode.ngram import NgramProposer, NgramStepProposer
 from executor.core.spec_decode.proposer import LockStep, Proposer, ReplicaSharedDrafts
 from executor.model_loader.default_model import expand_home_vars
+from ops import torch_ref
 from ops.attention_metadata import AttentionMetadataBuilder
 
 
@@ -42,9 +44,11 @@ def make_proposer(
     comm: CommManager,
     lock_step: LockStep | None = None,
     draft: DraftParts | None = None,
+    argmax_rows: Callable[[torch.Tensor], torch.Tensor] = torch_ref.argmax_rows,
 ) -> Proposer | None:
     """None when speculative decoding is off; built after the target's weights and cache.
-    `lock_step`: the target's, when its groups span the replicas; `draft`: for method draft_model.
+    `lock_step`: the target's, when its groups span the replicas; `draft`: for method draft_model;
+    `argmax_rows`: the backend's greedy choice, MTP's drafts'.
     Above one rank per attention TP group, the group's ranks take its rank 0's drafts."""
     method, num_tokens = config.speculation
     spec = config.speculative_config
@@ -62,6 +66,7 @@ def make_proposer(
             max_blocks_per_request=max_blocks_per_request,
             config=config,
             lock_step=lock_step,
+            argmax_rows=argmax_rows,
         )
     else:
         assert draft is not None, "method draft_model needs the draft model's runner"

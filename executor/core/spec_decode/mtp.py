@@ -12,6 +12,7 @@ in lock-step the idle passes too.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,10 +21,10 @@ import torch
 from executor.core.config import ConfigError, InferenceConfig
 from executor.core.kv_cache import KVCacheManager
 from executor.core.model_worker.graph_runner import GraphRunner
-from executor.core.sampler import argmax_rows
 from executor.core.spec_decode.proposer import LockStep, ProposalContext
 from executor.types_.model_inputs import ScheduledSequence, build_step_layout
 from module.causal_lm import CausalLM
+from ops import torch_ref
 from ops.attention_metadata import AttentionMetadataBuilder, build_model_inputs, take_rows
 
 
@@ -63,6 +64,7 @@ class MTPProposer:
         max_blocks_per_request: int,
         config: InferenceConfig,
         lock_step: LockStep | None = None,
+        argmax_rows: Callable[[torch.Tensor], torch.Tensor] = torch_ref.argmax_rows,
     ) -> None:
         check_mtp_layers(type(model), model.config, config, "its config.json")
         self.model = model
@@ -72,6 +74,7 @@ class MTPProposer:
         self.num_lookahead_tokens = num_speculative_tokens - 1  # drafts 2..k write one position on each
         self.max_blocks_per_request = max_blocks_per_request
         self.lock_step = lock_step
+        self.argmax_rows = argmax_rows  # each draft's greedy choice: the backend's
         self.graph_runners: list[GraphRunner] = []  # by MTP layer, in graph modes (the engine sets them)
 
     @torch.inference_mode()
@@ -172,10 +175,10 @@ class MTPProposer:
                 layer, inputs.input_ids, inputs.positions, previous_hidden, inputs.forward_metadata
             )
             logits = self.model.mtp_compute_logits(layer, hidden, inputs.logits_indices)
-            return hidden[inputs.logits_indices], argmax_rows(logits).tolist()
+            return hidden[inputs.logits_indices], self.argmax_rows(logits).tolist()
         hidden, all_logits = graph_output  # the LM head ran on every row inside the graph
         rows = layout.logits_indices
-        return take_rows(hidden, rows), argmax_rows(take_rows(all_logits, rows)).tolist()
+        return take_rows(hidden, rows), self.argmax_rows(take_rows(all_logits, rows)).tolist()
 
     def _next_rows(
         self, context: ProposalContext, drafting: list[_Drafting], tokens: list[int]
