@@ -385,9 +385,10 @@ def test_cpu_decode_kernel_reads_a_requests_rows_together_as_the_reference_reads
     length (the last rows of a request whose drafts ran short are padding of length 1); read once for
     all of a request's rows, each row must still get what the reference gives it alone."""
     num_kv_heads, block_size = 3, 16
-    lengths = [[7, 8, 9, 10], [31, 32, 33, 34], [96, 97, 1, 1], [1, 1, 1, 1]]  # the last: a padding request
+    # the second over two of the kernel's 256-position chunks, the last a padding request
+    lengths = [[7, 8, 9, 10], [270, 271, 272, 273], [96, 97, 1, 1], [1, 1, 1, 1]]
     lengths = [request[:rows_per_request] for request in lengths]
-    blocks_per_request = 7
+    blocks_per_request = 18
     num_blocks = len(lengths) * blocks_per_request + 1
     key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
     value_cache = torch.randn_like(key_cache)

@@ -1,8 +1,10 @@
 // Decode attention over the paged KV cache for the CPU: one query token per row, read straight from
-// the cache blocks (no gathered copy), one pass with an online softmax, so the work follows the K/V
-// each request actually has. Parallel over (request, KV head); all query heads of a KV head, and all
-// rows of a request (a verify step's 1 + k tokens), share each loaded key and value row, a tile of
-// keys at a time, the next tile's rows prefetched meanwhile.
+// the cache blocks (no gathered copy), so the work follows the K/V each request actually has. Parallel
+// over (request, KV head); all query heads of a KV head, and all rows of a request (a verify step's
+// 1 + k tokens), share each loaded key and value row. The positions go by chunks of up to kChunk: the
+// chunk's scores a tile of keys at a time, one softmax pass over them per query vector, then its value
+// sums a tile at a time; an online softmax carries the sums from chunk to chunk. The next tile's rows
+// are prefetched meanwhile, and a chunk's rows are looked up in the block table once.
 // With AVX-512 (head dims that are multiples of 16, chosen at run time) or AVX2 (multiples of 8) the
 // tile's scores and value sums run in intrinsics, portable loops otherwise; the softmax runs in
 // loops the compiler vectorises. Accumulates in fp32 whatever the storage dtype; an int8 cache (C8) is
@@ -26,10 +28,13 @@
 
 namespace {
 
-// Positions attended per tile: their scores are computed together, then their weights, then the
-// value rows are accumulated, so that no step waits on the one before (the one-key-at-a-time
-// online softmax is bound by that chain). A tile's K and V rows (32 x 2 x head dim) stay in L1.
+// Key or value rows read together (converted to fp32 together where the cache is not): 32 x head dim
+// floats stay in L1.
 constexpr int64_t kTile = 32;
+// Positions whose scores are held together, so that each query vector's softmax is one pass over them
+// (per 32-key tile, a verify step's 12 vectors spent a fifth of the kernel in softmax calls and
+// rescaling); 256 x 4 bytes a vector stay in L2 even for 16 heads over 8 rows.
+constexpr int64_t kChunk = 256;
 
 // Asks for a row's cache lines ahead of use: consecutive positions sit in different blocks, which
 // the hardware prefetcher cannot guess, and one item's walk alone leaves memory idle between misses.
@@ -102,7 +107,7 @@ __attribute__((target("avx512f"))) inline __m512 lane_sums(const __m512 a[16]) {
 // The tile's scores as tile_scores below, sixteen keys at a time (head_dim a multiple of 16; k_tile
 // padded to a multiple of 16 with its last row).
 __attribute__((target("avx512f"))) void tile_scores(const float* q_rows, int64_t vectors, int64_t head_dim,
-                                                    const float** k_tile, int64_t n, float* scores) {
+                                                    const float** k_tile, int64_t n, float* scores, int64_t stride) {
   for (int64_t t = n; t % 16 != 0; ++t) k_tile[t] = k_tile[n - 1];
   for (int64_t t = 0; t < n; t += 16) {
     const float* const* keys = k_tile + t;
@@ -114,7 +119,7 @@ __attribute__((target("avx512f"))) void tile_scores(const float* q_rows, int64_t
         const __m512 q_chunk = _mm512_loadu_ps(q + d);
         for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(q_chunk, _mm512_loadu_ps(keys[j] + d), acc[j]);
       }
-      _mm512_storeu_ps(scores + g * kTile + t, lane_sums(acc));
+      _mm512_storeu_ps(scores + g * stride + t, lane_sums(acc));
     }
   }
 }
@@ -122,8 +127,8 @@ __attribute__((target("avx512f"))) void tile_scores(const float* q_rows, int64_t
 // acc[g][offset, offset + 16 kChunks) += sum over t < n of weights[g][t] * rows[t][...] for kVectors query
 // vectors g at once: each loaded value chunk serves all of them, the sums held in registers.
 template <int kVectors, int kChunks>
-__attribute__((target("avx512f"))) inline void accumulate(const float* weights, const float* const* rows, int64_t n,
-                                                          int64_t offset, float* acc, int64_t head_dim) {
+__attribute__((target("avx512f"))) inline void accumulate(const float* weights, int64_t stride, const float* const* rows,
+                                                          int64_t n, int64_t offset, float* acc, int64_t head_dim) {
   __m512 sum[kVectors][kChunks];
   for (int g = 0; g < kVectors; ++g) {
     for (int c = 0; c < kChunks; ++c) sum[g][c] = _mm512_loadu_ps(acc + g * head_dim + offset + 16 * c);
@@ -132,7 +137,7 @@ __attribute__((target("avx512f"))) inline void accumulate(const float* weights, 
     __m512 value[kChunks];
     for (int c = 0; c < kChunks; ++c) value[c] = _mm512_loadu_ps(rows[t] + offset + 16 * c);
     for (int g = 0; g < kVectors; ++g) {
-      const __m512 weight = _mm512_set1_ps(weights[g * kTile + t]);
+      const __m512 weight = _mm512_set1_ps(weights[g * stride + t]);
       for (int c = 0; c < kChunks; ++c) sum[g][c] = _mm512_fmadd_ps(weight, value[c], sum[g][c]);
     }
   }
@@ -143,37 +148,80 @@ __attribute__((target("avx512f"))) inline void accumulate(const float* weights, 
 
 // Up to kVectors query vectors over `chunks` (1 to 4) 16-float chunks from `offset`.
 template <int kVectors>
-__attribute__((target("avx512f"))) inline void accumulate_chunks(int64_t chunks, const float* weights,
+__attribute__((target("avx512f"))) inline void accumulate_chunks(int64_t chunks, const float* weights, int64_t stride,
                                                                  const float* const* rows, int64_t n, int64_t offset,
                                                                  float* acc, int64_t head_dim) {
   switch (chunks) {
-    case 4: return accumulate<kVectors, 4>(weights, rows, n, offset, acc, head_dim);
-    case 3: return accumulate<kVectors, 3>(weights, rows, n, offset, acc, head_dim);
-    case 2: return accumulate<kVectors, 2>(weights, rows, n, offset, acc, head_dim);
-    default: return accumulate<kVectors, 1>(weights, rows, n, offset, acc, head_dim);
+    case 4: return accumulate<kVectors, 4>(weights, stride, rows, n, offset, acc, head_dim);
+    case 3: return accumulate<kVectors, 3>(weights, stride, rows, n, offset, acc, head_dim);
+    case 2: return accumulate<kVectors, 2>(weights, stride, rows, n, offset, acc, head_dim);
+    default: return accumulate<kVectors, 1>(weights, stride, rows, n, offset, acc, head_dim);
   }
 }
 
 // The tile's value sums as tile_values below: six query vectors by 64 floats a pass (24 accumulators of
 // the 32 registers), so each value row is loaded once per six vectors (head_dim a multiple of 16).
-__attribute__((target("avx512f"))) void tile_values(const float* weights, int64_t vectors, int64_t head_dim,
-                                                    const float* const* v_tile, int64_t n, float* acc) {
+__attribute__((target("avx512f"))) void tile_values(const float* weights, int64_t stride, int64_t vectors,
+                                                    int64_t head_dim, const float* const* v_tile, int64_t n,
+                                                    float* acc) {
   constexpr int64_t kVectorsPerPass = 6;
   for (int64_t offset = 0; offset < head_dim; offset += 64) {
     const int64_t chunks = std::min<int64_t>(4, (head_dim - offset) / 16);
     for (int64_t g = 0; g < vectors; g += kVectorsPerPass) {
-      const float* w = weights + g * kTile;
+      const float* w = weights + g * stride;
       float* a = acc + g * head_dim;
       switch (std::min(kVectorsPerPass, vectors - g)) {
-        case 6: accumulate_chunks<6>(chunks, w, v_tile, n, offset, a, head_dim); break;
-        case 5: accumulate_chunks<5>(chunks, w, v_tile, n, offset, a, head_dim); break;
-        case 4: accumulate_chunks<4>(chunks, w, v_tile, n, offset, a, head_dim); break;
-        case 3: accumulate_chunks<3>(chunks, w, v_tile, n, offset, a, head_dim); break;
-        case 2: accumulate_chunks<2>(chunks, w, v_tile, n, offset, a, head_dim); break;
-        default: accumulate_chunks<1>(chunks, w, v_tile, n, offset, a, head_dim);
+        case 6: accumulate_chunks<6>(chunks, w, stride, v_tile, n, offset, a, head_dim); break;
+        case 5: accumulate_chunks<5>(chunks, w, stride, v_tile, n, offset, a, head_dim); break;
+        case 4: accumulate_chunks<4>(chunks, w, stride, v_tile, n, offset, a, head_dim); break;
+        case 3: accumulate_chunks<3>(chunks, w, stride, v_tile, n, offset, a, head_dim); break;
+        case 2: accumulate_chunks<2>(chunks, w, stride, v_tile, n, offset, a, head_dim); break;
+        default: accumulate_chunks<1>(chunks, w, stride, v_tile, n, offset, a, head_dim);
       }
     }
   }
+}
+
+// exp_nonpositive (cpu_math.h) in sixteen lanes: the same reduction and polynomial.
+__attribute__((target("avx512f"))) inline __m512 exp_nonpositive(__m512 x) {
+  const __m512 v = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512i k_int = _mm512_cvttps_epi32(_mm512_sub_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)),
+                                                          _mm512_set1_ps(0.5f)));
+  const __m512 k = _mm512_cvtepi32_ps(k_int);
+  const __m512 r = _mm512_add_ps(_mm512_sub_ps(v, _mm512_mul_ps(k, _mm512_set1_ps(0.693359375f))),
+                                 _mm512_mul_ps(k, _mm512_set1_ps(2.12194440e-4f)));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(k_int, _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+// The max of x[0, n), n >= 1.
+__attribute__((target("avx512f"))) inline float max_of(const float* x, int64_t n) {
+  __m512 top = _mm512_set1_ps(x[0]);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(x + i));
+  const __mmask16 tail = static_cast<__mmask16>((1u << (n - i)) - 1);
+  top = _mm512_mask_max_ps(top, tail, top, _mm512_maskz_loadu_ps(tail, x + i));
+  return _mm512_reduce_max_ps(top);
+}
+
+// x[i] = exp(x[i] - shift) for i < n (x <= shift), and their sum.
+__attribute__((target("avx512f"))) inline float exp_and_sum(float* x, int64_t n, float shift) {
+  const __m512 offset = _mm512_set1_ps(shift);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 lanes = n - i >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, x + i), offset));
+    _mm512_mask_storeu_ps(x + i, lanes, e);
+    sum = _mm512_mask_add_ps(sum, lanes, sum, e);
+  }
+  return _mm512_reduce_add_ps(sum);
 }
 
 }  // namespace avx512_attention
@@ -189,20 +237,37 @@ inline bool avx512_tiles(int64_t head_dim) {
 #endif
 }
 
-// scores[g * kTile + t] = q_g . k_t for the group's query rows and the tile's n key rows; `wide`: by the
+// The max of x[0, n), n >= 1; `wide` as for tile_scores.
+inline float max_of(const float* x, int64_t n, bool wide) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (wide) return avx512_attention::max_of(x, n);
+#endif
+  return infer_recipes::max_of(x, n);
+}
+
+// x[i] = exp(x[i] - shift) for i < n (x <= shift), and their sum; `wide` as for tile_scores.
+inline float exp_and_sum(float* x, int64_t n, float shift, bool wide) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (wide) return avx512_attention::exp_and_sum(x, n, shift);
+#endif
+  for (int64_t i = 0; i < n; ++i) x[i] = infer_recipes::exp_nonpositive(x[i] - shift);
+  return infer_recipes::sum_of(x, n);
+}
+
+// scores[g * stride + t] = q_g . k_t for the group's query rows and the tile's n key rows; `wide`: by the
 // AVX-512 routine (avx512_tiles). The AVX2 path scores keys eight at a time and pads k_tile to a
 // multiple of 8 with its last row (those scores are computed and never read).
 inline void tile_scores(const float* q_rows, int64_t group, int64_t head_dim, const float** k_tile, int64_t n,
-                        float* scores, bool wide) {
+                        float* scores, int64_t stride, bool wide) {
 #if defined(__AVX2__) && defined(__FMA__)
-  if (wide) return avx512_attention::tile_scores(q_rows, group, head_dim, k_tile, n, scores);
+  if (wide) return avx512_attention::tile_scores(q_rows, group, head_dim, k_tile, n, scores, stride);
 #endif
 #ifdef __AVX2__
   if (head_dim % 8 == 0) {
     for (int64_t t = n; t % 8 != 0; ++t) k_tile[t] = k_tile[n - 1];
     for (int64_t t = 0; t < n; t += 8) {
       for (int64_t g = 0; g < group; ++g) {
-        scores_of_8_keys(q_rows + g * head_dim, k_tile + t, head_dim, scores + g * kTile + t);
+        scores_of_8_keys(q_rows + g * head_dim, k_tile + t, head_dim, scores + g * stride + t);
       }
     }
     return;
@@ -210,23 +275,23 @@ inline void tile_scores(const float* q_rows, int64_t group, int64_t head_dim, co
 #endif
   for (int64_t t = 0; t < n; ++t) {
     for (int64_t g = 0; g < group; ++g) {
-      scores[g * kTile + t] = infer_recipes::dot(q_rows + g * head_dim, k_tile[t], head_dim);
+      scores[g * stride + t] = infer_recipes::dot(q_rows + g * head_dim, k_tile[t], head_dim);
     }
   }
 }
 
-// acc_g += sum over the tile's n positions of weight[g][t] * v_t, for each query head g of the group;
+// acc_g += sum over the tile's n positions of weights[g * stride + t] * v_t, for each query vector g;
 // `wide` as for tile_scores.
-inline void tile_values(const float* weights, int64_t group, int64_t head_dim, const float* const* v_tile, int64_t n,
-                        float* acc, bool wide) {
+inline void tile_values(const float* weights, int64_t stride, int64_t group, int64_t head_dim,
+                        const float* const* v_tile, int64_t n, float* acc, bool wide) {
 #if defined(__AVX2__) && defined(__FMA__)
-  if (wide) return avx512_attention::tile_values(weights, group, head_dim, v_tile, n, acc);
+  if (wide) return avx512_attention::tile_values(weights, stride, group, head_dim, v_tile, n, acc);
 #endif
 #ifdef __AVX2__
   if (head_dim % 8 == 0) {
     for (int64_t g = 0; g < group; ++g) {
       int64_t d = 0;
-      const float* g_weights = weights + g * kTile;
+      const float* g_weights = weights + g * stride;
       float* g_acc = acc + g * head_dim;
       for (; d + 64 <= head_dim; d += 64) accumulate_rows<8>(g_weights, v_tile, n, d, g_acc + d);
       for (; d < head_dim; d += 8) accumulate_rows<1>(g_weights, v_tile, n, d, g_acc + d);
@@ -236,7 +301,7 @@ inline void tile_values(const float* weights, int64_t group, int64_t head_dim, c
 #endif
   for (int64_t t = 0; t < n; ++t) {
     for (int64_t g = 0; g < group; ++g) {
-      const float weight = weights[g * kTile + t];
+      const float weight = weights[g * stride + t];
       float* a = acc + g * head_dim;
       for (int64_t d = 0; d < head_dim; ++d) a[d] += weight * v_tile[t][d];
     }
@@ -281,19 +346,30 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& key_cache
   const auto item_end = [&](int64_t item) {
     return *std::max_element(lens + first_row(item), lens + first_row(item) + rows_per_request);
   };
-  // Where an item's K/V row for `pos` starts in the caches, in elements.
-  const auto row_offset = [&](int64_t item, int64_t pos) {
-    const int64_t block = table[first_row(item) * table_width + pos / block_size];
-    const int64_t slot = block * block_size + pos % block_size;
-    return (slot * num_kv_heads + item % num_kv_heads) * head_dim;
+  // rows[t] = the cache row (slot * Hkv + KV head) of an item's position start + t, t < n: one division
+  // for the run, the block table read once per block.
+  const auto fill_rows = [&](int64_t item, int64_t start, int64_t n, int64_t* rows) {
+    const int32_t* item_table = table + first_row(item) * table_width;
+    const int64_t kv_head = item % num_kv_heads;
+    int64_t block = start / block_size, in_block = start % block_size;
+    for (int64_t t = 0; t < n; ++t) {
+      rows[t] = (static_cast<int64_t>(item_table[block]) * block_size + in_block) * num_kv_heads + kv_head;
+      if (++in_block == block_size) {
+        in_block = 0;
+        ++block;
+      }
+    }
+  };
+  const auto prefetch_rows = [&](const cache_t* cache, const int64_t* rows, int64_t n) {
+    for (int64_t t = 0; t < n; ++t) prefetch_row(cache + rows[t] * head_dim, row_bytes);
   };
 
   at::parallel_for(0, batch / rows_per_request * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q_rows(vectors * head_dim), acc(vectors * head_dim), scores(vectors * kTile);
-    std::vector<float> k_rows(kTile * head_dim), v_rows(kTile * head_dim);
+    std::vector<float> q_rows(vectors * head_dim), acc(vectors * head_dim), scores(vectors * kChunk);
+    std::vector<float> rows_as_float(kTile * head_dim);
+    std::vector<int64_t> rows(kChunk), next_rows(kTile);
     std::vector<float> running_max(vectors), denominator(vectors);
-    const float* k_tile[kTile];
-    const float* v_tile[kTile];
+    const float* tile[kTile];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t kv_head = item % num_kv_heads;
       const int64_t length = item_end(item);
@@ -306,47 +382,66 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& key_cache
         denominator[v] = sinks ? 1.0f : 0.0f;
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t tile_start = item_begin(item); tile_start < length; tile_start += kTile) {
-        const int64_t n = std::min(kTile, length - tile_start);
-        // The tile after this one, this item's or the next's, is prefetched while this one is read.
-        const bool item_continues = tile_start + kTile < length;
-        const int64_t next_item = item_continues ? item : item + 1;
-        const int64_t next_start = item_continues ? tile_start + kTile : next_item < end ? item_begin(next_item) : 0;
-        const int64_t next_n = next_item < end ? std::min(kTile, item_end(next_item) - next_start) : 0;
-        for (int64_t t = 0; t < n; ++t) {
-          const int64_t row = row_offset(item, tile_start + t) / head_dim;
-          k_tile[t] = infer_recipes::cached_row(keys, row, head_dim, key_scales, k_rows.data() + t * head_dim);
-          v_tile[t] = infer_recipes::cached_row(values, row, head_dim, value_scales, v_rows.data() + t * head_dim);
+      for (int64_t chunk_start = item_begin(item); chunk_start < length; chunk_start += kChunk) {
+        const int64_t n = std::min(kChunk, length - chunk_start);
+        fill_rows(item, chunk_start, n, rows.data());
+        // The chunk's scores, a tile of keys at a time, the next tile's keys (and then the chunk's first
+        // values) prefetched meanwhile.
+        for (int64_t t0 = 0; t0 < n; t0 += kTile) {
+          const int64_t m = std::min(kTile, n - t0);
+          for (int64_t t = 0; t < m; ++t) {
+            tile[t] = infer_recipes::cached_row(keys, rows[t0 + t], head_dim, key_scales, rows_as_float.data() + t * head_dim);
+          }
+          if (t0 + kTile < n) {
+            prefetch_rows(keys, rows.data() + t0 + kTile, std::min(kTile, n - t0 - kTile));
+          } else {
+            prefetch_rows(values, rows.data(), std::min(kTile, n));
+          }
+          tile_scores(q_rows.data(), vectors, head_dim, tile, m, scores.data() + t0, kChunk, wide);
         }
-        for (int64_t t = 0; t < next_n; ++t) {
-          const int64_t offset = row_offset(next_item, next_start + t);
-          prefetch_row(keys + offset, row_bytes);
-          prefetch_row(values + offset, row_bytes);
-        }
-        tile_scores(q_rows.data(), vectors, head_dim, k_tile, n, scores.data(), wide);
         for (int64_t v = 0; v < vectors; ++v) {
-          float* s = scores.data() + v * kTile;
-          // The tile's positions this vector's row attends to: [lo, hi); the others weigh nothing.
+          float* s = scores.data() + v * kChunk;
+          // The chunk's positions this vector's row attends to: [lo, hi); the others weigh nothing.
           const int64_t b = first_row(item) + v / group;
-          const int64_t lo = std::max<int64_t>(0, first_position(b) - tile_start);
-          const int64_t hi = std::min(n, lens[b] - tile_start);
+          const int64_t lo = std::max<int64_t>(0, first_position(b) - chunk_start);
+          const int64_t hi = std::min(n, lens[b] - chunk_start);
           if (lo >= hi) {
             std::fill(s, s + n, 0.0f);
             continue;
           }
-          const float new_max = std::max(running_max[v], infer_recipes::max_of(s + lo, hi - lo));
+          const float new_max = std::max(running_max[v], max_of(s + lo, hi - lo, wide));
           const float correction = std::exp(running_max[v] - new_max);  // 0 while nothing is accumulated
-          for (int64_t t = lo; t < hi; ++t) s[t] = infer_recipes::exp_nonpositive(s[t] - new_max);
+          const float weight_sum = exp_and_sum(s + lo, hi - lo, new_max, wide);
           std::fill(s, s + lo, 0.0f);
           std::fill(s + hi, s + n, 0.0f);
-          denominator[v] = denominator[v] * correction + infer_recipes::sum_of(s + lo, hi - lo);
+          denominator[v] = denominator[v] * correction + weight_sum;
           running_max[v] = new_max;
           if (correction != 1.0f) {
             float* a = acc.data() + v * head_dim;
             for (int64_t d = 0; d < head_dim; ++d) a[d] *= correction;
           }
         }
-        tile_values(scores.data(), vectors, head_dim, v_tile, n, acc.data(), wide);
+        // The value sums, the next tile's values (and then the next chunk's or item's first keys) prefetched.
+        const bool last_chunk = chunk_start + kChunk >= length;
+        for (int64_t t0 = 0; t0 < n; t0 += kTile) {
+          const int64_t m = std::min(kTile, n - t0);
+          for (int64_t t = 0; t < m; ++t) {
+            tile[t] = infer_recipes::cached_row(values, rows[t0 + t], head_dim, value_scales, rows_as_float.data() + t * head_dim);
+          }
+          if (t0 + kTile < n) {
+            prefetch_rows(values, rows.data() + t0 + kTile, std::min(kTile, n - t0 - kTile));
+          } else if (!last_chunk) {
+            const int64_t next_n = std::min(kTile, length - chunk_start - kChunk);
+            fill_rows(item, chunk_start + kChunk, next_n, next_rows.data());
+            prefetch_rows(keys, next_rows.data(), next_n);
+          } else if (item + 1 < end) {
+            const int64_t next_start = item_begin(item + 1);
+            const int64_t next_n = std::min(kTile, item_end(item + 1) - next_start);
+            fill_rows(item + 1, next_start, next_n, next_rows.data());
+            prefetch_rows(keys, next_rows.data(), next_n);
+          }
+          tile_values(scores.data() + t0, kChunk, vectors, head_dim, tile, m, acc.data(), wide);
+        }
       }
       for (int64_t v = 0; v < vectors; ++v) {
         const int64_t b = first_row(item) + v / group, head = kv_head * group + v % group;
