@@ -173,7 +173,15 @@ def main() -> None:
         print(engine.worker.graph_runner.warm_up_s)
         return
 
-    cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="bench-graph-cache-")
+    if args.cache_dir:
+        measure(args, args.cache_dir)
+        return
+    with tempfile.TemporaryDirectory(prefix="bench-graph-cache-") as cache_dir:
+        measure(args, cache_dir)
+
+
+def measure(args: argparse.Namespace, cache_dir: str) -> None:
+    """Warm-up times, then the step timings; prints the report."""
     warm_up = {
         mode: {"cold_s": warm_up_seconds(args, mode, cache_dir), "warm_cache_s": warm_up_seconds(args, mode, cache_dir)}
         for mode in ([] if args.skip_warm_up_timing else args.modes)
