@@ -9,6 +9,7 @@ and without the residual add, SiLU-and-mul, the rotary embedding) make one pass 
 the reference makes one per operator. The cache writes copy each new K/V row straight to its slot.
 The quantized kernels: W8A8's per-token int8 quantization and rescale in one pass each around
 torch._int_mm (int8_quant.cpp), and a weight-only 4/8-bit linear for decode's few rows (wna16_linear.cpp).
+The greedy choice over a step's logits is two vector passes per row (argmax_rows.cpp).
 Where no compiler is found or the build fails, the CPU backend takes the reference instead, and the
 log says why once. The build is keyed by the CPU's vector extensions and the source text, so a cache shared by
 machines of different kinds never runs the wrong code, and an edited kernel is never served stale.
