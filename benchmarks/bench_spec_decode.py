@@ -44,6 +44,19 @@ def sections_for(method: str, args: argparse.Namespace) -> dict:
     return {"speculative_config": spec}
 
 
+def first_difference(expected: list[list[int]], actual: list[list[int]]) -> dict | None:
+    """Where `actual` first leaves `expected` (the request, the output token) and how many requests
+    differ; None where they are equal. In bf16 a verify step's rows go through other kernels than a
+    one-row decode step's, so a near-tie can flip (docs/speculative_decoding.md)."""
+    differing = [i for i, (e, a) in enumerate(zip(expected, actual, strict=True)) if e != a]
+    if not differing:
+        return None
+    first = differing[0]
+    pairs = zip(expected[first], actual[first], strict=False)
+    token = next((j for j, (e, a) in enumerate(pairs) if e != a), min(len(expected[first]), len(actual[first])))
+    return {"requests": len(differing), "of": len(expected), "request": first, "token": token}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(parser, num_prompts=16, batch_size=8, block_size=16, max_new_tokens=64, num_blocks=0)
@@ -80,7 +93,7 @@ def main() -> None:
     for batch_size in args.batch_sizes:
         args.batch_size = batch_size
         runs: dict[str, list[dict]] = {}
-        outputs: dict[str, list] = {}
+        outputs: dict[str, list[list[int]]] = {}  # each method's first run's tokens, per request
         engines: dict = {}  # graph modes: one engine per method, run in every round
         for method in ["off", *args.methods, *reversed(args.methods), "off"] * args.rounds:
             # MTP needs the model folder that holds the trained MTP head (scripts/train_mtp_head.py)
@@ -93,9 +106,12 @@ def main() -> None:
             scheduler = {"ignore_eos": not args.stop_at_eos}
             if args.exe_mode != "eager" and method not in engines:
                 engines[method] = build_inference(args, 1024, scheduler, sections)
-            figures, _ = run_ours(args, records, 1024, scheduler, sections, inference=engines.get(method))
+            tokens: list[list[int]] = []
+            figures, _ = run_ours(
+                args, records, 1024, scheduler, sections, outputs=tokens, inference=engines.get(method)
+            )
             runs.setdefault(method, []).append(figures)
-            outputs.setdefault(method, figures.pop("output_token_ids", None))
+            outputs.setdefault(method, tokens)
         off = statistics.fmean(f["decode_output_tokens_per_s"] for f in runs["off"])
         report["by_batch_size"][batch_size] = {
             method: {
@@ -103,6 +119,7 @@ def main() -> None:
                 "speedup_over_off": statistics.fmean(f["decode_output_tokens_per_s"] for f in figures) / off,
                 "speculative": figures[0]["speculative"],
                 "outputs_equal_to_off": figures[0]["outputs_sha256"] == runs["off"][0]["outputs_sha256"],
+                "first_difference_from_off": first_difference(outputs["off"], outputs[method]),
                 "graph": figures[-1]["graph"],
             }
             for method, figures in runs.items()
