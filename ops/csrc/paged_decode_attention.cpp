@@ -370,6 +370,13 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& key_cache
     std::vector<int64_t> rows(kChunk), next_rows(kTile);
     std::vector<float> running_max(vectors), denominator(vectors);
     const float* tile[kTile];
+    // tile[t] = cache row rows[t] as fp32 (in place, or converted into rows_as_float), t < m.
+    const auto read_tile = [&](const cache_t* cache, const infer_recipes::CacheScales& scales, const int64_t* rows,
+                               int64_t m) {
+      for (int64_t t = 0; t < m; ++t) {
+        tile[t] = infer_recipes::cached_row(cache, rows[t], head_dim, scales, rows_as_float.data() + t * head_dim);
+      }
+    };
     for (int64_t item = begin; item < end; ++item) {
       const int64_t kv_head = item % num_kv_heads;
       const int64_t length = item_end(item);
@@ -389,9 +396,7 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& key_cache
         // values) prefetched meanwhile.
         for (int64_t t0 = 0; t0 < n; t0 += kTile) {
           const int64_t m = std::min(kTile, n - t0);
-          for (int64_t t = 0; t < m; ++t) {
-            tile[t] = infer_recipes::cached_row(keys, rows[t0 + t], head_dim, key_scales, rows_as_float.data() + t * head_dim);
-          }
+          read_tile(keys, key_scales, rows.data() + t0, m);
           if (t0 + kTile < n) {
             prefetch_rows(keys, rows.data() + t0 + kTile, std::min(kTile, n - t0 - kTile));
           } else {
@@ -425,9 +430,7 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& key_cache
         const bool last_chunk = chunk_start + kChunk >= length;
         for (int64_t t0 = 0; t0 < n; t0 += kTile) {
           const int64_t m = std::min(kTile, n - t0);
-          for (int64_t t = 0; t < m; ++t) {
-            tile[t] = infer_recipes::cached_row(values, rows[t0 + t], head_dim, value_scales, rows_as_float.data() + t * head_dim);
-          }
+          read_tile(values, value_scales, rows.data() + t0, m);
           if (t0 + kTile < n) {
             prefetch_rows(values, rows.data() + t0 + kTile, std::min(kTile, n - t0 - kTile));
           } else if (!last_chunk) {

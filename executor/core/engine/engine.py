@@ -237,9 +237,9 @@ class ExecutionEngine:
             self.metadata_builder,
             self.max_blocks_per_request,
             self.comm,
+            self.backend.argmax_rows,
             self.proposer_lock_step(),
             draft,
-            self.backend.argmax_rows,
         )
         mtp = drafting_proposer(proposer)
         if isinstance(mtp, MTPProposer) and self.graph_compiler is not None:

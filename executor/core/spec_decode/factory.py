@@ -21,7 +21,6 @@ from executor.core.spec_decode.mtp import MTPProposer
 from executor.core.spec_decode.ngram import NgramProposer, NgramStepProposer
 from executor.core.spec_decode.proposer import LockStep, Proposer, ReplicaSharedDrafts
 from executor.model_loader.default_model import expand_home_vars
-from ops import torch_ref
 from ops.attention_metadata import AttentionMetadataBuilder
 
 
@@ -42,13 +41,13 @@ def make_proposer(
     metadata_builder: AttentionMetadataBuilder,
     max_blocks_per_request: int,
     comm: CommManager,
+    argmax_rows: Callable[[torch.Tensor], torch.Tensor],
     lock_step: LockStep | None = None,
     draft: DraftParts | None = None,
-    argmax_rows: Callable[[torch.Tensor], torch.Tensor] = torch_ref.argmax_rows,
 ) -> Proposer | None:
     """None when speculative decoding is off; built after the target's weights and cache.
-    `lock_step`: the target's, when its groups span the replicas; `draft`: for method draft_model;
-    `argmax_rows`: the backend's greedy choice, MTP's drafts'.
+    `argmax_rows`: the backend's greedy choice (MTP's drafts take it); `lock_step`: the target's, when
+    its groups span the replicas; `draft`: for method draft_model.
     Above one rank per attention TP group, the group's ranks take its rank 0's drafts."""
     method, num_tokens = config.speculation
     spec = config.speculative_config

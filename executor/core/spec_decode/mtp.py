@@ -24,7 +24,6 @@ from executor.core.model_worker.graph_runner import GraphRunner
 from executor.core.spec_decode.proposer import LockStep, ProposalContext
 from executor.types_.model_inputs import ScheduledSequence, build_step_layout
 from module.causal_lm import CausalLM
-from ops import torch_ref
 from ops.attention_metadata import AttentionMetadataBuilder, build_model_inputs, take_rows
 
 
@@ -63,8 +62,8 @@ class MTPProposer:
         num_speculative_tokens: int,
         max_blocks_per_request: int,
         config: InferenceConfig,
+        argmax_rows: Callable[[torch.Tensor], torch.Tensor],
         lock_step: LockStep | None = None,
-        argmax_rows: Callable[[torch.Tensor], torch.Tensor] = torch_ref.argmax_rows,
     ) -> None:
         check_mtp_layers(type(model), model.config, config, "its config.json")
         self.model = model
