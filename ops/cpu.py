@@ -94,7 +94,7 @@ def paged_decode_attention(
     so the kernel reads their K/V once. Registered only once the extension built (CpuOps)."""
     kernel = extension().paged_decode_attention
     caches = (key_cache, value_cache, block_table, seq_lens)
-    return kernel(query, *caches, scale, sliding_window, sinks, key_scale, value_scale, rows_per_request)
+    return kernel(query, *caches, scale, sliding_window, sinks, key_scale, value_scale, rows_per_request, True)
 
 
 @paged_decode_attention.register_fake

@@ -36,6 +36,7 @@ STALE_BUILD_LOCK_S = 600.0
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (
     "paged_decode_attention.cpp",
+    "amx_decode_attention.cpp",
     "paged_prefill_attention.cpp",
     "fused_elementwise.cpp",
     "kv_cache_write.cpp",
@@ -50,7 +51,7 @@ _DECLARATIONS = """
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
     torch::Tensor block_table, torch::Tensor seq_lens, double scale, int64_t sliding_window,
     c10::optional<torch::Tensor> sinks, c10::optional<torch::Tensor> key_scale,
-    c10::optional<torch::Tensor> value_scale, c10::optional<torch::Tensor> rows_per_request);
+    c10::optional<torch::Tensor> value_scale, c10::optional<torch::Tensor> rows_per_request, bool allow_amx);
 torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value,
     torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor block_table, torch::Tensor query_ends,
     torch::Tensor seq_lens, double scale, int64_t sliding_window, c10::optional<torch::Tensor> sinks,
@@ -80,6 +81,7 @@ torch::Tensor wna16_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor 
 torch::Tensor wna16_dequantize(torch::Tensor packed, torch::Tensor scales, torch::Tensor offsets, int64_t bits,
     int64_t out_features);
 bool amx_available();
+bool amx_decode_attention_fits(int64_t head_dim, int64_t block_size);
 torch::Tensor pack_amx_weight(torch::Tensor weight);
 torch::Tensor argmax_rows(torch::Tensor scores, bool allow_avx512);
 """
@@ -101,6 +103,7 @@ FUNCTIONS = (
     "wna16_linear",
     "wna16_dequantize",
     "amx_available",
+    "amx_decode_attention_fits",
     "pack_amx_weight",
     "argmax_rows",
 )

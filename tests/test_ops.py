@@ -324,10 +324,24 @@ def test_decode_attention_reads_only_up_to_the_longest_sequence_not_the_table_wi
     assert index_shapes == [[2 * 6], [2 * 6]]  # K and V: 2 requests x the longest sequence (6), not x 503 blocks
 
 
+# The bf16 decode kernel's two forms: AMX tiles where the CPU has them (test below), vectors.
+DECODE_FORMS = pytest.mark.parametrize("allow_amx", [True, False], ids=["amx_where_it_fits", "vectors"])
+
+
 @needs_compiler
+def test_the_amx_decode_attention_serves_head_dims_64_and_128_in_blocks_of_whole_tiles_where_the_cpu_has_amx():
+    """So that the kernel tests' AMX form runs the tiles on this CPU, not the vectors again."""
+    fits = cpu_kernels.extension().amx_decode_attention_fits
+    has_amx = {"amx_bf16", "avx512_bf16"} <= cpu_kernels.cpu_flags() and cpu_kernels.extension().amx_available()
+    assert [fits(64, 16), fits(128, 128)] == [has_amx, has_amx]
+    assert not any([fits(80, 16), fits(32, 16), fits(64, 8), fits(64, 24)])
+
+
+@needs_compiler
+@DECODE_FORMS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("sliding_window, with_sinks", [(0, False), (5, False), (40, False), (0, True), (40, True)])
-def test_cpu_decode_kernel_matches_the_gathered_reference(dtype, sliding_window, with_sinks):
+def test_cpu_decode_kernel_matches_the_gathered_reference(dtype, sliding_window, with_sinks, allow_amx):
     """The C++ kernel reads the cache in place; it must agree with the torch definition, whatever
     the table width, the window, the sinks and the storage dtype (fp32 accumulation in both)."""
     assert cpu_kernels.extension() is not None, "the kernel must build where a compiler is present"
@@ -344,16 +358,17 @@ def test_cpu_decode_kernel_matches_the_gathered_reference(dtype, sliding_window,
     args = (query, key_cache, value_cache, block_table, seq_lens, 0.35, sliding_window, sinks)
     expected = torch_ref.paged_decode_attention(*args)
     tolerance = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {}
-    torch.testing.assert_close(kernel(*args, None, None, None), expected, **tolerance)  # no C8 scales
+    torch.testing.assert_close(kernel(*args, None, None, None, allow_amx), expected, **tolerance)  # no C8 scales
 
 
 @needs_compiler
+@DECODE_FORMS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128, 24, 20])  # the unrolled dims, a multiple of 8 and not
 @pytest.mark.parametrize("block_size", [16, 128])
 @pytest.mark.parametrize("sliding_window, with_sinks", [(0, False), (50, True)])
 def test_cpu_decode_kernel_matches_the_reference_at_model_head_dims_and_block_sizes(
-    dtype, head_dim, block_size, sliding_window, with_sinks
+    dtype, head_dim, block_size, sliding_window, with_sinks, allow_amx
 ):
     """Requests of 1 to 300 tokens (tiles full, partial, a last one of a single key) in scattered
     blocks, 3 query heads per KV head as in SmolLM2."""
@@ -369,17 +384,20 @@ def test_cpu_decode_kernel_matches_the_reference_at_model_head_dims_and_block_si
     expected = torch_ref.paged_decode_attention(*args, sliding_window, sinks)
     tolerance = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {}
     kernel = cpu_kernels.extension().paged_decode_attention
-    torch.testing.assert_close(kernel(*args, sliding_window, sinks, None, None, None), expected, **tolerance)
+    torch.testing.assert_close(kernel(*args, sliding_window, sinks, None, None, None, allow_amx), expected, **tolerance)
 
 
 @needs_compiler
+@DECODE_FORMS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("sliding_window, with_sinks", [(0, False), (40, False), (0, True), (40, True)])
 # 8: the AVX2 tiles; 64 and 80 (a 64-float pass and a 16-float one) the AVX-512 tiles where the CPU has
 # them, whose value sums take six query vectors a pass: 3 x 4 rows is two full passes, 3 x 3 one and a half.
-@pytest.mark.parametrize("head_dim, rows_per_request", [(8, 4), (64, 4), (80, 3)])
+# In bf16 the AMX tiles take 64 and 128 where the CPU has them, 16 vectors a pass: 5 x 4 is a full pass
+# and a quarter.
+@pytest.mark.parametrize("head_dim, rows_per_request, group", [(8, 4, 3), (64, 4, 3), (80, 3, 3), (128, 4, 5)])
 def test_cpu_decode_kernel_reads_a_requests_rows_together_as_the_reference_reads_each(
-    dtype, sliding_window, with_sinks, head_dim, rows_per_request
+    dtype, sliding_window, with_sinks, head_dim, rows_per_request, group, allow_amx
 ):
     """A verify step in a graph: 1 + k rows per request over its one block table, each up to its own
     length (the last rows of a request whose drafts ran short are padding of length 1); read once for
@@ -396,17 +414,40 @@ def test_cpu_decode_kernel_reads_a_requests_rows_together_as_the_reference_reads
     tables[-1] = 0  # the padding request's all-null row
     block_table = tables.repeat_interleave(rows_per_request, dim=0)
     seq_lens = torch.tensor(lengths).flatten()
-    query = 3 * torch.randn(len(seq_lens), 3 * num_kv_heads, head_dim, dtype=dtype)
-    sinks = torch.linspace(-2, 3, 3 * num_kv_heads, dtype=dtype) if with_sinks else None
+    query = 3 * torch.randn(len(seq_lens), group * num_kv_heads, head_dim, dtype=dtype)
+    sinks = torch.linspace(-2, 3, group * num_kv_heads, dtype=dtype) if with_sinks else None
     args = (query, key_cache, value_cache, block_table, seq_lens, head_dim**-0.5, sliding_window, sinks)
     expected = torch_ref.paged_decode_attention(*args)
     kernel = cpu_kernels.extension().paged_decode_attention
-    together = kernel(*args, None, None, torch.tensor([rows_per_request]))
+    together = kernel(*args, None, None, torch.tensor([rows_per_request]), allow_amx)
     tolerance = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {}
     torch.testing.assert_close(together, expected, **tolerance)
-    torch.testing.assert_close(together, kernel(*args, None, None, None), rtol=0, atol=1e-6)
+    torch.testing.assert_close(together, kernel(*args, None, None, None, allow_amx), rtol=0, atol=1e-6)
     with pytest.raises(RuntimeError, match="rows_per_request must divide"):
-        kernel(*args, None, None, torch.tensor([5]))  # 16 or 12 rows
+        kernel(*args, None, None, torch.tensor([5]), allow_amx)  # 16 or 12 rows
+
+
+@needs_compiler
+@DECODE_FORMS
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cpu_decode_kernel_reads_nothing_of_the_slots_past_a_requests_end(head_dim, allow_amx):
+    """The AMX form loads whole 16-position tiles of keys and 32-position steps of values: slots past a
+    request's length in its last block (here NaN, as a freed block may hold anything) must weigh nothing."""
+    num_kv_heads, block_size, lengths = 3, 16, [5, 20, 37, 1]
+    tables = torch.arange(1, 4 * len(lengths) + 1, dtype=torch.int32).view(len(lengths), -1)
+    clean = torch.zeros(4 * len(lengths) + 1, block_size, num_kv_heads, head_dim, dtype=torch.bfloat16)
+    key_cache, value_cache = clean.clone(), clean.clone()
+    for cache in (key_cache, value_cache):
+        cache.fill_(float("nan"))
+        for table, length in zip(tables, lengths):
+            slots = table.repeat_interleave(block_size)[:length] * block_size + torch.arange(length) % block_size
+            rows = torch.randn(length, num_kv_heads, head_dim, dtype=torch.bfloat16)
+            cache.view(-1, num_kv_heads, head_dim)[slots] = rows
+    query = 3 * torch.randn(len(lengths), 3 * num_kv_heads, head_dim, dtype=torch.bfloat16)
+    args = (query, key_cache, value_cache, tables, torch.tensor(lengths), head_dim**-0.5, 0, None)
+    expected = torch_ref.paged_decode_attention(query, key_cache.nan_to_num(0), value_cache.nan_to_num(0), *args[3:])
+    out = cpu_kernels.extension().paged_decode_attention(*args, None, None, None, allow_amx)
+    torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
 
 
 def reference_cache_write(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:

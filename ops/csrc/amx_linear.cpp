@@ -13,6 +13,8 @@
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 
+#include "amx_tiles.h"
+
 #include <algorithm>
 #include <cstdint>
 
@@ -35,14 +37,7 @@ constexpr int64_t kPrefetchSteps = 2;
 constexpr int kArchRequestPermission = 0x1023;
 constexpr int kTileDataFeature = 18;
 
-// The tile configuration (palette 1): bytes per row and rows of each of the 8 tiles.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-};
+using infer_recipes::TileConfig;
 
 // Tiles: 0-3 accumulate (rows 0-15 | 16-31) x (columns 0-15 | 16-31), 4-5 hold x's two row halves,
 // 6-7 the weight's two column halves. A pass of fewer than 17 rows leaves tiles 2, 3 and 5 unused.
@@ -93,6 +88,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16"))
     _tile_stored(2, &sums[16][0], kPanelColumns * sizeof(float));
     _tile_stored(3, &sums[16][16], kPanelColumns * sizeof(float));
   }
+  infer_recipes::memory_barrier();
   const __mmask16 low = columns >= 16 ? 0xFFFF : (1u << columns) - 1;
   const __mmask16 high = columns >= 32 ? 0xFFFF : columns <= 16 ? 0 : (1u << (columns - 16)) - 1;
   const __m512 bias_low = bias ? _mm512_maskz_loadu_ps(low, bias) : _mm512_setzero_ps();

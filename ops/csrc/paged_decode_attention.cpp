@@ -9,6 +9,8 @@
 // tile's scores and value sums run in intrinsics, portable loops otherwise; the softmax runs in
 // loops the compiler vectorises. Accumulates in fp32 whatever the storage dtype; an int8 cache (C8) is
 // dequantized row by row as it is read (kv_int8.h), so the kernel streams a quarter of fp32's bytes.
+// A bf16 cache on a CPU with AMX takes amx_decode_attention.cpp's tile products instead (head dims
+// 64 and 128).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -16,7 +18,9 @@
 #include <immintrin.h>
 #endif
 
+#include "amx_decode_attention.h"
 #include "cpu_math.h"
+#include "cpu_math_avx512.h"
 #include "kv_int8.h"
 
 #include <algorithm>
@@ -182,25 +186,6 @@ __attribute__((target("avx512f"))) void tile_values(const float* weights, int64_
   }
 }
 
-// exp_nonpositive (cpu_math.h) in sixteen lanes: the same reduction and polynomial.
-__attribute__((target("avx512f"))) inline __m512 exp_nonpositive(__m512 x) {
-  const __m512 v = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512i k_int = _mm512_cvttps_epi32(_mm512_sub_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)),
-                                                          _mm512_set1_ps(0.5f)));
-  const __m512 k = _mm512_cvtepi32_ps(k_int);
-  const __m512 r = _mm512_add_ps(_mm512_sub_ps(v, _mm512_mul_ps(k, _mm512_set1_ps(0.693359375f))),
-                                 _mm512_mul_ps(k, _mm512_set1_ps(2.12194440e-4f)));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(k_int, _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
-
 // The max of x[0, n), n >= 1.
 __attribute__((target("avx512f"))) inline float max_of(const float* x, int64_t n) {
   __m512 top = _mm512_set1_ps(x[0]);
@@ -217,7 +202,7 @@ __attribute__((target("avx512f"))) inline float exp_and_sum(float* x, int64_t n,
   __m512 sum = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 lanes = n - i >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - i)) - 1);
-    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, x + i), offset));
+    const __m512 e = infer_recipes::exp_nonpositive16(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, x + i), offset));
     _mm512_mask_storeu_ps(x + i, lanes, e);
     sum = _mm512_mask_add_ps(sum, lanes, sum, e);
   }
@@ -462,7 +447,7 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
                                      torch::Tensor block_table, torch::Tensor seq_lens, double scale,
                                      int64_t sliding_window, c10::optional<torch::Tensor> sinks,
                                      c10::optional<torch::Tensor> key_scale, c10::optional<torch::Tensor> value_scale,
-                                     c10::optional<torch::Tensor> rows_per_request_tensor) {
+                                     c10::optional<torch::Tensor> rows_per_request_tensor, bool allow_amx) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [B, H, D] and caches [N, block, Hkv, D] expected");
   // Read here rather than by the caller: a host read per layer in Python cost 6 us.
   int64_t rows_per_request = 1;
@@ -490,6 +475,17 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
   torch::Tensor sink_logits;
   if (sinks.has_value()) sink_logits = sinks->to(torch::kFloat32).contiguous();
   auto out = torch::empty_like(query);
+  if (allow_amx && query.scalar_type() == torch::kBFloat16 && !quantized &&
+      amx_decode_attention_fits(query.size(2), key_cache.size(1))) {
+    const float* sink_data = sinks.has_value() ? sink_logits.data_ptr<float>() : nullptr;
+    infer_recipes::amx_decode_attention({query.data_ptr<at::BFloat16>(), key_cache.data_ptr<at::BFloat16>(),
+                                         value_cache.data_ptr<at::BFloat16>(), block_table.data_ptr<int32_t>(),
+                                         seq_lens.data_ptr<int64_t>(), sink_data, out.data_ptr<at::BFloat16>(),
+                                         query.size(0), query.size(1), key_cache.size(2), query.size(2),
+                                         key_cache.size(1), block_table.size(1), static_cast<float>(scale),
+                                         sliding_window, rows_per_request});
+    return out;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
     const float* sink_data = sinks.has_value() ? sink_logits.data_ptr<float>() : nullptr;
     const auto run = [&](auto head_dim) {
