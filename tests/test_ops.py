@@ -439,7 +439,7 @@ def test_cpu_decode_kernel_reads_nothing_of_the_slots_past_a_requests_end(head_d
     key_cache, value_cache = clean.clone(), clean.clone()
     for cache in (key_cache, value_cache):
         cache.fill_(float("nan"))
-        for table, length in zip(tables, lengths):
+        for table, length in zip(tables, lengths, strict=True):
             slots = table.repeat_interleave(block_size)[:length] * block_size + torch.arange(length) % block_size
             rows = torch.randn(length, num_kv_heads, head_dim, dtype=torch.bfloat16)
             cache.view(-1, num_kv_heads, head_dim)[slots] = rows
