@@ -157,7 +157,7 @@ struct ItemRows {
 
 using infer_recipes::memory_barrier;
 
-// buffers.scores[t][q] = keys[start + t] . query q for t < 16 tiles: two score tiles at a time, each
+// buffers.scores[t][q] = keys[start + t] . query q for t < 16 x tiles: two score tiles at a time, each
 // 16 rows of one block loaded at the cache's row stride (a block holds whole 16-position tiles).
 template <int64_t kHeadDim>
 AMX_ATTENTION_TARGET void chunk_scores(const ItemRows& keys, int64_t start, int64_t tiles, int64_t end,
