@@ -32,6 +32,7 @@ from executor.core.sampler import Sampler, SamplingMetadata, request_seed
 from executor.types_ import Request, SamplingParams
 from executor.types_.model_inputs import ScheduledSequence, build_step_layout
 from module.parallel_group import ONE_PROCESS
+from ops import torch_ref
 from tests import deepseek_v3_harness
 from tests.backends import reference_backend
 from tests.dist_harness import (
@@ -177,7 +178,7 @@ def test_ranks_sampling_the_same_logits_sample_the_same_random_tokens():
     logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
 
     def sample_on_two_ranks(requests: list[Request]) -> list[list[int]]:
-        ranks = [Sampler(0, "cpu"), Sampler(0, "cpu")]
+        ranks = [Sampler(0, "cpu", torch_ref.argmax_rows), Sampler(0, "cpu", torch_ref.argmax_rows)]
         ranks[1].noise.run_generator.manual_seed(1)  # a run generator with another history
         return [rank.sample(logits, SamplingMetadata.build(requests, "cpu")).token_ids.tolist() for rank in ranks]
 

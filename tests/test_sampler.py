@@ -39,12 +39,12 @@ def make_logits(rows: int, seed: int, vocab: int = VOCAB, scale: float = 3.0) ->
 
 
 def processed(requests: list[Request], logits: torch.Tensor) -> torch.Tensor:
-    return Sampler(0, "cpu").processed_logits(logits, SamplingMetadata.build(requests, "cpu"))
+    return Sampler(0, "cpu", torch_ref.argmax_rows).processed_logits(logits, SamplingMetadata.build(requests, "cpu"))
 
 
 def sample(requests: list[Request], logits: torch.Tensor, run_seed: int = 0):
     metadata = SamplingMetadata.build(requests, "cpu")
-    return Sampler(run_seed, "cpu").sample(logits, metadata), metadata
+    return Sampler(run_seed, "cpu", torch_ref.argmax_rows).sample(logits, metadata), metadata
 
 
 def hf_process(request: Request, row: torch.Tensor, processors: list) -> torch.Tensor:
@@ -254,7 +254,7 @@ def test_an_all_greedy_batch_is_one_argmax_over_the_raw_logits(monkeypatch):
     requests = [make_request(f"r{i}", top_k=3, top_p=0.5) for i in range(5)]  # filters do not move an argmax
     metadata = SamplingMetadata.build(requests, "cpu")
     assert not metadata.needs_processing and metadata.temperature is None and metadata.top_k is None
-    sampler = Sampler(0, "cpu")
+    sampler = Sampler(0, "cpu", torch_ref.argmax_rows)
     monkeypatch.setattr(sampler, "processed_logits", lambda *args: pytest.fail("a greedy step processed its logits"))
     output = sampler.sample(logits, metadata)
     assert torch.equal(output.token_ids, logits.argmax(dim=-1)) and output.logprobs is None
@@ -366,7 +366,7 @@ def test_random_rows_sample_the_processed_distribution(seeded):
     requests = [
         make_request(f"r{i}", seed=request_seed(0, f"r{i}") if seeded else None, **params) for i in range(num_samples)
     ]
-    sampler = Sampler(0, "cpu")
+    sampler = Sampler(0, "cpu", torch_ref.argmax_rows)
     probs = sampler.probabilities(row, SamplingMetadata.build(requests[:1], "cpu"))[0]
     tokens = sampler.sample(row.expand(num_samples, VOCAB), SamplingMetadata.build(requests, "cpu")).token_ids
     assert int((probs > 0).sum()) == 5  # the filters leave 5 of 40 tokens
@@ -382,7 +382,7 @@ def test_probabilities_are_distributions_and_a_point_mass_on_greedy_rows():
         make_request("p", temperature=2, top_p=0.3),
     ]
     metadata = SamplingMetadata.build(requests, "cpu")
-    probs = Sampler(0, "cpu").probabilities(logits, metadata)
+    probs = Sampler(0, "cpu", torch_ref.argmax_rows).probabilities(logits, metadata)
     torch.testing.assert_close(probs.sum(dim=-1), torch.ones(3))
     assert probs[0, logits[0].argmax()] == 1.0 and (probs[0] > 0).sum() == 1
     assert (probs[1] > 0).sum() == 6
@@ -403,7 +403,7 @@ def test_logprobs_are_those_of_the_processed_distribution_most_likely_first():
     output, metadata = sample(requests, logits)
     tokens = output.token_ids.tolist()
     none, sampled, top5, greedy = output.logprobs.per_row(tokens, metadata.num_logprobs)
-    log_probs = Sampler(0, "cpu").probabilities(logits, metadata).log()
+    log_probs = Sampler(0, "cpu", torch_ref.argmax_rows).probabilities(logits, metadata).log()
     assert none is None
     assert sampled.token_id == tokens[1] and sampled.top_token_ids == [] and sampled.top_logprobs == []
     assert math.isclose(sampled.logprob, log_probs[1, tokens[1]].item(), abs_tol=1e-5)

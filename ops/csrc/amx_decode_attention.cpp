@@ -157,6 +157,14 @@ struct ItemRows {
 
 using infer_recipes::memory_barrier;
 
+// Score tiles 0 and 1 += the key rows at `low` and `high` (dims [32 s, 32 s + 32)) times query tile
+// QUERIES: a macro because GCC's tile intrinsics paste their tile numbers into the assembly as written.
+#define SCORE_DIMS(low, high, stride, s, QUERIES) \
+  _tile_loadd(2, (low) + 32 * (s), stride);       \
+  _tile_loadd(3, (high) + 32 * (s), stride);      \
+  _tile_dpbf16ps(0, 2, QUERIES);                  \
+  _tile_dpbf16ps(1, 3, QUERIES)
+
 // buffers.scores[t][q] = keys[start + t] . query q for t < 16 x tiles: two score tiles at a time, each
 // 16 rows of one block loaded at the cache's row stride (a block holds whole 16-position tiles).
 template <int64_t kHeadDim>
@@ -177,29 +185,18 @@ AMX_ATTENTION_TARGET void chunk_scores(const ItemRows& keys, int64_t start, int6
     const at::BFloat16* high = u + 1 < tiles ? keys.row(start + (u + 1) * kKeys) : low;
     _tile_zero(0);
     _tile_zero(1);
-    _tile_loadd(2, low, stride);
-    _tile_loadd(3, high, stride);
-    _tile_dpbf16ps(0, 2, 4);
-    _tile_dpbf16ps(1, 3, 4);
-    _tile_loadd(2, low + 32, stride);
-    _tile_loadd(3, high + 32, stride);
-    _tile_dpbf16ps(0, 2, 5);
-    _tile_dpbf16ps(1, 3, 5);
+    SCORE_DIMS(low, high, stride, 0, 4);
+    SCORE_DIMS(low, high, stride, 1, 5);
     if constexpr (kHeadDim == 128) {
-      _tile_loadd(2, low + 64, stride);
-      _tile_loadd(3, high + 64, stride);
-      _tile_dpbf16ps(0, 2, 6);
-      _tile_dpbf16ps(1, 3, 6);
-      _tile_loadd(2, low + 96, stride);
-      _tile_loadd(3, high + 96, stride);
-      _tile_dpbf16ps(0, 2, 7);
-      _tile_dpbf16ps(1, 3, 7);
+      SCORE_DIMS(low, high, stride, 2, 6);
+      SCORE_DIMS(low, high, stride, 3, 7);
     }
     _tile_stored(0, buffers.scores[u * kKeys], kLanes * sizeof(float));
     _tile_stored(1, buffers.scores[std::min(u + 1, tiles - 1) * kKeys], kLanes * sizeof(float));
   }
   memory_barrier();
 }
+#undef SCORE_DIMS
 
 // The lanes attending to position p: first <= p < end.
 AMX_ATTENTION_TARGET inline __mmask16 attending(const Lanes& lanes, int64_t p) {

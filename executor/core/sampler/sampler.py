@@ -22,7 +22,6 @@ from executor.core.sampler.processors import (
     apply_top_k_top_p,
 )
 from executor.types_ import TokenLogprobs
-from ops import torch_ref
 
 
 @dataclass(slots=True)
@@ -74,10 +73,7 @@ class Sampler:
     """
 
     def __init__(
-        self,
-        run_seed: int,
-        device: torch.device | str,
-        argmax_rows: Callable[[torch.Tensor], torch.Tensor] = torch_ref.argmax_rows,
+        self, run_seed: int, device: torch.device | str, argmax_rows: Callable[[torch.Tensor], torch.Tensor]
     ) -> None:
         self.noise = ExponentialNoise(run_seed, device)
         self.argmax_rows = argmax_rows  # the greedy choice: the backend's (ops/backend.py)
