@@ -32,10 +32,9 @@ import time
 import torch
 
 from executor.core.config import build_config
-from executor.core.config.model_registry import resolve_model
 from executor.core.engine.engine import ExecutionEngine
 from executor.model_loader.default_model import default_model_path
-from executor.types_ import Batch, Request, SamplingParams
+from executor.types_ import Request, SamplingParams
 
 PROMPT_TOKENS = 100
 MAX_MODEL_LEN = 1024
@@ -70,8 +69,7 @@ def build_engine(args: argparse.Namespace, exe_mode: str, cache_dir: str) -> Exe
         },
         source="bench_graph_modes",
     )
-    engine = ExecutionEngine(config)
-    engine.init(*resolve_model(args.model_name), str(args.model_path))
+    engine = ExecutionEngine(config, str(args.model_path))
     return engine
 
 
@@ -89,7 +87,9 @@ def prefilled(engine: ExecutionEngine, batch_size: int) -> list[Request]:
         prompt = [(7 * index + position) % 1000 + 10 for position in range(PROMPT_TOKENS + index % 7)]
         request = Request(f"r{index}", None, prompt, SamplingParams(max_new_tokens=1 << 20))
         assert engine.kv_cache_manager.allocate_slots(request, request.num_tokens) is not None
-        (tokens,) = engine.runner.execute(Batch([request], [request.num_tokens], is_prefill=True)).new_token_ids
+        (tokens,) = engine.runner.execute(
+            engine.kv_cache_manager.batch([request], [request.num_tokens], is_prefill=True)
+        ).new_token_ids
         request.num_computed_tokens = request.num_tokens
         request.output_token_ids.extend(tokens)
         requests.append(request)
@@ -102,7 +102,7 @@ def decode_ms(engine: ExecutionEngine, requests: list[Request], steps: int) -> l
     for _ in range(steps):
         for request in requests:
             assert engine.kv_cache_manager.allocate_slots(request, 1) is not None
-        batch = Batch(requests, [1] * len(requests), is_prefill=False)
+        batch = engine.kv_cache_manager.batch(requests, [1] * len(requests), is_prefill=False)
         start = time.perf_counter()
         new_tokens = engine.runner.execute(batch).new_token_ids
         times.append((time.perf_counter() - start) * 1e3)
@@ -123,7 +123,9 @@ def verify_ms(engine: ExecutionEngine, requests: list[Request], steps: int, draf
         draft_token_ids = [
             request.token_ids_between(request.num_tokens - drafts, request.num_tokens) for request in requests
         ]
-        batch = Batch(requests, [1 + drafts] * len(requests), is_prefill=False, draft_token_ids=draft_token_ids)
+        batch = engine.kv_cache_manager.batch(
+            requests, [1 + drafts] * len(requests), is_prefill=False, draft_token_ids=draft_token_ids
+        )
         start = time.perf_counter()
         new_tokens = engine.runner.execute(batch).new_token_ids
         times.append((time.perf_counter() - start) * 1e3)

@@ -27,13 +27,11 @@ from collections.abc import Iterator
 
 import torch
 from bench_graph_modes import decode_ms
-from transformers import LlamaConfig
 
 from executor.core.config import build_config
 from executor.core.engine.engine import ExecutionEngine
 from executor.model_loader.default_model import default_model_path
-from executor.types_ import Batch, Request, SamplingParams
-from models.llama import LlamaForCausalLM
+from executor.types_ import Request, SamplingParams
 from ops import cpu, torch_ref
 from ops.backend import Backend
 from ops.cpu import OneDnnLinear
@@ -61,8 +59,7 @@ def build_engine(dtype: str, batch_size: int, quantization: str = "") -> Executi
         },
         source="profile_decode_step",
     )
-    engine = ExecutionEngine(config)
-    engine.init(LlamaForCausalLM, LlamaConfig, str(model_path))
+    engine = ExecutionEngine(config, str(model_path))
     return engine
 
 
@@ -74,7 +71,9 @@ def prefilled(engine: ExecutionEngine, batch_size: int, prompt_tokens: int) -> l
         request = Request(f"r{index}", None, prompt, SamplingParams(max_new_tokens=1 << 20))
         assert engine.kv_cache_manager.allocate_slots(request, request.num_tokens) is not None
         requests.append(request)
-    new_tokens = engine.runner.execute(Batch(requests, [r.num_tokens for r in requests], is_prefill=True)).new_token_ids
+    new_tokens = engine.runner.execute(
+        engine.kv_cache_manager.batch(requests, [r.num_tokens for r in requests], is_prefill=True)
+    ).new_token_ids
     for request, tokens in zip(requests, new_tokens, strict=True):
         request.num_computed_tokens = request.num_tokens
         request.output_token_ids.extend(tokens)

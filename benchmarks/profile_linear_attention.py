@@ -28,9 +28,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 import models
 from executor.core.config import build_config
-from executor.core.config.model_registry import resolve_model
 from executor.core.engine.engine import ExecutionEngine
-from executor.types_ import Batch, Request, SamplingParams
+from executor.types_ import Request, SamplingParams
 from ops.backend import RECURRENT_OPS
 
 STEP = "step"
@@ -100,8 +99,7 @@ def build_engine(family: str, folder: Path, batch_size: int) -> ExecutionEngine:
         },
         source="profile_linear_attention",
     )
-    engine = ExecutionEngine(config)
-    engine.init(*resolve_model(family), str(folder))
+    engine = ExecutionEngine(config, str(folder))
     return engine
 
 
@@ -126,7 +124,9 @@ def prefilled(engine: ExecutionEngine, num_tokens: int, request_id: str) -> Requ
     request = Request(request_id, None, prompt, SamplingParams(max_new_tokens=1 << 20))
     assert engine.kv_cache_manager.allocate_slots(request, request.num_tokens) is not None
     with record_function(STEP):
-        (tokens,) = engine.runner.execute(Batch([request], [request.num_tokens], is_prefill=True)).new_token_ids
+        (tokens,) = engine.runner.execute(
+            engine.kv_cache_manager.batch([request], [request.num_tokens], is_prefill=True)
+        ).new_token_ids
     request.num_computed_tokens = request.num_tokens
     request.output_token_ids.extend(tokens)
     return request

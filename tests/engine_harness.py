@@ -12,7 +12,6 @@ from executor.offline.dataset import PromptRecord
 from executor.offline.offline_inference import OfflineInference, RunResult
 from executor.offline.results import ResultWriter
 from executor.offline.run_folder import plan_run
-from executor.types_ import Batch
 from ops.attention_metadata import build_model_inputs
 from tests.factories import make_request, tiny_tokenizer
 from tests.paged_harness import random_prompts
@@ -62,7 +61,7 @@ def engine_prefill_logits(inference: OfflineInference, prompts: list[list[int]])
     requests = [make_request(f"p{i}", ids) for i, ids in enumerate(prompts)]
     for request in requests:
         assert engine.kv_cache_manager.allocate_slots(request, request.num_prompt_tokens) is not None
-    batch = Batch(requests, [r.num_prompt_tokens for r in requests], is_prefill=True)
+    batch = engine.kv_cache_manager.batch(requests, [r.num_prompt_tokens for r in requests], is_prefill=True)
     _, layout = engine.runner.prepare_inputs(batch, [[] for _ in requests])
     inputs = build_model_inputs(layout, engine.metadata_builder)
     try:

@@ -19,7 +19,6 @@ from torch._dynamo.utils import counters
 from executor.offline import offline_inference
 from executor.offline.dataset import PromptRecord
 from executor.offline.offline_inference import OfflineInference
-from executor.types_ import Batch
 from executor.utils.graph_buckets import Bucket
 from ops.attention_metadata import build_model_inputs
 from tests.conftest import SlidingLlama, save_tiny_llama
@@ -141,10 +140,12 @@ def test_a_graph_decode_step_gives_eager_logits(exe_mode, dtype, tolerance, tiny
     requests = [make_request(f"r{i}", range(3, 9 + 5 * i)) for i in range(3)]
     for request in requests:
         assert engine.kv_cache_manager.allocate_slots(request, request.num_tokens + 1) is not None
-        engine.runner.execute(Batch([request], [request.num_tokens], is_prefill=True))
+        engine.runner.execute(engine.kv_cache_manager.batch([request], [request.num_tokens], is_prefill=True))
         request.num_computed_tokens = request.num_tokens
         request.output_token_ids.append(7)
-    _, layout = engine.runner.prepare_inputs(Batch(requests, [1, 1, 1], is_prefill=False), [[], [], []])
+    _, layout = engine.runner.prepare_inputs(
+        engine.kv_cache_manager.batch(requests, [1, 1, 1], is_prefill=False), [[], [], []]
+    )
     rows = torch.tensor(layout.logits_indices)
     worker = engine.worker
     with torch.inference_mode():

@@ -4,8 +4,8 @@ import dataclasses
 
 import pytest
 
+from executor.core.engine import StepRecord
 from executor.core.engine.kv_cache_sizing import plan_num_blocks
-from executor.core.scheduler import StepRecord
 from executor.offline.metrics import (
     breakdown_lines,
     cann_closing_lines,

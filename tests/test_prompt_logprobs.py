@@ -9,7 +9,7 @@ import torch
 from executor.core.kv_cache import KVCacheManager
 from executor.offline.dataset import PromptRecord
 from executor.offline.offline_inference import RunResult
-from executor.types_ import Batch, Request, TokenLogprobs, attention_spec
+from executor.types_ import Request, TokenLogprobs, attention_spec
 from tests.engine_harness import load_hf_model, make_inference, run_engine
 from tests.factories import make_request
 
@@ -112,13 +112,13 @@ def test_a_request_preempted_between_prompt_chunks_keeps_its_scored_tokens_and_s
     tiny_llama_dir, hf_model
 ):
     inference = make_inference(tiny_llama_dir, max_prefill_tokens=16, max_new_tokens=2)
-    scheduler, request = inference.scheduler, make_request("r", prompt=random_prompt(40, seed=25), prompt_logprobs=2)
-    scheduler.add_request(request)
-    scheduler.run_step(inference.runner)
+    core, request = inference.core, make_request("r", prompt=random_prompt(40, seed=25), prompt_logprobs=2)
+    core.add_request(request)
+    core.step()
     assert len(request.prompt_logprobs) == 16  # positions 0..15 scored tokens 1..16
-    scheduler._preempt(request)  # as a full pool would
-    while scheduler.has_work():
-        scheduler.run_step(inference.runner)
+    core.scheduler._preempt(request)  # as a full pool would
+    while core.has_work():
+        core.step()
     check_against_transformers(hf_model, request, num_top=2)
 
 
@@ -138,7 +138,9 @@ def test_requests_without_prompt_logprobs_get_no_extra_logits_rows_and_the_same_
         for request in requests:
             assert engine.kv_cache_manager.allocate_slots(request, request.num_prompt_tokens) is not None
         try:
-            return engine.runner.execute(Batch(list(requests), [r.num_prompt_tokens for r in requests], True))
+            return engine.runner.execute(
+                engine.kv_cache_manager.batch(list(requests), [r.num_prompt_tokens for r in requests], is_prefill=True)
+            )
         finally:
             for request in requests:
                 engine.kv_cache_manager.free(request)
@@ -157,11 +159,13 @@ def test_requests_without_prompt_logprobs_get_no_extra_logits_rows_and_the_same_
 
 
 def test_a_recomputed_prompt_scores_only_the_tokens_not_yet_scored(tiny_llama_dir):
-    runner = make_inference(tiny_llama_dir).engine.runner
+    engine = make_inference(tiny_llama_dir).engine
     request = make_request("r", prompt=random_prompt(10, seed=40), prompt_logprobs=0)
     request.prompt_logprobs = [TokenLogprobs(token, 0.0) for token in request.prompt_token_ids[1:5]]
-    assert runner.kv_cache_manager.allocate_slots(request, 10) is not None
-    (sequence,), layout = runner.prepare_inputs(Batch([request], [10], is_prefill=True), [[]])
+    assert engine.kv_cache_manager.allocate_slots(request, 10) is not None
+    (sequence,), layout = engine.runner.prepare_inputs(
+        engine.kv_cache_manager.batch([request], [10], is_prefill=True), [[]]
+    )
     assert sequence.prompt_logprob_rows == range(4, 9)  # positions 4..8 score tokens 5..9
     assert layout.prompt_logprob_indices == [4, 5, 6, 7, 8]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from executor.core.config import ConfigError, build_config
-from executor.core.scheduler import StepRecord
+from executor.core.engine import StepRecord
 from executor.offline.dataset import PromptRecord
 from executor.offline.durable_io import read_jsonl
 from executor.offline.results import ReplicaWriter, ResultWriter

@@ -5,6 +5,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from executor.core.engine import EngineCore, EngineStep
 from executor.core.kv_cache import KVCacheManager
 from executor.core.scheduler import Scheduler, SchedulerLimits
 from executor.types_ import (
@@ -14,6 +15,7 @@ from executor.types_ import (
     RequestStatus,
     SamplingParams,
     StepResult,
+    StepRunner,
     TokenLogprobs,
     attention_spec,
 )
@@ -67,12 +69,17 @@ def request(request_id: str, prompt_len: int, max_new_tokens: int = 3, **params)
     return make_request(request_id, range(first, first + prompt_len), max_new_tokens=max_new_tokens, **params)
 
 
+def run_step(scheduler: Scheduler, runner: StepRunner) -> EngineStep:
+    """One engine-core step of `scheduler` with `runner` (the scheduler holds every state across steps)."""
+    return EngineCore(scheduler, runner).step()
+
+
 def run_all(scheduler: Scheduler, engine: FakeEngine, requests: list[Request]) -> list[Request]:
     for r in requests:
         scheduler.add_request(r)
     finished = []
     while scheduler.has_work():
-        finished.extend(scheduler.run_step(engine).finished)
+        finished.extend(run_step(scheduler, engine).finished)
     return finished
 
 
@@ -81,12 +88,12 @@ def test_request_walks_waiting_prefilling_running_finished():
     r = request("a", 5, max_new_tokens=3)
     scheduler.add_request(r)
     assert r.status is RequestStatus.WAITING
-    scheduler.run_step(engine)
+    run_step(scheduler, engine)
     assert engine.batches[0] == (True, ["a"], [RequestStatus.PREFILLING])
     assert r.status is RequestStatus.RUNNING and len(r.output_token_ids) == 1
-    scheduler.run_step(engine)
+    run_step(scheduler, engine)
     assert engine.batches[1] == (False, ["a"], [RequestStatus.RUNNING])
-    output = scheduler.run_step(engine)
+    output = run_step(scheduler, engine)
     assert output.finished == [r] and r.status is RequestStatus.FINISHED
     assert r.finish_reason is FinishReason.LENGTH and len(r.output_token_ids) == 3
     assert not scheduler.has_work()
@@ -95,11 +102,11 @@ def test_request_walks_waiting_prefilling_running_finished():
 def test_prefill_comes_before_decode():
     scheduler, engine = make_scheduler(), FakeEngine()
     scheduler.add_request(request("a", 4, max_new_tokens=5))
-    scheduler.run_step(engine)
+    run_step(scheduler, engine)
     scheduler.add_request(request("b", 4, max_new_tokens=5))
-    scheduler.run_step(engine)
+    run_step(scheduler, engine)
     assert engine.batches[1][:2] == (True, ["b"])
-    scheduler.run_step(engine)
+    run_step(scheduler, engine)
     assert engine.batches[2][:2] == (False, ["a", "b"])
 
 
@@ -217,8 +224,8 @@ def test_preempted_request_goes_back_to_the_front_of_the_waiting_queue():
     first, second, third = request("a", 8, max_new_tokens=2), request("b", 8, max_new_tokens=2), request("c", 4)
     for r in (first, second, third):
         scheduler.add_request(r)
-    scheduler.run_step(engine)  # prefill a and b: 4 of 4 usable blocks
-    scheduler.run_step(engine)  # a needs a block: b is preempted
+    run_step(scheduler, engine)  # prefill a and b: 4 of 4 usable blocks
+    run_step(scheduler, engine)  # a needs a block: b is preempted
     assert [r.request_id for r in scheduler.waiting] == ["b", "c"]
     assert second.status is RequestStatus.WAITING and second.num_computed_tokens == 0
     assert scheduler.num_preemptions == 1
@@ -228,11 +235,11 @@ def test_blocks_follow_sequence_growth_and_are_freed_at_finish():
     scheduler, engine = make_scheduler(block_size=4), FakeEngine()
     r = request("a", 4, max_new_tokens=3)
     scheduler.add_request(r)
-    scheduler.run_step(engine)
+    run_step(scheduler, engine)
     assert len(scheduler.kv_cache_manager.get_block_ids("a")[0]) == 1
-    scheduler.run_step(engine)  # feeds token 5 -> needs a second block
+    run_step(scheduler, engine)  # feeds token 5 -> needs a second block
     assert len(scheduler.kv_cache_manager.get_block_ids("a")[0]) == 2
-    scheduler.run_step(engine)
+    run_step(scheduler, engine)
     assert scheduler.kv_cache_manager.get_block_ids("a") == [[]]
     assert scheduler.kv_cache_manager.num_free_blocks == 63  # all but the null block
 
@@ -253,7 +260,7 @@ def test_step_record_reports_phase_batch_tokens_and_the_time_of_the_forward_pass
 
     scheduler.add_request(request("a", 5))
     scheduler.add_request(request("b", 7))
-    record = scheduler.run_step(SlowEngine()).record
+    record = run_step(scheduler, SlowEngine()).record
     assert (record.step, record.phase, record.batch_size, record.num_tokens) == (1, "prefill", 2, 12)
     assert record.step_time_ms == pytest.approx(7.0) and "prefill" in record.log_line()
 
@@ -334,9 +341,9 @@ def test_the_scheduler_applies_a_step_result_accepted_drafts_logprobs_and_next_d
         ]
     )
     scheduler.add_request(r)
-    scheduler.run_step(runner)
+    run_step(scheduler, runner)
     assert (r.num_computed_tokens, r.output_token_ids, r.spec_token_ids) == (5, [11], [5, 6])
-    record = scheduler.run_step(runner).record
+    record = run_step(scheduler, runner).record
     assert runner.batches[1].draft_token_ids == [[5, 6]] and runner.batches[1].num_scheduled_tokens == [3]
     # fed 11, 5, 6: the K/V of the rejected 6 is void
     assert (r.num_computed_tokens, r.output_token_ids, r.spec_token_ids) == (7, [11, 5, 9], [])
@@ -359,9 +366,9 @@ def test_lookahead_slots_are_allocated_with_the_step_and_given_back_after_a_veri
         [StepResult([[11]], [0], [[]], next_drafts=[[5, 6]]), StepResult([[5, 9]], [1], [[]], next_drafts=[[]])]
     )
     scheduler.add_request(r)
-    scheduler.run_step(runner)
+    run_step(scheduler, runner)
     assert len(scheduler.kv_cache_manager.get_block_ids("a")[0]) == 2  # 4 prompt tokens + 3 lookahead
-    scheduler.run_step(runner)
+    run_step(scheduler, runner)
     assert r.num_tokens == 7 and len(scheduler.kv_cache_manager.get_block_ids("a")[0]) == 2  # tail freed
 
 
@@ -371,7 +378,7 @@ def test_the_kv_cache_manager_reports_a_prefix_hit_and_the_scheduler_applies_it(
     run_all(scheduler, engine, [first])
     second = make_request("b", first.prompt_token_ids)
     scheduler.add_request(second)
-    scheduler.run_step(engine)
+    run_step(scheduler, engine)
     assert engine.scheduled[-1] == [1] and second.num_computed_tokens == 9  # 8 cached tokens, the last computed
 
 

@@ -7,7 +7,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from executor.core.scheduler import StepRecord
+from executor.core.engine import StepRecord
 from executor.types_ import AcceptCounts, FinishReason, Request
 from executor.utils.step_timer import PARTS
 

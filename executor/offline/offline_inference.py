@@ -13,17 +13,16 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from executor.core.config import InferenceConfig
-from executor.core.config.model_registry import model_folder, resolve_model
-from executor.core.engine import ExecutionEngine
-from executor.core.sampler import request_seed
-from executor.core.scheduler import Scheduler, SchedulerLimits, StepOutput, StepRecord
+from executor.core.config.model_registry import model_folder
+from executor.core.engine import EngineStep, ExecutionEngine, StepRecord
+from executor.core.sampler import default_sampling_params, request_seed
 from executor.offline.dataset import DatasetError, PromptRecord, tokenize_record
 from executor.offline.metrics import breakdown_lines, cann_closing_lines, step_breakdown, summarize
 from executor.offline.results import ReplicaWriter, ResultWriter, request_result
 from executor.offline.run_folder import RunPlan
 from executor.offline.step_log import StepLog, console_step_interval
 from executor.platform.profiler import StepProfiler
-from executor.types_ import Request, SamplingParams
+from executor.types_ import Request
 
 logger = logging.getLogger(__name__)
 
@@ -41,36 +40,9 @@ class RunResult:
 class OfflineInference:
     def __init__(self, config: InferenceConfig, model_path: str) -> None:
         self.config = config
-        model_cls, config_cls = resolve_model(config.model_config.model_name)
-        self.engine = ExecutionEngine(config)
-        self.engine.init(model_cls, config_cls, model_path)
-        assert self.engine.kv_cache_manager is not None and self.engine.runner is not None
-        self.runner = self.engine.runner
-        sched = config.scheduler_config
-        self.scheduler = Scheduler(
-            SchedulerLimits(
-                sched.batch_size, config.prefill_token_budget, self.engine.max_model_len, config.max_prefill_requests
-            ),
-            self.engine.kv_cache_manager,
-            self.engine.eos_token_ids,
-            timer=self.engine.step_timer,
-            num_lookahead_tokens=self.engine.num_lookahead_tokens,
-        )
-        data = config.data_config
-        self.default_sampling_params = SamplingParams(
-            max_new_tokens=sched.max_new_tokens,
-            ignore_eos=sched.ignore_eos,
-            stop_token_ids=tuple(sched.stop_token_ids),
-            temperature=data.temperature,
-            top_k=data.top_k,
-            top_p=data.top_p,
-            min_p=data.min_p,
-            repetition_penalty=data.repetition_penalty,
-            frequency_penalty=data.frequency_penalty,
-            presence_penalty=data.presence_penalty,
-            logprobs=data.logprobs,
-            prompt_logprobs=data.prompt_logprobs,
-        )
+        self.engine = ExecutionEngine(config, model_path)
+        self.core = self.engine.core
+        self.default_sampling_params = default_sampling_params(config)
         self._replica_of_one_rank = self.engine.comm.layout.replica_size == 1
 
     @property
@@ -125,12 +97,11 @@ class OfflineInference:
                 if request.is_finished:
                     finish(request)
                 else:
-                    self.scheduler.add_request(request)
+                    self.core.add_request(request)
             while self._step_agreed(should_stop):
-                has_work = self.scheduler.has_work()
-                output = self.scheduler.run_step(self.runner, profiler) if has_work else StepOutput(None, [])
+                output = self.core.step(profiler) if self.core.has_work() else EngineStep(None, [])
                 if output.record is None and self.engine.lock_step:  # no forward ran here: the others need one
-                    self.runner.idle_forward()
+                    self.engine.runner.idle_forward()
                     comm.stats.take()  # an idle step is no step of this replica's log
                     idle_steps += 1
                 if output.record is not None:
@@ -154,7 +125,7 @@ class OfflineInference:
             logger.info(line)
         if profiler is not None:
             profiler.close()
-        summary |= self.scheduler.cache_stats() | {
+        summary |= self.core.scheduler.cache_stats() | {
             "device": str(self.engine.platform.device),
             "dtype": self.config.model_config.dtype,
             "exe_mode": self.config.model_config.exe_mode,
@@ -175,11 +146,11 @@ class OfflineInference:
         replica of one rank has no one to agree with, so it asks no collective."""
         comm = self.engine.comm
         if self.engine.lock_step:
-            anyone_has_work, anyone_stops = comm.agree_over_world(self.scheduler.has_work(), should_stop())
+            anyone_has_work, anyone_stops = comm.agree_over_world(self.core.has_work(), should_stop())
             return anyone_has_work and not anyone_stops
         if self._replica_of_one_rank:
-            return self.scheduler.has_work() and not should_stop()
-        return self.scheduler.has_work() and not comm.any_in_replica(should_stop())
+            return self.core.has_work() and not should_stop()
+        return self.core.has_work() and not comm.any_in_replica(should_stop())
 
     def _make_profiler(self, writer: ResultWriter | ReplicaWriter | None) -> StepProfiler | None:
         """With model_config.enable_profiler, the steps it chooses are profiled into <output>/prof."""

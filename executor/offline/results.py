@@ -16,7 +16,7 @@ import yaml
 
 from executor.core.config import InferenceConfig
 from executor.core.config.model_registry import model_dir
-from executor.core.scheduler import StepRecord
+from executor.core.engine import StepRecord
 from executor.offline.dataset import PromptRecord
 from executor.offline.durable_io import (
     CorruptLineError,

@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 from types import TracebackType
 
-from executor.core.scheduler.scheduler import StepRecord
+from executor.core.engine import StepRecord
 from executor.utils.logging_config import CANN_STEP_LOGGER, ON_CONSOLE, STEP_LOGGER
 
 CONSOLE_STEP_LINES = 40

@@ -18,6 +18,8 @@ class Batch:
     # Draft tokens each request feeds after its own (speculative decoding), aligned with `requests`;
     # empty when no request has any. The step verifies them: a request with k drafts feeds 1 + k tokens.
     draft_token_ids: list[list[int]] = field(default_factory=list)
+    # Each request's block ids per cache group, as the scheduler allocated them for this step.
+    block_ids: list[list[list[int]]] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -20,6 +20,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS or a stop token
     LENGTH = "length"  # max_new_tokens or the model's length limit
     ERROR = "error"  # the request failed alone; see Request.error
+    ABORT = "abort"  # the caller aborted it (a client that went away, a server stopping)
 
 
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this choose greedily (as vLLM), so no row divides by ~0

@@ -1,7 +1,8 @@
-"""ExecutionEngine builds a run's parts (platform, groups, op table, worker, KV cache, proposer);
-its ModelRunner turns each scheduled Batch into a StepResult."""
+"""ExecutionEngine builds a run's parts (platform, groups, op table, worker, KV cache, proposer) and
+its EngineCore, the loop both entries drive; its ModelRunner turns each scheduled Batch into a StepResult."""
 
 from executor.core.engine.engine import ExecutionEngine
+from executor.core.engine.engine_core import EngineCore, EngineStep, PhaseProfiler, RequestOutput, StepRecord
 from executor.core.engine.model_runner import ModelRunner
 
-__all__ = ["ExecutionEngine", "ModelRunner"]
+__all__ = ["EngineCore", "EngineStep", "ExecutionEngine", "ModelRunner", "PhaseProfiler", "RequestOutput", "StepRecord"]

@@ -1,9 +1,10 @@
-"""ExecutionEngine (cann-recipes' name): builds what a run steps with, and hands it the ModelRunner.
+"""ExecutionEngine (cann-recipes' name): builds what a run steps with, and hands it the EngineCore.
 
-Built in two phases, as in cann-recipes: the constructor readies the platform, the process groups
-(CommManager), the backend record (ops/backend.py) and an empty ModelWorker; init() loads weights and the tokenizer,
-warms up and sizes the KV cache (kv_cache_sizing), builds the graphs and the proposer, and last
-the ModelRunner, whose execute(batch) is a step.
+The constructor does the whole build, in cann-recipes' order, so nothing is half-built after it:
+the platform, the process groups (CommManager), the backend record (ops/backend.py) and the
+ModelWorker; then the weights and the tokenizer, a warm-up that sizes the KV cache
+(kv_cache_sizing), the graphs, the proposer, the ModelRunner (whose execute(batch) is a step) and
+last the EngineCore (scheduler and runner), which both entries drive.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from executor.core.config.inference_config import check_device_rules
 from executor.core.config.model_registry import resolve_model
 from executor.core.config.parallel_layout import ParallelLayout, num_experts_of
 from executor.core.engine.context_parallel import ContextParallelForward, layers_without_context_parallel
+from executor.core.engine.engine_core import EngineCore
 from executor.core.engine.kv_cache_sizing import size_kv_cache
 from executor.core.engine.model_runner import ModelRunner
 from executor.core.kv_cache import KVCacheManager, cdiv
@@ -46,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 
 class ExecutionEngine:
-    def __init__(self, config: InferenceConfig, comm: CommManager | None = None) -> None:
+    def __init__(self, config: InferenceConfig, model_path: str, comm: CommManager | None = None) -> None:
         """`comm`: the groups of the run (a draft model's engine shares its target's); built here when None."""
         self.config = config
         env = comm.env if comm is not None else DistEnv.from_environ()
@@ -75,39 +77,17 @@ class ExecutionEngine:
             backend=self.backend,
         )
         self.sampler = Sampler(config.data_config.seed, self.platform.device, self.backend.argmax_rows)
-        self.tokenizer: Any = None
-        self.kv_cache_manager: KVCacheManager | None = None
-        self.runner: ModelRunner | None = None
-        self.max_model_len = 0
-        self.max_blocks_per_request = 0
-        self.vocab_size = 0
-        self.hidden_size = 0
-        self.eos_token_ids: set[int] = set()
-        self.graph_compiler: GraphCompiler | None = None  # one per engine, for every step module's graphs
-        # Model groups spanning data-parallel replicas (set by init): non-empty, the replicas step in lock-step.
-        self.lock_step_kinds: list[str] = []
+        logger.info("platform %s, dtype %s (%s)", self.platform.device, config.model_config.dtype, self.dtype)
+        model_cls, config_cls = resolve_model(model_config.model_name)
+        hf_config = load_hf_config(config_cls, model_path, model_config.custom_params)
+        self.max_model_len = self._resolve_max_model_len(hf_config.max_position_embeddings)  # before the weights
+        self.max_blocks_per_request = cdiv(self.max_model_len, config.scheduler_config.block_size)
+        self.vocab_size: int = hf_config.vocab_size
+        self.hidden_size: int = hf_config.hidden_size
+        # Model groups spanning data-parallel replicas: non-empty, the replicas step in lock-step.
+        self.lock_step_kinds = self.comm.layout.lock_step_kinds(has_experts=num_experts_of(hf_config) > 0)
         # Whether every data-parallel replica must run a forward at every step (docs/distributed.md);
         # a plain attribute, as the step loop reads it at every step.
-        self.lock_step = False
-        logger.info("platform %s, dtype %s (%s)", self.platform.device, config.model_config.dtype, self.dtype)
-
-    def _make_step_timer(self) -> StepTimer:
-        """The timer the scheduler shares: with model_config.step_breakdown (null: on where it is free,
-        the CPU), each part of a step is timed, waiting for an asynchronous device at each mark."""
-        asynchronous = self.platform.device_type != "cpu"
-        breakdown = self.config.model_config.step_breakdown
-        return StepTimer(
-            breakdown=not asynchronous if breakdown is None else breakdown,
-            synchronize=self.platform.synchronize if asynchronous else None,
-        )
-
-    def init(self, model_cls: type[torch.nn.Module], config_cls: Any, model_path: str) -> None:
-        hf_config = load_hf_config(config_cls, model_path, self.config.model_config.custom_params)
-        self.max_model_len = self._resolve_max_model_len(hf_config.max_position_embeddings)  # before the weights
-        self.max_blocks_per_request = cdiv(self.max_model_len, self.config.scheduler_config.block_size)
-        self.vocab_size = hf_config.vocab_size
-        self.hidden_size = hf_config.hidden_size
-        self.lock_step_kinds = self.comm.layout.lock_step_kinds(has_experts=num_experts_of(hf_config) > 0)
         self.lock_step = bool(self.lock_step_kinds)
         if self.lock_step_kinds:
             logger.info(
@@ -115,14 +95,16 @@ class ExecutionEngine:
                 ", ".join(self.lock_step_kinds),
                 self.comm.layout.attn_dp_size,
             )
-        request = quantization_request(self.config.model_config)
+        request = quantization_request(model_config)
         quantization = read_quantization(hf_config, request, f"{model_path}/config.json")
         self.worker.init(model_cls, hf_config, model_path, quantization, before_load=self._check_context_parallel)
         self._check_speculation_with_states()
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.tokenizer: Any = AutoTokenizer.from_pretrained(model_path)
         self.eos_token_ids = self._collect_eos_token_ids(model_path)
+        # one per engine, for every step module's graphs; None in eager mode
+        self.graph_compiler = self._make_graph_compiler()
         self.kv_cache_manager = size_kv_cache(
-            self.config,
+            config,
             self.worker,
             self.platform,
             self.comm,
@@ -135,6 +117,17 @@ class ExecutionEngine:
         if graph_runner is not None:
             self.worker.init_graphs(graph_runner)
         self.runner = self._make_runner(self.kv_cache_manager, self._make_proposer(draft))
+        self.core = EngineCore(self._make_scheduler(self.kv_cache_manager), self.runner, self.step_timer)
+
+    def _make_step_timer(self) -> StepTimer:
+        """The timer the scheduler shares: with model_config.step_breakdown (null: on where it is free,
+        the CPU), each part of a step is timed, waiting for an asynchronous device at each mark."""
+        asynchronous = self.platform.device_type != "cpu"
+        breakdown = self.config.model_config.step_breakdown
+        return StepTimer(
+            breakdown=not asynchronous if breakdown is None else breakdown,
+            synchronize=self.platform.synchronize if asynchronous else None,
+        )
 
     def _check_context_parallel(self, model: torch.nn.Module) -> None:
         """Under context parallel, before any weight is read: every cache layer must take a step's
@@ -166,10 +159,21 @@ class ExecutionEngine:
                 f"turn speculative_config / model_config.next_n off ({self.config.source})"
             )
 
-    @property
-    def num_lookahead_tokens(self) -> int:
-        """The KV slots the proposer writes past each step's tokens, which the scheduler allocates."""
-        return self.runner.proposer.num_lookahead_tokens if self.runner and self.runner.proposer else 0
+    def _make_scheduler(self, kv_cache_manager: KVCacheManager) -> Scheduler:
+        """The run's scheduler over `kv_cache_manager`, with the configured limits."""
+        config = self.config
+        proposer = self.runner.proposer
+        return Scheduler(
+            SchedulerLimits(
+                config.scheduler_config.batch_size,
+                config.prefill_token_budget,
+                self.max_model_len,
+                config.max_prefill_requests,
+            ),
+            kv_cache_manager,
+            self.eos_token_ids,
+            num_lookahead_tokens=proposer.num_lookahead_tokens if proposer is not None else 0,
+        )
 
     def _resolve_max_model_len(self, model_limit: int) -> int:
         requested = self.config.scheduler_config.max_model_len
@@ -195,7 +199,7 @@ class ExecutionEngine:
         return ModelRunner(
             self.worker,
             self.sampler,
-            kv_cache_manager,
+            kv_cache_manager.layout,
             self.metadata_builder,
             self.step_timer,
             device=self.platform.device,
@@ -217,19 +221,18 @@ class ExecutionEngine:
         """With method draft_model, the draft model's engine (its runner, KV cache and lock-step), else None."""
         if self.config.speculation[0] != "draft_model":
             return None
-        engine = ExecutionEngine(draft_model_config(self.config), comm=self.comm)
-        engine.init(*resolve_model(self.config.model_config.model_name), engine.config.model_config.model_path)
+        draft_config = draft_model_config(self.config)
+        engine = ExecutionEngine(draft_config, draft_config.model_config.model_path, comm=self.comm)
         if engine.vocab_size != self.vocab_size:
             raise ConfigError(
                 f"speculative_config.draft_model_path in {self.config.source}: the draft model's vocabulary "
                 f"({engine.vocab_size}) differs from the target's ({self.vocab_size}); it needs the same tokenizer"
             )
-        assert engine.runner is not None and engine.kv_cache_manager is not None
         return DraftParts(engine.runner, engine.kv_cache_manager, engine.proposer_lock_step())
 
     def _make_proposer(self, draft: DraftParts | None) -> Proposer | None:
         """The run's proposer; `draft`: the draft model's engine's parts (_make_draft_engine)."""
-        assert self.kv_cache_manager is not None and self.worker.model is not None
+        assert self.worker.model is not None
         proposer = make_proposer(
             self.config,
             self.worker.model,
@@ -269,7 +272,7 @@ class ExecutionEngine:
         if self.worker.graph_runner is None:
             return None
         stats = self.worker.graph_runner.stats()
-        proposer = drafting_proposer(self.runner.proposer if self.runner is not None else None)
+        proposer = drafting_proposer(self.runner.proposer)
         if isinstance(proposer, MTPProposer) and proposer.graph_runners:
             stats["mtp"] = {runner.name.rstrip("-"): runner.stats() for runner in proposer.graph_runners}
         return stats
@@ -283,12 +286,14 @@ class ExecutionEngine:
 
     def _warm_up(self, probe: KVCacheManager, num_tokens: int) -> None:
         """One dummy prefill and one decode step on the probe cache, so first-call costs stay out of
-        the step log: a throwaway scheduler, which logs nothing, runs one request of two tokens."""
-        scheduler = Scheduler(SchedulerLimits(1, num_tokens, self.max_model_len), probe, set())
-        scheduler.add_request(Request("warm-up", None, [0] * num_tokens, SamplingParams(max_new_tokens=2)))
+        the step log: a core of its own on the probe, which logs nothing, runs one request of
+        `num_tokens` tokens and two new ones."""
         runner = self._make_runner(probe)
-        while scheduler.has_work():
-            scheduler.run_step(runner)
+        limits = SchedulerLimits(1, num_tokens, self.max_model_len)
+        core = EngineCore(Scheduler(limits, probe, set()), runner)
+        core.add_request(Request("warm-up", None, [0] * num_tokens, SamplingParams(max_new_tokens=2)))
+        while core.has_work():
+            core.step()
 
     def _make_graph_runner(
         self,
@@ -303,31 +308,13 @@ class ExecutionEngine:
         or None in eager mode: the target's decode step (and with speculative decoding its verify
         step of 1 + k tokens per request) unless `step` is given (an MTP layer's, with its
         `tokens_per_verify_row` and `row_inputs`)."""
-        model_config, sched = self.config.model_config, self.config.scheduler_config
+        sched = self.config.scheduler_config
         buckets = buckets or resolve_buckets(sched.graph_buckets, sched.batch_size)
-        if self.backend.graph_compiler is None:
+        if self.graph_compiler is None:
             return None
         method, num_speculative_tokens = self.config.speculation
         if tokens_per_verify_row is None:
             tokens_per_verify_row = 1 + num_speculative_tokens if method else 1
-        if step is None:  # the target's runner (the probe's, then the run's) makes the engine's compiler
-            # an upper bound on the graphs of all step modules: decode and verify buckets of the target and
-            # the MTP layers (a draft model's engine compiles its decode buckets under our step's code object)
-            extra = {"mtp": 2 * num_speculative_tokens, "draft_model": 1}.get(method, 0)
-            num_graphs = len(buckets) * (2 + extra)
-            self.graph_compiler = self.backend.graph_compiler(
-                self.platform,
-                CompileCache.from_config(model_config.enable_cache_compile, model_config.compile_cache_dir),
-                num_buckets=num_graphs,
-                settings={
-                    "dtype": self.dtype,
-                    "block_size": sched.block_size,
-                    "max_blocks_per_request": self.max_blocks_per_request,
-                    "device": self.platform.device_type,
-                    **self.comm.graph_key_settings(),
-                },
-                static_kernel=model_config.enable_static_kernel,
-            )
         assert self.worker.model is not None and self.graph_compiler is not None
         return GraphRunner(
             self.worker.model,
@@ -345,6 +332,31 @@ class ExecutionEngine:
             step=step,
             row_inputs=row_inputs,
             name=name,
+        )
+
+    def _make_graph_compiler(self) -> GraphCompiler | None:
+        """The engine's one graph compiler for model_config.exe_mode, or None in eager mode. Its
+        graph count is an upper bound on the graphs of all step modules: decode and verify buckets
+        of the target and the MTP layers (a draft model's engine compiles its decode buckets under
+        our step's code object), and the probe's largest bucket, measured before the run's."""
+        if self.backend.graph_compiler is None:
+            return None
+        model_config, sched = self.config.model_config, self.config.scheduler_config
+        method, num_speculative_tokens = self.config.speculation
+        extra = {"mtp": 2 * num_speculative_tokens, "draft_model": 1}.get(method, 0)
+        num_graphs = len(resolve_buckets(sched.graph_buckets, sched.batch_size)) * (2 + extra) + 1
+        return self.backend.graph_compiler(
+            self.platform,
+            CompileCache.from_config(model_config.enable_cache_compile, model_config.compile_cache_dir),
+            num_buckets=num_graphs,
+            settings={
+                "dtype": self.dtype,
+                "block_size": sched.block_size,
+                "max_blocks_per_request": self.max_blocks_per_request,
+                "device": self.platform.device_type,
+                **self.comm.graph_key_settings(),
+            },
+            static_kernel=model_config.enable_static_kernel,
         )
 
     def _measure_graph_memory(self) -> int:

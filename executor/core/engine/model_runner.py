@@ -13,7 +13,7 @@ import itertools
 import torch
 
 from executor.core.engine.context_parallel import ContextParallelForward, splits_step
-from executor.core.kv_cache import KVCacheManager
+from executor.core.kv_cache import CacheLayout
 from executor.core.model_worker import ModelWorker
 from executor.core.sampler import Sampler, SamplingMetadata, prompt_logprobs
 from executor.core.sampler.noise import token_seed
@@ -30,7 +30,7 @@ class ModelRunner:
         self,
         worker: ModelWorker,
         sampler: Sampler,
-        kv_cache_manager: KVCacheManager,
+        cache_layout: CacheLayout,
         metadata_builder: AttentionMetadataBuilder,
         step_timer: StepTimer,
         *,
@@ -44,7 +44,7 @@ class ModelRunner:
         forward of a prefill step split over the ranks (docs/distributed.md)."""
         self.worker = worker
         self.sampler = sampler
-        self.kv_cache_manager = kv_cache_manager
+        self.cache_layout = cache_layout
         self.metadata_builder = metadata_builder
         self.step_timer = step_timer
         self.max_blocks_per_request = max_blocks_per_request
@@ -100,14 +100,16 @@ class ModelRunner:
         """Each request's share of the step (its tokens not yet computed, then its `drafts`), and
         the step's packed inputs."""
         sequences = []
-        for request, num_tokens, request_drafts in zip(batch.requests, batch.num_scheduled_tokens, drafts, strict=True):
+        for request, num_tokens, request_drafts, block_ids in zip(
+            batch.requests, batch.num_scheduled_tokens, drafts, batch.block_ids, strict=True
+        ):
             start = request.num_computed_tokens
             end = start + num_tokens - len(request_drafts)  # the request's own tokens; the drafts follow them
             sequences.append(
                 ScheduledSequence(
                     token_ids=request.token_ids_between(start, end) + request_drafts,
                     num_computed_tokens=start,
-                    block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+                    block_ids=block_ids,
                     num_sampled_rows=1 + len(request_drafts) if end >= request.num_tokens else 0,
                     prompt_logprob_rows=_prompt_logprob_rows(request, start, end),
                 )
@@ -117,9 +119,9 @@ class ModelRunner:
     def _pack(self, sequences: list[ScheduledSequence]) -> StepLayout:
         return build_step_layout(
             sequences,
-            block_size=self.kv_cache_manager.block_size,
+            block_size=self.cache_layout.block_size,
             max_blocks_per_request=self.max_blocks_per_request,
-            state_groups=self.kv_cache_manager.state_groups,
+            state_groups=self.cache_layout.state_groups,
         )
 
     @torch.inference_mode()
@@ -251,7 +253,7 @@ class ModelRunner:
         write and which no request reads;
         its hidden state and logits are dropped. Not a step of the run: nothing is scheduled. With
         graphs it runs in the bucket the replicas agree on (a decode step of one row), padded."""
-        null_blocks = [[0]] * self.kv_cache_manager.num_groups
+        null_blocks = [[0]] * self.cache_layout.num_groups
         layout = self._pack(
             [ScheduledSequence(token_ids=[0], num_computed_tokens=0, block_ids=null_blocks, num_sampled_rows=0)]
         )

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from executor.core.kv_cache.block_pool import BlockPool
 from executor.core.kv_cache.recurrent_state_manager import RecurrentStateManager
 from executor.core.kv_cache.single_type_manager import SingleTypeKVCacheManager, manager_for
+from executor.types_.batch import Batch
 from executor.types_.kv_cache_spec import KVCacheSpec
 from executor.types_.request import Request
 
@@ -42,6 +43,15 @@ class PrefixHit:
 
     block_ids: list[list[int]]
     num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class CacheLayout:
+    """What a step's runner needs of the cache's shape to pack a batch (block ids come with the batch)."""
+
+    block_size: int
+    num_groups: int
+    state_groups: tuple[int, ...]  # groups whose rows are state slots, not blocks
 
 
 class KVCacheManager:
@@ -80,6 +90,23 @@ class KVCacheManager:
     @property
     def num_groups(self) -> int:
         return len(self.managers)
+
+    def batch(
+        self,
+        requests: list[Request],
+        num_scheduled_tokens: list[int],
+        *,
+        is_prefill: bool,
+        draft_token_ids: list[list[int]] | None = None,
+    ) -> Batch:
+        """A step's Batch of `requests` (their slots already allocated), carrying their block ids, so
+        that the runner never reads this manager."""
+        block_ids = [self.get_block_ids(request.request_id) for request in requests]
+        return Batch(requests, num_scheduled_tokens, is_prefill, draft_token_ids or [], block_ids)
+
+    @property
+    def layout(self) -> CacheLayout:
+        return CacheLayout(self.block_size, self.num_groups, self.state_groups)
 
     @property
     def num_free_blocks(self) -> int:

@@ -1,5 +1,5 @@
 """Request lifecycle and prefill-first batching."""
 
-from executor.core.scheduler.scheduler import Scheduler, SchedulerLimits, StepOutput, StepRecord
+from executor.core.scheduler.scheduler import Scheduler, SchedulerLimits
 
-__all__ = ["Scheduler", "SchedulerLimits", "StepOutput", "StepRecord"]
+__all__ = ["Scheduler", "SchedulerLimits"]

@@ -27,30 +27,19 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
 
 from executor.core.kv_cache import KVCacheManager
 from executor.types_ import (
-    AcceptCounts,
     Batch,
     FinishReason,
     Request,
     RequestStatus,
     StepResult,
-    StepRunner,
     TokenLogprobs,
 )
-from executor.utils.step_timer import StepTimer
 
 logger = logging.getLogger(__name__)
-
-
-class PhaseProfiler(Protocol):
-    def profile(self, phase: str) -> AbstractContextManager[bool]:
-        """Wraps one step of `phase` ("prefill" | "decode"); yields whether it is being profiled."""
-        ...
 
 
 @dataclass(slots=True)
@@ -62,58 +51,6 @@ class SchedulerLimits:
     max_prefill_requests: int = 0
 
 
-@dataclass(slots=True)
-class StepRecord:
-    step: int
-    phase: str  # "prefill" | "decode"
-    batch_size: int
-    num_tokens: int
-    step_time_ms: float
-    kv_usage: float
-    kv_blocks_used: int
-    prefix_hit_rate: float  # of the run so far: cached tokens reused / tokens looked up at admission
-    evictions: int  # of the run so far
-    preemptions: int  # of the run so far
-    # speculative decoding, this step's AcceptCounts: drafts verified, accepted, the requests that
-    # verified, and the first two per draft position (the totals are their sums)
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    num_verified_requests: int = 0
-    drafted_per_position: list[int] = field(default_factory=list)
-    accepted_per_position: list[int] = field(default_factory=list)
-    parts_ms: dict[str, float] | None = None  # step_time_ms split into step_timer.PARTS; None: breakdown off
-    profiled: bool = False  # ran under the profiler, so its times are not the run's
-    # bytes this rank handed to each collective this step ("<group>.<op>"); empty in one process
-    comm_bytes: dict[str, int] = field(default_factory=dict)
-
-    def log_line(self) -> str:
-        line = (
-            f"step {self.step:5d} | {self.phase:7s} | batch {self.batch_size:3d} | tokens {self.num_tokens:5d} "
-            f"| {self.step_time_ms:8.2f} ms | kv {self.kv_usage:5.1%} ({self.kv_blocks_used} blocks) "
-            f"| prefix hits {self.prefix_hit_rate:5.1%} | evicted {self.evictions} | preempted {self.preemptions}"
-        )
-        if self.num_draft_tokens:
-            by_position = zip(self.accepted_per_position, self.drafted_per_position, strict=True)
-            line += (
-                f" | accepted {self.num_accepted_tokens}/{self.num_draft_tokens} drafts "
-                f"(by position {' '.join(f'{a}/{d}' for a, d in by_position)}), accept length "
-                f"{1 + self.num_accepted_tokens / self.num_verified_requests:.2f}"
-            )
-        if self.parts_ms:
-            line += " | " + " ".join(f"{part} {ms:.2f}" for part, ms in self.parts_ms.items()) + " ms"
-        return line
-
-    def cann_log_line(self) -> str:
-        """The step's time as cann-recipes prints it, for the scripts its users grep logs with."""
-        return f"[Main] Inference time ({self.phase}): {self.step_time_ms:.2f} ms"
-
-
-@dataclass(slots=True)
-class StepOutput:
-    record: StepRecord | None  # None when the step only retired requests that failed alone
-    finished: list[Request]
-
-
 class Scheduler:
     def __init__(
         self,
@@ -121,7 +58,6 @@ class Scheduler:
         kv_cache_manager: KVCacheManager,
         eos_token_ids: set[int],
         clock: Callable[[], float] = time.perf_counter,
-        timer: StepTimer | None = None,
         *,
         num_lookahead_tokens: int = 0,
     ) -> None:
@@ -130,14 +66,12 @@ class Scheduler:
         self.kv_cache_manager = kv_cache_manager
         self.eos_token_ids = eos_token_ids
         self.clock = clock
-        self.timer = timer if timer is not None else StepTimer(clock)  # the runner marks the same one
         self.num_lookahead_tokens = num_lookahead_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admitted requests (they hold blocks), oldest first
         self.num_preemptions = 0
         self.kv_blocks_peak = 0  # most blocks in use after any step
         self._newly_failed: list[Request] = []
-        self._step = 0
 
     def add_request(self, request: Request) -> None:
         """Queue a request, or fail it alone at once when it can never be served."""
@@ -153,39 +87,31 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._newly_failed)
 
-    def run_step(self, runner: StepRunner, profiler: PhaseProfiler | None = None) -> StepOutput:
-        """Schedule one batch, run it (under `profiler` if given), and advance the requests' states.
-        The step's time runs from scheduling to the requests' update (parts: StepTimer)."""
-        finished, self._newly_failed = self._newly_failed, []
-        self.timer.start()
-        batch = self._schedule_prefill_batch() or self._schedule_decode_batch()
-        if batch is None:
-            if finished:
-                return StepOutput(record=None, finished=finished)
-            raise RuntimeError("scheduler stalled: requests wait but none can be scheduled")
-        phase = "prefill" if batch.is_prefill else "decode"
-        with profiler.profile(phase) if profiler is not None else nullcontext(False) as profiled:
-            result = runner.execute(batch)
-        finished.extend(self._update_from_output(batch, result))
-        step_time_ms, parts_ms = self.timer.stop("output")
-        self._step += 1
-        record = StepRecord(
-            step=self._step,
-            phase=phase,
-            batch_size=len(batch.requests),
-            num_tokens=sum(batch.num_scheduled_tokens),
-            step_time_ms=step_time_ms,
-            kv_usage=self.kv_cache_manager.usage,
-            kv_blocks_used=self.kv_cache_manager.block_pool.num_used_blocks,
-            prefix_hit_rate=self.kv_cache_manager.prefix_hit_rate,
-            evictions=self.kv_cache_manager.block_pool.num_evictions,
-            preemptions=self.num_preemptions,
-            **_speculation_counts(batch, result),
-            parts_ms=parts_ms,
-            profiled=profiled,
-        )
-        self.kv_blocks_peak = max(self.kv_blocks_peak, record.kv_blocks_used)
-        return StepOutput(record=record, finished=finished)
+    def take_failed(self) -> list[Request]:
+        """The requests that failed alone since the last call (at add_request), to report once."""
+        failed, self._newly_failed = self._newly_failed, []
+        return failed
+
+    def abort(self, request_id: str, now_s: float | None = None) -> Request | None:
+        """Finish a waiting or admitted request at once with finish reason ABORT, its blocks freed;
+        None when no such request is unfinished here. Between steps only (the engine core's rule)."""
+        for queue in (self.waiting, self.running):
+            for request in queue:
+                if request.request_id == request_id:
+                    queue.remove(request)
+                    if queue is self.running:
+                        self.kv_cache_manager.free(request)
+                    request.status = RequestStatus.FINISHED
+                    request.finish_reason = FinishReason.ABORT
+                    request.finish_time_s = self.clock() if now_s is None else now_s
+                    return request
+        return None
+
+    def schedule(self) -> Batch | None:
+        """The next step's batch: prefill first, else one decode step of every running request;
+        None when nothing can run. The batch carries each request's block ids, so the runner
+        never reads the KV cache manager."""
+        return self._schedule_prefill_batch() or self._schedule_decode_batch()
 
     # -- scheduling -------------------------------------------------------------------------
 
@@ -222,7 +148,7 @@ class Scheduler:
             requests.append(request)
             num_tokens.append(chunk)
             budget -= chunk
-        return Batch(requests, num_tokens, is_prefill=True) if requests else None
+        return self.kv_cache_manager.batch(requests, num_tokens, is_prefill=True) if requests else None
 
     def _schedule_decode_batch(self) -> Batch | None:
         """Every running request, each fed its tokens not yet computed (one after a normal step);
@@ -242,7 +168,9 @@ class Scheduler:
                 drafts.append(request_drafts)
         if not requests:
             return None
-        return Batch(requests, num_tokens, is_prefill=False, draft_token_ids=drafts if any(drafts) else [])
+        return self.kv_cache_manager.batch(
+            requests, num_tokens, is_prefill=False, draft_token_ids=drafts if any(drafts) else []
+        )
 
     def _drafts_to_verify(self, request: Request) -> list[int]:
         """The request's proposed drafts, cut so that what a verify step can emit (accepted drafts
@@ -324,7 +252,7 @@ class Scheduler:
 
     # -- state machine ----------------------------------------------------------------------
 
-    def _update_from_output(self, batch: Batch, result: StepResult) -> list[Request]:
+    def update_from_output(self, batch: Batch, result: StepResult) -> list[Request]:
         """Apply the step's result to its requests: computed tokens (a rejected draft's K/V is
         void), logprobs, prompt logprobs, next drafts, output tokens up to a stop; finish and free
         those that end."""
@@ -389,19 +317,3 @@ class Scheduler:
             ):
                 return FinishReason.LENGTH
         return None
-
-
-def _speculation_counts(batch: Batch, result: StepResult) -> dict[str, Any]:
-    """StepRecord's speculation fields: the step's AcceptCounts (drafts verified and accepted, per
-    position and in all, and by how many requests)."""
-    counts = AcceptCounts()
-    for drafts, accepted in zip(batch.draft_token_ids, result.num_accepted_drafts, strict=False):
-        if drafts:
-            counts.add_verify(len(drafts), accepted)
-    return {
-        "num_draft_tokens": counts.num_drafted,
-        "num_accepted_tokens": counts.num_accepted,
-        "num_verified_requests": counts.verifies,
-        "drafted_per_position": counts.drafted,
-        "accepted_per_position": counts.accepted,
-    }

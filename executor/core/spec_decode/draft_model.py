@@ -20,7 +20,7 @@ import torch
 
 from executor.core.kv_cache import KVCacheManager
 from executor.core.spec_decode.proposer import LockStep, ProposalContext
-from executor.types_ import Batch, Request, SamplingParams, StepRunner
+from executor.types_ import Request, SamplingParams, StepRunner
 
 
 @dataclass(slots=True)
@@ -88,7 +88,8 @@ class DraftModelProposer:
             return drafts
         num_scheduled = [mirror.num_unseen_tokens for _, mirror in active]
         for depth in range(num_forwards):
-            batch = Batch([mirror.as_request() for _, mirror in active], num_scheduled, is_prefill=depth == 0)
+            requests = [mirror.as_request() for _, mirror in active]
+            batch = self.kv_cache_manager.batch(requests, num_scheduled, is_prefill=depth == 0)
             new = self.runner.execute(batch).new_token_ids
             for (index, mirror), scheduled, tokens in zip(active, num_scheduled, new, strict=True):
                 mirror.num_computed_tokens += scheduled
