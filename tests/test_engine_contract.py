@@ -12,7 +12,6 @@ from torch import nn
 from executor.core.config import ConfigError
 from executor.core.engine import engine as engine_module
 from executor.core.model_worker.model_worker import ModelWorker
-from executor.offline import offline_inference
 from executor.offline.dataset import PromptRecord
 from executor.platform import create_platform
 from executor.types_ import AttentionKind, FinishReason, KVCacheSpec, KVTensorSpec
@@ -70,7 +69,7 @@ def test_sampling_parameters_come_from_each_dataset_line(tiny_llama_dir):
 
 
 def test_layers_of_two_kinds_get_two_cache_groups_and_equal_transformers(ministral_dir, monkeypatch):
-    monkeypatch.setattr(offline_inference, "resolve_model", lambda name: (SlidingLlama, transformers.MinistralConfig))
+    monkeypatch.setattr(engine_module, "resolve_model", lambda name: (SlidingLlama, transformers.MinistralConfig))
     prompts = make_prompts([3, 20, 11, 35], seed=8)  # prompts and outputs longer than the window
     inference = make_inference(ministral_dir, batch_size=4, max_new_tokens=24)
     groups = inference.engine.worker.kv_cache_groups

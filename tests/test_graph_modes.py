@@ -16,7 +16,7 @@ import torch
 import transformers
 from torch._dynamo.utils import counters
 
-from executor.offline import offline_inference
+from executor.core.engine import engine as engine_module
 from executor.offline.dataset import PromptRecord
 from executor.offline.offline_inference import OfflineInference
 from executor.utils.graph_buckets import Bucket
@@ -115,7 +115,7 @@ def test_ge_graph_engines_in_one_process_keep_their_own_graphs(tiny_llama_dir, r
 
 def test_ge_graph_with_two_cache_groups_equals_eager(ministral_dir, monkeypatch):
     """Sliding-window and full layers: padded rows write the null block of both groups."""
-    monkeypatch.setattr(offline_inference, "resolve_model", lambda name: (SlidingLlama, transformers.MinistralConfig))
+    monkeypatch.setattr(engine_module, "resolve_model", lambda name: (SlidingLlama, transformers.MinistralConfig))
     records = shrinking_batch_records(seed=1)
     for record in records:
         record.sampling_overrides["max_new_tokens"] += 8  # past the window of 8

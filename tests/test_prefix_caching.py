@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from executor.offline import offline_inference
+from executor.core.engine import engine as engine_module
 from executor.types_ import FinishReason
 from tests.conftest import SlidingLlama
 from tests.engine_harness import hf_greedy, load_hf_model, make_inference, run_engine, token_records
@@ -105,7 +105,7 @@ def test_preempting_a_request_that_holds_shared_blocks_keeps_every_output(tiny_l
 
 
 def test_a_sliding_window_request_preempted_and_recomputed_equals_transformers(ministral_dir, monkeypatch):
-    monkeypatch.setattr(offline_inference, "resolve_model", lambda name: (SlidingLlama, transformers.MinistralConfig))
+    monkeypatch.setattr(engine_module, "resolve_model", lambda name: (SlidingLlama, transformers.MinistralConfig))
     prompts = shared_prefix_prompts(20, [5, 14, 9], seed=9)
     inference = make_inference(ministral_dir, batch_size=3, max_new_tokens=30, num_blocks=13, max_model_len=96)
     result = inference.generate(token_records(prompts))

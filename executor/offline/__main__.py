@@ -101,6 +101,16 @@ def print_summary(summary: dict[str, Any], output_dir: Path) -> None:
 
 
 @dataclass(slots=True)
+class CheckedModel:
+    """A config whose model, device and pool were checked, before any weight is read."""
+
+    config: InferenceConfig
+    model_path: Path
+    device_type: str
+    vocab_size: int
+
+
+@dataclass(slots=True)
 class PreparedRun:
     config: InferenceConfig
     model_path: Path
@@ -108,11 +118,12 @@ class PreparedRun:
     plan: RunPlan
 
 
-def prepare_run(yaml_path: str, overrides: list[str]) -> PreparedRun:
-    """Everything that can be wrong with the input, found before the model loads (ConfigError, DatasetError)."""
+def check_model_config(yaml_path: str, overrides: list[str]) -> CheckedModel:
+    """The config loaded, and everything about its model that can be wrong found before it loads
+    (ConfigError): the model's name and folder, quantization, speculation, the parallel layout,
+    the device and the KV pool. Both entries start with it."""
     config = load_config(yaml_path, overrides)
     check_model_name(config.model_config.model_name, config.source)
-    records = load_records(config)
     model_path = resolve_model_path(config)
     model_cls, config_cls = resolve_model(config.model_config.model_name)
     hf_config = check_model_folder(model_path, config_cls, config.model_config.with_ckpt)
@@ -121,8 +132,16 @@ def prepare_run(yaml_path: str, overrides: list[str]) -> PreparedRun:
     check_parallel_layout(config, hf_config)
     device_type = check_device(config)
     check_kv_pool(config, getattr(hf_config, "max_position_embeddings", 0))
-    records = check_token_ids(records, hf_config.vocab_size)
-    return PreparedRun(config, model_path, device_type, plan_run(default_output_dir(config), config, records))
+    return CheckedModel(config, model_path, device_type, hf_config.vocab_size)
+
+
+def prepare_run(yaml_path: str, overrides: list[str]) -> PreparedRun:
+    """Everything that can be wrong with the input, found before the model loads (ConfigError, DatasetError)."""
+    checked = check_model_config(yaml_path, overrides)
+    config = checked.config
+    records = check_token_ids(load_records(config), checked.vocab_size)
+    plan = plan_run(default_output_dir(config), config, records)
+    return PreparedRun(config, checked.model_path, checked.device_type, plan)
 
 
 def resume_command(args: argparse.Namespace, config: InferenceConfig, output_dir: Path) -> str:

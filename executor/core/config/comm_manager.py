@@ -189,6 +189,22 @@ class CommManager:
         anyone_has_work, anyone_stops = tensor.tolist()
         return bool(anyone_has_work), bool(anyone_stops)
 
+    def broadcast_from_rank0(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank (the online loop's turn: what arrived over HTTP)."""
+        if not self.is_distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.world_cpu)
+        return box[0]
+
+    def gather_to_rank0(self, obj: Any) -> list[Any] | None:
+        """On rank 0, every rank's `obj` in rank order; None on the other ranks."""
+        if not self.is_distributed:
+            return [obj]
+        gathered: list[Any] | None = [None] * self.env.world_size if self.rank == 0 else None
+        dist.gather_object(obj, gathered, dst=0, group=self.world_cpu)
+        return gathered
+
     def gather_from_dp_leaders(self, obj: Any) -> list[Any] | None:
         """On rank 0, every DP leader's `obj` in DP-rank order; None on the other ranks. Only the
         leaders call it (their replicas' other ranks hold the same results)."""

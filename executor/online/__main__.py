@@ -1,0 +1,136 @@
+"""`python -m executor.online --yaml FILE [--host H] [--port N] [--served-model-name NAME] [--set k=v ...]`:
+the OpenAI-compatible server on the recipe's engine (cann-recipes' online entry).
+
+Every setting of the YAML that works offline works here; data_config's dataset keys do not apply
+(the prompts come over HTTP) and are said so once. With parallel_config.world_size above 1 it runs
+as one of torchrun's processes (`python -m executor.online.launch`, or infer.sh --mode online):
+rank 0 serves HTTP, the others follow its engine loop. SIGTERM or POST /stop stops taking requests,
+lets the running ones finish (aborting what is left after --graceful-timeout-s), and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import sys
+
+import uvicorn
+
+from executor.core.config import ConfigError
+from executor.core.config.comm_manager import DistEnv
+from executor.core.config.inference_config import not_applicable_keys
+from executor.core.engine import ExecutionEngine
+from executor.core.sampler import default_sampling_params
+from executor.offline.__main__ import check_model_config
+from executor.offline.exit_status import COULD_NOT_START
+from executor.offline.preflight import one_line
+from executor.online.engine_loop import EngineLoop
+from executor.online.server import OnlineServer, ServerSettings
+from executor.utils.logging_config import setup_logging
+
+logger = logging.getLogger("executor.online")
+
+DEFAULT_PORT = 8000  # cann-recipes' (and vLLM's)
+DATASET_KEYS = ("dataset", "dataset_path", "num_prompts", "input_truncated_len", "apply_chat_template")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m executor.online", description=__doc__)
+    parser.add_argument("--yaml", required=True, help="the recipe's YAML config")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    parser.add_argument("--served-model-name", default=None, help='a name the model answers to besides "default"')
+    parser.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=512,
+        help="requests that may wait beyond the batch the engine runs; past them a request gets 503 (default 512)",
+    )
+    parser.add_argument(
+        "--graceful-timeout-s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM or /stop, seconds the running requests get to finish before they are aborted",
+    )
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    setup_logging()
+    if args.max_waiting_requests < 0:
+        print(f"error: --max-waiting-requests must be >= 0, got {args.max_waiting_requests}", file=sys.stderr)
+        return COULD_NOT_START
+    try:
+        checked = check_model_config(args.yaml, args.overrides)
+        if DistEnv.from_environ().rank == 0:
+            check_port(args.host, args.port)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return COULD_NOT_START
+    config = checked.config
+    for key, why in not_applicable_keys(config, checked.device_type):
+        logger.info("%s is not applicable here, set but unused: %s", key, why)
+    logger.info(
+        "data_config's %s do not apply online (prompts come over HTTP); its sampling keys are each request's defaults",
+        ", ".join(DATASET_KEYS),
+    )
+    try:
+        engine = ExecutionEngine(config, str(checked.model_path))
+    except (OSError, RuntimeError, ValueError) as exc:  # ConfigError and WeightLoadError are ValueErrors
+        print(f"error: the model could not be loaded: {one_line(exc)}", file=sys.stderr)
+        return COULD_NOT_START
+    loop = EngineLoop(engine, args.max_waiting_requests)
+    try:
+        if DistEnv.from_environ().rank != 0:
+            loop.run()  # follow rank 0's turns until it says stop
+            return 0
+        return serve(args, engine, loop)
+    finally:
+        engine.comm.close()
+
+
+def check_port(host: str, port: int) -> None:
+    """The address can be listened on (found before the model loads, not after)."""
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"--host {host} --port {port}: cannot listen there ({exc.strerror or exc})") from exc
+
+
+def serve(args: argparse.Namespace, engine: ExecutionEngine, loop: EngineLoop) -> int:
+    """Run the HTTP server on rank 0 until SIGTERM / Ctrl-C / POST /stop; then stop every rank's loop."""
+    names = ["default"] + ([args.served_model_name] if args.served_model_name not in (None, "default") else [])
+    settings = ServerSettings(names, engine.max_model_len, engine.vocab_size, default_sampling_params(engine.config))
+    server = OnlineServer(loop, engine.tokenizer, settings)
+    uvicorn_server = uvicorn.Server(
+        uvicorn.Config(
+            server.app,
+            host=args.host,
+            port=args.port,
+            log_level="warning",
+            timeout_graceful_shutdown=args.graceful_timeout_s,
+            lifespan="off",
+        )
+    )
+    server.request_stop = lambda: setattr(uvicorn_server, "should_exit", True)
+    loop.start()
+    logger.info(
+        "serving %s on http://%s:%d/v1 (models: %s)", engine.config.source, args.host, args.port, ", ".join(names)
+    )
+    try:
+        uvicorn_server.run()  # returns after a graceful shutdown (SIGTERM, Ctrl-C, /stop)
+    finally:
+        loop.stop(timeout_s=args.graceful_timeout_s)
+    if loop.error is not None:
+        print(f"error: the engine stopped: {one_line(loop.error)}", file=sys.stderr)
+        return 1
+    logger.info("stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
