@@ -132,7 +132,7 @@ class EngineLoop:
         counts = [0] * self.num_replicas
         for replica in self._replica_of.values():
             counts[replica] += 1
-        for request, replica in self._inbox.requests:
+        for _, replica in self._inbox.requests:
             counts[replica] += 1
         return counts.index(min(counts))
 

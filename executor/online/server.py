@@ -370,7 +370,8 @@ class OnlineServer:
                     entry["text"] = text
                     entry["logprobs"] = self._completion_logprobs(body, choice, new_logprobs, echo=echo)
                 if choice.finished and choice.finish_reason == "error":
-                    yield f"data: {json.dumps({'error': {'message': f'request failed: {choice.error}', 'code': 400}})}\n\n"
+                    error = {"error": {"message": f"request failed: {choice.error}", "code": 400}}
+                    yield f"data: {json.dumps(error)}\n\n"
                 elif text or choice.finished or entry.get("logprobs"):
                     if body.return_token_ids:
                         entry["token_ids"] = update.new_token_ids
