@@ -1,11 +1,24 @@
 #!/usr/bin/env bash
-# What every models/<m>/infer.sh runs: bash scripts/run_model.sh <default yaml> [config.yaml] [--set section.key=value ...]
+# What every models/<m>/infer.sh runs:
+#   bash scripts/run_model.sh <default yaml> [config.yaml] [--mode offline|online] [--port N] [--set section.key=value ...]
 # The first argument after the default, unless it is an option, replaces the default config.
+# --mode online starts the OpenAI-compatible server (executor/online) instead of the offline run;
+# the server's own options (--port, --host, --served-model-name, ...) pass through.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-yaml=${1:?usage: run_model.sh <default yaml> [config.yaml] [--set section.key=value ...]}
+yaml=${1:?usage: run_model.sh <default yaml> [config.yaml] [--mode offline|online] [--set section.key=value ...]}
 shift
 if [[ $# -gt 0 && $1 != --* ]]; then yaml=$1; shift; fi
+mode=offline args=()
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --mode)
+            mode=${2:?--mode needs offline or online}
+            [[ $mode == offline || $mode == online ]] || { echo "error: --mode $mode: offline or online" >&2; exit 2; }
+            shift 2 ;;
+        *) args+=("$1"); shift ;;
+    esac
+done
 source "$root/scripts/setup.sh"
 cd "$root"
-exec "$PYTHON" -m executor.offline.launch --yaml "$yaml" "$@"
+exec "$PYTHON" -m "executor.$mode.launch" --yaml "$yaml" ${args[@]+"${args[@]}"}

@@ -62,6 +62,7 @@ def test_the_cann_entry_looks_for_the_yaml_in_the_folders_config_and_lists_it():
     assert "no no_such.yaml in models/deepseek_v3/config/" in result.stderr and "tiny_random.yaml" in result.stderr
 
 
-def test_the_cann_entry_refuses_online_mode_and_missing_arguments():
-    assert "not built here" in run_entry("--model", "deepseek_v3", "--mode", "online").stderr
+def test_the_cann_entry_refuses_an_unknown_mode_and_missing_arguments():
+    """--mode online starts the server (tests/test_online_entry.py); other modes are refused."""
+    assert "offline or online" in run_entry("--model", "deepseek_v3", "--mode", "batch").stderr
     assert run_entry("--model", "deepseek_v3").returncode == 2

@@ -19,28 +19,36 @@ import sys
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
+from collections.abc import Callable
+
 from executor.core.config import ConfigError, load_config
 from executor.offline import __main__ as offline
 from executor.offline.exit_status import COULD_NOT_START
 from executor.offline.interrupts import exit_status_for
 
 
-def torchrun_args(world_size: int, argv: list[str]) -> list[str]:
-    """torchrun's arguments that start world_size ranks of the offline entry on this node."""
-    return ["--standalone", f"--nproc-per-node={world_size}", "-m", "executor.offline", *argv]
+def torchrun_args(world_size: int, argv: list[str], module: str = "executor.offline") -> list[str]:
+    """torchrun's arguments that start world_size ranks of the entry `module` on this node."""
+    return ["--standalone", f"--nproc-per-node={world_size}", "-m", module, *argv]
 
 
-def run_torchrun(world_size: int, argv: list[str]) -> int:
+def run_torchrun(world_size: int, argv: list[str], module: str = "executor.offline") -> int:
     """torchrun (`python -m torch.distributed.run`) in this process: on a signal its agent hands the
     signal to every rank, waits for them (30 s, TORCH_ELASTIC_SHUTDOWN_TIMEOUT) and raises."""
     try:
-        torchrun.main(torchrun_args(world_size, argv))
+        torchrun.main(torchrun_args(world_size, argv, module))
     except SignalException as exc:
         return exit_status_for(exc.sigval)
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(
+    argv: list[str] | None = None,
+    entry: Callable[[list[str]], int] = offline.main,
+    module: str = "executor.offline",
+) -> int:
+    """Run `entry` (the offline entry, or the online one: executor/online/launch.py) in this
+    process, or world_size ranks of `module` under torchrun."""
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--yaml")
@@ -54,8 +62,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return COULD_NOT_START
     if world_size == 1 or "RANK" in os.environ:  # one process, or already a torchrun rank
-        return offline.main(argv)
-    return run_torchrun(world_size, argv)
+        return entry(argv)
+    return run_torchrun(world_size, argv, module)
 
 
 if __name__ == "__main__":

@@ -11,9 +11,13 @@ lets the running ones finish (aborting what is left after --graceful-timeout-s),
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import signal
 import socket
 import sys
+import threading
+from collections.abc import Iterator
 
 import uvicorn
 
@@ -101,26 +105,56 @@ def check_port(host: str, port: int) -> None:
         raise ConfigError(f"--host {host} --port {port}: cannot listen there ({exc.strerror or exc})") from exc
 
 
-def serve(args: argparse.Namespace, engine: ExecutionEngine, loop: EngineLoop) -> int:
-    """Run the HTTP server on rank 0 until SIGTERM / Ctrl-C / POST /stop; then stop every rank's loop."""
-    names = ["default"] + ([args.served_model_name] if args.served_model_name not in (None, "default") else [])
+class _GracefulServer(uvicorn.Server):
+    """uvicorn's server, but a SIGTERM or Ctrl-C only begins the graceful stop: uvicorn raises the
+    signal again once stopped, which would end the process with it instead of exit status 0."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def build_server(
+    engine: ExecutionEngine,
+    loop: EngineLoop,
+    host: str,
+    port: int,
+    served_model_name: str | None,
+    graceful_timeout_s: float,
+) -> tuple[OnlineServer, uvicorn.Server]:
+    """The app over `loop`, and the uvicorn server that runs it (the app's /stop ends that server)."""
+    names = ["default"] + ([served_model_name] if served_model_name not in (None, "default") else [])
     settings = ServerSettings(names, engine.max_model_len, engine.vocab_size, default_sampling_params(engine.config))
     server = OnlineServer(loop, engine.tokenizer, settings)
-    uvicorn_server = uvicorn.Server(
-        uvicorn.Config(
-            server.app,
-            host=args.host,
-            port=args.port,
-            log_level="warning",
-            timeout_graceful_shutdown=args.graceful_timeout_s,
-            lifespan="off",
-        )
+    config = uvicorn.Config(
+        server.app,
+        host=host,
+        port=port,
+        log_level="warning",
+        timeout_graceful_shutdown=graceful_timeout_s,
+        lifespan="off",
     )
+    uvicorn_server = _GracefulServer(config)
     server.request_stop = lambda: setattr(uvicorn_server, "should_exit", True)
-    loop.start()
-    logger.info(
-        "serving %s on http://%s:%d/v1 (models: %s)", engine.config.source, args.host, args.port, ", ".join(names)
+    return server, uvicorn_server
+
+
+def serve(args: argparse.Namespace, engine: ExecutionEngine, loop: EngineLoop) -> int:
+    """Run the HTTP server on rank 0 until SIGTERM / Ctrl-C / POST /stop; then stop every rank's loop."""
+    server, uvicorn_server = build_server(
+        engine, loop, args.host, args.port, args.served_model_name, args.graceful_timeout_s
     )
+    loop.start()
+    names = ", ".join(server.settings.model_names)
+    logger.info("serving %s on http://%s:%d/v1 (models: %s)", engine.config.source, args.host, args.port, names)
     try:
         uvicorn_server.run()  # returns after a graceful shutdown (SIGTERM, Ctrl-C, /stop)
     finally:

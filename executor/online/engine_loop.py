@@ -189,7 +189,14 @@ class EngineLoop:
                 return []
         if not has_work:
             return []
-        step = self.core.step()
+        try:
+            step = self.core.step()
+        except Exception as exc:
+            if self.comm.is_distributed:  # the ranks' collectives no longer match: the server stops
+                raise
+            logger.exception("a step failed; its requests fail, the server goes on")
+            self.core.fail_running(f"the step running this request failed: {type(exc).__name__}: {exc}")
+            return []  # the next turn's step reports them
         self._update_stats(step)
         if self.on_step is not None and self.comm.rank == 0:
             self.on_step(step)

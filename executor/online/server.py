@@ -253,27 +253,29 @@ class OnlineServer:
             if await raw.is_disconnected():
                 logger.info("client of %s went away: aborting", tracked[0].choice.request_id.rsplit("-", 1)[0])
                 self._abort_unfinished(tracked)
-                for item in tracked:  # wake the handler; the loop will not send these any more
+                for item in tracked:  # wake the handler, which stops waiting for the loop
                     item.queue.put_nowait(Update(item.choice.request_id, [], [], finish_reason="abort"))
                 return
 
     def _abort_unfinished(self, tracked: list[_Tracked]) -> None:
+        """End the choices still running (their client went away): aborted in the engine, counted
+        as aborted in the metrics."""
         for item in tracked:
             if not item.engine_done:
                 self.engine_loop.abort(item.choice.request_id)
+            if not item.choice.finished:
+                self._apply(item, Update(item.choice.request_id, [], [], finish_reason="abort"))
 
     def _apply(self, item: _Tracked, update: Update) -> str:
         """Apply an update to its choice; the text delta. A stop string met aborts the engine request."""
         was_finished = item.choice.finished
         if update.new_token_ids and item.first_token_s is None:
             item.first_token_s = time.perf_counter()
-        if update.finish_reason is not None:
-            item.engine_done = True
+        item.engine_done = item.engine_done or update.finish_reason is not None
         delta = item.choice.apply(update)
         if item.choice.finished and not was_finished:
-            if not item.engine_done:
+            if not item.engine_done:  # a stop string met here
                 self.engine_loop.abort(item.choice.request_id)
-                item.engine_done = True
             self.metrics.request_finished(
                 item.choice.finish_reason or "abort",
                 len(item.choice.prompt_token_ids),

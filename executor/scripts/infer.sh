@@ -1,22 +1,26 @@
 #!/usr/bin/env bash
-# cann-recipes' entry: bash executor/scripts/infer.sh --model <dir> --yaml <file> [--set section.key=value ...]
-# runs models/<dir>/config/<file> (a path to an existing file also works for --yaml), offline, as
-# `bash models/<dir>/infer.sh <yaml>` does. Sets itself up on first run (scripts/setup.sh).
+# cann-recipes' entry: bash executor/scripts/infer.sh --model <dir> --yaml <file> [--mode offline|online] [--port N] [--set section.key=value ...]
+# runs models/<dir>/config/<file> (a path to an existing file also works for --yaml), offline or as
+# the online server, as `bash models/<dir>/infer.sh <yaml> --mode ...` does. Sets itself up on first
+# run (scripts/setup.sh).
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(cd "$here/../.." && pwd)
-usage="usage: bash executor/scripts/infer.sh --model <folder under models/> --yaml <file under models/<folder>/config/> [--mode offline] [--set section.key=value ...]"
-model="" yaml="" overrides=()
+usage="usage: bash executor/scripts/infer.sh --model <folder under models/> --yaml <file under models/<folder>/config/> [--mode offline|online] [--port N] [--host H] [--served-model-name NAME] [--set section.key=value ...]"
+model="" yaml="" mode=offline overrides=()
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --model) model=${2:?--model needs a value}; shift 2 ;;
         --yaml) yaml=${2:?--yaml needs a value}; shift 2 ;;
         --mode)
-            if [[ ${2:-} != offline ]]; then
-                echo "error: --mode ${2:-} is not built here; runs are offline (--mode offline)" >&2
+            mode=${2:-}
+            if [[ $mode != offline && $mode != online ]]; then
+                echo "error: --mode ${2:-}: offline or online" >&2
                 exit 2
             fi
             shift 2 ;;
+        --port|--host|--served-model-name|--max-waiting-requests|--graceful-timeout-s)
+            overrides+=("$1" "${2:?$1 needs a value}"); shift 2 ;;
         --set) overrides+=(--set "${2:?--set needs section.key=value}"); shift 2 ;;
         -h|--help) echo "$usage"; exit 0 ;;
         *) echo "error: unknown option $1; $usage" >&2; exit 2 ;;
@@ -36,5 +40,5 @@ if [[ ! -f $config ]]; then
     echo "error: no $yaml in models/$model/config/; there: $(cd "$root/models/$model/config" && ls | xargs)" >&2
     exit 2
 fi
-echo "====================> launch offline inference (model=$model, yaml=$yaml)"
-exec bash "$root/scripts/run_model.sh" "$config" ${overrides[@]+"${overrides[@]}"}
+echo "====================> launch $mode inference (model=$model, yaml=$yaml)"
+exec bash "$root/scripts/run_model.sh" "$config" --mode "$mode" ${overrides[@]+"${overrides[@]}"}

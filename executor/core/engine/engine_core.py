@@ -129,6 +129,15 @@ class EngineCore:
             self._aborted.append(request)
         return request is not None
 
+    def fail_running(self, error: str) -> list[str]:
+        """Fail every admitted request with `error` (their blocks freed), as after a step that
+        raised: their cached state may be half-written. The waiting ones are untouched; the next
+        step reports the failed ones. Their ids."""
+        ids = [request.request_id for request in self.scheduler.running]
+        for request_id in ids:
+            self._aborted.append(self.scheduler.abort(request_id, self.clock(), error))
+        return ids
+
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self._aborted)
 

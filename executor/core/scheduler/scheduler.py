@@ -92,18 +92,22 @@ class Scheduler:
         failed, self._newly_failed = self._newly_failed, []
         return failed
 
-    def abort(self, request_id: str, now_s: float | None = None) -> Request | None:
-        """Finish a waiting or admitted request at once with finish reason ABORT, its blocks freed;
-        None when no such request is unfinished here. Between steps only (the engine core's rule)."""
+    def abort(self, request_id: str, now_s: float, error: str | None = None) -> Request | None:
+        """Finish a waiting or admitted request at once, its blocks freed: finish reason ABORT, or
+        ERROR with `error` as its reason; None when no such request is unfinished here. Between
+        steps only (the engine core's rule)."""
         for queue in (self.waiting, self.running):
             for request in queue:
                 if request.request_id == request_id:
                     queue.remove(request)
                     if queue is self.running:
                         self.kv_cache_manager.free(request)
-                    request.status = RequestStatus.FINISHED
-                    request.finish_reason = FinishReason.ABORT
-                    request.finish_time_s = self.clock() if now_s is None else now_s
+                    if error is not None:
+                        request.fail(error, now_s)
+                    else:
+                        request.status = RequestStatus.FINISHED
+                        request.finish_reason = FinishReason.ABORT
+                        request.finish_time_s = now_s
                     return request
         return None
 
