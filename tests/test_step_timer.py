@@ -2,7 +2,7 @@
 
 import pytest
 
-from executor.utils.step_timer import StepTimer
+from executor.core.engine.engine_core import StepTimer
 
 
 class FakeClock:

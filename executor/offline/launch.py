@@ -15,11 +15,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
-
-from collections.abc import Callable
 
 from executor.core.config import ConfigError, load_config
 from executor.offline import __main__ as offline

@@ -7,9 +7,8 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from executor.core.engine import StepRecord
+from executor.core.engine import PARTS, StepRecord
 from executor.types_ import AcceptCounts, FinishReason, Request
-from executor.utils.step_timer import PARTS
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -71,7 +70,8 @@ def speculation_stats(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     steps may be any replicas' and parts': the counts add up. Empty when no step verified drafts."""
     counts = AcceptCounts()
     for step in steps:
-        counts.add(AcceptCounts.from_step_line(step))
+        if step.get("num_draft_tokens"):
+            counts.add(AcceptCounts.from_step_line(step))
     if not counts.num_drafted:
         return {}
     accept_length = 1 + counts.num_accepted / counts.verifies

@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from executor.core.engine import PARTS
 from executor.offline.durable_io import CorruptLineError, read_jsonl
 from executor.offline.metrics import breakdown_lines, step_breakdown
 from executor.offline.run_agreement import AgreementError, RunAgreement, agreement_lines, compare_outputs, read_outputs
 from executor.offline.run_folder import OUTPUTS_FILE, STEPS_FILE, SUMMARY_FILE
 from executor.offline.summary_table import summary_lines
-from executor.utils.step_timer import PARTS
 
 PLOT_FILE = "steps.png"
 BAD_FOLDER = 2  # the exit status, as for argparse's usage errors

@@ -56,6 +56,11 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE
 
     @property
+    def is_plain_greedy(self) -> bool:
+        """Its token is the argmax of the raw logits: greedy, no penalty, no logprobs asked for."""
+        return self.is_greedy and not self.has_penalties and self.logprobs is None
+
+    @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 

@@ -2,7 +2,25 @@
 its EngineCore, the loop both entries drive; its ModelRunner turns each scheduled Batch into a StepResult."""
 
 from executor.core.engine.engine import ExecutionEngine
-from executor.core.engine.engine_core import EngineCore, EngineStep, PhaseProfiler, RequestOutput, StepRecord
+from executor.core.engine.engine_core import (
+    PARTS,
+    EngineCore,
+    EngineStep,
+    PhaseProfiler,
+    RequestOutput,
+    StepRecord,
+    StepTimer,
+)
 from executor.core.engine.model_runner import ModelRunner
 
-__all__ = ["EngineCore", "EngineStep", "ExecutionEngine", "ModelRunner", "PhaseProfiler", "RequestOutput", "StepRecord"]
+__all__ = [
+    "PARTS",
+    "EngineCore",
+    "EngineStep",
+    "ExecutionEngine",
+    "ModelRunner",
+    "PhaseProfiler",
+    "RequestOutput",
+    "StepRecord",
+    "StepTimer",
+]

@@ -21,7 +21,7 @@ from executor.core.config.inference_config import check_device_rules
 from executor.core.config.model_registry import resolve_model
 from executor.core.config.parallel_layout import ParallelLayout, num_experts_of
 from executor.core.engine.context_parallel import ContextParallelForward, layers_without_context_parallel
-from executor.core.engine.engine_core import EngineCore
+from executor.core.engine.engine_core import EngineCore, StepTimer
 from executor.core.engine.kv_cache_sizing import size_kv_cache
 from executor.core.engine.model_runner import ModelRunner
 from executor.core.kv_cache import KVCacheManager, cdiv
@@ -41,7 +41,6 @@ from executor.platform.graph_compilers import GraphCompiler
 from executor.platform.host_allocator import keep_freed_host_memory
 from executor.types_ import Request, SamplingParams
 from executor.utils.graph_buckets import resolve_buckets
-from executor.utils.step_timer import StepTimer
 from ops.backend import make_backend
 
 logger = logging.getLogger(__name__)

@@ -13,6 +13,7 @@ import itertools
 import torch
 
 from executor.core.engine.context_parallel import ContextParallelForward, splits_step
+from executor.core.engine.engine_core import StepTimer
 from executor.core.kv_cache import CacheLayout
 from executor.core.model_worker import ModelWorker
 from executor.core.sampler import Sampler, SamplingMetadata, prompt_logprobs
@@ -21,7 +22,6 @@ from executor.core.spec_decode.proposer import ProposalContext, Proposer
 from executor.core.spec_decode.verify import accept_greedy, rejection_sample
 from executor.types_ import Batch, Request, StepResult, TokenLogprobs
 from executor.types_.model_inputs import ScheduledSequence, StepLayout, build_step_layout
-from executor.utils.step_timer import StepTimer
 from ops.attention_metadata import AttentionMetadataBuilder, build_model_inputs, take_rows, to_device
 
 
@@ -155,6 +155,8 @@ class ModelRunner:
     ) -> tuple[list[int], list[TokenLogprobs | None] | None]:
         """One token per row of logits, each with its request's sampling parameters; the step's one
         host read of the sampled ids (a second brings logprobs back when a request asks for them)."""
+        if all(request.sampling_params.is_plain_greedy for request in requests):  # no row needs processing
+            return self.sampler.argmax_rows(logits).tolist(), None
         requests_per_row = [
             request for request, seq in zip(requests, sequences, strict=True) for _ in range(seq.num_sampled_rows)
         ]

@@ -26,6 +26,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -33,7 +34,6 @@ from executor.platform.graph_compilers import GraphCallable, GraphCompiler, Grap
 from executor.types_.model_inputs import ForwardMetaData, ModelInputs, StepLayout
 from executor.utils.graph_buckets import Bucket, pick_bucket
 from executor.utils.slow_phase import announced_if_slow
-from executor.utils.step_timer import StepTimer
 from executor.utils.tensor_tree import map_tensors, same_structure, tensor_leaves
 from ops.attention_metadata import AttentionMetadataBuilder, build_model_inputs, put_rows, take_rows
 
@@ -53,6 +53,12 @@ def copy_step(destination: ModelInputs, source: ModelInputs) -> None:
         raise ValueError("a step's inputs do not have the shape of the bucket's buffers")
     for dst, src in zip(tensor_leaves(destination.forward_args()), tensor_leaves(source.forward_args()), strict=True):
         dst.copy_(src, non_blocking=True)
+
+
+class StepMarks(Protocol):
+    """The engine core's step timer, as a graph runner sees it: it marks where its h2d part ends."""
+
+    def mark(self, part: str) -> None: ...
 
 
 @dataclass(slots=True)
@@ -120,7 +126,7 @@ class GraphRunner:
         num_cache_groups: int,
         max_blocks_per_request: int,
         pin_host_buffers: bool,
-        step_timer: StepTimer | None = None,
+        step_timer: StepMarks | None = None,
         state_groups: tuple[int, ...] = (),
         agree_shape: AgreeShape | None = None,
         tokens_per_verify_row: int = 1,
@@ -136,7 +142,7 @@ class GraphRunner:
         one collective every rank calls at every step; None where the ranks that share graphs run
         the same steps anyway."""
         self.step = step if step is not None else DecodeStep(model)
-        self.step_timer = step_timer if step_timer is not None else StepTimer()  # marks the end of h2d
+        self.step_timer = step_timer  # marks the end of h2d; None for a step module timed by its caller
         self.compiler = compiler
         self.batch_sizes = sorted(buckets)
         self.tokens_per_verify_row = tokens_per_verify_row
@@ -252,7 +258,8 @@ class GraphRunner:
         rows = layout.token_rows(bucket.tokens_per_row)
         for buffer, values in zip(graph.buffers.row_inputs, row_inputs, strict=True):
             put_rows(buffer, rows, values)
-        self.step_timer.mark("h2d")
+        if self.step_timer is not None:
+            self.step_timer.mark("h2d")
         self.steps_per_bucket[bucket] += 1
         hidden_states, logits = graph.run(graph.buffers)
         if bucket.tokens_per_row == 1:
