@@ -1,4 +1,4 @@
-"""The step log's cadence on the console (executor/offline/step_log.py, ConsoleFilter): about 40
+"""The step log's cadence on the console (executor/offline/step_log.py): about 40
 step lines a run, none of cann-recipes' worded ones, while steps.log gets every step."""
 
 from __future__ import annotations
@@ -8,7 +8,6 @@ import logging
 from executor.offline.results import ResultWriter
 from executor.offline.run_folder import plan_run
 from executor.offline.step_log import CONSOLE_STEP_LINES, console_step_interval
-from executor.utils.logging_config import ConsoleFilter
 from tests.engine_harness import make_inference, token_records
 
 
@@ -23,7 +22,6 @@ class Lines(logging.Handler):
     def __init__(self) -> None:
         super().__init__()
         self.messages: list[str] = []
-        self.addFilter(ConsoleFilter())
 
     def emit(self, record: logging.LogRecord) -> None:
         self.messages.append(record.getMessage())

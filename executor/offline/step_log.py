@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from pathlib import Path
 from types import TracebackType
+from typing import TextIO
 
 from executor.core.engine import StepRecord
-from executor.utils.logging_config import CANN_STEP_LOGGER, ON_CONSOLE, STEP_LOGGER
 
 CONSOLE_STEP_LINES = 40
 
-step_logger = logging.getLogger(STEP_LOGGER)
-cann_step_logger = logging.getLogger(CANN_STEP_LOGGER)
+step_logger = logging.getLogger("executor.steps")
 
 
 def console_step_interval(configured: int, num_requests: int, batch_size: int, max_new_tokens: int) -> int:
@@ -31,40 +31,40 @@ def console_step_interval(configured: int, num_requests: int, batch_size: int, m
 
 
 class StepLog:
-    """Logs each step's record; with a run folder, appends to its step text file while entered
-    (it may be entered again, for the closing lines; a resumed run's parts follow each other)."""
+    """Writes each step's lines to the step text file (while entered; it may be entered again, for
+    the closing lines; a resumed run's parts follow each other) and logs the ones on the console's
+    cadence. The file is written here, not through logging, so that the console's handler sees
+    only the lines it shows."""
 
     def __init__(self, text_path: Path | None, console_interval: int) -> None:
         self.console_interval = console_interval
         self.text_path = text_path
-        self._file: logging.FileHandler | None = None
-        self._level = logging.NOTSET
+        self._file: TextIO | None = None
 
     def __enter__(self) -> StepLog:
-        # Every step reaches the file whatever the console's level (ConsoleFilter keeps to that).
-        self._level = step_logger.level
-        step_logger.setLevel(logging.INFO)
         if self.text_path is not None:
-            self._file = logging.FileHandler(self.text_path, mode="a", encoding="utf-8")
-            self._file.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
-            step_logger.addHandler(self._file)
+            self._file = open(self.text_path, "a", encoding="utf-8")  # noqa: SIM115 (closed in __exit__)
         return self
 
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
     ) -> None:
         if self._file is not None:
-            step_logger.removeHandler(self._file)
             self._file.close()
             self._file = None
-        step_logger.setLevel(self._level)
 
     def record(self, record: StepRecord) -> None:
-        shown = (record.step - 1) % self.console_interval == 0
-        step_logger.info(record.log_line(), extra={ON_CONSOLE: shown})
-        cann_step_logger.info(record.cann_log_line())
+        line = record.log_line()
+        if (record.step - 1) % self.console_interval == 0:
+            step_logger.info(line)
+        self._write([line, record.cann_log_line()])
 
     def cann_lines(self, lines: list[str]) -> None:
         """cann-recipes' own closing lines: steps.log only (the console's end table says the same)."""
-        for line in lines:
-            cann_step_logger.info(line)
+        self._write(lines)
+
+    def _write(self, lines: list[str]) -> None:
+        if self._file is not None:
+            stamp = time.strftime("%H:%M:%S")
+            self._file.write("".join(f"{stamp} {line}\n" for line in lines))
+            self._file.flush()

@@ -22,11 +22,11 @@ from executor.core.config.model_registry import resolve_model
 from executor.core.config.parallel_layout import ParallelLayout, num_experts_of
 from executor.core.engine.context_parallel import ContextParallelForward, layers_without_context_parallel
 from executor.core.engine.engine_core import EngineCore, StepTimer
+from executor.core.engine.graph_factory import GraphFactory
 from executor.core.engine.kv_cache_sizing import size_kv_cache
 from executor.core.engine.model_runner import ModelRunner
 from executor.core.kv_cache import KVCacheManager, cdiv
 from executor.core.model_worker import ModelWorker
-from executor.core.model_worker.graph_runner import GraphRunner
 from executor.core.sampler import Sampler
 from executor.core.scheduler import Scheduler, SchedulerLimits
 from executor.core.spec_decode.factory import DraftParts, draft_model_config, make_proposer
@@ -36,11 +36,8 @@ from executor.core.spec_decode.proposer import LockStep, Proposer, drafting_prop
 from executor.model_loader.hf_config import load_hf_config
 from executor.model_loader.quantization_config import quantization_request, read_quantization
 from executor.platform import create_platform, resolve_dtype
-from executor.platform.compile_cache import CompileCache
-from executor.platform.graph_compilers import GraphCompiler
 from executor.platform.host_allocator import keep_freed_host_memory
 from executor.types_ import Request, SamplingParams
-from executor.utils.graph_buckets import resolve_buckets
 from ops.backend import make_backend
 
 logger = logging.getLogger(__name__)
@@ -100,8 +97,7 @@ class ExecutionEngine:
         self._check_speculation_with_states()
         self.tokenizer: Any = AutoTokenizer.from_pretrained(model_path)
         self.eos_token_ids = self._collect_eos_token_ids(model_path)
-        # one per engine, for every step module's graphs; None in eager mode
-        self.graph_compiler = self._make_graph_compiler()
+        self.graphs = self._make_graph_factory()  # None in eager mode
         self.kv_cache_manager = size_kv_cache(
             config,
             self.worker,
@@ -109,9 +105,9 @@ class ExecutionEngine:
             self.comm,
             self.max_model_len,
             warm_up=self._warm_up,
-            measure_graph_memory=self._measure_graph_memory,
+            measure_graph_memory=self.graphs.measure_memory if self.graphs is not None else lambda: 0,
         )
-        graph_runner = self._make_graph_runner()
+        graph_runner = self.graphs.runner() if self.graphs is not None else None
         draft = self._make_draft_engine()
         if graph_runner is not None:
             self.worker.init_graphs(graph_runner)
@@ -126,6 +122,26 @@ class ExecutionEngine:
         return StepTimer(
             breakdown=not asynchronous if breakdown is None else breakdown,
             synchronize=self.platform.synchronize if asynchronous else None,
+        )
+
+    def _make_graph_factory(self) -> GraphFactory | None:
+        """The engine's graph runners' maker in a graph mode (one compiler for all), None in eager mode."""
+        compiler = GraphFactory.make_compiler(
+            self.config, self.backend, self.platform, self.comm, self.dtype, self.max_blocks_per_request
+        )
+        if compiler is None:
+            return None
+        return GraphFactory(
+            self.config,
+            self.platform,
+            self.worker,
+            self.comm,
+            compiler,
+            self.metadata_builder,
+            self.host_metadata_builder,
+            self.max_blocks_per_request,
+            self.step_timer,
+            self.lock_step,
         )
 
     def _check_context_parallel(self, model: torch.nn.Module) -> None:
@@ -244,27 +260,14 @@ class ExecutionEngine:
             draft,
         )
         mtp = drafting_proposer(proposer)
-        if isinstance(mtp, MTPProposer) and self.graph_compiler is not None:
+        if isinstance(mtp, MTPProposer) and self.graphs is not None:
             mtp.graph_runners = mtp_graph_runners(
-                self.worker.model, mtp.num_speculative_tokens, self.hidden_size, self.dtype, self._mtp_graph_runner
+                self.worker.model, mtp.num_speculative_tokens, self.hidden_size, self.dtype, self.graphs.mtp_runner
             )
             with torch.inference_mode():
                 for runner in mtp.graph_runners:
                     runner.warm_up()
         return proposer
-
-    def _mtp_graph_runner(
-        self,
-        step: torch.nn.Module,
-        tokens_per_verify_row: int,
-        row_inputs: tuple[tuple[int, torch.dtype], ...],
-        name: str,
-    ) -> GraphRunner:
-        runner = self._make_graph_runner(
-            step=step, tokens_per_verify_row=tokens_per_verify_row, row_inputs=row_inputs, name=name
-        )
-        assert runner is not None, "MTP graphs are made in graph modes only"
-        return runner
 
     def graph_stats(self) -> dict[str, object] | None:
         """The summary's `graph` entry: the target's graphs, and the MTP layers' under `mtp`; None in eager mode."""
@@ -293,85 +296,3 @@ class ExecutionEngine:
         core.add_request(Request("warm-up", None, [0] * num_tokens, SamplingParams(max_new_tokens=2)))
         while core.has_work():
             core.step()
-
-    def _make_graph_runner(
-        self,
-        buckets: list[int] | None = None,
-        *,
-        step: torch.nn.Module | None = None,
-        tokens_per_verify_row: int | None = None,
-        row_inputs: tuple[tuple[int, torch.dtype], ...] = (),
-        name: str = "",
-    ) -> GraphRunner | None:
-        """The graph runner of model_config.exe_mode over `buckets` (default: the configured ones),
-        or None in eager mode: the target's decode step (and with speculative decoding its verify
-        step of 1 + k tokens per request) unless `step` is given (an MTP layer's, with its
-        `tokens_per_verify_row` and `row_inputs`)."""
-        sched = self.config.scheduler_config
-        buckets = buckets or resolve_buckets(sched.graph_buckets, sched.batch_size)
-        if self.graph_compiler is None:
-            return None
-        method, num_speculative_tokens = self.config.speculation
-        if tokens_per_verify_row is None:
-            tokens_per_verify_row = 1 + num_speculative_tokens if method else 1
-        assert self.worker.model is not None and self.graph_compiler is not None
-        return GraphRunner(
-            self.worker.model,
-            self.graph_compiler,
-            buckets,
-            self.metadata_builder,
-            self.host_metadata_builder,
-            num_cache_groups=len(self.worker.kv_cache_groups),
-            max_blocks_per_request=self.max_blocks_per_request,
-            pin_host_buffers=self.platform.device_type != "cpu",
-            step_timer=self.step_timer if step is None else None,
-            state_groups=self.worker.state_groups(),
-            agree_shape=self.comm.max_each_over_world if self.lock_step else None,
-            tokens_per_verify_row=tokens_per_verify_row,
-            step=step,
-            row_inputs=row_inputs,
-            name=name,
-        )
-
-    def _make_graph_compiler(self) -> GraphCompiler | None:
-        """The engine's one graph compiler for model_config.exe_mode, or None in eager mode. Its
-        graph count is an upper bound on the graphs of all step modules: decode and verify buckets
-        of the target and the MTP layers (a draft model's engine compiles its decode buckets under
-        our step's code object), and the probe's largest bucket, measured before the run's."""
-        if self.backend.graph_compiler is None:
-            return None
-        model_config, sched = self.config.model_config, self.config.scheduler_config
-        method, num_speculative_tokens = self.config.speculation
-        extra = {"mtp": 2 * num_speculative_tokens, "draft_model": 1}.get(method, 0)
-        num_graphs = len(resolve_buckets(sched.graph_buckets, sched.batch_size)) * (2 + extra) + 1
-        return self.backend.graph_compiler(
-            self.platform,
-            CompileCache.from_config(model_config.enable_cache_compile, model_config.compile_cache_dir),
-            num_buckets=num_graphs,
-            settings={
-                "dtype": self.dtype,
-                "block_size": sched.block_size,
-                "max_blocks_per_request": self.max_blocks_per_request,
-                "device": self.platform.device_type,
-                **self.comm.graph_key_settings(),
-            },
-            static_kernel=model_config.enable_static_kernel,
-        )
-
-    def _measure_graph_memory(self) -> int:
-        """Device bytes the graphs take, measured at the largest bucket on the probe cache (graph
-        modes on CUDA/NPU; 0 elsewhere), so that the KV cache is sized from what is left."""
-        if self.config.model_config.exe_mode == "eager" or self.platform.memory_info_bytes() is None:
-            return 0
-        sched = self.config.scheduler_config
-        largest = resolve_buckets(sched.graph_buckets, sched.batch_size)[-1]
-        free_before = self.platform.memory_info_bytes()[0]
-        runner = self._make_graph_runner([largest])
-        assert runner is not None
-        with torch.inference_mode():
-            runner.warm_up()
-        graph_bytes = max(0, free_before - self.platform.memory_info_bytes()[0])
-        del runner
-        self.platform.empty_cache()
-        logger.info("graphs and activations at bucket %d take %.0f MiB", largest, graph_bytes / 2**20)
-        return graph_bytes
