@@ -78,7 +78,7 @@ def test_mtp_drafts_write_into_lookahead_slots_the_scheduler_allocated(deepseek_
     monkeypatch.setattr(KVCacheManager, "allocate_slots", recording_allocate)
     monkeypatch.setattr(MTPProposer, "propose", recording_propose)
     inference = make_inference(deepseek_dir, model_config={"model_name": "deepseek_v3", "next_n": 3}, max_new_tokens=8)
-    assert inference.scheduler.num_lookahead_tokens == 2
+    assert inference.core.scheduler.num_lookahead_tokens == 2
     result = inference.generate(token_records(random_prompts([5, 9], seed=6)))
     assert result.summary["speculative"]["draft_tokens"] > 0
     assert not any(during for during, _ in calls)
