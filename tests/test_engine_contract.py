@@ -137,16 +137,19 @@ def test_a_tokenizer_id_outside_the_model_vocabulary_fails_its_request_alone(tin
 
 
 def test_the_warm_up_runs_its_request_through_a_scheduler_of_its_own(tiny_llama_dir, monkeypatch):
-    """The warm-up request (a short prompt, two new tokens) is stepped by a throwaway scheduler
-    that logs nothing, so that the scheduler stays the one writer of a Request."""
-    schedulers: list[engine_module.Scheduler] = []
+    """The warm-up request (a short prompt, two new tokens) is stepped by a throwaway scheduler (in
+    an engine core of its own) that logs nothing, so that the scheduler stays the one writer of a
+    Request; the run's core, built last, has stepped nothing."""
+    cores: list[engine_module.EngineCore] = []
 
-    class RecordingScheduler(engine_module.Scheduler):
+    class RecordingCore(engine_module.EngineCore):
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
-            schedulers.append(self)
+            cores.append(self)
 
-    monkeypatch.setattr(engine_module, "Scheduler", RecordingScheduler)
-    make_inference(tiny_llama_dir)
-    (warm_up,) = schedulers
-    assert not warm_up.has_work() and warm_up._step == 2  # a prefill, then a decode
+    monkeypatch.setattr(engine_module, "EngineCore", RecordingCore)
+    inference = make_inference(tiny_llama_dir)
+    warm_up, run = cores
+    assert run is inference.core and run._num_steps == 0
+    assert warm_up.scheduler is not run.scheduler
+    assert not warm_up.has_work() and warm_up._num_steps == 2  # a prefill, then a decode
