@@ -22,6 +22,9 @@ MAX_TOKENS = 24
 EAGER = ROOT / "models/llama/config/smollm2_135m.yaml"
 GE_GRAPH = ROOT / "models/llama/config/smollm2_135m_ge_graph.yaml"
 NGRAM = ["--set", "speculative_config.method=ngram", "--set", "speculative_config.num_speculative_tokens=3"]
+# graphs for the batch sizes the test makes (one request, all eight at once), so that the server
+# compiles two buckets, not six
+GRAPH_BUCKETS = ["--set", f"scheduler_config.batch_size={NUM_PROMPTS}", "--set", "scheduler_config.graph_buckets=[1,8]"]
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +52,7 @@ def chat_tokens(base_url: str, messages: list[dict[str, str]]) -> list[int]:
 
 
 def check_server(yaml: Path, extra: list[str], messages, offline_tokens, torchrun: int = 0) -> None:
-    with server_process(yaml, *extra, timeout_s=600, torchrun=torchrun) as (base_url, process):
+    with server_process(yaml, *extra, timeout_s=1200, torchrun=torchrun) as (base_url, process):
         one_by_one = [chat_tokens(base_url, m) for m in messages[:3]]
         with ThreadPoolExecutor(len(messages)) as pool:
             together = list(pool.map(lambda m: chat_tokens(base_url, m), messages))
@@ -64,11 +67,11 @@ def test_eager_server_equals_offline(messages, offline_tokens):
 
 
 def test_ge_graph_server_with_ngram_equals_offline(messages, offline_tokens):
-    check_server(GE_GRAPH, NGRAM, messages, offline_tokens)
+    check_server(GE_GRAPH, GRAPH_BUCKETS + NGRAM, messages, offline_tokens)
 
 
 def test_ge_graph_server_equals_offline(messages, offline_tokens):
-    check_server(GE_GRAPH, [], messages, offline_tokens)
+    check_server(GE_GRAPH, GRAPH_BUCKETS, messages, offline_tokens)
 
 
 def test_server_at_tp_3_equals_offline(messages, offline_tokens):
