@@ -85,6 +85,8 @@ class EvalSize:
     lm_eval_max_gen_toks: int | None = None  # None: the task file's (48)
     gsm8k_few_shot: int = 3  # worked examples from gsm8k/train.jsonl
     concurrency: int = 8
+    datasets: tuple[str, ...] = ("gsm8k", "general_mcq", "general_qa")  # EvalScope's; () skips it
+    tasks: tuple[str, ...] = ("infer_recipes_mcq", "infer_recipes_arith")  # lm-eval's
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -179,7 +181,7 @@ def serve(
     *,
     python: str = sys.executable,
     served_model_name: str = SERVED_NAME,
-    start_timeout_s: float = 600,
+    start_timeout_s: float = 1800,  # a first ge_graph start compiles 12 buckets: minutes each on 2 cores
     stop_timeout_s: float = 180,
 ) -> Iterator[Server]:
     """`python -m executor.online` in `setting` on `port`, ready (GET /health 200) when yielded;
@@ -211,12 +213,12 @@ def serve(
 # ---------------------------------------------------------------------------------------------------
 # EvalScope
 
-EVALSCOPE_DATASETS = ("gsm8k", "general_mcq", "general_qa")
+EVALSCOPE_DATASETS = EvalSize.datasets
 
 
 def evalscope_command(venv: Path, api_url: str, work_dir: Path, size: EvalSize, model: str = SERVED_NAME) -> list[str]:
     """`evalscope eval` against an OpenAI server on dataset/eval/'s files (no hub)."""
-    dataset_args = {
+    every_dataset_args = {
         "gsm8k": {
             "local_path": str(EVAL_DATA / "gsm8k"),
             "subset_list": ["default"],
@@ -229,13 +231,14 @@ def evalscope_command(venv: Path, api_url: str, work_dir: Path, size: EvalSize, 
         },
         "general_qa": {"local_path": str(EVAL_DATA / "qa"), "subset_list": ["basics"], "metric_list": ["Rouge"]},
     }
+    dataset_args = {dataset: every_dataset_args[dataset] for dataset in size.datasets}
     command = [
         str(venv / "bin" / "evalscope"), "eval",
         "--model", model,
         "--api-url", api_url,
         "--api-key", "EMPTY",
         "--eval-type", "openai_api",
-        "--datasets", *EVALSCOPE_DATASETS,
+        "--datasets", *size.datasets,
         "--dataset-args", json.dumps(dataset_args),
         "--generation-config", json.dumps({"max_tokens": size.max_tokens, "temperature": 0.0}),
         "--eval-batch-size", str(size.concurrency),
@@ -247,11 +250,13 @@ def evalscope_command(venv: Path, api_url: str, work_dir: Path, size: EvalSize, 
     return command
 
 
-def evalscope_scores(work_dir: Path, model: str = SERVED_NAME) -> dict[str, tuple[str, float]]:
+def evalscope_scores(
+    work_dir: Path, model: str = SERVED_NAME, datasets: tuple[str, ...] = EVALSCOPE_DATASETS
+) -> dict[str, tuple[str, float]]:
     """{dataset: (metric, score)} from reports/<model>/<dataset>.json: each report's primary metric
     (gsm8k and general_mcq accuracy, general_qa ROUGE-L recall)."""
     scores = {}
-    for dataset in EVALSCOPE_DATASETS:
+    for dataset in datasets:
         report = json.loads((work_dir / "reports" / model / f"{dataset}.json").read_text())
         primary = report["primary_metric_identity"]
         (metric,) = [m for m in report["metrics"] if m["identity"] == primary]
@@ -313,7 +318,9 @@ def lm_eval_score(output_path: Path, task: str) -> tuple[str, float]:
 
 def run_tool(command: list[str], log_path: Path, timeout_s: float) -> None:
     with open(log_path, "w") as log:
-        done = subprocess.run(command, cwd=ROOT, env=tool_env(), stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
+        done = subprocess.run(
+            command, cwd=ROOT, env=tool_env(), stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s
+        )
     if done.returncode != 0:
         raise RuntimeError(f"{Path(command[0]).name} exited {done.returncode}: {log_path.read_text()[-3000:]}")
 
@@ -324,12 +331,17 @@ def evaluate(
     """Every dataset and task against a running server: {row name: (metric, score)}."""
     work_dir.mkdir(parents=True, exist_ok=True)
     scores: dict[str, tuple[str, float]] = {}
-    run_tool(evalscope_command(venv, api_url, work_dir / "evalscope", size), work_dir / "evalscope.log", timeout_s)
-    for dataset, score in evalscope_scores(work_dir / "evalscope").items():
-        scores[f"EvalScope {dataset}"] = score
-    for task, (lm_model, _, _) in LM_EVAL_TASKS_RUN.items():
+    if size.datasets:
+        command = evalscope_command(venv, api_url, work_dir / "evalscope", size)
+        run_tool(command, work_dir / "evalscope.log", timeout_s)
+        for dataset, score in evalscope_scores(work_dir / "evalscope", datasets=size.datasets).items():
+            scores[f"EvalScope {dataset}"] = score
+    for task in size.tasks:
+        lm_model = LM_EVAL_TASKS_RUN[task][0]
         out = work_dir / "lm_eval" / task
-        run_tool(lm_eval_command(venv, api_url, task, out, size, tokenizer), work_dir / f"lm_eval_{task}.log", timeout_s)
+        run_tool(
+            lm_eval_command(venv, api_url, task, out, size, tokenizer), work_dir / f"lm_eval_{task}.log", timeout_s
+        )
         scores[f"lm-eval {task} ({lm_model})"] = lm_eval_score(out, task)
     return scores
 
@@ -371,6 +383,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=EvalSize.max_tokens, help="EvalScope's max_tokens")
     parser.add_argument("--concurrency", type=int, default=EvalSize.concurrency)
     parser.add_argument(
+        "--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE", help="added to every setting"
+    )
+    parser.add_argument(
+        "--datasets", nargs="*", default=list(EvalSize.datasets), choices=EvalSize.datasets, help="EvalScope's"
+    )
+    parser.add_argument("--tasks", nargs="*", default=list(EvalSize.tasks), choices=EvalSize.tasks, help="lm-eval's")
+    parser.add_argument(
         "--work-dir",
         type=Path,
         default=ROOT / "models" / "llama" / "res" / time.strftime("%Y%m%d_%H%M%S_eval_accuracy"),
@@ -380,10 +399,17 @@ def main(argv: list[str] | None = None) -> int:
 
     venv = setup_eval_tools()
     tokenizer = default_model_dir()
-    size = EvalSize(limit=args.limit, max_tokens=args.max_tokens, concurrency=args.concurrency)
+    size = EvalSize(
+        limit=args.limit,
+        max_tokens=args.max_tokens,
+        concurrency=args.concurrency,
+        datasets=tuple(args.datasets),
+        tasks=tuple(args.tasks),
+    )
     results: dict[str, dict[str, tuple[str, float]]] = {}
     for name in args.settings:
         setting = SETTINGS[name]
+        setting = Setting(setting.name, setting.yaml, (*setting.sets, *args.sets))
         work_dir = args.work_dir / name.replace("+", "_")
         print(f"[eval] {name}: {setting.yaml} {' '.join(setting.sets)}", file=sys.stderr, flush=True)
         started = time.monotonic()
