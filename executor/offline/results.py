@@ -38,6 +38,7 @@ from executor.offline.run_folder import (
     replica_files,
     replica_outputs_file,
     replica_step_text_file,
+    prompt_token_ids_hash,
     replica_steps_file,
     unmerged_replica_lines,
 )
@@ -62,6 +63,7 @@ def request_result(request: Request, output_text: str) -> dict[str, Any]:
         "output_text": output_text,
         "output_token_ids": request.output_token_ids,
         "prompt_tokens": request.num_prompt_tokens,
+        "prompt_token_ids_hash": prompt_token_ids_hash(request.prompt_token_ids),
         "finish_reason": request.finish_reason.value if request.finish_reason else None,
         "error": request.error,
         "logprobs": _logprobs_result(request),
