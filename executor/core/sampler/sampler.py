@@ -23,6 +23,15 @@ from executor.core.sampler.processors import (
 )
 from executor.types_ import TokenLogprobs
 
+# The token a row samples when its logits hold a NaN (a damaged checkpoint, an overflow): no token,
+# but this mark, which reaches the host in the step's one read of the sampled ids; the scheduler
+# then fails the row's request alone with NAN_LOGITS_REASON instead of appending it.
+NAN_LOGITS_TOKEN = -1
+NAN_LOGITS_REASON = (
+    "the model's logits for this request hold NaN (damaged weights or an overflow in the model's dtype); "
+    "nothing was sampled from them"
+)
+
 
 @dataclass(slots=True)
 class LogprobsTensors:
@@ -105,7 +114,7 @@ class Sampler:
         """The token of every row (greedy rows: argmax; random rows: a draw from `probabilities`),
         and logprobs when a row asks. An all-greedy step with no penalty or logprobs is one argmax."""
         if not metadata.needs_processing:
-            return SamplerOutput(self.argmax_rows(logits), None)
+            return SamplerOutput(mark_nan_rows(logits, self.argmax_rows(logits)), None)
         processed = self.processed_logits(logits, metadata)
         token_ids = self.argmax_rows(processed)
         if metadata.random_rows is not None:
@@ -114,7 +123,12 @@ class Sampler:
             token_ids = token_ids.index_copy(0, metadata.random_rows, self.argmax_rows(probs / noise))
         max_num_logprobs = metadata.max_num_logprobs
         logprobs = None if max_num_logprobs is None else _logprobs(processed, token_ids, max_num_logprobs)
-        return SamplerOutput(token_ids, logprobs)
+        return SamplerOutput(mark_nan_rows(logits, token_ids), logprobs)
+
+
+def mark_nan_rows(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """`token_ids` with NAN_LOGITS_TOKEN on the rows whose logits hold a NaN; on the device, no host read."""
+    return torch.where(logits.isnan().any(dim=-1), NAN_LOGITS_TOKEN, token_ids)
 
 
 def prompt_logprobs(logits: torch.Tensor, token_ids: list[int], num_logprobs: list[int]) -> list[TokenLogprobs]:
