@@ -56,7 +56,8 @@ class LayerCut:
             else:
                 yield renamed, tensor
         logger.info(
-            "custom_params.num_hidden_layers: the checkpoint's layers %d..%d are not run; their %d tensors were skipped",
+            "custom_params.num_hidden_layers: the checkpoint's layers %d..%d are not run; "
+            "their %d tensors were skipped",
             self.kept,
             self.in_checkpoint - 1,
             skipped,

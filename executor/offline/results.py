@@ -35,10 +35,10 @@ from executor.offline.run_folder import (
     STEPS_FILE,
     SUMMARY_FILE,
     RunPlan,
+    prompt_token_ids_hash,
     replica_files,
     replica_outputs_file,
     replica_step_text_file,
-    prompt_token_ids_hash,
     replica_steps_file,
     unmerged_replica_lines,
 )
