@@ -126,6 +126,12 @@ class Sampler:
         return SamplerOutput(mark_nan_rows(logits, token_ids), logprobs)
 
 
+def without_nan_marks(token_ids: list[int]) -> list[int]:
+    """Sampled ids with token 0 where a row's logits held NaN: for a drafter, which embeds what it
+    reads (the request fails, or its drafts are verified and rejected, so the token is never kept)."""
+    return [max(token_id, 0) for token_id in token_ids]
+
+
 def mark_nan_rows(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """`token_ids` with NAN_LOGITS_TOKEN on the rows whose logits hold a NaN; on the device, no host read."""
     return torch.where(logits.isnan().any(dim=-1), NAN_LOGITS_TOKEN, token_ids)
