@@ -223,10 +223,10 @@ def run(args: argparse.Namespace, stop: StopSignals) -> int:
         print(f"error: {exc}; finished requests are kept; {resume_hint}", file=sys.stderr)
         return STOPPED_ON_ERROR
     except BaseException as exc:
-        if is_lost_peer(exc):  # another rank is gone: this one says so, and that nothing here is wrong
+        env = DistEnv.from_environ()
+        if env.world_size > 1 and is_lost_peer(exc):  # another rank is gone; nothing is wrong here
             with stop.deferred():  # torchrun's SIGTERM to the survivors only sets the flag now
                 _finish_quietly(writer, "stopped on error")
-                env = DistEnv.from_environ()
                 print(stopped_line(env.rank, env.world_size, str(plan.output_dir), resume_hint), file=sys.stderr)
             return STOPPED_ON_ERROR
         report_rank_failure(exc)
