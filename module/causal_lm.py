@@ -28,6 +28,13 @@ class CausalLM(nn.Module):
         the model builds this many. A ValueError for a config whose MTP keys are unusable."""
         return num_mtp_layers_of(config)
 
+    @classmethod
+    def num_checkpoint_layers(cls, config: PretrainedConfig) -> int:
+        """How many decoder layers a checkpoint of HF `config` numbers `model.layers.{i}` (MTP layers
+        kept after them not counted): what a cut to the first layers (custom_params.num_hidden_layers,
+        executor/model_loader/layer_cut.py) counts in."""
+        return config.num_hidden_layers
+
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_metadata: ForwardMetaData
     ) -> torch.Tensor:

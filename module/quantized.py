@@ -55,6 +55,27 @@ class QuantParam:
     rows_per_entry: int = 1
     decode: Callable[[torch.Tensor, tuple[int, ...]], torch.Tensor] | None = None
     shared: bool = False
+    # the checkpoint's values must be finite (scales, zero points, offsets), and not negative too
+    # (the weight scales of a scheme with dynamic activations)
+    finite: bool = True
+    non_negative: bool = False
+
+
+def check_values(values: torch.Tensor, spec: QuantParam) -> None:
+    """A WeightLoadError naming the first value a damaged checkpoint holds where `spec` forbids it
+    (the loader prefixes the tensor's name): NaN or inf anywhere, a negative scale where not allowed."""
+    if not values.is_floating_point() or not (spec.finite or spec.non_negative):
+        return
+    bad = ~torch.isfinite(values) if spec.finite else torch.zeros_like(values, dtype=torch.bool)
+    if spec.non_negative:
+        bad |= values < 0
+    if bool(bad.any()):
+        index = [int(i) for i in torch.nonzero(bad)[0]]
+        allowed = "finite and not negative" if spec.non_negative else "finite"
+        raise WeightLoadError(
+            f"holds {values[tuple(index)].item()} at index {index} (the first of {int(bad.sum())}); its values "
+            f"must be {allowed}: the checkpoint is damaged, quantize or fetch it again"
+        )
 
 
 def scale_shape(args: QuantArgs, rows: int, cols: int) -> tuple[int, int]:
@@ -138,16 +159,20 @@ def quant_parameters(
             f"a row-parallel shard of {cols} input features does not hold whole groups of {scheme.describe()}"
         )
     shape = scale_shape(weights, rows, cols)
+    inputs = scheme.input_activations
+    weight_spec = QuantParam(tp_dim, 1, decode_weight(weights), finite=False)
+    scale_spec = QuantParam(
+        scale_tp_dim, block_rows, decode_scale(weights), non_negative=inputs is not None and inputs.dynamic
+    )
     params = {
-        "weight": (torch.empty(rows, cols, dtype=weight_dtype(weights)), QuantParam(tp_dim, 1, decode_weight(weights))),
-        "weight_scale": (torch.empty(shape), QuantParam(scale_tp_dim, block_rows, decode_scale(weights))),
+        "weight": (torch.empty(rows, cols, dtype=weight_dtype(weights)), weight_spec),
+        "weight_scale": (torch.empty(shape), scale_spec),
     }
     if weights.offset:
         params["weight_offset"] = (torch.empty(shape), QuantParam(scale_tp_dim, 1))
     elif not weights.symmetric:
         decode = decode_zero_point(weights)
         params["weight_zero_point"] = (torch.empty(shape, dtype=torch.int8), QuantParam(scale_tp_dim, 1, decode))
-    inputs = scheme.input_activations
     if inputs is not None and not inputs.dynamic:
         params["input_scale"] = (torch.zeros(1), QuantParam(None, 1, decode_scale(inputs), shared=True))
     return {name: (nn.Parameter(tensor, requires_grad=False), spec) for name, (tensor, spec) in params.items()}
@@ -156,7 +181,11 @@ def quant_parameters(
 def load_quant_tensor(
     destination: torch.Tensor, loaded: LoadedWeight, spec: QuantParam, tp_rank: int, tp_size: int
 ) -> None:
-    """Decode one checkpoint tensor into (this rank's part of) a quantized parameter."""
+    """Decode one checkpoint tensor into (this rank's part of) a quantized parameter, once its values
+    are checked (check_values)."""
+    if spec.finite or spec.non_negative:
+        loaded = materialize(loaded)
+        check_values(loaded, spec)
     if spec.shared:
         value = spec.decode(materialize(loaded), tuple(destination.shape))
         destination.copy_(torch.maximum(destination, value.reshape(destination.shape).to(destination.dtype)))

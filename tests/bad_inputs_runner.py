@@ -44,8 +44,11 @@ def edited_model(source: Path, target: Path, edits: dict[str, Any]) -> Path:
 
 
 def edit_tensors(path: Path, edits: dict[str, Any]) -> None:
-    """`drop: [name]`, `dtype: {name: torch dtype name}`, `shape: {name: [new shape]}` on one safetensors file."""
+    """`drop: [name]`, `dtype: {name: torch dtype name}`, `shape: {name: [new shape]}`, `values: {name:
+    [[index], value]}` on one safetensors file."""
     tensors = load_file(path)
+    for name, (index, value) in edits.get("values", {}).items():
+        tensors[name][tuple(index)] = value
     for name in edits.get("drop", []):
         del tensors[name]
     for name, dtype in edits.get("dtype", {}).items():

@@ -22,15 +22,16 @@ from transformers import AutoTokenizer
 
 from executor.offline.dataset import DATASET_DIR, load_prompts, tokenize_record
 from executor.offline.durable_io import read_jsonl
-from executor.offline.exit_status import COULD_NOT_START
+from executor.offline.exit_status import COULD_NOT_START, STOPPED_ON_ERROR
 from tests import deepseek_v3_harness, longcat_flash_harness
 from tests.conftest import save_tiny_llama
-from tests.dist_fault_entry import FAULT_CALL_ENV, FAULT_MESSAGE
+from tests.dist_fault_entry import FAULT_CALL_ENV, FAULT_KILL_ENV, FAULT_MESSAGE
 from tests.dist_harness import (
     ROOT,
     RUN_ENV,
     RUN_TIMEOUT_S,
     DistRun,
+    entry_args,
     max_logprob_difference,
     parallel_overrides,
     run_distributed,
@@ -301,6 +302,33 @@ def test_a_data_parallel_run_whose_replica_fails_keeps_finished_requests_and_res
     assert whole["status"] == "complete" and whole["requests"] == NUM_PROMPTS and whole["pending_requests"] == 0
     served_before = len(kept[0]) + len(kept[1])
     assert whole["parts"][-1]["requests"] == NUM_PROMPTS - served_before  # none served twice
+
+
+def test_a_rank_killed_by_sigkill_is_named_with_one_line_per_rank_and_the_run_resumes(llama_case, tmp_path):
+    """DP 2 under the launcher: rank 1 killed by SIGKILL in its third request. The launcher names the
+    lost rank, rank 0 says it stopped (the other rank lost) with the resume command, or that it was
+    interrupted by torchrun's SIGTERM, which also gives it; no traceback. The command then completes."""
+    run_yaml, reference = llama_case
+    out, overrides = tmp_path / "killed", [LOGPROBS, ONE_AT_A_TIME, *parallel_overrides(2)]
+    fault = {FAULT_CALL_ENV: str(REPLICA_1_FAULT_CALL), FAULT_KILL_ENV: "1"}
+    command = [sys.executable, "tests/dist_fault_launch.py", *entry_args(run_yaml, out, overrides)]
+    done = subprocess.run(
+        command, cwd=ROOT, env=RUN_ENV | fault, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == STOPPED_ON_ERROR, output[-4000:]
+    assert "Traceback" not in output, output[-4000:]
+    lost = [line for line in output.splitlines() if "rank 1 of 2" in line]
+    assert lost == [f"error: rank 1 of 2 was lost: killed by SIGKILL (pid {lost[0].split('(pid ')[1]}"], lost
+    assert "the other ranks stopped because of it" in lost[0]
+    rank_0_lines = ("rank 0 of 2 stopped: another rank was lost", "interrupted (SIGTERM)")
+    (rank_0,) = [line for line in output.splitlines() if any(words in line for words in rank_0_lines)]
+    assert f"to resume, run: python -m executor.offline.launch --yaml {run_yaml}" in rank_0
+
+    resumed = run_distributed(run_yaml, out, overrides)
+    assert_ran(resumed)
+    assert resumed.output_ids_in_file_order() == [f"r{i}" for i in range(NUM_PROMPTS)]
+    assert token_ids(outputs_by_id(out)) == token_ids(reference)
 
 
 # Enough work that the run is still serving when the signal comes: 40 requests one at a time, 240 tokens each.

@@ -36,3 +36,16 @@ def test_every_project_path_the_docs_name_exists():
     }
     missing = sorted(path for path in named if "<" not in path and not (root / path.rstrip("/")).exists())
     assert not missing, f"docs name paths that do not exist: {missing}"
+
+
+def test_the_pages_state_the_num_blocks_check_as_one_rule():
+    """docs/resuming.md and docs/kv_cache.md give the preflight's KV pool check (executor/offline/preflight.py's
+    check_kv_pool, tests/bad_inputs/kv_pool_too_small) in the same words: a full max_model_len request."""
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    rule = (
+        "an explicit `scheduler_config.num_blocks` must hold one request of `max_model_len` beside the null "
+        "block (block 0)"
+    )
+    for name in ("resuming.md", "kv_cache.md"):
+        assert rule in " ".join((docs / name).read_text().split()), name
+    assert "1-token prompt" not in (docs / "resuming.md").read_text()

@@ -23,6 +23,7 @@ from transformers import (
 
 from executor.core.config import ConfigError, build_config
 from executor.core.sampler import Sampler, SamplingMetadata, request_seed
+from executor.core.sampler.sampler import NAN_LOGITS_TOKEN
 from executor.offline.dataset import PromptRecord
 from executor.types_ import Request, SamplingParams
 from ops import cpu_kernels, torch_ref
@@ -258,6 +259,15 @@ def test_an_all_greedy_batch_is_one_argmax_over_the_raw_logits(monkeypatch):
     monkeypatch.setattr(sampler, "processed_logits", lambda *args: pytest.fail("a greedy step processed its logits"))
     output = sampler.sample(logits, metadata)
     assert torch.equal(output.token_ids, logits.argmax(dim=-1)) and output.logprobs is None
+
+
+@pytest.mark.parametrize("params", [{}, {"temperature": 0.8, "seed": 3, "logprobs": 2}], ids=["greedy", "random"])
+def test_a_row_whose_logits_hold_nan_samples_the_nan_mark_and_the_others_sample_as_before(params):
+    logits = make_logits(3, seed=4)
+    clean, _ = sample([make_request(f"r{i}", **params) for i in range(3)], logits)
+    logits[1, 7] = float("nan")
+    output, _ = sample([make_request(f"r{i}", **params) for i in range(3)], logits)
+    assert output.token_ids.tolist() == [clean.token_ids[0], NAN_LOGITS_TOKEN, clean.token_ids[2]]
 
 
 def test_greedy_and_random_rows_mix_in_one_batch_each_as_if_alone():

@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 from executor.model_loader.base_loader import BaseModelLoader
+from executor.model_loader.layer_cut import layer_cut
 from executor.types_.checkpoint_tensor import CheckpointTensor
 from executor.types_.errors import WeightLoadError
 from module.quantized import checkpoint_tensor_name
@@ -115,7 +116,9 @@ def _name_list(names: list[str]) -> str:
 
 class DefaultModelLoader(BaseModelLoader):
     def load_weights(self, model: torch.nn.Module, model_path: str) -> None:
-        loaded = model.load_weights(parameter_named_weights(safetensors_weights(model_path)))
+        weights = parameter_named_weights(safetensors_weights(model_path))
+        cut = layer_cut(model)
+        loaded = model.load_weights(weights if cut is None else cut.weights(weights))
         missing = [name for name, _ in model.named_parameters() if name not in loaded]
         if missing:
             model_name = type(model).__name__

@@ -16,16 +16,43 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local files only: never reach fo
 
 import argparse
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from gguf import GGUFReader
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, GgufConfig
 
 from executor.model_loader.gguf_blocks import read_gguf_tensors
 from executor.types_.quant_scheme import GGUF_FORMAT
+
+GGUF_MAGIC = b"GGUF"  # a GGUF file's first four bytes
+
+
+class GGUFFileError(ValueError):
+    """A file that is not a whole GGUF: the message names it and what is wrong, in one line."""
+
+
+def check_gguf_file(gguf_path: Path) -> None:
+    """The file exists, starts with GGUF's magic, and its header and every tensor lie within it
+    (gguf's reader maps them all, and fails on a file cut short)."""
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"GGUF file {gguf_path} does not exist")
+    with open(gguf_path, "rb") as file:
+        magic = file.read(len(GGUF_MAGIC))
+    if magic != GGUF_MAGIC:
+        raise GGUFFileError(f"{gguf_path}: not a GGUF file (it starts with {magic!r}, a GGUF with {GGUF_MAGIC!r})")
+    try:
+        GGUFReader(str(gguf_path))
+    except (ValueError, IndexError, KeyError, OverflowError) as exc:  # numpy's, on a header or tensor cut short
+        reason = " ".join(str(exc).split())[:200]
+        raise GGUFFileError(
+            f"{gguf_path}: truncated or corrupt GGUF ({gguf_path.stat().st_size} bytes; its header or tensors "
+            f"do not fit: {reason}); fetch the file again"
+        ) from None
 
 
 def convert_gguf(gguf_path: Path, output_dir: Path) -> Path:
@@ -70,8 +97,7 @@ def convert_gguf_blocks(gguf_path: Path, output_dir: Path) -> Path:
 def _write_folder(gguf_path: Path, output_dir: Path, write_weights: Callable[[Path], None]) -> Path:
     """The tokenizer and what `write_weights` writes, in a hidden temporary folder beside output_dir
     that is renamed into place at the end, so an interrupted conversion never leaves a folder that looks done."""
-    if not gguf_path.is_file():
-        raise FileNotFoundError(f"GGUF file {gguf_path} does not exist")
+    check_gguf_file(gguf_path)
     if output_dir.exists():
         raise FileExistsError(f"{output_dir} already exists; remove it to convert again")
     output_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -93,15 +119,22 @@ def partial_prefix(output_dir: Path) -> str:
     return f".{output_dir.name}.partial-"
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    """0 once the folder is written; 2, with one `error:` line, for a file that is missing or not a
+    whole GGUF, or an output folder that exists already."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("gguf", type=Path)
     parser.add_argument("output_dir", type=Path)
     parser.add_argument("--blocks", action="store_true", help="keep Q4_1 / Q8_0 tensors in their blocks")
     args = parser.parse_args(argv)
     convert = convert_gguf_blocks if args.blocks else convert_gguf
-    print(convert(args.gguf.expanduser(), args.output_dir.expanduser()))
+    try:
+        print(convert(args.gguf.expanduser(), args.output_dir.expanduser()))
+    except (GGUFFileError, FileNotFoundError, FileExistsError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -88,6 +88,11 @@ def quant_args(args: QuantizationArgs, where: str) -> QuantArgs:
     kind = str(getattr(args.type, "value", args.type))
     if (kind, args.num_bits) not in (("int", 4), ("int", 8), ("float", 8), ("float", 4)):
         raise QuantizationError(f"{where}: {kind}{args.num_bits} is not run here (int4, int8, fp8, fp4)")
+    if strategy == "group" and (args.group_size is None or args.group_size < 1):
+        raise QuantizationError(
+            f"{where}: group size {args.group_size}: a group size must be a positive divisor of each layer's "
+            "input features (K)"
+        )
     block = tuple(args.block_structure) if args.block_structure else None
     return QuantArgs(
         num_bits=args.num_bits,

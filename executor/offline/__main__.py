@@ -46,6 +46,7 @@ from executor.offline.preflight import (
     check_speculation,
     one_line,
 )
+from executor.offline.rank_faults import is_lost_peer, stopped_line
 from executor.offline.results import ResultWriter, default_output_dir, failed_record_result
 from executor.offline.run_folder import OUTPUTS_FILE, SUMMARY_FILE, RunPlan, plan_run
 from executor.offline.summary_table import summary_lines
@@ -241,6 +242,12 @@ def run(args: argparse.Namespace, stop: StopSignals) -> int:
         print(f"error: {exc}; finished requests are kept; {resume_hint}", file=sys.stderr)
         return STOPPED_ON_ERROR
     except BaseException as exc:
+        env = DistEnv.from_environ()
+        if env.world_size > 1 and is_lost_peer(exc):  # another rank is gone; nothing is wrong here
+            with stop.deferred():  # torchrun's SIGTERM to the survivors only sets the flag now
+                _finish_quietly(writer, "stopped on error")
+                print(stopped_line(env.rank, env.world_size, str(plan.output_dir), resume_hint), file=sys.stderr)
+            return STOPPED_ON_ERROR
         report_rank_failure(exc)
         _finish_quietly(writer, "stopped on error")
         raise

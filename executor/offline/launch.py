@@ -4,7 +4,9 @@ parallel_config.world_size 1: the run, in this process. Above 1: torchrun, in th
 world_size processes on this node (`--standalone` rendezvous), each running `python -m executor.offline`
 with the same arguments. Ctrl-C or SIGTERM reaches torchrun here (the ranks run in sessions of their
 own), which hands it to every rank once; the ranks stop after the same step and write the run folder,
-and this process then exits as one process would: 128 + the signal number.
+and this process then exits as one process would: 128 + the signal number. A rank that fails stops
+the others (torchrun); this process exits with its status, and names a rank a signal killed
+(rank_faults.py), one line each.
 Several nodes: run torchrun on each yourself (docs/distributed.md), e.g.
 `torchrun --nnodes 2 --node-rank <n> --nproc-per-node <world_size / 2> --rdzv-backend c10d
 --rdzv-endpoint <host:port> -m executor.offline --yaml FILE`.
@@ -19,11 +21,13 @@ from collections.abc import Callable
 
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from executor.core.config import ConfigError, load_config
 from executor.offline import __main__ as offline
 from executor.offline.exit_status import COULD_NOT_START
 from executor.offline.interrupts import exit_status_for
+from executor.offline.rank_faults import launcher_status, lost_rank_lines
 
 
 def torchrun_args(world_size: int, argv: list[str], module: str = "executor.offline") -> list[str]:
@@ -38,6 +42,10 @@ def run_torchrun(world_size: int, argv: list[str], module: str = "executor.offli
         torchrun.main(torchrun_args(world_size, argv, module))
     except SignalException as exc:
         return exit_status_for(exc.sigval)
+    except ChildFailedError as exc:  # each rank has said why it stopped; a rank lost to a signal could not
+        for line in lost_rank_lines(exc, world_size):
+            print(line, file=sys.stderr)
+        return launcher_status(exc)
     return 0
 
 

@@ -157,9 +157,24 @@ def check_quantization(config: InferenceConfig, hf_config: Any, model_path: Path
 
 def check_speculation(config: InferenceConfig, model_cls: Any, hf_config: Any, model_path: Path) -> None:
     """MTP drafting (model_config.next_n, speculative_config.method mtp) needs MTP layers that the
-    model class builds from this config.json; a model without them is refused before it loads."""
+    model class builds from this config.json, and method draft_model a draft model folder; a model
+    without them is refused before it loads."""
     if config.speculation[0] == "mtp":
         check_mtp_layers(model_cls, hf_config, config, str(model_path / "config.json"))
+    if config.speculation[0] == "draft_model":
+        check_draft_model_folder(config, type(hf_config))
+
+
+def check_draft_model_folder(config: InferenceConfig, config_cls: Any) -> Any:
+    """speculative_config.draft_model_path holds a model folder as sound as model_path's must be
+    (checked before either model loads); returns the draft's HF config."""
+    draft_path = Path(draft_model_config(config).model_config.model_path)
+    if not (draft_path / "config.json").is_file():
+        raise ConfigError(
+            f"speculative_config.draft_model_path {str(draft_path)!r} in {config.source} is not a model folder "
+            "(no config.json)"
+        )
+    return check_model_folder(draft_path, config_cls, config.model_config.with_ckpt)
 
 
 def check_parallel_layout(config: InferenceConfig, hf_config: Any) -> None:
@@ -198,7 +213,7 @@ def _draft_model_problems(config: InferenceConfig, layout: ParallelLayout, hf_co
     if config.speculation[0] != "draft_model":
         return []
     draft_path = Path(draft_model_config(config).model_config.model_path)
-    draft_hf_config = check_model_folder(draft_path, type(hf_config), with_ckpt=False)
+    draft_hf_config = check_draft_model_folder(config, type(hf_config))
     problems = [f"the draft model ({draft_path}): {problem}" for problem in model_fit_problems(layout, draft_hf_config)]
     draft_kinds = layout.lock_step_kinds(has_experts=num_experts_of(draft_hf_config) > 0)
     if draft_kinds and not layout.lock_step_kinds(has_experts=num_experts_of(hf_config) > 0):

@@ -19,11 +19,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from executor.core.engine import PARTS
 from executor.offline.durable_io import CorruptLineError, read_jsonl
 from executor.offline.metrics import breakdown_lines, step_breakdown
 from executor.offline.run_agreement import AgreementError, RunAgreement, agreement_lines, compare_outputs, read_outputs
-from executor.offline.run_folder import OUTPUTS_FILE, STEPS_FILE, SUMMARY_FILE
+from executor.offline.run_folder import (
+    CONFIG_FILE,
+    OUTPUTS_FILE,
+    STEPS_FILE,
+    SUMMARY_FILE,
+    changed_settings,
+    read_output_settings,
+)
 from executor.offline.summary_table import summary_lines
 
 PLOT_FILE = "steps.png"
@@ -41,6 +50,7 @@ class RunFolder:
     steps: list[dict[str, Any]]  # steps.jsonl, in run order
     summary: dict[str, Any]  # summary.json; empty when missing or unreadable
     outputs: dict[str, dict[str, Any]]  # outputs.jsonl by request id; empty when missing
+    settings: dict[str, Any] | None = None  # config.yaml's settings that change outputs; None when unreadable
 
     @property
     def breakdown(self) -> dict[str, Any]:
@@ -67,7 +77,14 @@ def load_run_folder(path: Path) -> RunFolder:
         outputs = read_outputs(path) if (path / OUTPUTS_FILE).exists() else {}
     except AgreementError as exc:
         raise ReportError(str(exc)) from None
-    return RunFolder(path, steps, summary if isinstance(summary, dict) else {}, outputs)
+    return RunFolder(path, steps, summary if isinstance(summary, dict) else {}, outputs, _read_settings(path))
+
+
+def _read_settings(path: Path) -> dict[str, Any] | None:
+    try:
+        return read_output_settings(path)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError):
+        return None
 
 
 def plot_steps(run: RunFolder, png_path: Path) -> None:
@@ -118,8 +135,10 @@ def report_lines(run: RunFolder) -> list[str]:
 def compare_lines(before: RunFolder, after: RunFolder) -> list[str]:
     """Per phase and part, the mean before and after (outliers left out alike), the change and
     the change in percent; then the run figures of summary.json; then, where both runs have
-    outputs, their agreement."""
-    lines = [f"before: {before.path}", f"after:  {after.path}"]
+    outputs, their agreement over the requests whose prompt token ids agree (ReportError when none do).
+    The settings that change outputs and differ between the runs come first."""
+    agreement = _agreement(before, after)
+    lines = [f"before: {before.path}", f"after:  {after.path}", settings_line(before, after)]
     header = f"{'before':>12s} {'after':>12s} {'delta':>12s} {'delta %':>9s}"
     old, new = before.breakdown, after.breakdown
     for phase in [p for p in ("prefill", "decode") if p in old or p in new]:
@@ -132,9 +151,34 @@ def compare_lines(before: RunFolder, after: RunFolder) -> list[str]:
     lines.append(f"{'run':22s} {header}")
     for key in RUN_FIGURES:
         lines.append(_delta_line(f"  {key}", before.summary.get(key), after.summary.get(key)))
-    if before.outputs and after.outputs:
-        lines.extend(agreement_lines(compare_outputs(before.outputs, after.outputs)))
+    if agreement is not None:
+        lines.extend(agreement_lines(agreement))
     return lines
+
+
+def settings_line(before: RunFolder, after: RunFolder) -> str:
+    """Which settings that change outputs (docs/resuming.md) differ between the two runs' config.yaml."""
+    if before.settings is None or after.settings is None:
+        unread = [str(run.path / CONFIG_FILE) for run in (before, after) if run.settings is None]
+        return f"settings: not compared ({', '.join(unread)} missing or unreadable)"
+    changed = changed_settings(before.settings, after.settings)
+    return f"settings that differ: {'; '.join(changed)}" if changed else "settings: the same"
+
+
+def _agreement(before: RunFolder, after: RunFolder) -> RunAgreement | None:
+    """The runs' agreement where both have outputs; a ReportError when no request of both has the
+    same prompt token ids in both (they are not runs of the same prompts)."""
+    if not (before.outputs and after.outputs):
+        return None
+    agreement = compare_outputs(before.outputs, after.outputs)
+    if agreement.compared + agreement.failed == 0:
+        shared = len(before.outputs.keys() & after.outputs.keys())
+        raise ReportError(
+            f"{before.path} and {after.path} share no request with the same prompt token ids ({shared} ids in "
+            f"both, {len(agreement.other_prompts)} of them with other prompts): not runs of the same prompts, "
+            "nothing to compare"
+        )
+    return agreement
 
 
 def plot_comparison(before: RunFolder, after: RunFolder, png_path: Path) -> None:

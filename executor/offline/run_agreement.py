@@ -1,7 +1,9 @@
 """How far two runs of the same prompts agree, from their outputs.jsonl: the accuracy half of
 `report --compare` (a graph mode, a quantization scheme or a parallel layout against eager).
 
-Requests are matched by id; those that failed in either run are counted apart. Per request pair:
+Requests are matched by id and compared only where their prompt token ids agree (outputs.jsonl's
+`prompt_token_ids_hash`; a line from before it was written is taken by its `prompt` text): others
+are left out and counted, as are those that failed in either run. Per request pair:
 identical generated tokens or the first position where they part; over the positions before it,
 where both runs kept `logprobs`, the chosen tokens' logprob difference; where both kept
 `prompt_logprobs` (the same prompt tokens, teacher-forced), each position's top-1 agreement, the
@@ -65,6 +67,7 @@ class RunAgreement:
     identical: int = 0
     first_difference: dict[str, int] = field(default_factory=dict)  # request id -> first differing position
     failed: int = 0  # requests that failed in either run
+    other_prompts: list[str] = field(default_factory=list)  # ids whose prompt token ids differ: left out
     unmatched: int = 0  # ids in one run only
     output_logprobs: Drift = field(default_factory=Drift)  # chosen tokens, over each shared prefix
     prompt: PromptAgreement = field(default_factory=PromptAgreement)
@@ -89,6 +92,9 @@ def compare_outputs(before: dict[str, dict[str, Any]], after: dict[str, dict[str
     agreement = RunAgreement(unmatched=len(before.keys() ^ after.keys()))
     for request_id in sorted(before.keys() & after.keys()):
         old, new = before[request_id], after[request_id]
+        if not same_prompt(old, new):
+            agreement.other_prompts.append(request_id)
+            continue
         if old.get("error") or new.get("error"):
             agreement.failed += 1
             continue
@@ -107,6 +113,15 @@ def compare_outputs(before: dict[str, dict[str, Any]], after: dict[str, dict[str
                 agreement.output_logprobs.add(old_entry["logprob"], new_entry["logprob"])
         _add_prompt_agreement(agreement.prompt, old, new)
     return agreement
+
+
+def same_prompt(before: dict[str, Any], after: dict[str, Any]) -> bool:
+    """Whether two outputs lines were made from the same prompt token ids (by their hash; lines
+    written before it was kept by their prompt text; True when neither line says)."""
+    for key in ("prompt_token_ids_hash", "prompt"):
+        if key in before and key in after:
+            return before[key] == after[key]
+    return True
 
 
 def first_difference(before: list[int], after: list[int]) -> int | None:
@@ -158,14 +173,12 @@ def agreement_lines(agreement: RunAgreement, shown: int = 5) -> list[str]:
         f"{'accuracy':22s} {agreement.identical} of {agreement.compared} requests give identical tokens"
         + (f"; {agreement.failed} failed in a run" if agreement.failed else "")
         + (f"; {agreement.unmatched} ids in one run only" if agreement.unmatched else "")
+        + _left_out(agreement.other_prompts, shown)
     ]
     if agreement.first_difference:
         parted = sorted(agreement.first_difference.items(), key=lambda item: (item[1], item[0]))
-        listed = ", ".join(f"{request_id} at {position}" for request_id, position in parted[:shown])
-        more = f" (+{len(parted) - shown} more)" if len(parted) > shown else ""
-        lines.append(
-            f"{'  first difference':22s} {listed}{more}; mean common prefix {agreement.mean_common_prefix:.1f}"
-        )
+        listed = _listed([f"{request_id} at {position}" for request_id, position in parted], shown)
+        lines.append(f"{'  first difference':22s} {listed}; mean common prefix {agreement.mean_common_prefix:.1f}")
     drift = agreement.output_logprobs
     if drift.count:
         lines.append(
@@ -180,3 +193,15 @@ def agreement_lines(agreement: RunAgreement, shown: int = 5) -> list[str]:
             f"mean {prompt.given_token.mean:.3g}, largest {prompt.given_token.largest:.3g}"
         )
     return lines
+
+
+def _left_out(request_ids: list[str], shown: int) -> str:
+    if not request_ids:
+        return ""
+    return f"; {len(request_ids)} left out: their prompt token ids differ ({_listed(request_ids, shown)})"
+
+
+def _listed(items: list[str], shown: int) -> str:
+    """The first `shown` items, and how many more there are."""
+    more = f" (+{len(items) - shown} more)" if len(items) > shown else ""
+    return ", ".join(items[:shown]) + more

@@ -200,20 +200,35 @@ def check_output_dir(output_dir: Path) -> None:
         ) from None
 
 
+def read_output_settings(output_dir: Path) -> dict[str, Any]:
+    """The settings that change outputs, from a run folder's config.yaml (OSError, UnicodeDecodeError,
+    yaml.YAMLError or AttributeError when it cannot be read)."""
+    earlier = yaml.safe_load((output_dir / CONFIG_FILE).read_text(encoding="utf-8"))
+    return output_settings({k: v for k, v in earlier.items() if isinstance(v, dict)})
+
+
+def changed_settings(earlier: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """`key was X, now Y` for each setting that differs between two runs, by key."""
+    return [
+        f"{key} was {_shown(earlier, key)}, now {_shown(current, key)}"
+        for key in sorted(set(earlier) | set(current))
+        if earlier.get(key, _ABSENT) != current.get(key, _ABSENT)
+    ]
+
+
+def prompt_token_ids_hash(token_ids: Sequence[int]) -> str:
+    """What outputs.jsonl keeps of a request's prompt token ids: enough to tell two prompts apart."""
+    return hashlib.sha256(json.dumps(list(token_ids)).encode()).hexdigest()[:16]
+
+
 def _check_same_settings(output_dir: Path, config: InferenceConfig) -> None:
     try:
-        earlier = yaml.safe_load((output_dir / CONFIG_FILE).read_text(encoding="utf-8"))
-        earlier_settings = output_settings({k: v for k, v in earlier.items() if isinstance(v, dict)})
+        earlier_settings = read_output_settings(output_dir)
     except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError) as exc:
         raise ConfigError(
             f"{output_dir / CONFIG_FILE} cannot be read ({type(exc).__name__}); choose another model_config.output_path"
         ) from None
-    current = output_settings(config.to_dict())
-    changed = [
-        f"{key} was {_shown(earlier_settings, key)}, now {_shown(current, key)}"
-        for key in sorted(set(earlier_settings) | set(current))
-        if earlier_settings.get(key, _ABSENT) != current.get(key, _ABSENT)
-    ]
+    changed = changed_settings(earlier_settings, output_settings(config.to_dict()))
     if changed:
         more = f"; and {len(changed) - MAX_CHANGES_SHOWN} more" if len(changed) > MAX_CHANGES_SHOWN else ""
         raise ConfigError(

@@ -233,6 +233,11 @@ class LongcatFlashForCausalLM(DeepseekV3ForCausalLM):
         """num_nextn_predict_layers, built as `model.mtp` (none among `layers`)."""
         return num_mtp_layers_of(config)
 
+    @classmethod
+    def num_checkpoint_layers(cls, config: LongcatFlashConfig) -> int:
+        """num_layers: the checkpoints number layers of two attention blocks each."""
+        return cls.base_model_cls.num_decoder_layers(config)
+
     def mtp_layer(self, layer: int) -> LongcatFlashMTPLayer:
         if not 0 <= layer < self.num_mtp_layers:
             raise IndexError(f"MTP layer {layer} does not exist: the model has {self.num_mtp_layers}")

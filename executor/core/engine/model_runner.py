@@ -156,7 +156,7 @@ class ModelRunner:
         """One token per row of logits, each with its request's sampling parameters; the step's one
         host read of the sampled ids (a second brings logprobs back when a request asks for them)."""
         if all(request.sampling_params.is_plain_greedy for request in requests):  # no row needs processing
-            return self.sampler.argmax_rows(logits).tolist(), None
+            return self.sampler.greedy(logits).tolist(), None
         requests_per_row = [
             request for request, seq in zip(requests, sequences, strict=True) for _ in range(seq.num_sampled_rows)
         ]

@@ -23,6 +23,15 @@ from executor.core.sampler.processors import (
 )
 from executor.types_ import TokenLogprobs
 
+# The token a row samples when its logits hold a NaN (a damaged checkpoint, an overflow): no token,
+# but this mark, which reaches the host in the step's one read of the sampled ids; the scheduler
+# then fails the row's request alone with NAN_LOGITS_REASON instead of appending it.
+NAN_LOGITS_TOKEN = -1
+NAN_LOGITS_REASON = (
+    "the model's logits for this request hold NaN (damaged weights or an overflow in the model's dtype); "
+    "nothing was sampled from them"
+)
+
 
 @dataclass(slots=True)
 class LogprobsTensors:
@@ -101,11 +110,16 @@ class Sampler:
             probs = point_mass if metadata.greedy is None else torch.where(metadata.greedy[:, None], point_mass, probs)
         return probs
 
+    def greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        """Every row's argmax of the raw logits (NaN rows marked): a step no row of which needs
+        processing, which the runner asks for without building metadata."""
+        return mark_nan_rows(logits, self.argmax_rows(logits))
+
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """The token of every row (greedy rows: argmax; random rows: a draw from `probabilities`),
         and logprobs when a row asks. An all-greedy step with no penalty or logprobs is one argmax."""
         if not metadata.needs_processing:
-            return SamplerOutput(self.argmax_rows(logits), None)
+            return SamplerOutput(self.greedy(logits), None)
         processed = self.processed_logits(logits, metadata)
         token_ids = self.argmax_rows(processed)
         if metadata.random_rows is not None:
@@ -114,7 +128,18 @@ class Sampler:
             token_ids = token_ids.index_copy(0, metadata.random_rows, self.argmax_rows(probs / noise))
         max_num_logprobs = metadata.max_num_logprobs
         logprobs = None if max_num_logprobs is None else _logprobs(processed, token_ids, max_num_logprobs)
-        return SamplerOutput(token_ids, logprobs)
+        return SamplerOutput(mark_nan_rows(logits, token_ids), logprobs)
+
+
+def without_nan_marks(token_ids: list[int]) -> list[int]:
+    """Sampled ids with token 0 where a row's logits held NaN: for a drafter, which embeds what it
+    reads (the request fails, or its drafts are verified and rejected, so the token is never kept)."""
+    return [max(token_id, 0) for token_id in token_ids]
+
+
+def mark_nan_rows(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """`token_ids` with NAN_LOGITS_TOKEN on the rows whose logits hold a NaN; on the device, no host read."""
+    return torch.where(logits.isnan().any(dim=-1), NAN_LOGITS_TOKEN, token_ids)
 
 
 def prompt_logprobs(logits: torch.Tensor, token_ids: list[int], num_logprobs: list[int]) -> list[TokenLogprobs]:

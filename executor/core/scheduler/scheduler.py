@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from executor.core.kv_cache import KVCacheManager
+from executor.core.sampler.sampler import NAN_LOGITS_REASON, NAN_LOGITS_TOKEN
 from executor.types_ import (
     Batch,
     FinishReason,
@@ -309,9 +310,13 @@ class Scheduler:
 
     def _append_output_tokens(self, request: Request, token_ids: list[int]) -> FinishReason | None:
         """Append tokens in order until one ends the request: EOS or a stop token (kept, and what
-        follows it dropped), max_new_tokens, or the model's length limit."""
+        follows it dropped), max_new_tokens, or the model's length limit; the sampler's mark of NaN
+        logits ends it as failed."""
         params = request.sampling_params
         for token_id in token_ids:
+            if token_id == NAN_LOGITS_TOKEN:  # the sampler's mark: the request fails alone
+                request.error = NAN_LOGITS_REASON
+                return FinishReason.ERROR
             request.output_token_ids.append(token_id)
             if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
                 return FinishReason.STOP

@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 
 from executor.core.kv_cache import KVCacheManager
+from executor.core.sampler.sampler import without_nan_marks
 from executor.core.spec_decode.proposer import LockStep, ProposalContext
 from executor.types_ import Request, SamplingParams, StepRunner
 
@@ -90,7 +91,7 @@ class DraftModelProposer:
         for depth in range(num_forwards):
             requests = [mirror.as_request() for _, mirror in active]
             batch = self.kv_cache_manager.batch(requests, num_scheduled, is_prefill=depth == 0)
-            new = self.runner.execute(batch).new_token_ids
+            new = [without_nan_marks(tokens) for tokens in self.runner.execute(batch).new_token_ids]
             for (index, mirror), scheduled, tokens in zip(active, num_scheduled, new, strict=True):
                 mirror.num_computed_tokens += scheduled
                 mirror.token_ids.extend(tokens)

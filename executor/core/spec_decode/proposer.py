@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 
 from executor.core.config.comm_manager import CommManager
+from executor.core.sampler.sampler import without_nan_marks
 from executor.types_ import Request
 from executor.types_.model_inputs import ScheduledSequence
 
@@ -29,6 +30,10 @@ class ProposalContext:
     num_valid_tokens: list[int]  # leading fed tokens whose K/V stands (all but rejected drafts)
     hidden_states: torch.Tensor  # the target's [rows, hidden] of this step (graph padding rows after)
     row_starts: list[int]  # first row of each request's sequence
+
+    def __post_init__(self) -> None:
+        # A request whose logits held NaN emits the sampler's mark and fails in this step, its drafts unused.
+        self.new_token_ids = [without_nan_marks(tokens) for tokens in self.new_token_ids]
 
 
 @dataclass(frozen=True, slots=True)
