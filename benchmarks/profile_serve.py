@@ -1,9 +1,9 @@
 """Where the online server's time goes, against the offline loop on the same engine, by timings.
 
-One process, one engine: the offline loop runs the dataset at the YAML's batch size first; then the
-same ExecutionEngine is served as `python -m executor.online` serves it (EngineLoop, OnlineServer,
-uvicorn, on a thread here) and vLLM's load generator (benchmarks/vllm_bench_client.py) drives it at
-one concurrency. Every core step is timed from the engine loop's thread (the step itself, and the gap
+One process, one engine: the offline loop runs the dataset at the YAML's batch size first (and
+again last, to bracket the machine's load on a shared machine); between, the same ExecutionEngine
+is served as `python -m executor.online` serves it (EngineLoop, OnlineServer, uvicorn, on a thread
+here) and vLLM's load generator (benchmarks/vllm_bench_client.py) drives it at one concurrency. Every core step is timed from the engine loop's thread (the step itself, and the gap
 before the next while requests were in flight), and the CPU seconds of each thread of this process
 (the engine loop, the HTTP event loop, torch's OpenMP workers) and of the load generator are read
 from /proc around each part. Prints one JSON object; nothing of the server is changed.
@@ -109,22 +109,27 @@ def main() -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     texts = [bench_serve.chat_text(record, tokenizer) for record in records]
     prompt_file = bench_serve.write_prompt_file(texts, args.work_dir / "prompts.jsonl", args.max_new_tokens)
-    report: dict[str, Any] = {"load_before": os.getloadavg()}
+    report: dict[str, Any] = {}
 
-    # -- offline, on this engine ---------------------------------------------------------------
+    # -- offline, on this engine (before and after the served run, to bracket the machine's load) ---
     inference = OfflineInference(checked.config, model_path)
     engine = inference.engine
     chosen = records[: args.num_prompts]
-    cpu0, wall0 = thread_cpu_s(), time.perf_counter()
-    result = inference.generate(chosen)
-    wall = time.perf_counter() - wall0
-    report["offline"] = {
-        "wall_s": round(wall, 2),
-        "output_tok_s": round(result.summary["output_tokens"] / wall, 1),
-        **step_figures(result.steps, batch_size),
-        "thread_cpu_s": cpu_by_name(cpu0, thread_cpu_s()),
-    }
-    print(json.dumps({"offline": report["offline"]}), flush=True)
+
+    def offline(key: str) -> None:
+        cpu0, wall0 = thread_cpu_s(), time.perf_counter()
+        result = inference.generate(chosen)
+        wall = time.perf_counter() - wall0
+        report[key] = {
+            "wall_s": round(wall, 2),
+            "output_tok_s": round(result.summary["output_tokens"] / wall, 1),
+            **step_figures(result.steps, batch_size),
+            "thread_cpu_s": cpu_by_name(cpu0, thread_cpu_s()),
+            "load": os.getloadavg(),
+        }
+        print(json.dumps({key: report[key]}), flush=True)
+
+    offline("offline")
 
     # -- the same engine, served -------------------------------------------------------------
     loop = EngineLoop(engine, max_waiting_requests=512)
@@ -181,7 +186,8 @@ def main() -> int:
         "thread_cpu_s": cpu_by_name(cpu0, cpu1),
         "load_generator_cpu_s": round(child1 - child0, 2),
     }
-    report["load_after"] = os.getloadavg()
+    report["served"]["load"] = os.getloadavg()
+    offline("offline_after")
     print(json.dumps(report, indent=2), flush=True)
     return 0
 
