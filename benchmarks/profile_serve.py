@@ -3,8 +3,9 @@
 One process, one engine: the offline loop runs the dataset at the YAML's batch size first (and
 again last, to bracket the machine's load on a shared machine); between, the same ExecutionEngine
 is served as `python -m executor.online` serves it (EngineLoop, OnlineServer, uvicorn, on a thread
-here) and vLLM's load generator (benchmarks/vllm_bench_client.py) drives it at one concurrency. Every core step is timed from the engine loop's thread (the step itself, and the gap
-before the next while requests were in flight), and the CPU seconds of each thread of this process
+here) and vLLM's load generator (benchmarks/vllm_bench_client.py) drives it at one concurrency.
+Every core step is timed from the engine loop's thread (the step itself, and the gap before the
+next while requests were in flight), and the CPU seconds of each thread of this process
 (the engine loop, the HTTP event loop, torch's OpenMP workers) and of the load generator are read
 from /proc around each part. Prints one JSON object; nothing of the server is changed.
 
