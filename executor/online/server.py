@@ -344,12 +344,8 @@ class OnlineServer:
         merged: asyncio.Queue[tuple[_Tracked, Update]] = asyncio.Queue()
         forwarders = [asyncio.ensure_future(_forward(item, merged)) for item in tracked]
         try:
-            if chat:
-                for item in tracked:
-                    delta = {"role": "assistant", "content": ""}
-                    yield event([{"index": item.choice.index, "delta": delta, "logprobs": None, "finish_reason": None}])
             num_open = len(tracked)
-            echoed: set[int] = set()
+            started: set[int] = set()  # choices that sent a chunk: the first carries the role, or the echo
             while num_open:
                 item, update = await merged.get()
                 if item.choice.finished:
@@ -362,19 +358,22 @@ class OnlineServer:
                 if chat:
                     assert isinstance(body, ChatCompletionRequest)
                     entry["delta"] = {"content": text} if text else {}
+                    if choice.index not in started:  # with the first token, as vLLM: TTFT reads true
+                        started.add(choice.index)
+                        entry["delta"] = {"role": "assistant", "content": text}
                     entry["logprobs"] = chat_logprobs(self.token_text, new_logprobs) if body.logprobs else None
                 else:
                     assert isinstance(body, CompletionRequest)
-                    echo = body.echo and choice.index not in echoed  # the prompt goes first, once
+                    echo = body.echo and choice.index not in started  # the prompt goes first, once
                     if echo:
-                        echoed.add(choice.index)
+                        started.add(choice.index)
                         text = self.tokenizer.decode(choice.prompt_token_ids) + text
                     entry["text"] = text
                     entry["logprobs"] = self._completion_logprobs(body, choice, new_logprobs, echo=echo)
                 if choice.finished and choice.finish_reason == "error":
                     error = {"error": {"message": f"request failed: {choice.error}", "code": 400}}
                     yield f"data: {json.dumps(error)}\n\n"
-                elif text or choice.finished or entry.get("logprobs"):
+                elif text or choice.finished or entry.get("logprobs") or "role" in entry.get("delta", {}):
                     if body.return_token_ids:
                         entry["token_ids"] = update.new_token_ids
                     yield event([entry])
