@@ -22,6 +22,7 @@ from executor.types_.model_inputs import ForwardMetaData
 from module.linear import ColumnParallelLinear
 from module.mla import MLAAttention, deinterleave
 from module.parallel_group import SINGLE, ParallelGroup
+from ops.attention import cache_writes
 from ops.backend import Backend
 
 INDEXER_NORM_EPS = 1e-6  # transformers' DeepseekV32Indexer.k_norm
@@ -71,8 +72,8 @@ class LightningIndexer(nn.Module):
         q_rot, k_rot = self.ops.apply_rotary(q_rot, k_rot, *rotary)
         query = torch.cat((q_rot, q_pass), dim=-1)
         key = torch.cat((k_rot, k_pass), dim=-1).squeeze(1)
-        (rows,), slots = forward_metadata.cache_writes(group_id, key)
-        self.ops.write_latent_cache(rows, index_cache, slots, index_scale)
+        (rows,), slots = cache_writes(forward_metadata, group_id, key)
+        self.ops.attention.write_latent_cache(rows, index_cache, slots, index_scale)
         weights = F.linear(hidden_states.float(), self.weights_proj.weight) * self.num_heads**-0.5
         return self.ops.indexer_topk(
             query,

@@ -101,18 +101,6 @@ class ForwardMetaData:
         """The one definition, used by every backend: each request has one query token."""
         return self.max_query_len == 1
 
-    def cache_writes(self, group_id: int, *rows: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """What a layer writes to cache group `group_id` from its `rows` (K, V, a latent, ... [t, ...]):
-        those rows and their slots; under context parallel every rank's rows and the step's slots."""
-        tables = self.groups[group_id]
-        assert isinstance(tables, CacheGroupTables), "a recurrent group has no slots"
-        cp = self.context_parallel
-        if cp is None:
-            return list(rows), tables.slot_mapping
-        slots = cp.slot_mappings[group_id]
-        assert slots is not None
-        return [cp.gather(row) for row in rows], slots
-
 
 @dataclass(slots=True)
 class ScheduledSequence:
