@@ -32,6 +32,8 @@ class KVCacheLayer(nn.Module):
 
     kv_cache_group_id: int = -1
     kv_scheme: KVCacheScheme | None = None  # C8 where set: an int8 cache
+    k_scale: torch.Tensor  # a static C8 scheme's scales (set_kv_cache_scheme)
+    v_scale: torch.Tensor
     # writes its cache through ops.attention.cache_writes and attends through the block table, so a
     # context-parallel step works (docs/distributed.md); a layer with other caches does not say so
     context_parallel: bool = False
@@ -53,7 +55,7 @@ class KVCacheLayer(nn.Module):
         params = []
         for name in STATIC_KV_SCALES:
             param = nn.Parameter(torch.ones(self.static_scale_shape(), dtype=torch.float32), requires_grad=False)
-            param.weight_loader = functools.partial(load_static_kv_scale, strategy=scheme.strategy)
+            param.weight_loader = functools.partial(load_static_kv_scale, strategy=scheme.strategy)  # type: ignore[attr-defined]
             self.register_parameter(name, param)
             params.append(param)
         return params
@@ -117,7 +119,7 @@ class Attention(KVCacheLayer):
         self.sinks: nn.Parameter | None = None
         if sinks:
             self.sinks = nn.Parameter(torch.empty(num_heads), requires_grad=False)
-            self.sinks.weight_loader = self.load_sinks
+            self.sinks.weight_loader = self.load_sinks  # type: ignore[attr-defined]
         self.cache_dtype = torch.get_default_dtype()  # the worker builds the model under its dtype
         self.key_cache = torch.empty(0)
         self.value_cache = torch.empty(0)
@@ -172,7 +174,7 @@ class SharedKVAttention(nn.Module):
     reads its source's tensors through the block table of its source's cache group, with its source's
     window and scales and this step's K/V (which the source wrote, handed over by the model)."""
 
-    sinks = None
+    sinks: torch.Tensor | None = None
 
     def __init__(
         self, num_heads: int, head_dim: int, scale: float, sliding_window: int | None = None, *, backend: Backend

@@ -22,7 +22,7 @@ from executor.types_.model_inputs import ForwardMetaData
 from module.linear import ColumnParallelLinear
 from module.mla import MLAAttention, deinterleave
 from module.parallel_group import SINGLE, ParallelGroup
-from ops.attention import cache_writes
+from ops.attention import cache_writes, group_block_table
 from ops.backend import Backend
 
 INDEXER_NORM_EPS = 1e-6  # transformers' DeepseekV32Indexer.k_norm
@@ -79,7 +79,7 @@ class LightningIndexer(nn.Module):
             query,
             weights,
             index_cache,
-            forward_metadata.groups[group_id].block_table,
+            group_block_table(forward_metadata, group_id),
             forward_metadata,
             self.softmax_scale,
             self.topk,
@@ -146,7 +146,6 @@ class SparseMLAAttention(MLAAttention):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [T, hidden] -> ([T, hidden], the selection [T, index_topk] it attended over)."""
         q_nope, q_pe, q_resid = self.project_and_cache(hidden_states, rotary, forward_metadata)
-        tables = forward_metadata.groups[self.kv_cache_group_id]
         if self.indexer is None:
             if shared_selection is None:
                 raise RuntimeError("a shared DSA layer needs the selection of a full indexer layer before it")
@@ -166,7 +165,7 @@ class SparseMLAAttention(MLAAttention):
             q_pe,
             self.latent_cache,
             self.kv_b_proj.weight,
-            tables.block_table,
+            group_block_table(forward_metadata, self.kv_cache_group_id),
             selection,
             forward_metadata,
             self.scale,

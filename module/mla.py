@@ -39,7 +39,7 @@ class MLAAttention(KVCacheLayer):
     """Projections named as in DeepSeek checkpoints; heads split over tensor-parallel ranks (q_b_proj
     or q_proj, kv_b_proj, o_proj), the down-projections to the latents replicated."""
 
-    NEEDED_OPS = ("write_latent_cache", "mla_attention")
+    NEEDED_OPS: tuple[str, ...] = ("write_latent_cache", "mla_attention")
 
     context_parallel = True
 

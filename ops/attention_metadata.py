@@ -7,6 +7,7 @@ exactly the tensors and lists its attention reads, nothing more. Block tables ha
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +24,7 @@ from executor.types_.model_inputs import (
 NPU_CAUSAL_MASK_SIZE = 2048
 
 
-def to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def to_device(values: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host list on `device`. For CUDA the host tensor is pinned (torch's caching host allocator
     reuses those blocks step after step), so the copy is truly asynchronous and no sync waits on it."""
     device = torch.device(device)

@@ -211,7 +211,7 @@ def make_backend(
     if device_type not in DEVICE_TYPES:
         raise ValueError(f"device type must be one of {list(DEVICE_TYPES)}, got {device_type!r}")
     compiler = graph_compiler_factory(device_type, exe_mode)
-    common = {"device_type": device_type, "exe_mode": exe_mode, "graph_compiler": compiler}
+    common: dict[str, Any] = {"device_type": device_type, "exe_mode": exe_mode, "graph_compiler": compiler}
     if device_type == "cpu":
         return _cpu_backend(dtype, prepack_weights, cpu_extension, common)
     if device_type == "cuda":
@@ -231,7 +231,7 @@ def make_backend(
     return _npu_backend(exe_mode, common)
 
 
-def _cpu_backend(dtype: torch.dtype, prepack_weights: bool, use_extension: bool, common: dict) -> Backend:
+def _cpu_backend(dtype: torch.dtype, prepack_weights: bool, use_extension: bool, common: dict[str, Any]) -> Backend:
     kernels = cpu_kernels.extension() if use_extension else None
     ops: dict[str, Any] = dict(REFERENCE_OPS)
     attention: AttentionBackend = ReferenceAttention()
@@ -278,7 +278,7 @@ NPU_OPS = (
 )
 
 
-def _npu_backend(exe_mode: str, common: dict) -> Backend:
+def _npu_backend(exe_mode: str, common: dict[str, Any]) -> Backend:
     graph = exe_mode != "eager"
     torch_npu = npu_runtime.torch_npu()
     npu_ops: NpuOps

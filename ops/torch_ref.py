@@ -222,12 +222,12 @@ def grouped_experts(
     (silu(gate) * up), "gelu_tanh" (gelu_tanh_and_mul), "clamped_swiglu" (clamped_swiglu(alpha,
     limit)), "clamped_silu" (clamped_silu_and_mul(limit)) or "clamped_gate_silu"
     (clamped_gate_silu_and_mul(limit)). A name, not a function: a custom op takes no callable."""
-    activations = {
+    activations: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
         "silu": silu_and_mul,
         "gelu_tanh": gelu_tanh_and_mul,
-        "clamped_swiglu": functools.partial(clamped_swiglu, alpha=alpha, limit=limit),
-        "clamped_silu": functools.partial(clamped_silu_and_mul, limit=limit),
-        "clamped_gate_silu": functools.partial(clamped_gate_silu_and_mul, limit=limit),
+        "clamped_swiglu": functools.partial(clamped_swiglu, alpha=alpha, limit=limit),  # type: ignore[arg-type]
+        "clamped_silu": functools.partial(clamped_silu_and_mul, limit=limit),  # type: ignore[arg-type]
+        "clamped_gate_silu": functools.partial(clamped_gate_silu_and_mul, limit=limit),  # type: ignore[arg-type]
     }
     return experts_with_activation(
         hidden_states, topk_weights, topk_ids, gate_up_proj, down_proj, gate_up_bias, down_bias, activations[activation]

@@ -24,10 +24,17 @@ ATTENTION_KINDS = frozenset(
 class PagedKVLayer(Protocol):
     """What an attention backend reads off a paged K/V layer (module/attention.py's Attention)."""
 
-    scale: float
-    sliding_window: int | None  # None: no window
-    sinks: torch.Tensor | None  # [H] a learned logit per query head (gpt-oss), or None
-    kv_cache_group_id: int
+    @property
+    def scale(self) -> float: ...
+
+    @property
+    def sliding_window(self) -> int | None: ...  # None: no window
+
+    @property
+    def sinks(self) -> torch.Tensor | None: ...  # [H] a learned logit per query head (gpt-oss), or None
+
+    @property
+    def kv_cache_group_id(self) -> int: ...
 
     @property
     def key_cache(self) -> torch.Tensor: ...  # [num_blocks, block_size, Hkv, D]
@@ -43,9 +50,14 @@ class PagedKVLayer(Protocol):
 class LatentLayer(Protocol):
     """What an attention backend reads off an MLA layer (module/mla.py's MLAAttention)."""
 
-    scale: float
-    kv_cache_group_id: int
-    latent_cache: torch.Tensor  # [num_blocks, block_size, L + R]
+    @property
+    def scale(self) -> float: ...
+
+    @property
+    def kv_cache_group_id(self) -> int: ...
+
+    @property
+    def latent_cache(self) -> torch.Tensor: ...  # [num_blocks, block_size, L + R]
 
     @property
     def kv_b_weight(self) -> torch.Tensor: ...  # kv_b_proj's dense weight [H * (nope + v), L]
@@ -83,6 +95,13 @@ class AttentionBackend(Protocol):
     def mla(
         self, layer: LatentLayer, q_nope: torch.Tensor, q_pe: torch.Tensor, metadata: ForwardMetaData
     ) -> torch.Tensor: ...
+
+
+def group_block_table(metadata: ForwardMetaData, group_id: int) -> torch.Tensor:
+    """Cache group `group_id`'s block table for the step's rows."""
+    tables = metadata.groups[group_id]
+    assert isinstance(tables, CacheGroupTables), "a recurrent group has no block table"
+    return tables.block_table
 
 
 def cache_writes(

@@ -47,6 +47,7 @@ class CpuAttention(ReferenceAttention):
     ) -> torch.Tensor:
         """`rows_per_request` ([1], None: 1) consecutive rows share the first one's block table (a verify
         step's tokens in a graph), so the kernel reads their K/V once."""
+        assert metadata.seq_lens is not None
         caches = (layer.key_cache, layer.value_cache, block_table, metadata.seq_lens)
         options = (layer.scale, layer.sliding_window or 0, layer.sinks, *layer.kv_scales(), metadata.rows_per_request)
         return self.decode_attention(query, *caches, *options)

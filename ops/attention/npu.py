@@ -19,7 +19,7 @@ import torch
 
 from executor.types_.model_inputs import ForwardMetaData
 from ops import quant_math
-from ops.attention import PagedKVLayer, cache_writes
+from ops.attention import PagedKVLayer, cache_writes, group_block_table
 from ops.attention_metadata import NpuAttentionMetadata
 
 _NO_LIMIT = 2147483647  # FIA's default pre_tokens / next_tokens
@@ -116,7 +116,7 @@ class NpuAttention:
             key_cache.view(num_blocks, block_size, num_kv_heads * head_dim),
             value_cache.view(num_blocks, block_size, num_kv_heads * head_dim),
             atten_mask=metadata.atten_mask,
-            block_table=metadata.groups[layer.kv_cache_group_id].block_table,
+            block_table=group_block_table(metadata, layer.kv_cache_group_id),
             actual_seq_lengths=metadata.actual_seq_lengths_q,
             actual_seq_lengths_kv=metadata.actual_seq_lengths_kv,
             num_heads=query.shape[1],

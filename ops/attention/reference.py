@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from executor.types_.model_inputs import ForwardMetaData
 from ops import quant_math
-from ops.attention import ATTENTION_KINDS, LatentLayer, PagedKVLayer, cache_writes
+from ops.attention import ATTENTION_KINDS, LatentLayer, PagedKVLayer, cache_writes, group_block_table
 from ops.attention_metadata import TorchAttentionMetadata
 
 def write_kv_cache(
@@ -79,8 +79,8 @@ def _gather_kv(
     block_ids: torch.Tensor,
     first: int,
     end: int,
-    scale: torch.Tensor | None = None,
-    dtype: torch.dtype | None = None,
+    scale: torch.Tensor | None,
+    dtype: torch.dtype,
 ) -> torch.Tensor:
     """One request's cached tokens [first, end) as [Hkv, end - first, D] (in `dtype` from an int8
     cache); `block_ids` is its row from block first // block_size on."""
@@ -271,14 +271,20 @@ def paged_attention(
     `value_scale` (the module docstring).
     """
     if forward_metadata.is_decode_shaped:
-        window = sliding_window or 0
-        caches = (key_cache, value_cache, block_table, forward_metadata.seq_lens)
-        return paged_decode_attention(query, *caches, scale, window, sinks, key_scale, value_scale)
+        assert forward_metadata.seq_lens is not None
+        paged = (key_cache, value_cache, block_table, forward_metadata.seq_lens)
+        return paged_decode_attention(query, *paged, scale, sliding_window or 0, sinks, key_scale, value_scale)
+    query_ends, seq_lens = _host_lengths(forward_metadata)
     caches = (key_cache, value_cache, block_table)
-    lengths = (forward_metadata.query_ends_list, forward_metadata.seq_lens_list)
     return per_request_prefill_attention(
-        query, key, value, *caches, *lengths, scale, sliding_window, sinks, key_scale, value_scale
+        query, key, value, *caches, query_ends, seq_lens, scale, sliding_window, sinks, key_scale, value_scale
     )
+
+
+def _host_lengths(metadata: TorchAttentionMetadata) -> tuple[list[int], list[int]]:
+    """A non-decode step's query ends and KV lengths as host lists."""
+    assert metadata.query_ends_list is not None and metadata.seq_lens_list is not None
+    return metadata.query_ends_list, metadata.seq_lens_list
 
 
 def per_request_prefill_attention(
@@ -456,6 +462,7 @@ def mla_attention(
     request's many queries.
     """
     if forward_metadata.is_decode_shaped:
+        assert forward_metadata.seq_lens is not None
         return mla_decode_absorbed(
             q_nope,
             q_pe,
@@ -467,8 +474,8 @@ def mla_attention(
             decode_attention or paged_decode_attention,
             latent_scale,
         )
-    lengths = (forward_metadata.query_ends_list, forward_metadata.seq_lens_list)
-    return mla_attention_naive(q_nope, q_pe, latent_cache, kv_b_weight, block_table, *lengths, scale, latent_scale)
+    query_ends, seq_lens = _host_lengths(forward_metadata)
+    return mla_attention_naive(q_nope, q_pe, latent_cache, kv_b_weight, block_table, query_ends, seq_lens, scale, latent_scale)
 
 
 class ReferenceAttention:
@@ -488,6 +495,7 @@ class ReferenceAttention:
     def decode(
         self, layer: PagedKVLayer, query: torch.Tensor, block_table: torch.Tensor, metadata: TorchAttentionMetadata
     ) -> torch.Tensor:
+        assert metadata.seq_lens is not None
         caches = (layer.key_cache, layer.value_cache, block_table, metadata.seq_lens)
         window = layer.sliding_window or 0
         return self.decode_attention(query, *caches, layer.scale, window, layer.sinks, *layer.kv_scales())
@@ -502,9 +510,11 @@ class ReferenceAttention:
         metadata: TorchAttentionMetadata,
     ) -> torch.Tensor:
         caches = (layer.key_cache, layer.value_cache, block_table)
-        lengths = (metadata.query_ends_list, metadata.seq_lens_list)
-        options = (layer.scale, layer.sliding_window, layer.sinks, *layer.kv_scales())
-        return per_request_prefill_attention(query, key, value, *caches, *lengths, *options)
+        query_ends, seq_lens = _host_lengths(metadata)
+        key_scale, value_scale = layer.kv_scales()
+        return per_request_prefill_attention(
+            query, key, value, *caches, query_ends, seq_lens, layer.scale, layer.sliding_window, layer.sinks, key_scale, value_scale
+        )
 
     def write_kv_cache(
         self,
@@ -543,14 +553,14 @@ class ReferenceAttention:
         """query [T, H, D] over the layer's cache, this step's K/V [T, Hkv, D] already written -> [T, H, D].
         It takes the step's K/V too, so that a prefill need not read them back from the cache."""
         assert isinstance(metadata, TorchAttentionMetadata)
-        block_table = metadata.groups[layer.kv_cache_group_id].block_table
+        table = group_block_table(metadata, layer.kv_cache_group_id)
         if metadata.is_decode_shaped:
-            return self.decode(layer, query, block_table, metadata)
-        return self.prefill(layer, query, key, value, block_table, metadata)
+            return self.decode(layer, query, table, metadata)
+        return self.prefill(layer, query, key, value, table, metadata)
 
     def mla(self, layer: LatentLayer, q_nope: torch.Tensor, q_pe: torch.Tensor, metadata: ForwardMetaData) -> torch.Tensor:
         """MLA over the layer's latent cache (mla_attention), its decode by this backend's decode_attention."""
         assert isinstance(metadata, TorchAttentionMetadata)
-        block_table = metadata.groups[layer.kv_cache_group_id].block_table
-        args = (layer.latent_cache, layer.kv_b_weight, block_table, metadata, layer.scale, layer.latent_scale())
+        table = group_block_table(metadata, layer.kv_cache_group_id)
+        args = (layer.latent_cache, layer.kv_b_weight, table, metadata, layer.scale, layer.latent_scale())
         return mla_attention(q_nope, q_pe, *args, self.decode_attention)
