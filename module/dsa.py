@@ -22,7 +22,7 @@ from executor.types_.model_inputs import ForwardMetaData
 from module.linear import ColumnParallelLinear
 from module.mla import MLAAttention, deinterleave
 from module.parallel_group import SINGLE, ParallelGroup
-from ops.attention import cache_writes, group_block_table
+from ops.attention_metadata import cache_writes, group_block_table
 from ops.backend import Backend
 
 INDEXER_NORM_EPS = 1e-6  # transformers' DeepseekV32Indexer.k_norm

@@ -21,7 +21,7 @@ from module.attention import KVCacheLayer
 from module.linear import ColumnParallelLinear, RowParallelLinear, divide
 from module.norm import RMSNorm
 from module.parallel_group import SINGLE, ParallelGroup
-from ops.attention import cache_writes
+from ops.attention_metadata import cache_writes
 from ops.backend import Backend
 
 # transformers builds q_a_layernorm and kv_a_layernorm with RMSNorm's default eps, not rms_norm_eps.

@@ -80,11 +80,6 @@ class ContextParallelRows:
     order: torch.Tensor  # [T] int64: where each of the step's tokens lies among the gathered rows
     slot_mappings: list[torch.Tensor | None]  # per cache group: the step's slots, every token's
 
-    def gather(self, rows: torch.Tensor) -> torch.Tensor:
-        """This rank's rows [t, ...] -> every token's of the step [T, ...], in the step's order."""
-        gathered, _ = self.group.gather_rows(rows)
-        return gathered.index_select(0, self.order)
-
 
 @dataclass(slots=True)
 class ForwardMetaData:

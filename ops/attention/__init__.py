@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from executor.types_.model_inputs import CacheGroupTables, ForwardMetaData
+from executor.types_.model_inputs import ForwardMetaData
 
 # The forms an attention backend may have, by the names models require them (Backend.require): the
 # paged K/V's write and attention (with sinks: gpt-oss), MLA's latent write and attention.
@@ -95,25 +95,3 @@ class AttentionBackend(Protocol):
     def mla(
         self, layer: LatentLayer, q_nope: torch.Tensor, q_pe: torch.Tensor, metadata: ForwardMetaData
     ) -> torch.Tensor: ...
-
-
-def group_block_table(metadata: ForwardMetaData, group_id: int) -> torch.Tensor:
-    """Cache group `group_id`'s block table for the step's rows."""
-    tables = metadata.groups[group_id]
-    assert isinstance(tables, CacheGroupTables), "a recurrent group has no block table"
-    return tables.block_table
-
-
-def cache_writes(
-    metadata: ForwardMetaData, group_id: int, *rows: torch.Tensor
-) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """What a layer writes to cache group `group_id` from its `rows` (K, V, a latent, ... [t, ...]):
-    those rows and their slots; under context parallel every rank's rows and the step's slots."""
-    tables = metadata.groups[group_id]
-    assert isinstance(tables, CacheGroupTables), "a recurrent group has no slots"
-    cp = metadata.context_parallel
-    if cp is None:
-        return list(rows), tables.slot_mapping
-    slots = cp.slot_mappings[group_id]
-    assert slots is not None
-    return [cp.gather(row) for row in rows], slots

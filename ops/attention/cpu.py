@@ -17,11 +17,7 @@ from typing import Any
 import torch
 
 from ops.attention import PagedKVLayer
-from ops.attention.reference import (
-    ReferenceAttention,
-    write_kv_cache,
-    write_latent_cache,
-)
+from ops.attention.reference import ReferenceAttention, write_kv_cache, write_latent_cache
 from ops.attention_metadata import TorchAttentionMetadata
 from ops.cpu import named
 from ops.cpu_kernels import fake

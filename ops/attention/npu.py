@@ -19,8 +19,8 @@ import torch
 
 from executor.types_.model_inputs import ForwardMetaData
 from ops import quant_math
-from ops.attention import PagedKVLayer, cache_writes, group_block_table
-from ops.attention_metadata import NpuAttentionMetadata
+from ops.attention import PagedKVLayer
+from ops.attention_metadata import NpuAttentionMetadata, cache_writes, group_block_table
 
 _NO_LIMIT = 2147483647  # FIA's default pre_tokens / next_tokens
 _PER_CHANNEL = 0  # FIA's key/value_antiquant_mode for one scale per channel

@@ -28,8 +28,8 @@ import torch.nn.functional as F
 
 from executor.types_.model_inputs import ForwardMetaData
 from ops import quant_math
-from ops.attention import ATTENTION_KINDS, LatentLayer, PagedKVLayer, cache_writes, group_block_table
-from ops.attention_metadata import TorchAttentionMetadata
+from ops.attention import ATTENTION_KINDS, LatentLayer, PagedKVLayer
+from ops.attention_metadata import PagedAttention, TorchAttentionMetadata, group_block_table
 
 def write_kv_cache(
     key: torch.Tensor,
@@ -478,13 +478,14 @@ def mla_attention(
     return mla_attention_naive(q_nope, q_pe, latent_cache, kv_b_weight, block_table, query_ends, seq_lens, scale, latent_scale)
 
 
-class ReferenceAttention:
+class ReferenceAttention(PagedAttention):
     """The attention backend in torch ops: the definition every other device's backend matches.
 
     A device's backend replaces what differs: `decode_attention` (one query row per request over the
     paged cache, paged_decode_attention's signature; MLA's absorbed decode runs it too), `decode` and
     `prefill` (the forward of a decode-shaped step and of any other), or the cache writes. `kinds`
-    names the cache kinds served: a model needing another is refused when it is built, naming it."""
+    names the cache kinds served: a model needing another is refused when it is built, naming it.
+    `write` and `forward`, the same for every such backend, are PagedAttention's."""
 
     name = "reference"
     kinds: frozenset[str] = ATTENTION_KINDS
@@ -536,27 +537,6 @@ class ReferenceAttention:
         latent_scale: torch.Tensor | None = None,
     ) -> None:
         write_latent_cache(latent, latent_cache, slot_mapping, latent_scale)
-
-    def write(self, layer: PagedKVLayer, key: torch.Tensor, value: torch.Tensor, metadata: ForwardMetaData) -> None:
-        """The step's key/value [t, Hkv, D] into the layer's caches (under context parallel, every rank's)."""
-        (key_rows, value_rows), slots = cache_writes(metadata, layer.kv_cache_group_id, key, value)
-        self.write_kv_cache(key_rows, value_rows, layer.key_cache, layer.value_cache, slots, *layer.kv_scales())
-
-    def forward(
-        self,
-        layer: PagedKVLayer,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        metadata: ForwardMetaData,
-    ) -> torch.Tensor:
-        """query [T, H, D] over the layer's cache, this step's K/V [T, Hkv, D] already written -> [T, H, D].
-        It takes the step's K/V too, so that a prefill need not read them back from the cache."""
-        assert isinstance(metadata, TorchAttentionMetadata)
-        table = group_block_table(metadata, layer.kv_cache_group_id)
-        if metadata.is_decode_shaped:
-            return self.decode(layer, query, table, metadata)
-        return self.prefill(layer, query, key, value, table, metadata)
 
     def mla(self, layer: LatentLayer, q_nope: torch.Tensor, q_pe: torch.Tensor, metadata: ForwardMetaData) -> torch.Tensor:
         """MLA over the layer's latent cache (mla_attention), its decode by this backend's decode_attention."""

@@ -138,7 +138,7 @@ class ContextParallelForward:
         inputs.forward_metadata.context_parallel = step_rows
         hidden_states = model(*inputs.forward_args())
         if self.every_row:  # gathered as the layers gather K/V: every rank's rows, in the step's order
-            return step_rows.gather(hidden_states)
+            return self.group.gather_rows(hidden_states)[0].index_select(0, step_rows.order)
         full = hidden_states.new_zeros((num_rows, hidden_states.shape[-1]))
         wanted = set(layout.logits_indices + layout.prompt_logprob_indices)
         if not wanted:  # the same on every rank: a prompt chunk short of its end takes no logits
