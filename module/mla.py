@@ -181,6 +181,8 @@ class MLAAttention(KVCacheLayer):
         # The cached latent is kv_b_proj's input: quantized as its scheme quantizes inputs (a no-op
         # unquantized), which the absorbed decode and the decompressing prefill then both read.
         latent = self.kv_b_proj.linear_method.quantize_input(self.kv_b_proj, self.normed_latent(latent))
-        (rows,), slots = cache_writes(forward_metadata, self.kv_cache_group_id, torch.cat((latent, k_pe.squeeze(1)), -1))
+        (rows,), slots = cache_writes(
+            forward_metadata, self.kv_cache_group_id, torch.cat((latent, k_pe.squeeze(1)), -1)
+        )
         self.ops.attention.write_latent_cache(rows, self.latent_cache, slots, self.latent_scale())
         return q_nope, q_pe, q_resid

@@ -90,7 +90,8 @@ class Backend:
     moe_experts_clamped_swiglu: BiasedClampedExpertsOp = _op()
     moe_experts_clamped_silu: ClampedExpertsOp = _op()
     moe_experts_clamped_gate_silu: ClampedExpertsOp = _op()  # DeepSeek-V4's experts
-    compressed_kv_attention: CompressedKVAttentionOp = _op()  # DeepSeek-V4's sliding + compressed KV (ops/compressed_kv.py)
+    # DeepSeek-V4's sliding + compressed KV (ops/compressed_kv.py)
+    compressed_kv_attention: CompressedKVAttentionOp = _op()
     compressed_indexer_topk: CompressedIndexerTopkOp = _op()  # DeepSeek-V4's lightning indexer over compressed entries
     moe_experts_gelu_tanh: ExpertsOp = _op()
     moe_experts_int8: Int8ExpertsOp = _op()  # W8A8 int8 experts (ops/quantized_experts.py's Int8Experts)

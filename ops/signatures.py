@@ -35,15 +35,11 @@ ClampedExpertsOp = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, float], Ten
 BiasedClampedExpertsOp = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, float, float], Tensor]
 # (hidden_states, topk_weights, topk_ids, gate_up_t, gate_up_scale, down_t, down_scale, gate_up_input_scale,
 # down_input_scale)
-Int8ExpertsOp = Callable[
-    [Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None], Tensor
-]
+Int8ExpertsOp = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None], Tensor]
 # DSA: (query, weights, index_cache, block_table, metadata, softmax_scale, topk, index_scale) -> [T, topk]
 IndexerTopkOp = Callable[[Tensor, Tensor, Tensor, Tensor, ForwardMetaData, float, int, Tensor | None], Tensor]
 # DSA: (q_nope, q_pe, latent_cache, kv_b_weight, block_table, topk_indices, metadata, scale, latent_scale)
-SparseMlaOp = Callable[
-    [Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, ForwardMetaData, float, Tensor | None], Tensor
-]
+SparseMlaOp = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, ForwardMetaData, float, Tensor | None], Tensor]
 # DeepSeek-V4: (query, kv_cache, entry_cache, block_table, metadata, positions, sinks, scale, sliding_window,
 # ratio, selected)
 CompressedKVAttentionOp = Callable[
@@ -51,9 +47,7 @@ CompressedKVAttentionOp = Callable[
     Tensor,
 ]
 # DeepSeek-V4: (query, head_weights, index_cache, block_table, metadata, positions, ratio, top_k, softmax_scale)
-CompressedIndexerTopkOp = Callable[
-    [Tensor, Tensor, Tensor, Tensor, ForwardMetaData, Tensor, int, int, float], Tensor
-]
+CompressedIndexerTopkOp = Callable[[Tensor, Tensor, Tensor, Tensor, ForwardMetaData, Tensor, int, int, float], Tensor]
 # the short conv over state slots: (x, weight, conv_cache, tables, activation)
 CausalConvOp = Callable[[Tensor, Tensor, Tensor, RecurrentStateTables, str | None], Tensor]
 # the gated delta rule: (query, key, value, g, beta, state_cache, tables, use_qk_l2norm)

@@ -78,7 +78,6 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
-
 def moe_experts(
     hidden_states: torch.Tensor,
     topk_weights: torch.Tensor,

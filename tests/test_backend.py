@@ -58,7 +58,9 @@ def test_without_the_extension_the_cpu_backend_is_the_reference(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "extension", lambda: None)
     backend = make_backend("cpu", "eager", torch.float32)
     assert all(getattr(backend, name) is REFERENCE_OPS[name] for name in OP_NAMES)
-    assert type(backend.attention) is ReferenceAttention and backend.attention.decode_attention is paged_decode_attention
+    assert (
+        type(backend.attention) is ReferenceAttention and backend.attention.decode_attention is paged_decode_attention
+    )
     assert not isinstance(backend.linear_method(), type(None))
 
 

@@ -24,13 +24,13 @@ from executor.types_.quant_scheme import QuantArgs
 from models.llama import LlamaForCausalLM
 from module.attention import Attention
 from ops import quant_math, torch_ref
-from ops.attention_metadata import NpuAttentionMetadata, NpuMetadataBuilder, build_model_inputs
-from ops.backend import NPU_REFERENCE_OPS, OP_NAMES, REFERENCE_OPS, Backend, make_backend
 from ops.attention import ATTENTION_KINDS
 from ops.attention.npu import NpuAttention, NpuGraphAttention
+from ops.attention_metadata import NpuAttentionMetadata, NpuMetadataBuilder, build_model_inputs
+from ops.backend import NPU_REFERENCE_OPS, OP_NAMES, REFERENCE_OPS, Backend, make_backend
 from ops.npu import NpuGraphOps, NpuOps
-from tests.factories import llama_config
 from tests import attention_layers
+from tests.factories import llama_config
 from tests.npu_stand_ins import CountingRuntime, GroupedMatmulTorchNpu, RecordingTorchNpu, recording_torchair
 
 NUM_BLOCKS, BLOCK_SIZE, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 8, 128, 4, 2, 64

@@ -49,9 +49,7 @@ class GptOssAttention(LlamaAttention):
     def layer_sliding_window(config: GptOssConfig, layer_index: int) -> int | None:
         return config.sliding_window if config.layer_types[layer_index] == "sliding_attention" else None
 
-    def build_attention(
-        self, config: GptOssConfig, sliding_window: int | None, parallel: ModelParallel
-    ) -> Attention:
+    def build_attention(self, config: GptOssConfig, sliding_window: int | None, parallel: ModelParallel) -> Attention:
         return Attention(
             self.num_heads,
             self.num_kv_heads,

@@ -71,9 +71,7 @@ class AttentionBackend(Protocol):
     name: str
     kinds: frozenset[str]  # the ATTENTION_KINDS it has
 
-    def write(
-        self, layer: PagedKVLayer, key: torch.Tensor, value: torch.Tensor, metadata: ForwardMetaData
-    ) -> None: ...
+    def write(self, layer: PagedKVLayer, key: torch.Tensor, value: torch.Tensor, metadata: ForwardMetaData) -> None: ...
 
     def forward(
         self,

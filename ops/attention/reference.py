@@ -31,6 +31,7 @@ from ops import quant_math
 from ops.attention import ATTENTION_KINDS, LatentLayer, PagedKVLayer
 from ops.attention_metadata import PagedAttention, TorchAttentionMetadata, group_block_table
 
+
 def write_kv_cache(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -92,10 +93,7 @@ def _gather_kv(
     return _dequantized(rows, scale, row_scales, dtype).transpose(0, 1)
 
 
-
 DecodeAttention = Callable[..., torch.Tensor]  # paged_decode_attention's signature
-
-
 
 
 @torch.library.custom_op("infer_recipes::paged_decode_attention", mutates_args=())
@@ -126,7 +124,9 @@ def paged_decode_attention(
     """
     caches = (key_cache, value_cache, block_table, seq_lens)
     max_len = int(seq_lens.max())  # a host read of the lengths
-    return gathered_decode_attention(query, *caches, scale, sliding_window, sinks, key_scale, value_scale, max_len=max_len)
+    return gathered_decode_attention(
+        query, *caches, scale, sliding_window, sinks, key_scale, value_scale, max_len=max_len
+    )
 
 
 def gathered_decode_attention(
@@ -238,7 +238,6 @@ def _sdpa_per_request(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     return F.scaled_dot_product_attention(
         query[None], key[None], value[None], attn_mask=None if mask is None else mask[None], **options
     )[0]
-
 
 
 def paged_attention(
@@ -441,7 +440,6 @@ def mla_decode_absorbed(
     return torch.bmm(out[..., :kv_lora_rank].transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
 
-
 def mla_attention(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
@@ -475,7 +473,9 @@ def mla_attention(
             latent_scale,
         )
     query_ends, seq_lens = _host_lengths(forward_metadata)
-    return mla_attention_naive(q_nope, q_pe, latent_cache, kv_b_weight, block_table, query_ends, seq_lens, scale, latent_scale)
+    return mla_attention_naive(
+        q_nope, q_pe, latent_cache, kv_b_weight, block_table, query_ends, seq_lens, scale, latent_scale
+    )
 
 
 class ReferenceAttention(PagedAttention):
@@ -514,7 +514,17 @@ class ReferenceAttention(PagedAttention):
         query_ends, seq_lens = _host_lengths(metadata)
         key_scale, value_scale = layer.kv_scales()
         return per_request_prefill_attention(
-            query, key, value, *caches, query_ends, seq_lens, layer.scale, layer.sliding_window, layer.sinks, key_scale, value_scale
+            query,
+            key,
+            value,
+            *caches,
+            query_ends,
+            seq_lens,
+            layer.scale,
+            layer.sliding_window,
+            layer.sinks,
+            key_scale,
+            value_scale,
         )
 
     def write_kv_cache(
@@ -538,7 +548,9 @@ class ReferenceAttention(PagedAttention):
     ) -> None:
         write_latent_cache(latent, latent_cache, slot_mapping, latent_scale)
 
-    def mla(self, layer: LatentLayer, q_nope: torch.Tensor, q_pe: torch.Tensor, metadata: ForwardMetaData) -> torch.Tensor:
+    def mla(
+        self, layer: LatentLayer, q_nope: torch.Tensor, q_pe: torch.Tensor, metadata: ForwardMetaData
+    ) -> torch.Tensor:
         """MLA over the layer's latent cache (mla_attention), its decode by this backend's decode_attention."""
         assert isinstance(metadata, TorchAttentionMetadata)
         table = group_block_table(metadata, layer.kv_cache_group_id)
