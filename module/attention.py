@@ -34,7 +34,7 @@ class KVCacheLayer(nn.Module):
     kv_scheme: KVCacheScheme | None = None  # C8 where set: an int8 cache
     k_scale: torch.Tensor  # a static C8 scheme's scales (set_kv_cache_scheme)
     v_scale: torch.Tensor
-    # writes its cache through ops.attention.cache_writes and attends through the block table, so a
+    # writes its cache through ops.attention_metadata.cache_writes and attends through the block table, so a
     # context-parallel step works (docs/distributed.md); a layer with other caches does not say so
     context_parallel: bool = False
 
