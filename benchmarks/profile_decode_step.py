@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import functools
 import json
 import logging
 import statistics
@@ -32,7 +31,8 @@ from executor.core.config import build_config
 from executor.core.engine.engine import ExecutionEngine
 from executor.model_loader.default_model import default_model_path
 from executor.types_ import Request, SamplingParams
-from ops import cpu, torch_ref
+from ops import torch_ref
+from ops.attention.reference import ReferenceAttention
 from ops.backend import Backend
 from ops.cpu import OneDnnLinear
 from ops.linear_method import LinearMethod, PlainLinear
@@ -104,18 +104,57 @@ def swapped_ops(model: torch.nn.Module, **ops: object) -> Iterator[None]:
             layer.ops = record
 
 
+@contextlib.contextmanager
+def swapped_attention(model: torch.nn.Module, attention: object) -> Iterator[None]:
+    """Every attention layer of `model` on the attention backend `attention`, its own set aside meanwhile."""
+    layers = [module for module in model.modules() if hasattr(module, "attention") and hasattr(module, "kv_scales")]
+    previous = [layer.attention for layer in layers]
+    for layer in layers:
+        layer.attention = attention
+    try:
+        yield
+    finally:
+        for layer, own in zip(layers, previous, strict=True):
+            layer.attention = own
+
+
+class ReferencePrefill:
+    """`attention` with any non-decode step through the reference's per-request loop."""
+
+    def __init__(self, attention: object) -> None:
+        self.attention = attention
+
+    def write(self, *args: object) -> None:
+        self.attention.write(*args)
+
+    def forward(self, layer, query, key, value, metadata) -> torch.Tensor:
+        if metadata.is_decode_shaped:
+            return self.attention.forward(layer, query, key, value, metadata)
+        return ReferenceAttention().forward(layer, query, key, value, metadata)
+
+
+class TimedAttention:
+    """`attention` with the wall time of every forward (any layer, any step shape) appended to `seconds`."""
+
+    def __init__(self, attention: object, seconds: list[float]) -> None:
+        self.attention = attention
+        self.seconds = seconds
+
+    def write(self, *args: object) -> None:
+        self.attention.write(*args)
+
+    def forward(self, *args: object) -> torch.Tensor:
+        start = time.perf_counter()
+        output = self.attention.forward(*args)
+        self.seconds.append(time.perf_counter() - start)
+        return output
+
+
 def timed_attention(engine: ExecutionEngine, seconds: list[float]) -> contextlib.AbstractContextManager:
     """Appends the wall time of every paged attention call (any layer, any step shape) to `seconds`."""
     model = engine.worker.model
-    attend = next(m.ops for m in model.modules() if isinstance(getattr(m, "ops", None), Backend)).paged_attention
-
-    def timed(*args: object) -> torch.Tensor:
-        start = time.perf_counter()
-        output = attend(*args)
-        seconds.append(time.perf_counter() - start)
-        return output
-
-    return swapped_ops(model, paged_attention=timed)
+    attention = next(m.attention for m in model.modules() if hasattr(m, "attention") and hasattr(m, "kv_scales"))
+    return swapped_attention(model, TimedAttention(attention, seconds))
 
 
 def prefill_timings(engine: ExecutionEngine, args: argparse.Namespace) -> dict[str, object]:
@@ -161,12 +200,9 @@ def baseline(engine: ExecutionEngine, part: str) -> contextlib.AbstractContextMa
         names = ("rms_norm", "add_rms_norm", "apply_rotary", "silu_and_mul")
         return swapped_ops(model, **{name: getattr(torch_ref, name) for name in names})
     if part == "prefill_attention":  # the per-request loop, decode still on its kernel
-        return swapped_ops(
-            model,
-            paged_attention=functools.partial(torch_ref.paged_attention, decode_attention=cpu.paged_decode_attention),
-        )
+        return swapped_attention(model, ReferencePrefill(engine.worker.backend.attention))
     if part == "attention":  # decode through the gathered torch reference
-        return swapped_ops(model, paged_attention=torch_ref.paged_attention)
+        return swapped_attention(model, ReferenceAttention())
     return swapped_weights(model, OneDnnLinear() if part == "onednn" else PlainLinear())
 
 

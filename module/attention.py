@@ -32,7 +32,9 @@ class KVCacheLayer(nn.Module):
 
     kv_cache_group_id: int = -1
     kv_scheme: KVCacheScheme | None = None  # C8 where set: an int8 cache
-    # writes its cache through ForwardMetaData.cache_writes and attends through the block table, so a
+    k_scale: torch.Tensor  # a static C8 scheme's scales (set_kv_cache_scheme)
+    v_scale: torch.Tensor
+    # writes its cache through ops.attention_metadata.cache_writes and attends through the block table, so a
     # context-parallel step works (docs/distributed.md); a layer with other caches does not say so
     context_parallel: bool = False
 
@@ -53,7 +55,7 @@ class KVCacheLayer(nn.Module):
         params = []
         for name in STATIC_KV_SCALES:
             param = nn.Parameter(torch.ones(self.static_scale_shape(), dtype=torch.float32), requires_grad=False)
-            param.weight_loader = functools.partial(load_static_kv_scale, strategy=scheme.strategy)
+            param.weight_loader = functools.partial(load_static_kv_scale, strategy=scheme.strategy)  # type: ignore[attr-defined]
             self.register_parameter(name, param)
             params.append(param)
         return params
@@ -81,6 +83,13 @@ def load_static_kv_scale(
 
 
 class Attention(KVCacheLayer):
+    """Attention over the layer's own paged K/V: each step writes its K/V, then attends through the
+    block table, both by the backend's attention (ops/attention/), which reads the scale, window,
+    sinks, C8 scales and caches off this layer.
+
+    With `sinks` (gpt-oss), a learned logit per query head joins every softmax denominator, so a head
+    may put its weight on no token; the sinks are split over ranks with the heads."""
+
     context_parallel = True
 
     def __init__(
@@ -91,20 +100,33 @@ class Attention(KVCacheLayer):
         scale: float,
         sliding_window: int | None = None,
         *,
+        sinks: bool = False,
+        tp: ParallelGroup = SINGLE,
         backend: Backend,
     ) -> None:
         super().__init__()
-        self.ops = backend
+        if sinks:
+            backend.require(("paged_attention_with_sinks",), "attention with sinks")
+        self.attention = backend.attention
         assert num_heads % num_kv_heads == 0, f"{num_heads} query heads do not group over {num_kv_heads} KV heads"
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window
+        self.tp_rank = tp.rank
+        self.tp_size = tp.size
+        self.sinks: nn.Parameter | None = None
+        if sinks:
+            self.sinks = nn.Parameter(torch.empty(num_heads), requires_grad=False)
+            self.sinks.weight_loader = self.load_sinks  # type: ignore[attr-defined]
         self.cache_dtype = torch.get_default_dtype()  # the worker builds the model under its dtype
         self.key_cache = torch.empty(0)
         self.value_cache = torch.empty(0)
         self.scale_caches: dict[str, torch.Tensor] = {}  # a dynamic C8 cache's key_scale and value_scale
+
+    def load_sinks(self, param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: ShardId = None) -> None:
+        load_shard(param.data, loaded_weight, 0, self.tp_rank, self.tp_size)
 
     def kv_cache_spec(self) -> KVCacheSpec:
         return attention_spec(self.num_kv_heads, self.head_dim, self.cache_dtype, self.sliding_window, self.kv_scheme)
@@ -112,13 +134,13 @@ class Attention(KVCacheLayer):
     def static_scale_shape(self) -> tuple[int, int]:
         return (self.num_kv_heads, self.head_dim)
 
-    def kv_scales(self) -> dict[str, torch.Tensor | None]:
-        """The ops' key_scale / value_scale: the scale caches (dynamic C8), the static scales, or None."""
+    def kv_scales(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(key_scale, value_scale): the scale caches (dynamic C8), the static scales, or None."""
         if self.kv_scheme is None:
-            return {"key_scale": None, "value_scale": None}
+            return None, None
         if self.kv_scheme.dynamic:
-            return dict(self.scale_caches)
-        return {"key_scale": self.k_scale, "value_scale": self.v_scale}
+            return self.scale_caches["key_scale"], self.scale_caches["value_scale"]
+        return self.k_scale, self.v_scale
 
     def bind_kv_cache(self, caches: dict[str, torch.Tensor], group_id: int) -> None:
         key_cache, value_cache = caches["key"], caches["value"]
@@ -141,56 +163,24 @@ class Attention(KVCacheLayer):
         """query [T, H, D], key/value [T, Hkv, D] -> [T, H, D]."""
         if self.kv_cache_group_id < 0:
             raise RuntimeError("Attention has no KV cache: the worker must call bind_kv_cache before forward")
-        tables = forward_metadata.groups[self.kv_cache_group_id]
-        caches = (self.key_cache, self.value_cache)
-        (key_rows, value_rows), slots = forward_metadata.cache_writes(self.kv_cache_group_id, key, value)
-        self.ops.write_kv_cache(key_rows, value_rows, *caches, slots, **self.kv_scales())
-        return self.attend(query, key, value, tables.block_table, forward_metadata)
-
-    def attend(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        block_table: torch.Tensor,
-        forward_metadata: ForwardMetaData,
-    ) -> torch.Tensor:
-        """query [T, H, D] over the cache, this step's K/V [T, Hkv, D] already written -> [T, H, D].
-        The op takes the step's K/V too, so that a prefill need not read them back from the cache."""
-        return self.ops.paged_attention(
-            query,
-            key,
-            value,
-            self.key_cache,
-            self.value_cache,
-            block_table,
-            forward_metadata,
-            self.scale,
-            self.sliding_window,
-            **self.kv_scales(),
-        )
-
-
-@dataclass(frozen=True, eq=False)
-class KVSource:
-    """The layer whose cache a SharedKVAttention reads: a reference, not a submodule (its own decoder
-    layer owns it, and the worker finds and binds it there)."""
-
-    layer: Attention
+        self.attention.write(self, key, value, forward_metadata)
+        return self.attention.forward(self, query, key, value, forward_metadata)
 
 
 class SharedKVAttention(nn.Module):
     """Attention over another layer's paged K/V (cross-layer KV sharing: Gemma 4's last
-    num_kv_shared_layers layers). It is no KVCacheLayer: it declares no cache spec, so the worker
-    sizes and allocates nothing for it, and it writes nothing; each step it reads its source's
-    tensors through the block table of its source's cache group, with its source's window, scales
-    and this step's K/V (which the source wrote, handed over by the model)."""
+    num_kv_shared_layers layers). A class of its own because it is no KVCacheLayer: it declares no
+    cache spec, so the worker sizes and allocates nothing for it, and it writes nothing; each step it
+    reads its source's tensors through the block table of its source's cache group, with its source's
+    window and scales and this step's K/V (which the source wrote, handed over by the model)."""
+
+    sinks: torch.Tensor | None = None
 
     def __init__(
         self, num_heads: int, head_dim: int, scale: float, sliding_window: int | None = None, *, backend: Backend
     ) -> None:
         super().__init__()
-        self.ops = backend
+        self.attention = backend.attention
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.scale = scale
@@ -209,6 +199,26 @@ class SharedKVAttention(nn.Module):
         )
         self.source = KVSource(layer)
 
+    # the source's cache, group and scales: what the attention backend reads (ops/attention's PagedKVLayer)
+    @property
+    def key_cache(self) -> torch.Tensor:
+        return self._source().key_cache
+
+    @property
+    def value_cache(self) -> torch.Tensor:
+        return self._source().value_cache
+
+    @property
+    def kv_cache_group_id(self) -> int:
+        return self._source().kv_cache_group_id
+
+    def kv_scales(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return self._source().kv_scales()
+
+    def _source(self) -> Attention:
+        assert self.source is not None
+        return self.source.layer
+
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, forward_metadata: ForwardMetaData
     ) -> torch.Tensor:
@@ -217,64 +227,12 @@ class SharedKVAttention(nn.Module):
             raise RuntimeError(
                 "SharedKVAttention reads no bound cache: link it (read_kv_of) to a layer the worker bound"
             )
-        source = self.source.layer
-        return self.ops.paged_attention(
-            query,
-            key,
-            value,
-            source.key_cache,
-            source.value_cache,
-            forward_metadata.groups[source.kv_cache_group_id].block_table,
-            forward_metadata,
-            self.scale,
-            self.sliding_window,
-            **source.kv_scales(),
-        )
+        return self.attention.forward(self, query, key, value, forward_metadata)
 
 
-class SinkAttention(Attention):
-    """Attention with a learned sink logit per query head in every softmax denominator (gpt-oss),
-    so a head may put its weight on no token. The sinks are split over ranks with the heads."""
+@dataclass(frozen=True, eq=False)
+class KVSource:
+    """The layer whose cache a SharedKVAttention reads: a reference, not a submodule (its own decoder
+    layer owns it, and the worker finds and binds it there)."""
 
-    def __init__(
-        self,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        scale: float,
-        sliding_window: int | None = None,
-        tp: ParallelGroup = SINGLE,
-        *,
-        backend: Backend,
-    ) -> None:
-        backend.require(("paged_attention_with_sinks",), "attention with sinks")
-        super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window, backend=backend)
-        self.tp_rank = tp.rank
-        self.tp_size = tp.size
-        self.sinks = nn.Parameter(torch.empty(num_heads), requires_grad=False)
-        self.sinks.weight_loader = self.weight_loader
-
-    def weight_loader(self, param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: ShardId = None) -> None:
-        load_shard(param.data, loaded_weight, 0, self.tp_rank, self.tp_size)
-
-    def attend(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        block_table: torch.Tensor,
-        forward_metadata: ForwardMetaData,
-    ) -> torch.Tensor:
-        return self.ops.paged_attention_with_sinks(
-            query,
-            key,
-            value,
-            self.key_cache,
-            self.value_cache,
-            block_table,
-            forward_metadata,
-            self.scale,
-            self.sinks,
-            self.sliding_window,
-            **self.kv_scales(),
-        )
+    layer: Attention

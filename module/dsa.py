@@ -22,6 +22,7 @@ from executor.types_.model_inputs import ForwardMetaData
 from module.linear import ColumnParallelLinear
 from module.mla import MLAAttention, deinterleave
 from module.parallel_group import SINGLE, ParallelGroup
+from ops.attention_metadata import cache_writes, group_block_table
 from ops.backend import Backend
 
 INDEXER_NORM_EPS = 1e-6  # transformers' DeepseekV32Indexer.k_norm
@@ -71,14 +72,14 @@ class LightningIndexer(nn.Module):
         q_rot, k_rot = self.ops.apply_rotary(q_rot, k_rot, *rotary)
         query = torch.cat((q_rot, q_pass), dim=-1)
         key = torch.cat((k_rot, k_pass), dim=-1).squeeze(1)
-        (rows,), slots = forward_metadata.cache_writes(group_id, key)
-        self.ops.write_latent_cache(rows, index_cache, slots, index_scale)
+        (rows,), slots = cache_writes(forward_metadata, group_id, key)
+        self.ops.attention.write_latent_cache(rows, index_cache, slots, index_scale)
         weights = F.linear(hidden_states.float(), self.weights_proj.weight) * self.num_heads**-0.5
         return self.ops.indexer_topk(
             query,
             weights,
             index_cache,
-            forward_metadata.groups[group_id].block_table,
+            group_block_table(forward_metadata, group_id),
             forward_metadata,
             self.softmax_scale,
             self.topk,
@@ -145,7 +146,6 @@ class SparseMLAAttention(MLAAttention):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [T, hidden] -> ([T, hidden], the selection [T, index_topk] it attended over)."""
         q_nope, q_pe, q_resid = self.project_and_cache(hidden_states, rotary, forward_metadata)
-        tables = forward_metadata.groups[self.kv_cache_group_id]
         if self.indexer is None:
             if shared_selection is None:
                 raise RuntimeError("a shared DSA layer needs the selection of a full indexer layer before it")
@@ -165,7 +165,7 @@ class SparseMLAAttention(MLAAttention):
             q_pe,
             self.latent_cache,
             self.kv_b_proj.weight,
-            tables.block_table,
+            group_block_table(forward_metadata, self.kv_cache_group_id),
             selection,
             forward_metadata,
             self.scale,

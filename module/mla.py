@@ -3,8 +3,8 @@
 Each token's K and V for every head come from one latent: kv_lora_rank values (normed) that
 kv_b_proj decompresses into per-head k_nope and v, plus one rope key of qk_rope_head_dim shared by
 all heads. The cache keeps only that latent (kv_lora_rank + qk_rope_head_dim per token, not per
-head); the backend's mla_attention attends over it, decompressing per request in prefill and folding
-kv_b_proj into the query and output in decode (see ops/torch_ref.py). A C8 cache holds the latent
+head); the attention backend's `mla` attends over it, decompressing per request in prefill and folding
+kv_b_proj into the query and output in decode (see ops/attention/reference.py). A C8 cache holds the latent
 in int8 as one head: one scale per token (dynamic), or the checkpoint's k_scale (static, as vLLM's
 MLA reads it; v_scale is loaded and unused, the latent being the keys and the values both).
 """
@@ -21,6 +21,7 @@ from module.attention import KVCacheLayer
 from module.linear import ColumnParallelLinear, RowParallelLinear, divide
 from module.norm import RMSNorm
 from module.parallel_group import SINGLE, ParallelGroup
+from ops.attention_metadata import cache_writes
 from ops.backend import Backend
 
 # transformers builds q_a_layernorm and kv_a_layernorm with RMSNorm's default eps, not rms_norm_eps.
@@ -38,7 +39,7 @@ class MLAAttention(KVCacheLayer):
     """Projections named as in DeepSeek checkpoints; heads split over tensor-parallel ranks (q_b_proj
     or q_proj, kv_b_proj, o_proj), the down-projections to the latents replicated."""
 
-    NEEDED_OPS = ("write_latent_cache", "mla_attention")
+    NEEDED_OPS: tuple[str, ...] = ("write_latent_cache", "mla_attention")
 
     context_parallel = True
 
@@ -150,21 +151,17 @@ class MLAAttention(KVCacheLayer):
             return {"latent": self.latent_cache}
         return {"latent": self.latent_cache, "latent_scale": self.latent_scale_cache.squeeze(-1)}
 
+    @property
+    def kv_b_weight(self) -> torch.Tensor:
+        """kv_b_proj's dense weight, which the attention absorbs (ops/attention's LatentLayer)."""
+        return self.kv_b_proj.weight
+
     def forward(
         self, hidden_states: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], forward_metadata: ForwardMetaData
     ) -> torch.Tensor:
         """hidden [T, hidden], rotary (cos, sin) [T, qk_rope_head_dim] -> [T, hidden]."""
         q_nope, q_pe, _ = self.project_and_cache(hidden_states, rotary, forward_metadata)
-        output = self.ops.mla_attention(
-            q_nope,
-            q_pe,
-            self.latent_cache,
-            self.kv_b_proj.weight,
-            forward_metadata.groups[self.kv_cache_group_id].block_table,
-            forward_metadata,
-            self.scale,
-            self.latent_scale(),
-        )
+        output = self.ops.attention.mla(self, q_nope, q_pe, forward_metadata)
         return self.o_proj(self.gate_output(output, hidden_states).flatten(1))
 
     def project_and_cache(
@@ -184,6 +181,8 @@ class MLAAttention(KVCacheLayer):
         # The cached latent is kv_b_proj's input: quantized as its scheme quantizes inputs (a no-op
         # unquantized), which the absorbed decode and the decompressing prefill then both read.
         latent = self.kv_b_proj.linear_method.quantize_input(self.kv_b_proj, self.normed_latent(latent))
-        (rows,), slots = forward_metadata.cache_writes(self.kv_cache_group_id, torch.cat((latent, k_pe.squeeze(1)), -1))
-        self.ops.write_latent_cache(rows, self.latent_cache, slots, self.latent_scale())
+        (rows,), slots = cache_writes(
+            forward_metadata, self.kv_cache_group_id, torch.cat((latent, k_pe.squeeze(1)), -1)
+        )
+        self.ops.attention.write_latent_cache(rows, self.latent_cache, slots, self.latent_scale())
         return q_nope, q_pe, q_resid

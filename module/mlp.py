@@ -9,9 +9,16 @@ from torch import nn
 from module.linear import MergedColumnParallelLinear, RowParallelLinear
 from module.parallel_group import SINGLE, ParallelGroup
 from ops.backend import Backend
+from ops.signatures import GatedActivationOp
 
-# config hidden_act -> the backend op that applies it to the gate half and multiplies by the up half
-GATED_ACTIVATIONS = {"silu": "silu_and_mul", "gelu_pytorch_tanh": "gelu_tanh_and_mul"}
+
+def gated_activation(backend: Backend, hidden_act: str) -> GatedActivationOp:
+    """The backend's op for config `hidden_act`: it applies the activation to the gate half and
+    multiplies by the up half."""
+    activations = {"silu": backend.silu_and_mul, "gelu_pytorch_tanh": backend.gelu_tanh_and_mul}
+    if hidden_act not in activations:
+        raise ValueError(f"GatedMLP supports hidden_act {sorted(activations)}, got {hidden_act!r}")
+    return activations[hidden_act]
 
 
 class GatedMLP(nn.Module):
@@ -32,9 +39,7 @@ class GatedMLP(nn.Module):
     ) -> None:
         super().__init__()
         self.tp = tp
-        if hidden_act not in GATED_ACTIVATIONS:
-            raise ValueError(f"GatedMLP supports hidden_act {sorted(GATED_ACTIVATIONS)}, got {hidden_act!r}")
-        self.act_and_mul = getattr(backend, GATED_ACTIVATIONS[hidden_act])
+        self.act_and_mul = gated_activation(backend, hidden_act)
         method = backend.linear_method()
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden_size, [intermediate_size, intermediate_size], bias=bias, tp=tp, linear_method=method

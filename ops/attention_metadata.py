@@ -7,6 +7,7 @@ exactly the tensors and lists its attention reads, nothing more. Block tables ha
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -18,12 +19,13 @@ from executor.types_.model_inputs import (
     RecurrentStateTables,
     StepLayout,
 )
+from ops.attention import PagedKVLayer
 
 # FIA's compressed causal mask for sparse_mode=3 (bottom-right causal): always 2048x2048, 1 = masked.
 NPU_CAUSAL_MASK_SIZE = 2048
 
 
-def to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def to_device(values: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host list on `device`. For CUDA the host tensor is pinned (torch's caching host allocator
     reuses those blocks step after step), so the copy is truly asynchronous and no sync waits on it."""
     device = torch.device(device)
@@ -184,6 +186,64 @@ class NpuMetadataBuilder(AttentionMetadataBuilder):
             mask = torch.triu(torch.ones(size, size, dtype=torch.bool), diagonal=1)
             self._causal_mask = mask.to(torch.int8).to(self.device)
         return self._causal_mask
+
+
+class PagedAttention:
+    """Per layer and step, what every attention backend over these metadata does, whatever its kernels
+    (ops/attention/reference.py's ReferenceAttention and its subclasses for the CPU and CUDA graphs):
+    write the step's K/V to the layer's caches, then attend through its cache group's block table, a
+    decode-shaped step by the backend's `decode` and any other by its `prefill`."""
+
+    # the backend's forms (ReferenceAttention's: their parameters are documented there)
+    decode: Callable[[PagedKVLayer, torch.Tensor, torch.Tensor, TorchAttentionMetadata], torch.Tensor]
+    prefill: Callable[
+        [PagedKVLayer, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, TorchAttentionMetadata], torch.Tensor
+    ]
+    write_kv_cache: Callable[..., None]
+
+    def write(self, layer: PagedKVLayer, key: torch.Tensor, value: torch.Tensor, metadata: ForwardMetaData) -> None:
+        """The step's key/value [t, Hkv, D] into the layer's caches (under context parallel, every rank's)."""
+        (key_rows, value_rows), slots = cache_writes(metadata, layer.kv_cache_group_id, key, value)
+        self.write_kv_cache(key_rows, value_rows, layer.key_cache, layer.value_cache, slots, *layer.kv_scales())
+
+    def forward(
+        self,
+        layer: PagedKVLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        metadata: ForwardMetaData,
+    ) -> torch.Tensor:
+        """query [T, H, D] over the layer's cache, this step's K/V [T, Hkv, D] already written -> [T, H, D].
+        It takes the step's K/V too, so that a prefill need not read them back from the cache."""
+        assert isinstance(metadata, TorchAttentionMetadata)
+        table = group_block_table(metadata, layer.kv_cache_group_id)
+        if metadata.is_decode_shaped:
+            return self.decode(layer, query, table, metadata)
+        return self.prefill(layer, query, key, value, table, metadata)
+
+
+def group_block_table(metadata: ForwardMetaData, group_id: int) -> torch.Tensor:
+    """Cache group `group_id`'s block table for the step's rows."""
+    tables = metadata.groups[group_id]
+    assert isinstance(tables, CacheGroupTables), "a recurrent group has no block table"
+    return tables.block_table
+
+
+def cache_writes(
+    metadata: ForwardMetaData, group_id: int, *rows: torch.Tensor
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """What a layer writes to cache group `group_id` from its `rows` (K, V, a latent, ... [t, ...]):
+    those rows and their slots; under context parallel every rank's rows (gathered from the ranks, in
+    the step's token order) and the step's slots."""
+    tables = metadata.groups[group_id]
+    assert isinstance(tables, CacheGroupTables), "a recurrent group has no slots"
+    cp = metadata.context_parallel
+    if cp is None:
+        return list(rows), tables.slot_mapping
+    slots = cp.slot_mappings[group_id]
+    assert slots is not None
+    return [cp.group.gather_rows(row)[0].index_select(0, cp.order) for row in rows], slots
 
 
 def build_model_inputs(layout: StepLayout, builder: AttentionMetadataBuilder) -> ModelInputs:

@@ -1,7 +1,8 @@
 """The backend record: per (device, exe_mode), the one place that says what runs.
 
 Every op is a field (None where the backend has no form of it), beside the linear methods by weight
-scheme, the attention metadata builder and the graph compiler. make_backend picks the record and
+scheme, the attention backend (ops/attention/: the paged K/V's and MLA's cache writes and attention),
+its metadata builder and the graph compiler. make_backend picks the record and
 decides, once, what the machine allows: whether the CPU's C++ extension built, which linear layout
 the CPU's flags call for, whether the model's dtype suits the fused fp32 kernels. Models get the
 record at construction and their layers call its fields directly; nothing is switched globally.
@@ -14,13 +15,19 @@ import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any
 
 import torch
 
 from executor.platform import npu_runtime
 from executor.platform.graph_compilers import GraphCompilerFactory, graph_compiler_factory
 from executor.types_.quant_scheme import QUANTIZED_KINDS, W8A8_INT8, WNA16
-from ops import compressed_kv, cpu, cpu_kernels, cuda_graph, cuda_quant, sparse_attention, torch_ref
+from ops import compressed_kv, cpu, cpu_kernels, cuda_quant, kda, recurrent_ref, sparse_attention, torch_ref
+from ops.attention import ATTENTION_KINDS, AttentionBackend
+from ops.attention.cpu import CpuAttention
+from ops.attention.cuda_graph import CudaGraphAttention
+from ops.attention.npu import NpuAttention, NpuGraphAttention
+from ops.attention.reference import ReferenceAttention
 from ops.attention_metadata import AttentionMetadataBuilder, NpuMetadataBuilder, TorchMetadataBuilder
 from ops.cpu import CpuOps, cpu_linear_method
 from ops.cpu_quantized import VNNI_FLAGS, CpuInt8Kernels, VnniInt8Linear, Wna16Linear
@@ -29,13 +36,34 @@ from ops.npu import NpuGraphOps, NpuOps
 from ops.npu_quant import npu_linear_methods
 from ops.quantized_experts import DEQUANTIZED_EXPERTS, INT8_EXPERTS, ExpertsMethod
 from ops.quantized_linear import DequantizedLinear, Int8ScaledLinear
+from ops.signatures import (
+    AddNormOp,
+    ArgmaxOp,
+    BiasedClampedExpertsOp,
+    CausalConvOp,
+    ClampedActivationOp,
+    ClampedExpertsOp,
+    CompressedIndexerTopkOp,
+    CompressedKVAttentionOp,
+    ExpertsOp,
+    GatedActivationOp,
+    GatedDeltaRuleOp,
+    GatedNormOp,
+    IndexerTopkOp,
+    Int8ExpertsOp,
+    KdaOp,
+    NormOp,
+    RotaryOp,
+    SparseMlaOp,
+)
 
 DEVICE_TYPES = ("cpu", "cuda", "npu")
-Op = Callable[..., object]
+Op = Callable[..., object]  # any op: a record field's value, before the record types it
 
 
-def _op() -> object:
-    """A field that holds one op (None: the backend has no form of it)."""
+def _op() -> Any:
+    """A field that holds one op, typed by its kind (ops/signatures.py), or None where the backend has no
+    form of it: a layer calls only the ops it required (Backend.require) when it was built."""
     return field(default=None, metadata={"op": True})
 
 
@@ -47,41 +75,43 @@ class Backend:
     linear: Mapping[str, LinearMethod]  # weight scheme -> its method
     metadata_builder: Callable[[torch.device], AttentionMetadataBuilder]
     graph_compiler: GraphCompilerFactory | None  # None: eager
-    argmax_rows: Op | None = _op()  # the greedy choice: each row's first maximum (the sampler's, MTP's drafts)
-    rms_norm: Op | None = _op()
-    add_rms_norm: Op | None = _op()
-    apply_rotary: Op | None = _op()
-    silu_and_mul: Op | None = _op()
-    clamped_silu_and_mul: Op | None = _op()
-    gelu_tanh_and_mul: Op | None = _op()
-    write_kv_cache: Op | None = _op()
-    paged_attention: Op | None = _op()
-    paged_attention_with_sinks: Op | None = _op()
-    write_latent_cache: Op | None = _op()
-    mla_attention: Op | None = _op()
-    indexer_topk: Op | None = _op()  # DSA's lightning indexer: scores over the paged indexer keys, top-k
-    sparse_mla_attention: Op | None = _op()  # DSA: MLA over the indexer's selected tokens only
-    moe_experts: Op | None = _op()
-    moe_experts_clamped_swiglu: Op | None = _op()
-    moe_experts_clamped_silu: Op | None = _op()
-    moe_experts_clamped_gate_silu: Op | None = _op()  # DeepSeek-V4's experts
-    compressed_kv_attention: Op | None = _op()  # DeepSeek-V4's sliding + compressed KV (ops/compressed_kv.py)
-    compressed_indexer_topk: Op | None = _op()  # DeepSeek-V4's lightning indexer over compressed entries
-    moe_experts_gelu_tanh: Op | None = _op()
-    moe_experts_int8: Op | None = _op()  # W8A8 int8 experts (ops/quantized_experts.py's Int8Experts)
+    # the device's attention (ops/attention/): the paged K/V's and MLA's cache writes and attention
+    attention: AttentionBackend
+    argmax_rows: ArgmaxOp = _op()  # the greedy choice: each row's first maximum (the sampler's, MTP's drafts)
+    rms_norm: NormOp = _op()
+    add_rms_norm: AddNormOp = _op()
+    apply_rotary: RotaryOp = _op()
+    silu_and_mul: GatedActivationOp = _op()
+    clamped_silu_and_mul: ClampedActivationOp = _op()
+    gelu_tanh_and_mul: GatedActivationOp = _op()
+    indexer_topk: IndexerTopkOp = _op()  # DSA's lightning indexer: scores over the paged indexer keys, top-k
+    sparse_mla_attention: SparseMlaOp = _op()  # DSA: MLA over the indexer's selected tokens only
+    moe_experts: ExpertsOp = _op()
+    moe_experts_clamped_swiglu: BiasedClampedExpertsOp = _op()
+    moe_experts_clamped_silu: ClampedExpertsOp = _op()
+    moe_experts_clamped_gate_silu: ClampedExpertsOp = _op()  # DeepSeek-V4's experts
+    # DeepSeek-V4's sliding + compressed KV (ops/compressed_kv.py)
+    compressed_kv_attention: CompressedKVAttentionOp = _op()
+    compressed_indexer_topk: CompressedIndexerTopkOp = _op()  # DeepSeek-V4's lightning indexer over compressed entries
+    moe_experts_gelu_tanh: ExpertsOp = _op()
+    moe_experts_int8: Int8ExpertsOp = _op()  # W8A8 int8 experts (ops/quantized_experts.py's Int8Experts)
     # linear attention (ops/recurrent_ref.py): the short conv and the gated delta rule over state slots
-    causal_conv1d_fn: Op | None = _op()
-    causal_conv1d_update: Op | None = _op()
-    chunk_gated_delta_rule: Op | None = _op()
-    recurrent_gated_delta_rule: Op | None = _op()
-    rms_norm_gated: Op | None = _op()
+    causal_conv1d_fn: CausalConvOp = _op()
+    causal_conv1d_update: CausalConvOp = _op()
+    chunk_gated_delta_rule: GatedDeltaRuleOp = _op()
+    recurrent_gated_delta_rule: GatedDeltaRuleOp = _op()
+    rms_norm_gated: GatedNormOp = _op()
     # Kimi delta attention over state slots (ops/kda.py): prompts, and one token per row
-    chunk_kda: Op | None = _op()
-    recurrent_kda: Op | None = _op()
+    chunk_kda: KdaOp = _op()
+    recurrent_kda: KdaOp = _op()
 
     def missing(self, op_names: tuple[str, ...]) -> list[str]:
-        """Which of `op_names` this backend has no form of."""
-        return [name for name in op_names if getattr(self, name) is None]
+        """Which of `op_names` (ops, or the attention's forms: ATTENTION_KINDS) this backend has no form of."""
+        return [
+            name
+            for name in op_names
+            if (name not in self.attention.kinds if name in ATTENTION_KINDS else getattr(self, name) is None)
+        ]
 
     def require(self, op_names: tuple[str, ...], who: str) -> None:
         """Refuse `who` (a model or layer being built) if it needs an op this backend lacks."""
@@ -130,15 +160,38 @@ RECURRENT_OPS = (
     "chunk_kda",
     "recurrent_kda",
 )
-# The torch reference of every op: ops/torch_ref.py's, DSA's in ops/sparse_attention.py and DeepSeek-V4's
-# compressed KV in ops/compressed_kv.py.
 COMPRESSED_KV_OPS = ("compressed_kv_attention", "compressed_indexer_topk")
-REFERENCE_OPS = {
-    name: next(
-        getattr(module, name) for module in (torch_ref, sparse_attention, compressed_kv) if hasattr(module, name)
-    )
-    for name in OP_NAMES
-}
+# The torch reference of every op, in one table: ops/torch_ref.py's, the linear attentions' (ops/recurrent_ref.py,
+# ops/kda.py), DSA's (ops/sparse_attention.py) and DeepSeek-V4's compressed KV (ops/compressed_kv.py).
+REFERENCE_OPS: Mapping[str, Op] = MappingProxyType(
+    {
+        "argmax_rows": torch_ref.argmax_rows,
+        "rms_norm": torch_ref.rms_norm,
+        "add_rms_norm": torch_ref.add_rms_norm,
+        "apply_rotary": torch_ref.apply_rotary,
+        "silu_and_mul": torch_ref.silu_and_mul,
+        "clamped_silu_and_mul": torch_ref.clamped_silu_and_mul,
+        "gelu_tanh_and_mul": torch_ref.gelu_tanh_and_mul,
+        "indexer_topk": sparse_attention.indexer_topk,
+        "sparse_mla_attention": sparse_attention.sparse_mla_attention,
+        "moe_experts": torch_ref.moe_experts,
+        "moe_experts_clamped_swiglu": torch_ref.moe_experts_clamped_swiglu,
+        "moe_experts_clamped_silu": torch_ref.moe_experts_clamped_silu,
+        "moe_experts_clamped_gate_silu": torch_ref.moe_experts_clamped_gate_silu,
+        "compressed_kv_attention": compressed_kv.compressed_kv_attention,
+        "compressed_indexer_topk": compressed_kv.compressed_indexer_topk,
+        "moe_experts_gelu_tanh": torch_ref.moe_experts_gelu_tanh,
+        "moe_experts_int8": torch_ref.moe_experts_int8,
+        "causal_conv1d_fn": recurrent_ref.causal_conv1d_fn,
+        "causal_conv1d_update": recurrent_ref.causal_conv1d_update,
+        "chunk_gated_delta_rule": recurrent_ref.chunk_gated_delta_rule,
+        "recurrent_gated_delta_rule": recurrent_ref.recurrent_gated_delta_rule,
+        "rms_norm_gated": recurrent_ref.rms_norm_gated,
+        "chunk_kda": kda.chunk_kda,
+        "recurrent_kda": kda.recurrent_kda,
+    }
+)
+assert set(REFERENCE_OPS) == set(OP_NAMES), "every op field has its reference, and only those"
 # Ops no device has a form of in shared/npu-api-facts.md: the NPU record runs their torch reference (the
 # greedy argmax's is aten's max, an NPU op through torch_npu).
 NPU_REFERENCE_OPS = (*RECURRENT_OPS, *COMPRESSED_KV_OPS, "moe_experts_clamped_gate_silu", "argmax_rows")
@@ -159,50 +212,40 @@ def make_backend(
     if device_type not in DEVICE_TYPES:
         raise ValueError(f"device type must be one of {list(DEVICE_TYPES)}, got {device_type!r}")
     compiler = graph_compiler_factory(device_type, exe_mode)
-    common = {"device_type": device_type, "exe_mode": exe_mode, "graph_compiler": compiler}
+    common: dict[str, Any] = {"device_type": device_type, "exe_mode": exe_mode, "graph_compiler": compiler}
     if device_type == "cpu":
         return _cpu_backend(dtype, prepack_weights, cpu_extension, common)
     if device_type == "cuda":
         captured = exe_mode == "npugraph_ex"  # CUDA graphs (executor/platform/graph_compilers.py)
-        ops = {**REFERENCE_OPS, **(_cuda_graph_ops() if captured else {})}
-        name = "cuda_graph" if captured else "cuda"
+        # DSA's indexer reads each request's length to score only its tokens: no captured form yet
+        ops: dict[str, Any] = {**REFERENCE_OPS, **({"indexer_topk": None} if captured else {})}
+        attention = CudaGraphAttention() if captured else ReferenceAttention()
         linear = linear_methods(PLAIN, cuda_quant.cuda_linear_methods(cuda_quant.device_capability(), PLAIN), "cuda")
-        return Backend(name, linear=linear, metadata_builder=TorchMetadataBuilder, **common, **ops)
+        return Backend(
+            attention.name if captured else "cuda",
+            linear=linear,
+            metadata_builder=TorchMetadataBuilder,
+            attention=attention,
+            **common,
+            **ops,
+        )
     return _npu_backend(exe_mode, common)
 
 
-def _with_decode(decode_attention: Op, names: tuple[str, ...]) -> dict[str, Op]:
-    """The reference's ops `names` with `decode_attention` as their decode step's attention."""
-    return {name: functools.partial(getattr(torch_ref, name), decode_attention=decode_attention) for name in names}
-
-
-def _cuda_graph_ops() -> dict[str, Op | None]:
-    """A CUDA graph capture reads no lengths on the host (ops/cuda_graph.py); DSA's indexer reads
-    each request's length to score only its tokens, so it has no captured form yet."""
-    names = ("paged_attention", "paged_attention_with_sinks", "mla_attention")
-    return {**_with_decode(cuda_graph.paged_decode_attention, names), "indexer_topk": None}
-
-
-def _cpu_backend(dtype: torch.dtype, prepack_weights: bool, use_extension: bool, common: dict) -> Backend:
+def _cpu_backend(dtype: torch.dtype, prepack_weights: bool, use_extension: bool, common: dict[str, Any]) -> Backend:
     kernels = cpu_kernels.extension() if use_extension else None
-    ops = dict(REFERENCE_OPS)
+    ops: dict[str, Any] = dict(REFERENCE_OPS)
+    attention: AttentionBackend = ReferenceAttention()
     if kernels is not None:
         cpu_ops = CpuOps(kernels)
-        any_dtype = (
-            "argmax_rows",
-            "write_kv_cache",
-            "write_latent_cache",
-            "paged_attention",
-            "paged_attention_with_sinks",
-        )
         fp32_only = ("rms_norm", "add_rms_norm", "apply_rotary", "silu_and_mul", "moe_experts")
-        names = any_dtype + (fp32_only if dtype == torch.float32 else ())
+        names = ("argmax_rows", *(fp32_only if dtype == torch.float32 else ()))
         ops.update({name: getattr(cpu_ops, name) for name in names})
-        ops.update(_with_decode(cpu.paged_decode_attention, ("mla_attention",)))
+        attention = CpuAttention(kernels)
     packed = cpu_linear_method(dtype, kernels, cpu_kernels.cpu_flags()) if prepack_weights else None
     dense = packed or PLAIN
     linear = linear_methods(dense, _cpu_quantized_methods(kernels, dense, dtype), "cpu")
-    return Backend("cpu", linear=linear, metadata_builder=TorchMetadataBuilder, **common, **ops)
+    return Backend("cpu", linear=linear, metadata_builder=TorchMetadataBuilder, attention=attention, **common, **ops)
 
 
 def _cpu_quantized_methods(kernels: object | None, dense: LinearMethod, dtype: torch.dtype) -> dict[str, LinearMethod]:
@@ -232,18 +275,23 @@ NPU_OPS = (
     "apply_rotary",
     "silu_and_mul",
     "gelu_tanh_and_mul",
-    "write_kv_cache",
-    "paged_attention",
     "moe_experts_int8",
 )
 
 
-def _npu_backend(exe_mode: str, common: dict) -> Backend:
+def _npu_backend(exe_mode: str, common: dict[str, Any]) -> Backend:
     graph = exe_mode != "eager"
     torch_npu = npu_runtime.torch_npu()
-    npu_ops = NpuGraphOps(torch_npu, npu_runtime.torchair()) if graph else NpuOps(torch_npu)
+    npu_ops: NpuOps
+    attention: AttentionBackend
+    if graph:
+        torchair = npu_runtime.torchair()
+        npu_ops, attention = NpuGraphOps(torch_npu, torchair), NpuGraphAttention(torch_npu, torchair)
+    else:
+        npu_ops, attention = NpuOps(torch_npu), NpuAttention(torch_npu)
     metadata_builder = functools.partial(NpuMetadataBuilder, lengths_as_tensors=graph)
     ops = {name: getattr(npu_ops, name) for name in NPU_OPS}
     ops.update({name: REFERENCE_OPS[name] for name in NPU_REFERENCE_OPS})
     linear = linear_methods(PLAIN, npu_linear_methods(torch_npu, PLAIN), "npu")
-    return Backend("npu_graph" if graph else "npu", linear=linear, metadata_builder=metadata_builder, **common, **ops)
+    name = "npu_graph" if graph else "npu"
+    return Backend(name, linear=linear, metadata_builder=metadata_builder, attention=attention, **common, **ops)

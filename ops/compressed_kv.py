@@ -10,7 +10,7 @@ slot of a window is the token slot of its first token // ratio, and a block tabl
 Query t sees the keys of its sliding window (tokens t - window + 1 .. t) and the compressed entries
 whose windows are closed by t, w < (t + 1) // ratio: all of them (heavily compressed attention),
 or those the lightning indexer selected (compressed sparse attention). Both ops read the lengths
-on the host, so they are opaque custom ops, as paged_decode_attention is: a compiled decode keeps
+on the host, so they are opaque custom ops, as the reference's decode attention is: a compiled decode keeps
 one graph.
 """
 

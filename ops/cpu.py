@@ -1,11 +1,11 @@
 """The CPU backend: each C++ kernel of ops/cpu_kernels.py behind its shape guard, falling back to the
-reference (ops/torch_ref.py) where the guard fails, and the packed linear methods.
+reference (ops/torch_ref.py) where the guard fails, and the packed linear methods. Its attention is
+ops/attention/cpu.py.
 
 The backend takes these only where the extension built (and the fused elementwise ones only for
 fp32 models), decided once in ops/backend.py; so the guards here are about shapes, and about
-torch.compile, which cannot trace a pybind call and fuses the reference's ops itself. The decode
-attention is its own custom op, so that a compiled decode still sees one opaque call; the CPU's MLA
-is the reference's over it (ops/backend.py).
+torch.compile, which fuses the reference's ops itself. The ops a compiled graph calls (W8A8's int8
+linear) have their fake here, beside their wrapper.
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ops import torch_ref
-from ops.attention_metadata import TorchAttentionMetadata
-from ops.cpu_kernels import extension
+from ops.cpu_kernels import extension, fake
 from ops.linear_method import LinearMethod
 
 logger = logging.getLogger(__name__)
@@ -53,65 +52,13 @@ def _(a, b):
     return a.new_empty(a.shape[0], b.shape[1], dtype=torch.int32)
 
 
-@torch.library.custom_op("infer_recipes::cpu_int8_linear", mutates_args=())
-def int8_linear(
-    x: torch.Tensor,
-    packed: torch.Tensor,
-    compensation: torch.Tensor,
-    weight_scale: torch.Tensor,
-    input_scale: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    out_features: int,
-) -> torch.Tensor:
-    """W8A8's whole linear by ops/csrc/int8_linear.cpp (AVX-512 VNNI): one opaque op in a compiled
-    graph too. Registered only once the extension built (ops/cpu_quantized.py's VnniInt8Linear)."""
-    kernel = extension().int8_linear_forward
-    return kernel(x, packed, compensation, weight_scale, input_scale, bias, out_features)
-
-
-@int8_linear.register_fake
-def _(x, packed, compensation, weight_scale, input_scale, bias, out_features):
+@fake("int8_linear_forward")
+def _(x: torch.Tensor, packed: torch.Tensor, compensation: torch.Tensor, *args: object) -> torch.Tensor:
+    """W8A8's whole linear by ops/csrc/int8_linear.cpp (AVX-512 VNNI), one opaque op in a compiled graph
+    (ops/cpu_quantized.py's VnniInt8Linear): [rows, out_features]."""
+    out_features = args[-1]
+    assert isinstance(out_features, int)
     return x.new_empty(x.shape[0], out_features)
-
-
-@torch.library.custom_op("infer_recipes::cpu_paged_decode_attention", mutates_args=())
-def paged_decode_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    sliding_window: int,
-    sinks: torch.Tensor | None = None,
-    key_scale: torch.Tensor | None = None,
-    value_scale: torch.Tensor | None = None,
-    rows_per_request: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """torch_ref.paged_decode_attention by the C++ kernel, which reads each request's slots in place
-    instead of gathering a padded copy (an int8 cache dequantized as read). `rows_per_request` ([1],
-    None: 1) consecutive rows share the first one's block table (a verify step's tokens in a graph),
-    so the kernel reads their K/V once. Registered only once the extension built (CpuOps)."""
-    kernel = extension().paged_decode_attention
-    caches = (key_cache, value_cache, block_table, seq_lens)
-    return kernel(query, *caches, scale, sliding_window, sinks, key_scale, value_scale, rows_per_request, True)
-
-
-@paged_decode_attention.register_fake
-def _(
-    query,
-    key_cache,
-    value_cache,
-    block_table,
-    seq_lens,
-    scale,
-    sliding_window,
-    sinks=None,
-    key_scale=None,
-    value_scale=None,
-    rows_per_request=None,
-):
-    return torch.empty_like(query)
 
 
 @torch.library.custom_op("infer_recipes::cpu_moe_experts", mutates_args=())
@@ -195,122 +142,6 @@ class CpuOps:
         down_proj: torch.Tensor,
     ) -> torch.Tensor:
         return moe_experts(hidden_states, topk_weights, topk_ids, gate_up_proj, down_proj)
-
-    def write_kv_cache(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        key_scale: torch.Tensor | None = None,
-        value_scale: torch.Tensor | None = None,
-    ) -> None:
-        """One memcpy per row (any dtype), or its quantization into an int8 cache; raises on a slot
-        outside the cache."""
-        caches = (key_cache, value_cache, key_scale, value_scale)
-        if _can_write(slot_mapping, *caches):
-            named("write_kv_cache", self.kernels.write_kv_cache)(key, value, *caches[:2], slot_mapping, *caches[2:])
-            return
-        torch_ref.write_kv_cache(key, value, *caches[:2], slot_mapping, *caches[2:])
-
-    def write_latent_cache(
-        self,
-        latent: torch.Tensor,
-        latent_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        latent_scale: torch.Tensor | None = None,
-    ) -> None:
-        if _can_write(slot_mapping, latent_cache, latent_scale):
-            kernel = named("write_latent_cache", self.kernels.write_latent_cache)
-            kernel(latent, latent_cache, slot_mapping, latent_scale)
-            return
-        torch_ref.write_latent_cache(latent, latent_cache, slot_mapping, latent_scale)
-
-    def paged_attention(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        block_table: torch.Tensor,
-        forward_metadata: TorchAttentionMetadata,
-        scale: float,
-        sliding_window: int | None = None,
-        key_scale: torch.Tensor | None = None,
-        value_scale: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """torch_ref.paged_attention: decode by the decode kernel, any other step in one call of the
-        prefill kernel, which takes the step's own K/V from the layer (from an int8 cache, the cache)."""
-        caches = (key_cache, value_cache, key_scale, value_scale)
-        return self._attention(query, key, value, caches, block_table, forward_metadata, scale, sliding_window, None)
-
-    def paged_attention_with_sinks(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        block_table: torch.Tensor,
-        forward_metadata: TorchAttentionMetadata,
-        scale: float,
-        sinks: torch.Tensor,
-        sliding_window: int | None = None,
-        key_scale: torch.Tensor | None = None,
-        value_scale: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        caches = (key_cache, value_cache, key_scale, value_scale)
-        return self._attention(query, key, value, caches, block_table, forward_metadata, scale, sliding_window, sinks)
-
-    def _attention(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        caches: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None],
-        block_table: torch.Tensor,
-        metadata: TorchAttentionMetadata,
-        scale: float,
-        sliding_window: int | None,
-        sinks: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """`caches`: key_cache, value_cache, key_scale, value_scale (the scales None but for an int8 cache)."""
-        key_cache, value_cache, key_scale, value_scale = caches
-        if metadata.is_decode_shaped:
-            return paged_decode_attention(
-                query,
-                key_cache,
-                value_cache,
-                block_table,
-                metadata.seq_lens,
-                scale,
-                sliding_window or 0,
-                sinks,
-                key_scale,
-                value_scale,
-                metadata.rows_per_request,
-            )
-        paged = (key_cache, value_cache, block_table)
-        if torch.compiler.is_compiling():
-            lengths = (metadata.query_ends_list, metadata.seq_lens_list)
-            return torch_ref.per_request_prefill_attention(
-                query, key, value, *paged, *lengths, scale, sliding_window, sinks, key_scale, value_scale
-            )
-        kernel = named("paged_prefill_attention", self.kernels.paged_prefill_attention)
-        lengths = (metadata.query_ends, metadata.seq_lens)
-        return kernel(query, key, value, *paged, *lengths, scale, sliding_window or 0, sinks, key_scale, value_scale)
-
-
-def _can_write(slot_mapping: torch.Tensor, *caches: torch.Tensor | None) -> bool:
-    """The C++ cache writes take contiguous caches (and scales, where given) and int64 slots, and no
-    compiler traces them."""
-    return (
-        slot_mapping.dtype == torch.int64
-        and all(cache is None or cache.is_contiguous() for cache in caches)
-        and not torch.compiler.is_compiling()
-    )
 
 
 # -- the unquantized linear methods: weights laid out once, at load, for decode's few rows --------

@@ -1,5 +1,8 @@
 """C++ kernels for the CPU, built when the CPU backend is made, with torch's extension loader (cached
-afterwards); ops/cpu.py wraps each one with its shape guard and its fallback to the reference.
+afterwards). Each kernel declares its op once, in C++ (`TORCH_LIBRARY_FRAGMENT(infer_recipes_cpu, ...)`
+beside its code), so no list of names or declarations is kept here; ops/cpu.py and ops/attention/cpu.py
+wrap each one with its shape guard, its fallback to the reference and, where a compiled graph calls
+it, its fake.
 
 The torch reference gathers each request's K/V into a padded copy before attending; on the CPU
 the decode kernel reads the paged cache in place (ops/csrc), and the prefill kernel attends every
@@ -21,8 +24,11 @@ import functools
 import hashlib
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from executor.utils.slow_phase import SLOW_AFTER_S, announced_if_slow
 
@@ -34,79 +40,26 @@ BUILD_NOTICE_AFTER_S = SLOW_AFTER_S
 STALE_BUILD_LOCK_S = 600.0
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (
-    "paged_decode_attention.cpp",
-    "amx_decode_attention.cpp",
-    "paged_prefill_attention.cpp",
-    "fused_elementwise.cpp",
-    "kv_cache_write.cpp",
-    "packed_linear.cpp",
-    "int8_quant.cpp",
-    "int8_linear.cpp",
-    "wna16_linear.cpp",
-    "amx_linear.cpp",
-    "argmax_rows.cpp",
-)
-_DECLARATIONS = """
-torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-    torch::Tensor block_table, torch::Tensor seq_lens, double scale, int64_t sliding_window,
-    c10::optional<torch::Tensor> sinks, c10::optional<torch::Tensor> key_scale,
-    c10::optional<torch::Tensor> value_scale, c10::optional<torch::Tensor> rows_per_request, bool allow_amx);
-torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value,
-    torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor block_table, torch::Tensor query_ends,
-    torch::Tensor seq_lens, double scale, int64_t sliding_window, c10::optional<torch::Tensor> sinks,
-    c10::optional<torch::Tensor> key_scale, c10::optional<torch::Tensor> value_scale);
-torch::Tensor fused_rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
-std::vector<torch::Tensor> fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
-    double eps);
-torch::Tensor fused_silu_and_mul(torch::Tensor x);
-std::vector<torch::Tensor> fused_apply_rotary(torch::Tensor query, torch::Tensor key, torch::Tensor cos,
-    torch::Tensor sin);
-void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, torch::Tensor value_cache,
-    torch::Tensor slot_mapping, c10::optional<torch::Tensor> key_scale, c10::optional<torch::Tensor> value_scale);
-void write_latent_cache(torch::Tensor latent, torch::Tensor latent_cache, torch::Tensor slot_mapping,
-    c10::optional<torch::Tensor> latent_scale);
-torch::Tensor pack_linear_weight(torch::Tensor weight, int64_t width);
-std::vector<torch::Tensor> quantize_int8_per_token(torch::Tensor x);
-torch::Tensor int8_rescale(torch::Tensor accumulated, torch::Tensor x_scale, torch::Tensor w_scale,
-    c10::optional<torch::Tensor> bias);
-std::vector<torch::Tensor> pack_int8_weight(torch::Tensor weight);
-torch::Tensor int8_linear_forward(torch::Tensor x, torch::Tensor packed, torch::Tensor compensation,
-    torch::Tensor w_scale, c10::optional<torch::Tensor> input_scale, c10::optional<torch::Tensor> bias,
-    int64_t out_features);
-std::vector<torch::Tensor> pack_wna16_weight(torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
-    int64_t bits);
-torch::Tensor wna16_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor offsets,
-    c10::optional<torch::Tensor> bias, int64_t bits, int64_t out_features);
-torch::Tensor wna16_dequantize(torch::Tensor packed, torch::Tensor scales, torch::Tensor offsets, int64_t bits,
-    int64_t out_features);
-bool amx_available();
-bool amx_decode_attention_fits(int64_t head_dim, int64_t block_size);
-torch::Tensor pack_amx_weight(torch::Tensor weight);
-torch::Tensor argmax_rows(torch::Tensor scores, bool allow_avx512);
-"""
-FUNCTIONS = (
-    "paged_decode_attention",
-    "paged_prefill_attention",
-    "fused_rms_norm",
-    "fused_add_rms_norm",
-    "fused_silu_and_mul",
-    "fused_apply_rotary",
-    "write_kv_cache",
-    "write_latent_cache",
-    "pack_linear_weight",
-    "quantize_int8_per_token",
-    "int8_rescale",
-    "pack_int8_weight",
-    "int8_linear_forward",
-    "pack_wna16_weight",
-    "wna16_linear",
-    "wna16_dequantize",
-    "amx_available",
-    "amx_decode_attention_fits",
-    "pack_amx_weight",
-    "argmax_rows",
-)
+# Built as one translation unit, in name order but for int8_linear.cpp, which calls int8_quant.cpp's row
+# quantizers and so comes last.
+SOURCES = tuple(sorted((path.name for path in CSRC.glob("*.cpp")), key=lambda name: (name == "int8_linear.cpp", name)))
+# The fakes (shape functions) of the ops a compiled graph calls, by op name: registered by fake(), each
+# beside its Python wrapper, and put on the op once the library is loaded (an op must exist first).
+_FAKES: dict[str, Callable[..., Any]] = {}
+_loaded = False
+
+
+def fake(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator: `func` is the fake of torch.ops.infer_recipes_cpu.`name` (what a compiled graph sees
+    of it: the output's shape and dtype)."""
+
+    def register(func: Callable[..., Any]) -> Callable[..., Any]:
+        _FAKES[name] = func
+        if _loaded:
+            torch.library.register_fake(f"infer_recipes_cpu::{name}", func, allow_override=True)
+        return func
+
+    return register
 
 
 @functools.cache
@@ -149,8 +102,10 @@ def clear_stale_build_lock(name: str) -> None:
 
 @functools.cache
 def extension() -> Any | None:
-    """The built module of every kernel, or None (and a warning, once) where it cannot be built; the
+    """The ops of every kernel (torch.ops.infer_recipes_cpu, each declared once, with its schema, by a
+    TORCH_LIBRARY block in its ops/csrc file), or None (and a warning, once) where it cannot be built; the
     CPU backend asks once, when it is made (ops/backend.py)."""
+    global _loaded
     from torch.utils.cpp_extension import load_inline  # imports setuptools: only when a kernel is wanted
 
     flags = vector_flags()
@@ -159,19 +114,23 @@ def extension() -> Any | None:
     building = "building the CPU kernels (ops/csrc, first use on this machine: about a minute; cached after)"
     try:
         with announced_if_slow(logger, building, BUILD_NOTICE_AFTER_S):
-            sources = [_DECLARATIONS, *((CSRC / source).read_text() for source in SOURCES)]
+            sources = [(CSRC / source).read_text() for source in SOURCES]
             # Keyed by the sources too: checkouts of other versions never load each other's builds.
             headers = [header.read_text() for header in sorted(CSRC.glob("*.h"))]  # #included: unseen by the loader
             name = build_name(flags, sources + headers)
             clear_stale_build_lock(name)
-            return load_inline(
+            load_inline(
                 name=name,
                 cpp_sources=sources,
-                functions=list(FUNCTIONS),
                 extra_cflags=["-O3", "-fopenmp", "-fno-trapping-math", *flags],
                 extra_ldflags=["-fopenmp"],
                 extra_include_paths=[str(CSRC)],
+                is_python_module=False,  # a plain library: its TORCH_LIBRARY blocks register the ops on load
             )
+            _loaded = True
+            for name, func in _FAKES.items():
+                torch.library.register_fake(f"infer_recipes_cpu::{name}", func, allow_override=True)
+            return torch.ops.infer_recipes_cpu
     except Exception as exc:  # no compiler, missing headers: the reference still works
         logger.warning("CPU kernels unavailable (%s); using the torch reference", exc)
         return None

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ops import cpu, quant_math
+from ops import quant_math
 from ops.cpu import named
 from ops.linear_method import LinearMethod
 from ops.quantized_linear import DequantizedLinear, keep_tensors, quantized_weight
@@ -79,11 +79,8 @@ class VnniInt8Linear(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         out_features = layer.int8_weight_scale.shape[0]
         rows = x.reshape(-1, x.shape[-1])
-        # The op is for compiled graphs; eagerly the pybind call skips the dispatcher's overhead.
-        kernel = (
-            cpu.int8_linear if torch.compiler.is_compiling() else named("int8_linear", self.kernels.int8_linear_forward)
-        )
-        out = kernel(
+        # one opaque op in a compiled graph too (its fake: ops/cpu.py)
+        out = named("int8_linear", self.kernels.int8_linear_forward)(
             rows,
             layer.int8_packed,
             layer.int8_compensation,

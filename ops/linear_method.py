@@ -2,7 +2,9 @@
 
 A layer holds the method its backend gave it for its scheme; the worker calls `process_weights`
 once after loading (to lay weights out for a kernel, or to quantize them), and the forward calls
-`apply`. Only the unquantized scheme exists so far; quantized schemes add a method each.
+`apply`. The unquantized methods are here and in ops/cpu.py (the CPU's packed layouts); the quantized
+schemes' (W8A8, WNA16, FP8, ...) are ops/quantized_linear.py's, ops/cpu_quantized.py's, ops/cuda_quant.py's
+and ops/npu_quant.py's, one per scheme and device (ops/backend.py's linear_methods).
 """
 
 from __future__ import annotations

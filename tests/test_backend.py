@@ -15,7 +15,11 @@ from torch.utils import cpp_extension
 from executor.platform.graph_compilers import GRAPH_COMPILERS
 from executor.types_.quant_scheme import FP8, QUANTIZED_KINDS, W8A8_INT8
 from models.qwen3_moe.model import Qwen3MoeForCausalLM
-from ops import cpu, cpu_kernels, cuda_graph, torch_ref
+from ops import cpu_kernels, torch_ref
+from ops.attention import ATTENTION_KINDS
+from ops.attention.cpu import CpuAttention
+from ops.attention.cuda_graph import CudaGraphAttention
+from ops.attention.reference import ReferenceAttention, gathered_decode_attention, paged_decode_attention
 from ops.attention_metadata import TorchMetadataBuilder
 from ops.backend import OP_NAMES, REFERENCE_OPS, make_backend
 from ops.cpu import CpuOps
@@ -34,17 +38,18 @@ def test_cpu_fp32_takes_every_cpu_kernel_and_bf16_only_the_dtype_free_ones():
     if cpu_kernels.extension() is None:
         pytest.skip("the CPU kernels do not build here")
     fp32, bf16 = make_backend("cpu", "eager", torch.float32), make_backend("cpu", "eager", torch.bfloat16)
-    kernels = {"rms_norm", "add_rms_norm", "apply_rotary", "silu_and_mul", "write_kv_cache", "write_latent_cache"}
-    kernels |= {"paged_attention", "paged_attention_with_sinks", "argmax_rows"}
+    kernels = {"rms_norm", "add_rms_norm", "apply_rotary", "silu_and_mul", "argmax_rows"}
     fp32_only = {"rms_norm", "add_rms_norm", "apply_rotary", "silu_and_mul", "moe_experts"}
     kernels |= {"moe_experts"}  # the reference's grouping with the fused SiLU-and-mul
     assert {name for name in OP_NAMES if is_cpu_kernel(getattr(fp32, name))} == kernels
     assert {name for name in OP_NAMES if is_cpu_kernel(getattr(bf16, name))} == kernels - fp32_only
     assert bf16.moe_experts is torch_ref.moe_experts and bf16.rms_norm is torch_ref.rms_norm
     assert fp32.moe_experts_clamped_swiglu is torch_ref.moe_experts_clamped_swiglu
-    for backend in (fp32, bf16):  # MLA: the reference's, its absorbed decode over the C++ decode kernel
-        assert backend.mla_attention.func is torch_ref.mla_attention
-        assert backend.mla_attention.keywords == {"decode_attention": cpu.paged_decode_attention}
+    # the K/V and latent writes, paged attention with and without sinks, and MLA: the CPU's attention,
+    # MLA's absorbed decode (the reference's) over the C++ decode kernel, in either dtype
+    for backend in (fp32, bf16):
+        assert isinstance(backend.attention, CpuAttention) and backend.attention.kinds == ATTENTION_KINDS
+        assert backend.attention.decode_attention is cpu_kernels.extension().paged_decode_attention
     assert fp32.name == "cpu" and fp32.graph_compiler is None
 
 
@@ -53,6 +58,9 @@ def test_without_the_extension_the_cpu_backend_is_the_reference(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "extension", lambda: None)
     backend = make_backend("cpu", "eager", torch.float32)
     assert all(getattr(backend, name) is REFERENCE_OPS[name] for name in OP_NAMES)
+    assert (
+        type(backend.attention) is ReferenceAttention and backend.attention.decode_attention is paged_decode_attention
+    )
     assert not isinstance(backend.linear_method(), type(None))
 
 
@@ -68,10 +76,11 @@ def test_each_exe_mode_gets_its_devices_graph_compiler(device_type, exe_mode):
 def test_cuda_graph_mode_takes_the_capacity_decode_and_eager_cuda_the_reference():
     eager, graph = make_backend("cuda", "eager"), make_backend("cuda", "npugraph_ex")
     assert eager.name == "cuda" and all(getattr(eager, name) is REFERENCE_OPS[name] for name in OP_NAMES)
+    assert type(eager.attention) is ReferenceAttention
     assert graph.name == "cuda_graph" and graph.rms_norm is torch_ref.rms_norm
-    for name in ("paged_attention", "paged_attention_with_sinks", "mla_attention"):
-        assert getattr(graph, name).func is getattr(torch_ref, name)
-        assert getattr(graph, name).keywords == {"decode_attention": cuda_graph.paged_decode_attention}
+    # paged attention with and without sinks and MLA: the reference's, over the capacity decode
+    assert isinstance(graph.attention, CudaGraphAttention) and graph.attention.kinds == ATTENTION_KINDS
+    assert graph.attention.decode_attention is gathered_decode_attention
     assert graph.indexer_topk is None  # it reads each request's length on the host: no captured form
     assert isinstance(eager.linear_method(), PlainLinear) and isinstance(graph.linear_method(), PlainLinear)
     assert make_backend("cuda", "ge_graph").name == "cuda"  # inductor: the custom op reads the lengths at run time
@@ -86,8 +95,8 @@ def test_cuda_graph_decode_attention_gathers_the_table_capacity_and_reads_no_len
     seq_lens = torch.tensor([6, 3])
     args = (query, key_cache, value_cache, block_table, seq_lens, 0.3, 0, None)
     with torch.profiler.profile(record_shapes=True) as profile:
-        out = cuda_graph.paged_decode_attention(*args)
-    torch.testing.assert_close(out, torch_ref.paged_decode_attention(*args))
+        out = CudaGraphAttention().decode_attention(*args)
+    torch.testing.assert_close(out, paged_decode_attention(*args))
     index_shapes = [e.input_shapes[2] for e in profile.events() if e.name == "aten::index_select"]
     assert index_shapes == [[2 * 5 * block_size]] * 2  # K and V: 2 requests x the table's 20 slots
     assert not any(e.name in ("aten::item", "aten::_local_scalar_dense") for e in profile.events())
@@ -120,7 +129,7 @@ def test_the_cpu_wrappers_fall_back_to_the_reference_where_the_shapes_do_not_fit
     ops.apply_rotary(query, key, cos, cos)
     ops.apply_rotary(query, key, cos, cos.t().contiguous().t())  # cos and sin strided differently
     caches = torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8)
-    ops.write_kv_cache(key, key, *caches, torch.tensor([0, 1, 2]))
+    CpuAttention(kernels).write_kv_cache(key, key, *caches, torch.tensor([0, 1, 2]))
     assert kernels.calls == ["fused_rms_norm", "fused_add_rms_norm", "fused_apply_rotary", "write_kv_cache"]
 
 

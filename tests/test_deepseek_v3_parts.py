@@ -16,6 +16,7 @@ from models.deepseek_v3 import DeepseekV3ForCausalLM
 from module.moe import FusedExperts
 from module.parallel_group import ParallelGroup
 from ops import torch_ref
+from ops.attention import reference
 from tests.backends import cpu_backend
 from tests.deepseek_v3_harness import load_ours, save_checkpoint
 from tests.factories import deepseek_config
@@ -46,11 +47,11 @@ def test_absorbed_decode_equals_naive_decompression():
     q_pe = torch.randn(len(seq_lens), NUM_HEADS, ROPE, generator=generator)
     kv_b_weight = torch.randn(NUM_HEADS * (NOPE + V_DIM), RANK, generator=generator) * 0.2
     scale = (NOPE + ROPE) ** -0.5
-    absorbed = torch_ref.mla_decode_absorbed(
+    absorbed = reference.mla_decode_absorbed(
         q_nope, q_pe, latent_cache, kv_b_weight, block_table, torch.tensor(seq_lens), scale
     )
     query_ends = list(range(1, len(seq_lens) + 1))
-    naive = torch_ref.mla_attention_naive(
+    naive = reference.mla_attention_naive(
         q_nope, q_pe, latent_cache, kv_b_weight, block_table, query_ends, seq_lens, scale
     )
     assert absorbed.shape == (len(seq_lens), NUM_HEADS, V_DIM)

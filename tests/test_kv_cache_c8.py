@@ -10,13 +10,18 @@ fake-quantized. Unwritten slots hold NaN scales (dynamic) and must never be read
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from executor.types_.model_inputs import ScheduledSequence, build_step_layout
-from ops import cpu_kernels, quant_math, torch_ref
+from ops import cpu_kernels, quant_math
+from ops.attention import reference
+from ops.attention.cpu import CpuAttention
+from ops.attention.reference import ReferenceAttention
 from ops.attention_metadata import TorchMetadataBuilder, build_model_inputs
-from ops.cpu import CpuOps
+from tests.attention_layers import attend
 
 NUM_BLOCKS, BLOCK_SIZE, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 12, 4, 4, 2, 64
 MAX_BLOCKS = 6
@@ -38,7 +43,7 @@ def kernels_or_skip() -> object:
 
 
 def implementations() -> dict[str, object]:
-    return {"reference": torch_ref, "cpu": CpuOps(kernels_or_skip())}
+    return {"reference": ReferenceAttention(), "cpu": CpuAttention(kernels_or_skip())}
 
 
 def step_metadata(requests: list[tuple[int, int, list[int]]]):
@@ -77,7 +82,7 @@ class Caches:
 
     def write(self, ops: object, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
         ops.write_kv_cache(key, value, self.key, self.value, slots, **self.scales)
-        torch_ref.write_kv_cache(key, value, self.plain_key, self.plain_value, slots)
+        reference.write_kv_cache(key, value, self.plain_key, self.plain_value, slots)
 
     def dequantized(self, cache: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         if scale.dim() == 3:
@@ -105,24 +110,19 @@ def run_step(ops: object, requests, dynamic: bool, dtype: torch.dtype, sliding_w
     caches.write(ops, key, value, slots)
     table = metadata.groups[0].block_table
 
-    def attend(attention_ops, step_key, step_value, key_cache, value_cache, **scales):
-        if sinks is None:
-            return attention_ops.paged_attention(
-                query, step_key, step_value, key_cache, value_cache, table, metadata, SCALE, sliding_window, **scales
-            )
-        return attention_ops.paged_attention_with_sinks(
-            query, step_key, step_value, key_cache, value_cache, table, metadata, SCALE, sinks, sliding_window, **scales
-        )
+    def attend_over(attention, step_key, step_value, key_cache, value_cache, **scales):
+        caches = (key_cache, value_cache, table, metadata)
+        return attend(attention, query, step_key, step_value, *caches, SCALE, sliding_window, sinks, **scales)
 
-    c8 = attend(ops, key, value, caches.key, caches.value, **caches.scales)
+    c8 = attend_over(ops, key, value, caches.key, caches.value, **caches.scales)
     fake_key, fake_value = caches.fake_quantized()
     step_key, step_value = (
         fake_key.view(-1, NUM_KV_HEADS, HEAD_DIM)[slots],
         fake_value.view(-1, NUM_KV_HEADS, HEAD_DIM)[slots],
     )
-    reference = attend(torch_ref, step_key, step_value, fake_key, fake_value)
-    plain = attend(torch_ref, key, value, caches.plain_key, caches.plain_value)
-    return c8, reference, plain
+    fake_quantized = attend_over(ReferenceAttention(), step_key, step_value, fake_key, fake_value)
+    plain = attend_over(ReferenceAttention(), key, value, caches.plain_key, caches.plain_value)
+    return c8, fake_quantized, plain
 
 
 @pytest.mark.parametrize("impl", ["reference", "cpu"])
@@ -151,7 +151,7 @@ def test_c8_attention_in_bf16_reads_int8_with_fp32_scales(step):
 @pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic", "static"])
 def test_cpu_write_kernel_quantizes_as_the_reference(dynamic):
     """The C++ write gives the reference's int8 values and scales, value for value."""
-    kernels = CpuOps(kernels_or_skip())
+    kernels = CpuAttention(kernels_or_skip())
     shape = (NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     torch.manual_seed(1)
     key, value = torch.randn(2, 20, NUM_KV_HEADS, HEAD_DIM) * 3
@@ -160,7 +160,7 @@ def test_cpu_write_kernel_quantizes_as_the_reference(dynamic):
     ours, theirs = Caches(dynamic, shape, torch.float32), Caches(dynamic, shape, torch.float32)
     theirs.key_scale, theirs.value_scale = ours.key_scale.clone(), ours.value_scale.clone()
     ours.write(kernels, key, value, slots)
-    theirs.write(torch_ref, key, value, slots)
+    theirs.write(ReferenceAttention(), key, value, slots)
     assert torch.equal(ours.key, theirs.key) and torch.equal(ours.value, theirs.value)
     torch.testing.assert_close(ours.key_scale, theirs.key_scale, atol=0, rtol=0, equal_nan=True)
 
@@ -175,21 +175,23 @@ def latent_step(ops: object, requests, dynamic: bool):
     kv_b = torch.randn(num_heads * (nope + v_dim), rank) * 0.1
     for cached, _, blocks in requests:
         if cached:
-            ops.write_latent_cache(
+            ops.attention.write_latent_cache(
                 torch.randn(cached, width), latent_cache, torch.tensor(slots_of(0, cached, blocks)), scale
             )
     metadata = step_metadata(requests)
     tokens = sum(fed for _, fed, _ in requests)
-    ops.write_latent_cache(torch.randn(tokens, width), latent_cache, metadata.groups[0].slot_mapping, scale)
+    ops.attention.write_latent_cache(torch.randn(tokens, width), latent_cache, metadata.groups[0].slot_mapping, scale)
     q_nope, q_pe = torch.randn(tokens, num_heads, nope), torch.randn(tokens, num_heads, rope)
     table = metadata.groups[0].block_table
-    mla = ops.mla_attention if hasattr(ops, "mla_attention") else torch_ref.mla_attention
-    c8 = mla(q_nope, q_pe, latent_cache, kv_b, table, metadata, 0.2, scale)
+    layer = SimpleNamespace(
+        scale=0.2, kv_cache_group_id=0, latent_cache=latent_cache, kv_b_weight=kv_b, latent_scale=lambda: scale
+    )
+    c8 = ops.attention.mla(layer, q_nope, q_pe, metadata)
     if dynamic:
         dense = quant_math.dequantize_kv(latent_cache.unsqueeze(2), torch.float32, token_scale=scale)[:, :, 0]
     else:
         dense = quant_math.dequantize_kv(latent_cache.unsqueeze(2), torch.float32, channel_scale=scale)[:, :, 0]
-    return c8, torch_ref.mla_attention(q_nope, q_pe, dense, kv_b, table, metadata, 0.2)
+    return c8, reference.mla_attention(q_nope, q_pe, dense, kv_b, table, metadata, 0.2)
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
@@ -207,13 +209,13 @@ def test_mla_over_an_int8_latent_cache_equals_mla_over_the_dequantized_latents(b
 
 def test_npu_writes_static_c8_as_int8_and_gives_fia_its_per_channel_antiquant_scales():
     """Against the recording stand-in (tests/npu_stand_ins.py), as tests/test_ops_npu_wiring.py does."""
-    from ops.npu import NpuOps
+    from ops.attention.npu import NpuAttention
     from tests.npu_stand_ins import RecordingTorchNpu
     from tests.test_ops_npu_wiring import DECODE as NPU_DECODE
     from tests.test_ops_npu_wiring import model_inputs
 
     torch_npu = RecordingTorchNpu()
-    ops = NpuOps(torch_npu)
+    ops = NpuAttention(torch_npu)
     shape = (8, 128, 2, 64)
     key_cache, value_cache = torch.zeros(shape, dtype=torch.int8), torch.zeros(shape, dtype=torch.int8)
     key_scale, value_scale = static_scales(torch.float32), static_scales(torch.float32)
@@ -224,9 +226,8 @@ def test_npu_writes_static_c8_as_int8_and_gives_fia_its_per_channel_antiquant_sc
     assert torch.equal(written_key, quant_math.quantize_kv_static(key, key_scale))
     meta = model_inputs(NPU_DECODE).forward_metadata
     query = torch.zeros(2, 4, 64, dtype=torch.bfloat16)
-    ops.paged_attention(
-        query, key, value, key_cache, value_cache, meta.groups[0].block_table, meta, 0.125, None, key_scale, value_scale
-    )
+    caches = (key_cache, value_cache, meta.groups[0].block_table, meta)
+    attend(ops, query, key, value, *caches, 0.125, None, None, key_scale, value_scale)
     (_, cache_key, _), kwargs = torch_npu.last("fia")
     assert cache_key.dtype == torch.int8 and cache_key.shape == (8, 128, 128)  # BnBsH
     assert kwargs["key_antiquant_mode"] == kwargs["value_antiquant_mode"] == 0
@@ -235,12 +236,12 @@ def test_npu_writes_static_c8_as_int8_and_gives_fia_its_per_channel_antiquant_sc
 
 
 def test_npu_refuses_dynamic_c8_in_one_line():
-    from ops.npu import NpuOps
+    from ops.attention.npu import NpuAttention
     from tests.npu_stand_ins import RecordingTorchNpu
 
     cache = torch.zeros(8, 128, 2, 64, dtype=torch.int8)
     scales = torch.zeros(8, 128, 2)
     with pytest.raises(NotImplementedError, match="static scales only"):
-        NpuOps(RecordingTorchNpu()).write_kv_cache(
+        NpuAttention(RecordingTorchNpu()).write_kv_cache(
             torch.randn(1, 2, 64), torch.randn(1, 2, 64), cache, cache.clone(), torch.tensor([0]), scales, scales
         )

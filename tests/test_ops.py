@@ -13,8 +13,10 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from executor.platform import npu_runtime
 from executor.types_.model_inputs import ScheduledSequence, build_step_layout
 from ops import cpu_kernels, torch_ref
+from ops.attention import reference
 from ops.attention_metadata import TorchMetadataBuilder
 from ops.backend import Backend, make_backend
+from tests.attention_layers import attend
 from tests.backends import cpu_backend, reference_backend
 
 BLOCK_SIZE = 4
@@ -71,7 +73,7 @@ def test_write_kv_cache_puts_each_token_at_its_slot():
     blocks = [7, 2, 19]  # scattered, out of order
     slots = [blocks[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE for pos in range(10)]
     key, value = torch.randn(10, NUM_KV_HEADS, HEAD_DIM), torch.randn(10, NUM_KV_HEADS, HEAD_DIM)
-    cpu_backend().write_kv_cache(key, value, key_cache, value_cache, torch.tensor(slots))
+    cpu_backend().attention.write_kv_cache(key, value, key_cache, value_cache, torch.tensor(slots))
     for pos in range(10):
         block, offset = blocks[pos // BLOCK_SIZE], pos % BLOCK_SIZE
         torch.testing.assert_close(key_cache[block, offset], key[pos])
@@ -130,7 +132,7 @@ def run_paged(
         sequences.append(ScheduledSequence(list(range(q_len)), kv_len - q_len, [blocks]))
         key, value = torch.randn(kv_len, NUM_KV_HEADS, HEAD_DIM), torch.randn(kv_len, NUM_KV_HEADS, HEAD_DIM)
         slots = torch.tensor([blocks[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE for pos in range(kv_len)])
-        ops.write_kv_cache(key, value, key_cache, value_cache, slots)
+        ops.attention.write_kv_cache(key, value, key_cache, value_cache, slots)
         contiguous_kv.append((key, value))
         step_kv.append((key[kv_len - q_len :], value[kv_len - q_len :]))
         new_slots.append(slots[kv_len - q_len :])
@@ -146,10 +148,7 @@ def run_paged(
     block_table = metadata.groups[0].block_table
 
     args = (query, step_key, step_value, key_cache, value_cache, block_table, metadata, HEAD_DIM**-0.5)
-    if sinks is None:
-        output = ops.paged_attention(*args, sliding_window)
-    else:
-        output = ops.paged_attention_with_sinks(*args, sinks, sliding_window)
+    output = attend(ops.attention, *args, sliding_window, sinks)
 
     assert output.shape == query.shape
     expected = torch.cat(
@@ -317,8 +316,8 @@ def test_decode_attention_reads_only_up_to_the_longest_sequence_not_the_table_wi
     seq_lens = torch.tensor([6, 3])
     args = (query, key_cache, key_cache)
     with torch.profiler.profile(record_shapes=True) as prof:
-        out_wide = torch_ref.paged_decode_attention(*args, wide, seq_lens, 0.3, 0)
-    out_narrow = torch_ref.paged_decode_attention(*args, narrow, seq_lens, 0.3, 0)
+        out_wide = reference.paged_decode_attention(*args, wide, seq_lens, 0.3, 0)
+    out_narrow = reference.paged_decode_attention(*args, narrow, seq_lens, 0.3, 0)
     torch.testing.assert_close(out_wide, out_narrow)
     index_shapes = [e.input_shapes[2] for e in prof.events() if e.name == "aten::index_select"]
     assert index_shapes == [[2 * 6], [2 * 6]]  # K and V: 2 requests x the longest sequence (6), not x 503 blocks
@@ -356,7 +355,7 @@ def test_cpu_decode_kernel_matches_the_gathered_reference(dtype, sliding_window,
     seq_lens = torch.tensor([10, 1, 15, 78])
     sinks = torch.tensor([-1.0, 0.0, 0.5, 3.0], dtype=dtype) if with_sinks else None
     args = (query, key_cache, value_cache, block_table, seq_lens, 0.35, sliding_window, sinks)
-    expected = torch_ref.paged_decode_attention(*args)
+    expected = reference.paged_decode_attention(*args)
     tolerance = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {}
     torch.testing.assert_close(kernel(*args, None, None, None, allow_amx), expected, **tolerance)  # no C8 scales
 
@@ -381,7 +380,7 @@ def test_cpu_decode_kernel_matches_the_reference_at_model_head_dims_and_block_si
     query = 3 * torch.randn(len(seq_lens), 3 * num_kv_heads, head_dim, dtype=dtype)
     sinks = torch.linspace(-2, 3, 3 * num_kv_heads, dtype=dtype) if with_sinks else None
     args = (query, key_cache, value_cache, block_table.view(len(seq_lens), -1), seq_lens, head_dim**-0.5)
-    expected = torch_ref.paged_decode_attention(*args, sliding_window, sinks)
+    expected = reference.paged_decode_attention(*args, sliding_window, sinks)
     tolerance = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {}
     kernel = cpu_kernels.extension().paged_decode_attention
     torch.testing.assert_close(kernel(*args, sliding_window, sinks, None, None, None, allow_amx), expected, **tolerance)
@@ -417,7 +416,7 @@ def test_cpu_decode_kernel_reads_a_requests_rows_together_as_the_reference_reads
     query = 3 * torch.randn(len(seq_lens), group * num_kv_heads, head_dim, dtype=dtype)
     sinks = torch.linspace(-2, 3, group * num_kv_heads, dtype=dtype) if with_sinks else None
     args = (query, key_cache, value_cache, block_table, seq_lens, head_dim**-0.5, sliding_window, sinks)
-    expected = torch_ref.paged_decode_attention(*args)
+    expected = reference.paged_decode_attention(*args)
     kernel = cpu_kernels.extension().paged_decode_attention
     together = kernel(*args, None, None, torch.tensor([rows_per_request]), allow_amx)
     tolerance = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {}
@@ -445,7 +444,7 @@ def test_cpu_decode_kernel_reads_nothing_of_the_slots_past_a_requests_end(head_d
             cache.view(-1, num_kv_heads, head_dim)[slots] = rows
     query = 3 * torch.randn(len(lengths), 3 * num_kv_heads, head_dim, dtype=torch.bfloat16)
     args = (query, key_cache, value_cache, tables, torch.tensor(lengths), head_dim**-0.5, 0, None)
-    expected = torch_ref.paged_decode_attention(query, key_cache.nan_to_num(0), value_cache.nan_to_num(0), *args[3:])
+    expected = reference.paged_decode_attention(query, key_cache.nan_to_num(0), value_cache.nan_to_num(0), *args[3:])
     out = cpu_kernels.extension().paged_decode_attention(*args, None, None, None, allow_amx)
     torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
 
@@ -470,7 +469,7 @@ def test_cpu_kv_cache_write_matches_index_copy_for_views_of_a_fused_projection(d
     expected_key = reference_cache_write(key, key_cache, slot_mapping)
     expected_value = reference_cache_write(value, value_cache, slot_mapping)
     with torch.profiler.profile() as profile:
-        cpu_backend(dtype).write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+        cpu_backend(dtype).attention.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
     assert "infer_recipes::write_kv_cache" in {event.name for event in profile.events()}, "the C++ write must run"
     assert torch.equal(key_cache, expected_key) and torch.equal(value_cache, expected_value)
 
@@ -480,7 +479,7 @@ def test_cpu_latent_cache_write_matches_index_copy():
     latent_cache = torch.randn(20, 16, 40)
     latent, slot_mapping = torch.randn(7, 40), torch.tensor([5, 300, 17, 0, 319, 64, 65])
     expected = reference_cache_write(latent, latent_cache, slot_mapping)
-    cpu_backend().write_latent_cache(latent, latent_cache, slot_mapping)
+    cpu_backend().attention.write_latent_cache(latent, latent_cache, slot_mapping)
     assert torch.equal(latent_cache, expected)
 
 
@@ -491,7 +490,7 @@ def test_cpu_kv_cache_write_rejects_a_slot_outside_the_cache_and_writes_nothing(
     value_cache = torch.zeros_like(key_cache)
     key = value = torch.ones(2, NUM_KV_HEADS, HEAD_DIM)
     with pytest.raises(RuntimeError, match="slot_mapping must lie in"):
-        cpu_backend().write_kv_cache(key, value, key_cache, value_cache, torch.tensor([3, bad_slot]))
+        cpu_backend().attention.write_kv_cache(key, value, key_cache, value_cache, torch.tensor([3, bad_slot]))
     assert key_cache.count_nonzero() == 0 and value_cache.count_nonzero() == 0
 
 
@@ -597,7 +596,7 @@ def test_cpu_prefill_kernel_matches_the_per_request_reference(
     query_ends = torch.tensor(PREFILL_KERNEL_QUERY_LENS).cumsum(0)
     seq_lens = torch.tensor(PREFILL_KERNEL_KV_LENS)
     output = kernel(*tensors, query_ends, seq_lens, head_dim**-0.5, sliding_window, sinks, None, None)
-    expected = torch_ref.per_request_prefill_attention(
+    expected = reference.per_request_prefill_attention(
         *(t.float() if t.is_floating_point() else t for t in tensors),
         query_ends.tolist(),
         PREFILL_KERNEL_KV_LENS,

@@ -24,9 +24,12 @@ from executor.types_.quant_scheme import QuantArgs
 from models.llama import LlamaForCausalLM
 from module.attention import Attention
 from ops import quant_math, torch_ref
+from ops.attention import ATTENTION_KINDS
+from ops.attention.npu import NpuAttention, NpuGraphAttention
 from ops.attention_metadata import NpuAttentionMetadata, NpuMetadataBuilder, build_model_inputs
 from ops.backend import NPU_REFERENCE_OPS, OP_NAMES, REFERENCE_OPS, Backend, make_backend
 from ops.npu import NpuGraphOps, NpuOps
+from tests import attention_layers
 from tests.factories import llama_config
 from tests.npu_stand_ins import CountingRuntime, GroupedMatmulTorchNpu, RecordingTorchNpu, recording_torchair
 
@@ -62,14 +65,14 @@ def model_inputs(sequences: list[ScheduledSequence], lengths_as_tensors: bool = 
 
 
 def attend(
-    npu_ops: NpuOps, sequences: list[ScheduledSequence], lengths_as_tensors: bool = False, **kwargs: Any
+    attention: NpuAttention, sequences: list[ScheduledSequence], lengths_as_tensors: bool = False, **kwargs: Any
 ) -> tuple[NpuAttentionMetadata, torch.Tensor]:
-    """Run paged_attention over `sequences`; returns the metadata and the block table it was given."""
+    """Run the paged attention over `sequences`; returns the metadata and the block table it was given."""
     inputs = model_inputs(sequences, lengths_as_tensors)
     meta = inputs.forward_metadata
     block_table = meta.groups[0].block_table
     query = torch.zeros(len(inputs.input_ids), NUM_HEADS, HEAD_DIM)
-    npu_ops.paged_attention(query, *step_kv(len(query)), *caches(), block_table, meta, SCALE, **kwargs)
+    attention_layers.attend(attention, query, *step_kv(len(query)), *caches(), block_table, meta, SCALE, **kwargs)
     return meta, block_table
 
 
@@ -78,7 +81,7 @@ def test_prefill_attention_is_tnd_paged_with_cumulative_q_and_per_request_kv():
     meta = model_inputs(PREFILL).forward_metadata
     block_table = meta.groups[0].block_table
     query = torch.zeros(8, NUM_HEADS, HEAD_DIM)
-    NpuOps(torch_npu).paged_attention(query, *step_kv(8), *caches(), block_table, meta, SCALE)
+    attention_layers.attend(NpuAttention(torch_npu), query, *step_kv(8), *caches(), block_table, meta, SCALE)
     (q, k, v), kwargs = torch_npu.last("fia")
     assert q is query and k.shape == v.shape == (NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS * HEAD_DIM)
     assert kwargs["input_layout"] == "TND" and kwargs["block_size"] == BLOCK_SIZE
@@ -90,7 +93,7 @@ def test_prefill_attention_is_tnd_paged_with_cumulative_q_and_per_request_kv():
 
 def test_prefill_attention_gets_the_int8_2048_causal_mask_with_sparse_mode_3():
     torch_npu = RecordingTorchNpu()
-    attend(NpuOps(torch_npu), PREFILL)
+    attend(NpuAttention(torch_npu), PREFILL)
     _, kwargs = torch_npu.last("fia")
     assert kwargs["sparse_mode"] == 3
     mask = kwargs["atten_mask"]
@@ -101,7 +104,7 @@ def test_prefill_attention_gets_the_int8_2048_causal_mask_with_sparse_mode_3():
 
 def test_verify_step_over_a_cached_prefix_is_causal_with_sparse_mode_3():
     torch_npu = RecordingTorchNpu()
-    attend(NpuOps(torch_npu), VERIFY)
+    attend(NpuAttention(torch_npu), VERIFY)
     _, kwargs = torch_npu.last("fia")
     assert kwargs["actual_seq_lengths"] == [3, 6] and kwargs["actual_seq_lengths_kv"] == [133, 7]
     assert kwargs["sparse_mode"] == 3
@@ -110,7 +113,7 @@ def test_verify_step_over_a_cached_prefix_is_causal_with_sparse_mode_3():
 
 def test_decode_attention_reads_per_request_kv_lengths_without_a_mask():
     torch_npu = RecordingTorchNpu()
-    attend(NpuOps(torch_npu), DECODE)
+    attend(NpuAttention(torch_npu), DECODE)
     _, kwargs = torch_npu.last("fia")
     assert kwargs["actual_seq_lengths"] == [1, 2] and kwargs["actual_seq_lengths_kv"] == [131, 5]
     assert kwargs["atten_mask"] is None and kwargs["sparse_mode"] == 0
@@ -118,7 +121,7 @@ def test_decode_attention_reads_per_request_kv_lengths_without_a_mask():
 
 def test_eager_fia_gets_host_lists():
     torch_npu = RecordingTorchNpu()
-    attend(NpuOps(torch_npu), DECODE, lengths_as_tensors=False)
+    attend(NpuAttention(torch_npu), DECODE, lengths_as_tensors=False)
     _, kwargs = torch_npu.last("fia")
     assert type(kwargs["actual_seq_lengths"]) is list and type(kwargs["actual_seq_lengths_kv"]) is list
 
@@ -127,7 +130,7 @@ def test_eager_fia_gets_host_lists():
 def test_graph_fia_goes_through_torchair_with_int64_length_tensors(sequences):
     torch_npu, torchair = RecordingTorchNpu(), recording_torchair()
     layout = build_step_layout(sequences, block_size=BLOCK_SIZE, max_blocks_per_request=MAX_BLOCKS_PER_REQUEST)
-    attend(NpuGraphOps(torch_npu, torchair), sequences, lengths_as_tensors=True)
+    attend(NpuGraphAttention(torch_npu, torchair), sequences, lengths_as_tensors=True)
     assert "fia" not in torch_npu.calls  # the eager kernel is never called in a graph mode
     _, kwargs = torchair.ops.last("fia")
     for name, expected in (("actual_seq_lengths", layout.query_ends), ("actual_seq_lengths_kv", layout.seq_lens)):
@@ -139,7 +142,7 @@ def test_graph_fia_goes_through_torchair_with_int64_length_tensors(sequences):
 
 def test_sliding_window_prefill_uses_the_band_mode_with_the_window_before_and_nothing_after():
     torch_npu = RecordingTorchNpu()
-    attend(NpuOps(torch_npu), PREFILL, sliding_window=4)
+    attend(NpuAttention(torch_npu), PREFILL, sliding_window=4)
     _, kwargs = torch_npu.last("fia")
     assert (kwargs["sparse_mode"], kwargs["pre_tokens"], kwargs["next_tokens"]) == (4, 4, 0)
     assert kwargs["atten_mask"] is not None and kwargs["atten_mask"].shape == (2048, 2048)
@@ -147,7 +150,7 @@ def test_sliding_window_prefill_uses_the_band_mode_with_the_window_before_and_no
 
 def test_full_attention_leaves_pre_and_next_tokens_unlimited():
     torch_npu = RecordingTorchNpu()
-    attend(NpuOps(torch_npu), PREFILL)
+    attend(NpuAttention(torch_npu), PREFILL)
     _, kwargs = torch_npu.last("fia")
     assert kwargs["pre_tokens"] == kwargs["next_tokens"] == 2147483647
 
@@ -157,7 +160,7 @@ def test_kv_write_uses_the_nd_cache_mode_and_contiguous_inputs():
     key_cache, value_cache = caches()
     key = torch.zeros(NUM_KV_HEADS, 3, HEAD_DIM).transpose(0, 1)  # non-contiguous on purpose
     slots = torch.tensor([0, 1, 2])
-    NpuOps(torch_npu).write_kv_cache(key, key, key_cache, value_cache, slots)
+    NpuAttention(torch_npu).write_kv_cache(key, key, key_cache, value_cache, slots)
     args, kwargs = torch_npu.last("scatter")
     assert kwargs == {"cache_mode": "Norm"}
     assert args[0].is_contiguous() and args[1].is_contiguous()
@@ -219,6 +222,8 @@ def test_npu_op_table_imports_torch_npu_once_and_matches_ops_and_builder_to_the_
     assert runtime.torch_npu_calls == 1 and runtime.torchair_calls == int(graph)
     assert backend.name == ("npu_graph" if graph else "npu")
     assert type(npu_ops_of(backend)) is (NpuGraphOps if graph else NpuOps)
+    assert type(backend.attention) is (NpuGraphAttention if graph else NpuAttention)
+    assert backend.attention.torch_npu is runtime.torch_npu_module
     assert npu_ops_of(backend).torch_npu is runtime.torch_npu_module
     if graph:
         assert npu_ops_of(backend).torchair is runtime.torchair_module
@@ -246,7 +251,8 @@ def test_every_mode_imports_torch_npu_once_per_process_through_the_runtime(monke
     assert all(npu_ops_of(backend).torch_npu is modules["torch_npu"] for backend in backends)
 
 
-# Ops with a torch reference only so far: the NPU record lacks them, and models needing them are refused.
+# Ops (and attention forms) with a torch reference only so far: the NPU record lacks them, and models
+# needing them are refused.
 KNOWN_NPU_GAPS = {
     "write_latent_cache",
     "mla_attention",
@@ -266,7 +272,7 @@ def test_every_op_has_an_npu_implementation_but_the_known_gaps(runtime, exe_mode
     """Over the record's real op fields: a new op without an NPU form fails here until it gets one
     (or is listed as a gap)."""
     backend = make_backend("npu", exe_mode)
-    assert set(backend.missing(OP_NAMES)) == KNOWN_NPU_GAPS
+    assert set(backend.missing((*OP_NAMES, *ATTENTION_KINDS))) == KNOWN_NPU_GAPS
     for name in set(OP_NAMES) - KNOWN_NPU_GAPS - set(NPU_REFERENCE_OPS):
         assert getattr(backend, name).__self__ is npu_ops_of(backend), f"{name} is not the NPU's"
     for name in NPU_REFERENCE_OPS:  # no NPU form in npu-api-facts.md: the torch reference runs

@@ -17,7 +17,8 @@ from executor.core.model_worker.graph_runner import NOT_DECODE, GraphRunner
 from executor.offline.offline_inference import OfflineInference, RunResult
 from executor.platform.graph_compilers import InductorCompiler
 from executor.types_.model_inputs import RecurrentStateTables, ScheduledSequence, build_step_layout
-from ops import recurrent_ref, torch_ref
+from ops import recurrent_ref
+from ops.attention import reference
 from ops.attention_metadata import TorchMetadataBuilder, build_model_inputs
 from tests.conftest import save_tiny_llama
 from tests.test_graph_runner import RecordingCompiler
@@ -86,8 +87,8 @@ def test_token_row_attention_equals_the_eager_verify_attention_whatever_padding_
     def attend(step_layout, q, k, v, caches):
         metadata = build_model_inputs(step_layout, BUILDER).forward_metadata
         group = metadata.groups[0]
-        torch_ref.write_kv_cache(k, v, *caches, group.slot_mapping)
-        return torch_ref.paged_attention(q, k, v, *caches, group.block_table, metadata, dim**-0.5)
+        reference.write_kv_cache(k, v, *caches, group.slot_mapping)
+        return reference.paged_attention(q, k, v, *caches, group.block_table, metadata, dim**-0.5)
 
     eager = attend(layout, query, key, value, (key_cache.clone(), value_cache.clone()))
     padded = layout.pad_to(4, TOKENS_PER_ROW)

@@ -80,11 +80,6 @@ class ContextParallelRows:
     order: torch.Tensor  # [T] int64: where each of the step's tokens lies among the gathered rows
     slot_mappings: list[torch.Tensor | None]  # per cache group: the step's slots, every token's
 
-    def gather(self, rows: torch.Tensor) -> torch.Tensor:
-        """This rank's rows [t, ...] -> every token's of the step [T, ...], in the step's order."""
-        gathered, _ = self.group.gather_rows(rows)
-        return gathered.index_select(0, self.order)
-
 
 @dataclass(slots=True)
 class ForwardMetaData:
@@ -100,18 +95,6 @@ class ForwardMetaData:
     def is_decode_shaped(self) -> bool:
         """The one definition, used by every backend: each request has one query token."""
         return self.max_query_len == 1
-
-    def cache_writes(self, group_id: int, *rows: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """What a layer writes to cache group `group_id` from its `rows` (K, V, a latent, ... [t, ...]):
-        those rows and their slots; under context parallel every rank's rows and the step's slots."""
-        tables = self.groups[group_id]
-        assert isinstance(tables, CacheGroupTables), "a recurrent group has no slots"
-        cp = self.context_parallel
-        if cp is None:
-            return list(rows), tables.slot_mapping
-        slots = cp.slot_mappings[group_id]
-        assert slots is not None
-        return [cp.gather(row) for row in rows], slots
 
 
 @dataclass(slots=True)

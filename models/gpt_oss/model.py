@@ -2,7 +2,7 @@
 skeleton: the same embedding, pre-norm blocks, biased q/k/v/o projections and YaRN rope table
 (module/rotary.py computes it with transformers' own function, `truncate` included), with
 
-- attention sinks (a learned logit per head in every softmax denominator, module.attention.SinkAttention),
+- attention sinks (a learned logit per head in every softmax denominator, module.attention.Attention with sinks),
 - a sliding window on the layers `config.layer_types` marks "sliding_attention" (a cache group of their own),
 - an MoE block in every layer: a biased linear router (top-k logits, softmax over the chosen) and
   experts with biases and a clamped SwiGLU, stacked as module/moe.py stacks them.
@@ -28,7 +28,7 @@ from executor.types_.checkpoint_tensor import LoadedWeight, materialize
 from executor.types_.errors import WeightLoadError
 from executor.types_.quant_scheme import LinearScheme
 from models.llama.model import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
-from module.attention import SinkAttention
+from module.attention import Attention
 from module.moe import FusedExperts, Router
 from module.mtp import num_mtp_layers_of
 from module.parallel_group import ONE_PROCESS, ModelParallel, ParallelGroup
@@ -49,15 +49,14 @@ class GptOssAttention(LlamaAttention):
     def layer_sliding_window(config: GptOssConfig, layer_index: int) -> int | None:
         return config.sliding_window if config.layer_types[layer_index] == "sliding_attention" else None
 
-    def build_attention(
-        self, config: GptOssConfig, sliding_window: int | None, parallel: ModelParallel
-    ) -> SinkAttention:
-        return SinkAttention(
+    def build_attention(self, config: GptOssConfig, sliding_window: int | None, parallel: ModelParallel) -> Attention:
+        return Attention(
             self.num_heads,
             self.num_kv_heads,
             self.head_dim,
             scale=self.head_dim**-0.5,
             sliding_window=sliding_window,
+            sinks=True,
             tp=parallel.attn_tp,
             backend=self.ops,
         )

@@ -402,3 +402,8 @@ void amx_decode_attention(const PagedDecodeCall&) { TORCH_CHECK(false, "the AMX 
 }  // namespace infer_recipes
 
 #endif
+
+// The op's schema, declared once: Python reaches it as torch.ops.infer_recipes_cpu (ops/cpu_kernels.py).
+TORCH_LIBRARY_FRAGMENT(infer_recipes_cpu, m) {
+  m.def("amx_decode_attention_fits(int head_dim, int block_size) -> bool", &amx_decode_attention_fits);
+}

@@ -203,3 +203,12 @@ bool amx_available() { return false; }
 torch::Tensor pack_amx_weight(torch::Tensor weight) { TORCH_CHECK(false, "pack_amx_weight needs x86-64 Linux"); }
 
 #endif
+
+// The op's schema, declared once: Python reaches it as torch.ops.infer_recipes_cpu (ops/cpu_kernels.py).
+TORCH_LIBRARY_FRAGMENT(infer_recipes_cpu, m) {
+  m.def("amx_available() -> bool", &amx_available);
+  m.def("pack_amx_weight(Tensor weight) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(infer_recipes_cpu, CPU, m) {
+  m.impl("pack_amx_weight", &pack_amx_weight);
+}

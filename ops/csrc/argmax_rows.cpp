@@ -181,3 +181,11 @@ torch::Tensor argmax_rows(torch::Tensor scores, bool allow_avx512) {
   });
   return out;
 }
+
+// The op's schema, declared once: Python reaches it as torch.ops.infer_recipes_cpu (ops/cpu_kernels.py).
+TORCH_LIBRARY_FRAGMENT(infer_recipes_cpu, m) {
+  m.def("argmax_rows(Tensor scores, bool allow_avx512) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(infer_recipes_cpu, CPU, m) {
+  m.impl("argmax_rows", &argmax_rows);
+}

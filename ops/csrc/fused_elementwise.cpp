@@ -124,3 +124,17 @@ std::vector<torch::Tensor> fused_apply_rotary(torch::Tensor query, torch::Tensor
   rotate_in_place(key, cos.data_ptr<float>(), sin.data_ptr<float>(), cos.stride(0));
   return {query, key};
 }
+
+// The op's schema, declared once: Python reaches it as torch.ops.infer_recipes_cpu (ops/cpu_kernels.py).
+TORCH_LIBRARY_FRAGMENT(infer_recipes_cpu, m) {
+  m.def("fused_rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> Tensor[]");
+  m.def("fused_silu_and_mul(Tensor x) -> Tensor");
+  m.def("fused_apply_rotary(Tensor(a!) query, Tensor(b!) key, Tensor cos, Tensor sin) -> Tensor[]");
+}
+TORCH_LIBRARY_IMPL(infer_recipes_cpu, CPU, m) {
+  m.impl("fused_rms_norm", &fused_rms_norm);
+  m.impl("fused_add_rms_norm", &fused_add_rms_norm);
+  m.impl("fused_silu_and_mul", &fused_silu_and_mul);
+  m.impl("fused_apply_rotary", &fused_apply_rotary);
+}

@@ -208,3 +208,14 @@ torch::Tensor int8_linear_forward(torch::Tensor x, torch::Tensor packed, torch::
 }
 
 #pragma GCC pop_options
+
+// The op's schema, declared once: Python reaches it as torch.ops.infer_recipes_cpu (ops/cpu_kernels.py).
+TORCH_LIBRARY_FRAGMENT(infer_recipes_cpu, m) {
+  m.def("pack_int8_weight(Tensor weight) -> Tensor[]");
+  m.def("int8_linear_forward(Tensor x, Tensor packed, Tensor compensation, Tensor w_scale, Tensor? input_scale, "
+        "Tensor? bias, int out_features) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(infer_recipes_cpu, CPU, m) {
+  m.impl("pack_int8_weight", &pack_int8_weight);
+  m.impl("int8_linear_forward", &int8_linear_forward);
+}

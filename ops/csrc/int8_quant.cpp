@@ -154,3 +154,13 @@ torch::Tensor int8_rescale(torch::Tensor accumulated, torch::Tensor x_scale, tor
 }
 
 #pragma GCC pop_options
+
+// The op's schema, declared once: Python reaches it as torch.ops.infer_recipes_cpu (ops/cpu_kernels.py).
+TORCH_LIBRARY_FRAGMENT(infer_recipes_cpu, m) {
+  m.def("quantize_int8_per_token(Tensor x) -> Tensor[]");
+  m.def("int8_rescale(Tensor accumulated, Tensor x_scale, Tensor w_scale, Tensor? bias) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(infer_recipes_cpu, CPU, m) {
+  m.impl("quantize_int8_per_token", &quantize_int8_per_token);
+  m.impl("int8_rescale", &int8_rescale);
+}

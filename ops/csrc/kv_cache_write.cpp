@@ -165,3 +165,14 @@ void write_latent_cache(torch::Tensor latent, torch::Tensor latent_cache, torch:
   TORCH_CHECK(latent_scale.has_value(), "an int8 latent cache needs its scale");
   write_quantized_rows({latent.unsqueeze(1)}, {latent_cache.unsqueeze(2)}, {*latent_scale}, slot_mapping);
 }
+
+// The op's schema, declared once: Python reaches it as torch.ops.infer_recipes_cpu (ops/cpu_kernels.py).
+TORCH_LIBRARY_FRAGMENT(infer_recipes_cpu, m) {
+  m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, "
+        "Tensor(c!)? key_scale, Tensor(d!)? value_scale) -> ()");
+  m.def("write_latent_cache(Tensor latent, Tensor(a!) latent_cache, Tensor slot_mapping, Tensor(b!)? latent_scale) -> ()");
+}
+TORCH_LIBRARY_IMPL(infer_recipes_cpu, CPU, m) {
+  m.impl("write_kv_cache", &write_kv_cache);
+  m.impl("write_latent_cache", &write_latent_cache);
+}

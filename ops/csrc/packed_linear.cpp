@@ -251,3 +251,11 @@ torch::Tensor pack_linear_weight(torch::Tensor weight, int64_t width) {
 }
 
 #endif
+
+// The op's schema, declared once: Python reaches it as torch.ops.infer_recipes_cpu (ops/cpu_kernels.py).
+TORCH_LIBRARY_FRAGMENT(infer_recipes_cpu, m) {
+  m.def("pack_linear_weight(Tensor weight, int width) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(infer_recipes_cpu, CPU, m) {
+  m.impl("pack_linear_weight", &pack_linear_weight);
+}

@@ -508,3 +508,13 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
   });
   return out;
 }
+
+// The op's schema, declared once: Python reaches it as torch.ops.infer_recipes_cpu (ops/cpu_kernels.py).
+TORCH_LIBRARY_FRAGMENT(infer_recipes_cpu, m) {
+  m.def("paged_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, "
+        "Tensor seq_lens, float scale, int sliding_window, Tensor? sinks=None, Tensor? key_scale=None, "
+        "Tensor? value_scale=None, Tensor? rows_per_request=None, bool allow_amx=True) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(infer_recipes_cpu, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+}

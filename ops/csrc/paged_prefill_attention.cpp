@@ -383,3 +383,13 @@ torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key, to
   });
   return out;
 }
+
+// The op's schema, declared once: Python reaches it as torch.ops.infer_recipes_cpu (ops/cpu_kernels.py).
+TORCH_LIBRARY_FRAGMENT(infer_recipes_cpu, m) {
+  m.def("paged_prefill_attention(Tensor query, Tensor key, Tensor value, Tensor key_cache, "
+        "Tensor value_cache, Tensor block_table, Tensor query_ends, Tensor seq_lens, float scale, int sliding_window, "
+        "Tensor? sinks, Tensor? key_scale, Tensor? value_scale) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(infer_recipes_cpu, CPU, m) {
+  m.impl("paged_prefill_attention", &paged_prefill_attention);
+}

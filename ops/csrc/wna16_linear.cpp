@@ -320,3 +320,16 @@ torch::Tensor wna16_dequantize(torch::Tensor packed, torch::Tensor scales, torch
   });
   return dense;
 }
+
+// The op's schema, declared once: Python reaches it as torch.ops.infer_recipes_cpu (ops/cpu_kernels.py).
+TORCH_LIBRARY_FRAGMENT(infer_recipes_cpu, m) {
+  m.def("pack_wna16_weight(Tensor codes, Tensor scales, Tensor offsets, int bits) -> Tensor[]");
+  m.def("wna16_linear(Tensor x, Tensor packed, Tensor scales, Tensor offsets, Tensor? bias, int bits, "
+        "int out_features) -> Tensor");
+  m.def("wna16_dequantize(Tensor packed, Tensor scales, Tensor offsets, int bits, int out_features) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(infer_recipes_cpu, CPU, m) {
+  m.impl("pack_wna16_weight", &pack_wna16_weight);
+  m.impl("wna16_linear", &wna16_linear);
+  m.impl("wna16_dequantize", &wna16_dequantize);
+}

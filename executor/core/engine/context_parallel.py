@@ -8,7 +8,7 @@ its mirror from the tail (h and 2 cp - 1 - h), so that under the causal mask eve
 about as many keys. h = (cp rank + request index) mod cp: the request's index turns the deal. Each
 segment runs as a request of its own: its queries over the request's blocks, with the positions
 before it as a cached prefix, which every rank holds since each layer all-gathers the step's K/V and
-writes every token's before it attends (ForwardMetaData.cache_writes). A rank whose share is empty
+writes every token's before it attends (ops.attention_metadata.cache_writes). A rank whose share is empty
 runs one padding row on the null block, so that it joins every collective.
 """
 
@@ -23,7 +23,7 @@ from ops.attention_metadata import AttentionMetadataBuilder, build_model_inputs,
 
 
 def layers_without_context_parallel(model: torch.nn.Module) -> list[str]:
-    """The classes of the model's cache layers that do not write through ForwardMetaData.cache_writes
+    """The classes of the model's cache layers that do not write through ops.attention_metadata.cache_writes
     and attend through their block table (KVCacheLayer.context_parallel): recurrent states and
     compressed KV. Under context parallel such a model is refused before its weights load."""
     layers = {type(m).__name__ for m in model.modules() if isinstance(m, KVCacheLayer) and not m.context_parallel}
@@ -138,7 +138,7 @@ class ContextParallelForward:
         inputs.forward_metadata.context_parallel = step_rows
         hidden_states = model(*inputs.forward_args())
         if self.every_row:  # gathered as the layers gather K/V: every rank's rows, in the step's order
-            return step_rows.gather(hidden_states)
+            return self.group.gather_rows(hidden_states)[0].index_select(0, step_rows.order)
         full = hidden_states.new_zeros((num_rows, hidden_states.shape[-1]))
         wanted = set(layout.logits_indices + layout.prompt_logprob_indices)
         if not wanted:  # the same on every rank: a prompt chunk short of its end takes no logits
