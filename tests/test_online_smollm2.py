@@ -66,10 +66,12 @@ def test_eager_server_equals_offline(messages, offline_tokens):
     check_server(EAGER, [], messages, offline_tokens)
 
 
+@pytest.mark.long  # two graph compiles: past CI's budget (bash test.sh -m long)
 def test_ge_graph_server_with_ngram_equals_offline(messages, offline_tokens):
     check_server(GE_GRAPH, GRAPH_BUCKETS + NGRAM, messages, offline_tokens)
 
 
+@pytest.mark.long
 def test_ge_graph_server_equals_offline(messages, offline_tokens):
     check_server(GE_GRAPH, GRAPH_BUCKETS, messages, offline_tokens)
 
