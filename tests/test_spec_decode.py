@@ -201,6 +201,9 @@ class AlwaysRoomKV:
     def allocate_slots(self, request, num_new_tokens, num_lookahead_tokens=0):
         return [[1]]
 
+    def batch(self, requests, num_scheduled_tokens, *, is_prefill, draft_token_ids=None):
+        return Batch(requests, num_scheduled_tokens, is_prefill, draft_token_ids or [], [[[1]] for _ in requests])
+
     def free(self, request) -> None:
         pass
 
