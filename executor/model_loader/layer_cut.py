@@ -3,7 +3,7 @@
 hf_config.py lowers the config's layer count and keeps the checkpoint's own as
 `checkpoint_num_hidden_layers`; the model builds that many fewer decoder layers. Here the checkpoint's
 tensors of the layers it does not build are skipped, and the tensors numbered after the decoder layers
-(the MTP layers DeepSeek's checkpoints keep as `model.layers.{N + i}`) are numbered down by as many, so
+(the MTP layers a checkpoint keeps as `model.layers.{N + i}`) are numbered down by as many, so
 that each family's own `load_weights` reads a checkpoint that looks as if it had been saved cut.
 """
 
