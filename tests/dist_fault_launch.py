@@ -8,7 +8,8 @@ import sys
 from executor.offline import launch
 
 
-def fault_torchrun_args(world_size: int, argv: list[str]) -> list[str]:
+def fault_torchrun_args(world_size: int, argv: list[str], module: str = "executor.offline") -> list[str]:
+    """The launcher's torchrun arguments, with the fault entry's script in place of `module`."""
     return ["--standalone", f"--nproc-per-node={world_size}", "tests/dist_fault_entry.py", *argv]
 
 
