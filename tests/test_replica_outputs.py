@@ -15,6 +15,7 @@ from executor.offline.dataset import PromptRecord
 from executor.offline.durable_io import read_jsonl
 from executor.offline.results import ReplicaWriter, ResultWriter
 from executor.offline.run_folder import plan_run, unmerged_replica_lines
+from executor.offline.step_log import StepLog
 
 CONFIG = build_config({})
 RECORDS = [PromptRecord(f"r{i}", prompt=f"prompt {i}", content_hash=str(i)) for i in range(6)]
@@ -59,12 +60,14 @@ def test_replica_lines_of_a_killed_part_count_as_done_and_are_merged_once_in_pro
     # then the run is killed, with half a line of r5 in replica 1's file.
     plan = plan_run(tmp_path, CONFIG, RECORDS)
     writer = ResultWriter(plan, CONFIG)
-    replica0, replica1 = ReplicaWriter(plan, 0, writer), ReplicaWriter(plan, 1)
+    replica0, replica1 = ReplicaWriter(plan, 0), ReplicaWriter(plan, 1)
     replica0.write_request(result("r0"))
-    replica0.write_step(step(1))
+    with StepLog(replica0.step_files, console_interval=1) as log:
+        log.record(step(1))
     for request_id in ("r1", "r3"):
         replica1.write_request(result(request_id))
-    replica1.write_step(step(1))
+    with StepLog(replica1.step_files, console_interval=1) as log:
+        log.record(step(1))
     for closing in (replica0, replica1, writer):
         closing.close()
     with open(tmp_path / "outputs_dp1.jsonl", "a") as file:
@@ -81,12 +84,13 @@ def test_replica_lines_of_a_killed_part_count_as_done_and_are_merged_once_in_pro
     writer = ResultWriter(plan, CONFIG)
     running = json.loads((tmp_path / "summary.json").read_text())
     assert running["requests"] == 3 and running["pending_requests"] == 3
-    replica0, replica1 = ReplicaWriter(plan, 0, writer), ReplicaWriter(plan, 1)
+    replica0, replica1 = ReplicaWriter(plan, 0), ReplicaWriter(plan, 1)
     assert "dropping a torn last line of outputs_dp1.jsonl" in caplog.text
     for request_id in ("r2", "r4"):
         replica0.write_request(result(request_id))
     replica1.write_request(result("r5"))
-    replica1.write_step(step(1))
+    with StepLog(replica1.step_files, console_interval=1) as log:
+        log.record(step(1))
     replica0.close()
     replica1.close()
     writer.add_replica_results([result(request_id) for request_id in ("r2", "r4", "r5")])

@@ -15,7 +15,7 @@ import pytest
 
 from executor.offline import __main__ as cli
 from executor.offline import durable_io
-from executor.offline.results import ResultWriter
+from executor.offline.step_log import StepLog
 from tests.run_harness import NUM_PROMPTS, outputs_by_id, run_into, summary, write_run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,7 +39,7 @@ KILL_POINTS = {
 cli.OfflineInference = lambda *args, **kwargs: die()
 """,
     "at_the_first_step": """
-ResultWriter.write_step = lambda self, record: die()
+StepLog.record = lambda self, record: die()
 """,
     "after_three_requests": """
 original = ResultWriter.write_request
@@ -73,6 +73,7 @@ import json, os, signal, sys
 from executor.offline import __main__ as cli
 from executor.offline.durable_io import LineAppender
 from executor.offline.results import ResultWriter
+from executor.offline.step_log import StepLog
 from tests.run_harness import NUM_PROMPTS, outputs_by_id, run_into, summary, write_run
 def die():
     os.kill(os.getpid(), signal.SIGKILL)
@@ -200,15 +201,15 @@ def test_a_corrupt_line_before_the_last_is_refused_naming_it(tiny_llama_dir, tmp
 
 
 def signal_at_first_step(monkeypatch, *signums: int) -> None:
-    original = ResultWriter.write_step
+    original = StepLog.record
 
-    def write_step(self, record):
+    def record_step(self, record):
         original(self, record)
         if record.step == 1:
             for signum in signums:
                 os.kill(os.getpid(), signum)
 
-    monkeypatch.setattr(ResultWriter, "write_step", write_step)
+    monkeypatch.setattr(StepLog, "record", record_step)
 
 
 @pytest.mark.parametrize(("signums", "status"), [((signal.SIGINT,), 130), ((signal.SIGTERM,), 143)])

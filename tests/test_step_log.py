@@ -4,10 +4,15 @@ step lines a run, none of cann-recipes' worded ones, while steps.log gets every 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
+import pytest
+
+from executor.core.engine import StepRecord
+from executor.offline.durable_io import OutputWriteError
 from executor.offline.results import ResultWriter
 from executor.offline.run_folder import plan_run
-from executor.offline.step_log import CONSOLE_STEP_LINES, console_step_interval
+from executor.offline.step_log import CONSOLE_STEP_LINES, StepFiles, StepLog, console_step_interval
 from tests.engine_harness import make_inference, token_records
 
 
@@ -50,3 +55,12 @@ def test_the_console_shows_steps_on_the_cadence_and_steps_log_has_every_one(tiny
     assert text.count("[Main] Inference time") == len(steps) and text.count("| decode ") + text.count(
         "| prefill"
     ) == len(steps)
+
+
+def test_a_step_file_that_cannot_be_written_is_named_in_one_line(tmp_path):
+    files = StepFiles(text=tmp_path / "steps.log", jsonl=Path("/dev/full"), part=1)  # every write: ENOSPC
+    step = StepRecord(1, "decode", 1, 1, 1.0, 0.1, 1, 0.0, 0, 0)
+    with pytest.raises(OutputWriteError) as error, StepLog(files, console_interval=1) as log:
+        log.record(step)
+    assert str(error.value) == "[Errno 28] cannot write /dev/full: No space left on device"
+    assert (tmp_path / "steps.log").read_text().count("[Main] Inference time") == 1  # the text line went first

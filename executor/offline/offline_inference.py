@@ -90,7 +90,7 @@ class OfflineInference:
         interval = console_step_interval(
             sched.console_step_interval, len(requests), sched.batch_size, sched.max_new_tokens
         )
-        step_log = StepLog(None if writer is None else writer.step_text_path, interval)
+        step_log = StepLog(None if writer is None else writer.step_files, interval)
         progress_bar = tqdm(total=len(requests), unit="req", desc="requests", disable=comm.rank != 0)
         with step_log, logging_redirect_tqdm(), progress_bar as progress:
             for request in requests:
@@ -109,8 +109,6 @@ class OfflineInference:
                         output.record.comm_bytes = comm.stats.take()
                     steps.append(output.record)
                     step_log.record(output.record)
-                    if writer is not None:
-                        writer.write_step(output.record)
                 for request in output.finished:
                     finish(request)
                 show_speed()
@@ -186,7 +184,7 @@ class OfflineInference:
             return result if comm.rank == 0 else None
         replica_writer = None
         if comm.is_dp_leader and plan is not None:
-            replica_writer = ReplicaWriter(plan, comm.dp_rank, writer if comm.rank == 0 else None)
+            replica_writer = ReplicaWriter(plan, comm.dp_rank)
         try:
             result = self.generate(records[comm.dp_rank :: num_replicas], replica_writer, should_stop)
         finally:

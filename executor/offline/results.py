@@ -1,11 +1,11 @@
 """Where a run's results go: outputs.jsonl (one line per request, written as it finishes),
-steps.jsonl (one line per step), summary.json and the resolved config.yaml, in one run folder.
-With several data-parallel replicas each replica's leader writes its own outputs_dp<d>.jsonl and
-step log as it serves (ReplicaWriter), and rank 0 merges the outputs into outputs.jsonl at the end."""
+summary.json and the resolved config.yaml, in one run folder, and which step files the run's
+StepLog appends to (executor/offline/step_log.py). With several data-parallel replicas each
+replica's leader writes its own outputs_dp<d>.jsonl and step files as it serves (ReplicaWriter),
+and rank 0 merges the outputs into outputs.jsonl at the end."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from datetime import datetime
@@ -16,7 +16,6 @@ import yaml
 
 from executor.core.config import InferenceConfig
 from executor.core.config.model_registry import model_dir
-from executor.core.engine import StepRecord
 from executor.offline.dataset import PromptRecord
 from executor.offline.durable_io import (
     CorruptLineError,
@@ -43,6 +42,7 @@ from executor.offline.run_folder import (
     unmerged_replica_lines,
 )
 from executor.offline.run_summary import run_summary
+from executor.offline.step_log import StepFiles
 from executor.types_ import FinishReason, Request, SamplingParams, TokenLogprobs
 
 logger = logging.getLogger(__name__)
@@ -108,8 +108,7 @@ def failed_record_result(record: PromptRecord) -> dict[str, Any]:
 class ResultWriter:
     """Writes the run folder that `plan` describes, continuing what earlier parts left there.
 
-    outputs.jsonl lines are written whole and fsynced as each request finishes; steps.jsonl lines
-    are written whole (a crash may lose the last few, which only time the run); config.yaml and
+    outputs.jsonl lines are written whole and fsynced as each request finishes; config.yaml and
     summary.json are replaced atomically. summary.json says "running" until finish() is called, so
     a folder whose summary still says so after its process is gone was killed. Lines that
     data-parallel replicas wrote to outputs_dp<d>.jsonl count as done (in summary.json too) and
@@ -123,9 +122,8 @@ class ResultWriter:
         resolved = {"source": config.source, **config.to_dict()}
         atomic_write_text(self.output_dir / CONFIG_FILE, yaml.safe_dump(resolved, sort_keys=False))
         self._outputs = continue_appending(self.output_dir / OUTPUTS_FILE, plan.outputs, sync=True)
-        self._steps = continue_appending(self.output_dir / STEPS_FILE, plan.steps, sync=False)
+        drop_torn_line(self.output_dir / STEPS_FILE, plan.steps)
         self.output_lines = list(plan.outputs.lines)  # what outputs.jsonl holds
-        self._step_lines = list(plan.steps.lines)
         earlier_parts = plan.earlier_summary.get("parts", [])
         self._parts = [
             part | {"status": "killed"} if part.get("status") == "running" else part for part in earlier_parts
@@ -140,19 +138,14 @@ class ResultWriter:
         return self.output_dir / "prof"
 
     @property
-    def step_text_path(self) -> Path:
-        return self.output_dir / replica_step_text_file(0)
+    def step_files(self) -> StepFiles:
+        return StepFiles(self.output_dir / replica_step_text_file(0), self.output_dir / STEPS_FILE, self._part["part"])
 
     def write_request(self, result: dict[str, Any]) -> None:
         line = result | {"request_hash": self._request_hashes[result["id"]]}
         self._outputs.append(line)
         self.output_lines.append(line)
         self._lines_this_part.append(line)
-
-    def write_step(self, record: StepRecord) -> None:
-        line = {"part": self._part["part"], **dataclasses.asdict(record)}
-        self._steps.append(line)
-        self._step_lines.append(line)
 
     def add_replica_results(self, results: list[dict[str, Any]]) -> None:
         """This part's requests that the data-parallel replicas served (their leaders wrote the
@@ -199,65 +192,58 @@ class ResultWriter:
         replica_steps = [
             line for path in replica_files(self.output_dir, REPLICA_STEPS_PATTERN) for line in _whole_lines(path)
         ]
-        summary = run_summary(status, lines, self._step_lines, parts, pending, replica_steps)
+        step_lines = _whole_lines(self.output_dir / STEPS_FILE)
+        summary = run_summary(status, lines, step_lines, parts, pending, replica_steps)
         atomic_write_text(self.output_dir / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
         return summary
 
     def close(self) -> None:
         self._outputs.close()
-        self._steps.close()
 
 
 class ReplicaWriter:
     """What one data-parallel replica's leader writes as the replica serves: each finished request's
     line to outputs_dp<d>.jsonl (whole and fsynced before the next, with its request hash, as
-    outputs.jsonl), and each step to the replica's step log (replica 0's is steps.jsonl, written
-    through rank 0's ResultWriter `main`; replica d's is steps_dp<d>.jsonl). The replica's summary
+    outputs.jsonl); its StepLog writes each step to the replica's step files (replica 0's are
+    steps.jsonl and steps.log, whose torn line rank 0's ResultWriter drops; replica d's are
+    steps_dp<d>.jsonl and steps_dp<d>.log). The replica's summary
     travels to rank 0 in the end gather. Profiling is not built for several replicas."""
 
     profile_dir = None
 
-    def __init__(self, plan: RunPlan, dp_rank: int, main: ResultWriter | None = None) -> None:
+    def __init__(self, plan: RunPlan, dp_rank: int) -> None:
         self._request_hashes = plan.request_hashes
-        self._part = plan.part
         plan.output_dir.mkdir(parents=True, exist_ok=True)  # a new run's: rank 0 may not have made it yet
-        self.step_text_path = plan.output_dir / replica_step_text_file(dp_rank)
+        steps_name = replica_steps_file(dp_rank)
+        self.step_files = StepFiles(
+            plan.output_dir / replica_step_text_file(dp_rank), plan.output_dir / steps_name, plan.part
+        )
+        drop_torn_line(self.step_files.jsonl, plan.replica_steps.get(steps_name))  # replica 0's: ResultWriter's
         outputs_name = replica_outputs_file(dp_rank)
         self._outputs = continue_appending(
             plan.output_dir / outputs_name, plan.replica_outputs.get(outputs_name), sync=True
         )
-        self._main = main
-        self._steps = None
-        if main is None:
-            steps_name = replica_steps_file(dp_rank)
-            self._steps = continue_appending(
-                plan.output_dir / steps_name, plan.replica_steps.get(steps_name), sync=False
-            )
 
     def write_request(self, result: dict[str, Any]) -> None:
         self._outputs.append(result | {"request_hash": self._request_hashes[result["id"]]})
-
-    def write_step(self, record: StepRecord) -> None:
-        if self._main is not None:
-            self._main.write_step(record)
-        else:
-            assert self._steps is not None
-            self._steps.append({"part": self._part, **dataclasses.asdict(record)})
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         """Nothing: rank 0 writes one summary over every replica's."""
 
     def close(self) -> None:
         self._outputs.close()
-        if self._steps is not None:
-            self._steps.close()
+
+
+def drop_torn_line(path: Path, contents: JsonlContents | None) -> None:
+    """Cut the torn last line a crash may have left in a JSONL file an earlier part wrote."""
+    if contents is not None and contents.torn_tail:
+        logger.warning("dropping a torn last line of %s (%d bytes) left by a crash", path.name, len(contents.torn_tail))
+        drop_torn_tail(path, contents)
 
 
 def continue_appending(path: Path, contents: JsonlContents | None, sync: bool) -> LineAppender:
     """An appender to a JSONL file that an earlier part may have left with a torn last line (dropped)."""
-    if contents is not None and contents.torn_tail:
-        logger.warning("dropping a torn last line of %s (%d bytes) left by a crash", path.name, len(contents.torn_tail))
-        drop_torn_tail(path, contents)
+    drop_torn_line(path, contents)
     return LineAppender(path, sync=sync)
 
 
