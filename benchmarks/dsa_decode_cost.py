@@ -20,8 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from executor.types_.model_inputs import ScheduledSequence, build_step_layout
-from ops.attention_metadata import TorchAttentionMetadata, TorchMetadataBuilder
+from ops.attention.metadata import ScheduledSequence, TorchAttentionMetadata, TorchMetadataBuilder, build_step_layout
 from ops.backend import Backend, make_backend
 
 BLOCK_SIZE = 128

@@ -18,10 +18,10 @@ from torch import nn
 from executor.types_.checkpoint_tensor import LoadedWeight, materialize
 from executor.types_.errors import WeightLoadError
 from executor.types_.kv_cache_spec import KVCacheSpec, attention_spec
-from executor.types_.model_inputs import ForwardMetaData
 from executor.types_.quant_scheme import TENSOR, KVCacheScheme
 from module.parallel_group import SINGLE, ParallelGroup
 from module.weights import ShardId, load_shard
+from ops.attention.metadata import ForwardMetaData
 from ops.backend import Backend
 
 STATIC_KV_SCALES = ("k_scale", "v_scale")  # compressed-tensors' names, on the checkpoint's attention module
@@ -34,7 +34,7 @@ class KVCacheLayer(nn.Module):
     kv_scheme: KVCacheScheme | None = None  # C8 where set: an int8 cache
     k_scale: torch.Tensor  # a static C8 scheme's scales (set_kv_cache_scheme)
     v_scale: torch.Tensor
-    # writes its cache through ops.attention_metadata.cache_writes and attends through the block table, so a
+    # writes its cache through ops.attention.metadata.cache_writes and attends through the block table, so a
     # context-parallel step works (docs/distributed.md); a layer with other caches does not say so
     context_parallel: bool = False
 
@@ -120,7 +120,7 @@ class Attention(KVCacheLayer):
         if sinks:
             self.sinks = nn.Parameter(torch.empty(num_heads), requires_grad=False)
             self.sinks.weight_loader = self.load_sinks  # type: ignore[attr-defined]
-        self.cache_dtype = torch.get_default_dtype()  # the worker builds the model under its dtype
+        self.cache_dtype = backend.dtype
         self.key_cache = torch.empty(0)
         self.value_cache = torch.empty(0)
         self.scale_caches: dict[str, torch.Tensor] = {}  # a dynamic C8 cache's key_scale and value_scale

@@ -1,5 +1,8 @@
-"""The causal-LM surface the engine calls (model contract, docs/adding_a_model.md), written once for
-every model built as `self.model` (embed_tokens, rotary_emb, forward) plus `self.lm_head`."""
+"""The decoder-only skeleton every model here is built from: the pre-norm transformer block, with
+the residual add fused into the next RMSNorm (ops.add_rms_norm), so (output, residual) pairs flow
+from layer to layer; and the causal-LM surface the engine calls (model contract,
+docs/adding_a_model.md), written once for every model built as `self.model` (embed_tokens,
+rotary_emb, forward) plus `self.lm_head`."""
 
 from __future__ import annotations
 
@@ -7,9 +10,50 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from executor.types_.model_inputs import ForwardMetaData
 from module.embedding import ParallelLMHead
 from module.mtp import MTPLayerMixin, num_mtp_layers_of
+from module.norm import RMSNorm
+from ops.attention.metadata import ForwardMetaData
+
+
+class PreNormDecoderLayer(nn.Module):
+    """Subclasses build `self_attn` (hidden, rotary, metadata -> hidden) or another token mixer
+    (mix_tokens), `mlp`, and the two norms."""
+
+    self_attn: nn.Module
+    mlp: nn.Module
+    input_layernorm: RMSNorm
+    post_attention_layernorm: RMSNorm
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        forward_metadata: ForwardMetaData,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden_states, residual = self.pre_attention(hidden_states, residual)
+        hidden_states = self.mix_tokens(hidden_states, rotary, forward_metadata)
+        return self.post_attention(hidden_states, residual)
+
+    def pre_attention(
+        self, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The input norm, with the previous layer's residual added (None in the first layer)."""
+        if residual is None:
+            return self.input_layernorm(hidden_states), hidden_states
+        return self.input_layernorm(hidden_states, residual)
+
+    def post_attention(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention output added to the residual, normed, through the MLP -> (output, residual)."""
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+    def mix_tokens(
+        self, hidden_states: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], forward_metadata: ForwardMetaData
+    ) -> torch.Tensor:
+        """The layer's token mixer: self-attention; a linear-attention layer of a hybrid model overrides it."""
+        return self.self_attn(hidden_states, rotary, forward_metadata)
 
 
 class CausalLM(nn.Module):

@@ -22,10 +22,10 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from executor.types_.kv_cache_spec import KVTensorSpec
-from executor.types_.model_inputs import ForwardMetaData
 from module.interleaved_rope import InterleavedRope, apply_interleaved_rope
 from module.linear import ColumnParallelLinear
 from module.norm import RMSNorm
+from ops.attention.metadata import ForwardMetaData
 from ops.backend import Backend
 from ops.compressed_kv import entry_slots, slots_of, write_cache_rows
 

@@ -18,11 +18,10 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from executor.types_.kv_cache_spec import KVCacheSpec, dsa_spec
-from executor.types_.model_inputs import ForwardMetaData
 from module.linear import ColumnParallelLinear
 from module.mla import MLAAttention, deinterleave
 from module.parallel_group import SINGLE, ParallelGroup
-from ops.attention_metadata import cache_writes, group_block_table
+from ops.attention.metadata import ForwardMetaData, cache_writes, group_block_table
 from ops.backend import Backend
 
 INDEXER_NORM_EPS = 1e-6  # transformers' DeepseekV32Indexer.k_norm

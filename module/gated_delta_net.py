@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from executor.types_.kv_cache_spec import KVTensorSpec
-from executor.types_.model_inputs import ForwardMetaData
 from module.linear import ColumnParallelLinear, RowParallelLinear
 from module.recurrent import RecurrentStateLayer
+from ops.attention.metadata import ForwardMetaData
 from ops.backend import Backend
 from ops.linear_method import LinearMethod
 
@@ -72,7 +72,7 @@ class GatedDeltaNet(RecurrentStateLayer):
         self.conv_width = conv_width
         self.activation = activation
         self.eps = eps
-        self.state_dtype = torch.get_default_dtype()  # the conv state's; the recurrent state is fp32
+        self.state_dtype = backend.dtype  # the conv state's; the recurrent state is fp32
         self.build_projections(hidden_size, method)
         self.conv1d = DepthwiseConvWeight(self.conv_dim, conv_width)
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads), requires_grad=False)

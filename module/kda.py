@@ -18,11 +18,11 @@ from transformers import PretrainedConfig
 
 from executor.types_.checkpoint_tensor import LoadedWeight, materialize
 from executor.types_.kv_cache_spec import KVTensorSpec
-from executor.types_.model_inputs import ForwardMetaData
 from module.linear import ColumnParallelLinear, RowParallelLinear, divide
 from module.parallel_group import SINGLE, ParallelGroup
 from module.recurrent import RecurrentStateLayer
 from module.weights import ShardId, load_shard
+from ops.attention.metadata import ForwardMetaData
 from ops.backend import Backend
 from ops.linear_method import LinearMethod
 
@@ -101,7 +101,7 @@ class KimiDeltaAttention(RecurrentStateLayer):
         self.o_norm = GatedRMSNorm(self.head_dim, config.rms_norm_eps)
         self.o_proj = RowParallelLinear(width, hidden_size, tp=tp, linear_method=method)
         self.build_gates(config, tp, method)
-        self.state_dtype = torch.get_default_dtype()  # the conv state's (the worker builds under the model's dtype)
+        self.state_dtype = backend.dtype  # the conv state's; the recurrent state is fp32
 
     def build_gates(self, config: PretrainedConfig, tp: ParallelGroup, method: LinearMethod) -> None:
         """Build the projections forget_gate and output_gate read."""

@@ -16,12 +16,11 @@ from transformers import PretrainedConfig
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
 
 from executor.types_.kv_cache_spec import KVCacheSpec, mla_spec
-from executor.types_.model_inputs import ForwardMetaData
 from module.attention import KVCacheLayer
 from module.linear import ColumnParallelLinear, RowParallelLinear, divide
 from module.norm import RMSNorm
 from module.parallel_group import SINGLE, ParallelGroup
-from ops.attention_metadata import cache_writes
+from ops.attention.metadata import ForwardMetaData, cache_writes
 from ops.backend import Backend
 
 # transformers builds q_a_layernorm and kv_a_layernorm with RMSNorm's default eps, not rms_norm_eps.
@@ -85,7 +84,7 @@ class MLAAttention(KVCacheLayer):
             total_heads * self.v_head_dim, hidden_size, bias=config.attention_bias, tp=tp, linear_method=method
         )
         self.scale = self.softmax_scale(config, qk_head_dim)
-        self.cache_dtype = torch.get_default_dtype()  # the worker builds the model under its dtype
+        self.cache_dtype = backend.dtype
         self.latent_cache = torch.empty(0)
         self.latent_scale_cache: torch.Tensor | None = None  # a dynamic C8 cache's scales [N, block, 1]
 

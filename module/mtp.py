@@ -18,10 +18,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from executor.types_.model_inputs import ForwardMetaData
 from module.linear import ColumnParallelLinear
 from module.norm import RMSNorm
 from module.parallel_group import ModelParallel
+from ops.attention.metadata import ForwardMetaData
 from ops.backend import Backend
 
 # The MTP layers' copies of the embedding and LM head, which they share with the model.

@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 
 from executor.types_.kv_cache_spec import KVCacheSpec, KVTensorSpec, recurrent_spec
-from executor.types_.model_inputs import ForwardMetaData, RecurrentStateTables
 from executor.types_.quant_scheme import KVCacheScheme
 from module.attention import KVCacheLayer
+from ops.attention.metadata import ForwardMetaData, RecurrentStateTables
 
 
 class RecurrentStateLayer(KVCacheLayer):

@@ -26,9 +26,9 @@ from ops import compressed_kv, cpu, cpu_kernels, cuda_quant, kda, recurrent_ref,
 from ops.attention import ATTENTION_KINDS, AttentionBackend
 from ops.attention.cpu import CpuAttention
 from ops.attention.cuda_graph import CudaGraphAttention
-from ops.attention.npu import NpuAttention, NpuGraphAttention
+from ops.attention.metadata import AttentionMetadataBuilder, TorchMetadataBuilder
+from ops.attention.npu import NpuAttention, NpuGraphAttention, NpuMetadataBuilder
 from ops.attention.reference import ReferenceAttention
-from ops.attention_metadata import AttentionMetadataBuilder, NpuMetadataBuilder, TorchMetadataBuilder
 from ops.cpu import CpuOps, cpu_linear_method
 from ops.cpu_quantized import VNNI_FLAGS, CpuInt8Kernels, VnniInt8Linear, Wna16Linear
 from ops.linear_method import PLAIN, UNQUANTIZED, LinearMethod
@@ -72,6 +72,9 @@ class Backend:
     name: str  # "cpu", "cuda", "cuda_graph", "npu" or "npu_graph"
     device_type: str
     exe_mode: str
+    # the model's dtype, handed to its layers: what they allocate their K/V caches and conv states in
+    # (a C8 cache is int8 whatever it is; recurrent states stay fp32)
+    dtype: torch.dtype
     linear: Mapping[str, LinearMethod]  # weight scheme -> its method
     metadata_builder: Callable[[torch.device], AttentionMetadataBuilder]
     graph_compiler: GraphCompilerFactory | None  # None: eager
@@ -212,7 +215,12 @@ def make_backend(
     if device_type not in DEVICE_TYPES:
         raise ValueError(f"device type must be one of {list(DEVICE_TYPES)}, got {device_type!r}")
     compiler = graph_compiler_factory(device_type, exe_mode)
-    common: dict[str, Any] = {"device_type": device_type, "exe_mode": exe_mode, "graph_compiler": compiler}
+    common: dict[str, Any] = {
+        "device_type": device_type,
+        "exe_mode": exe_mode,
+        "dtype": dtype,
+        "graph_compiler": compiler,
+    }
     if device_type == "cpu":
         return _cpu_backend(dtype, prepack_weights, cpu_extension, common)
     if device_type == "cuda":

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from executor.types_.model_inputs import ForwardMetaData
+from ops.attention.metadata import ForwardMetaData
 
 
 def token_rows(forward_metadata: ForwardMetaData, num_tokens: int, device: torch.device) -> torch.Tensor:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from executor.types_.model_inputs import RecurrentStateTables
+from ops.attention.metadata import RecurrentStateTables
 from ops.recurrent_ref import scan_rows, step_rows
 
 CHUNK_SIZE = 64

@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from executor.types_.model_inputs import RecurrentStateTables
+from ops.attention.metadata import RecurrentStateTables
 
 DEFAULT_CHUNK_SIZE = 64
 

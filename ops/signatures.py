@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from torch import Tensor
 
-from executor.types_.model_inputs import ForwardMetaData, RecurrentStateTables
+from ops.attention.metadata import ForwardMetaData, RecurrentStateTables
 
 # scores [rows, V] -> each row's first maximum [rows]
 ArgmaxOp = Callable[[Tensor], Tensor]

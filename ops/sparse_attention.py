@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 
 from ops import quant_math
+from ops.attention.metadata import TorchAttentionMetadata
 from ops.attention.reference import split_kv_b
-from ops.attention_metadata import TorchAttentionMetadata
 
 NOT_SELECTED = -1  # a top-k slot that holds no token: past a short row's length, or after the query
 

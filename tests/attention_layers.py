@@ -7,7 +7,7 @@ import dataclasses
 
 import torch
 
-from executor.types_.model_inputs import CacheGroupTables, ForwardMetaData
+from ops.attention.metadata import CacheGroupTables, ForwardMetaData
 
 
 @dataclasses.dataclass
@@ -46,3 +46,12 @@ def attend(
     groups = [CacheGroupTables(block_table, slot_mapping=torch.empty(0, dtype=torch.int64))]
     layer = PagedLayer(key_cache, value_cache, scale, sliding_window, sinks, key_scale, value_scale)
     return attention.forward(layer, query, key, value, dataclasses.replace(metadata, groups=groups))
+
+
+def write_kv(attention: object, key: torch.Tensor, value: torch.Tensor, *cache_args: torch.Tensor | None) -> None:
+    """`attention`.write_kv_cache of key/value [t, Hkv, D] for a layer of the caches, given as
+    ops/attention/reference.py's write_kv_cache takes them after key and value: key_cache,
+    value_cache, slot_mapping, and a C8 cache's key_scale and value_scale."""
+    key_cache, value_cache, slot_mapping, *scales = cache_args
+    layer = PagedLayer(key_cache, value_cache, 1.0, None, None, *scales)
+    attention.write_kv_cache(layer, key, value, slot_mapping)

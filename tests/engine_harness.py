@@ -12,7 +12,7 @@ from executor.offline.dataset import PromptRecord
 from executor.offline.offline_inference import OfflineInference, RunResult
 from executor.offline.results import ResultWriter
 from executor.offline.run_folder import plan_run
-from ops.attention_metadata import build_model_inputs
+from ops.attention.metadata import build_model_inputs
 from tests.factories import make_request, tiny_tokenizer
 from tests.paged_harness import random_prompts
 

@@ -10,8 +10,8 @@ import torch
 
 from executor.core.config import build_config
 from executor.offline.offline_inference import OfflineInference
-from executor.types_.model_inputs import ScheduledSequence
 from module.kda import KimiDeltaAttention
+from ops.attention.metadata import ScheduledSequence
 from tests.factories import tiny_tokenizer
 from tests.paged_harness import PagedModel, hf_last_logits
 from tests.test_qwen3_5_parity import NGRAM, greedy_outputs, repetitive_records

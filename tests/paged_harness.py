@@ -15,11 +15,17 @@ import torch
 import torch._dynamo.testing
 import transformers
 
+from executor.core.model_worker.bucket_padding import pad_step
 from executor.model_loader.default_loader import safetensors_weights
-from executor.types_.model_inputs import ModelInputs, ScheduledSequence, build_step_layout
 from module.attention import KVCacheLayer
 from module.recurrent import RecurrentStateLayer
-from ops.attention_metadata import TorchMetadataBuilder, build_model_inputs
+from ops.attention.metadata import (
+    ModelInputs,
+    ScheduledSequence,
+    TorchMetadataBuilder,
+    build_model_inputs,
+    build_step_layout,
+)
 from tests.backends import cpu_backend
 from tests.factories import TINY_VOCAB
 
@@ -109,7 +115,7 @@ class PagedModel:
             state_groups=self.state_groups,
         )
         if pad_to:
-            layout = layout.pad_to(pad_to)
+            layout = pad_step(layout, pad_to)
         return build_model_inputs(layout, TorchMetadataBuilder(torch.device("cpu")))
 
     @torch.no_grad()

@@ -19,13 +19,14 @@ from ops import cpu_kernels, torch_ref
 from ops.attention import ATTENTION_KINDS
 from ops.attention.cpu import CpuAttention
 from ops.attention.cuda_graph import CudaGraphAttention
+from ops.attention.metadata import TorchMetadataBuilder
 from ops.attention.reference import ReferenceAttention, gathered_decode_attention, paged_decode_attention
-from ops.attention_metadata import TorchMetadataBuilder
 from ops.backend import OP_NAMES, REFERENCE_OPS, make_backend
 from ops.cpu import CpuOps
 from ops.cpu_quantized import VnniInt8Linear
 from ops.linear_method import PlainLinear
 from ops.quantized_linear import DequantizedLinear, Int8ScaledLinear
+from tests.attention_layers import write_kv
 from tests.backends import cpu_backend
 from tests.factories import qwen_config
 
@@ -129,7 +130,7 @@ def test_the_cpu_wrappers_fall_back_to_the_reference_where_the_shapes_do_not_fit
     ops.apply_rotary(query, key, cos, cos)
     ops.apply_rotary(query, key, cos, cos.t().contiguous().t())  # cos and sin strided differently
     caches = torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8)
-    CpuAttention(kernels).write_kv_cache(key, key, *caches, torch.tensor([0, 1, 2]))
+    write_kv(CpuAttention(kernels), key, key, *caches, torch.tensor([0, 1, 2]))
     assert kernels.calls == ["fused_rms_norm", "fused_add_rms_norm", "fused_apply_rotary", "write_kv_cache"]
 
 

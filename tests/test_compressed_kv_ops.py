@@ -11,11 +11,10 @@ import torch
 import torch.nn.functional as F
 
 from executor.types_.kv_cache_spec import KVCacheSpec, KVTensorSpec
-from executor.types_.model_inputs import ScheduledSequence, build_step_layout
 from module.compressor import Compressor
 from module.interleaved_rope import InterleavedRope, apply_interleaved_rope
 from ops import torch_ref
-from ops.attention_metadata import TorchMetadataBuilder, build_model_inputs
+from ops.attention.metadata import ScheduledSequence, TorchMetadataBuilder, build_model_inputs, build_step_layout
 from ops.compressed_kv import compressed_indexer_topk, compressed_kv_attention, token_rows, write_cache_rows
 from tests.backends import reference_backend
 from tests.factories import deepseek_v4_config

@@ -30,9 +30,9 @@ from executor.core.engine.context_parallel import (
 )
 from executor.core.sampler import Sampler, SamplingMetadata, request_seed
 from executor.types_ import Request, SamplingParams
-from executor.types_.model_inputs import ScheduledSequence, build_step_layout
 from module.parallel_group import ONE_PROCESS
 from ops import torch_ref
+from ops.attention.metadata import ScheduledSequence, build_step_layout
 from tests import deepseek_v3_harness
 from tests.backends import reference_backend
 from tests.dist_harness import (

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from executor.types_.model_inputs import ScheduledSequence
+from ops.attention.metadata import ScheduledSequence
 from tests.deepseek_v3_harness import load_ours, save_checkpoint
 from tests.factories import deepseek_config
 from tests.paged_harness import (

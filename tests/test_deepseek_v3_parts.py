@@ -71,7 +71,9 @@ def test_layers_declare_the_latent_spec_in_the_models_dtype():
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
-        model = DeepseekV3ForCausalLM(config, backend=cpu_backend())
+        model = DeepseekV3ForCausalLM(
+            config, backend=cpu_backend(torch.bfloat16)
+        )  # the model dtype, as the engine hands it
     finally:
         torch.set_default_dtype(previous)
     specs = {layer.self_attn.kv_cache_spec() for layer in model.model.layers}

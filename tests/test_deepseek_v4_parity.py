@@ -18,9 +18,9 @@ import pytest
 import torch
 import transformers
 
-from executor.types_.model_inputs import ScheduledSequence
 from models.deepseek_v4 import DeepseekV4ForCausalLM
 from module.hyper_connection import HyperConnection
+from ops.attention.metadata import ScheduledSequence
 from tests import paged_harness
 from tests.backends import cpu_backend
 from tests.engine_harness import (

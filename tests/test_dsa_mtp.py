@@ -11,10 +11,10 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from executor.types_.model_inputs import ScheduledSequence
 from models.deepseek_v3_2 import DeepseekV32ForCausalLM
 from models.glm_5 import GlmMoeDsaForCausalLM
 from module.dsa import SparseMLAAttention
+from ops.attention.metadata import ScheduledSequence
 from tests import paged_harness
 from tests.deepseek_v3_harness import save_checkpoint
 from tests.engine_harness import ENGINE_CONFIG, make_inference, token_records

@@ -9,10 +9,9 @@ import pytest
 import torch
 
 from executor.types_.kv_cache_spec import dsa_spec
-from executor.types_.model_inputs import ScheduledSequence, build_step_layout
 from executor.types_.quant_scheme import TENSOR, KVCacheScheme
 from ops import quant_math, sparse_attention
-from ops.attention_metadata import TorchMetadataBuilder
+from ops.attention.metadata import ScheduledSequence, TorchMetadataBuilder, build_step_layout
 from ops.backend import make_backend
 from ops.sparse_attention import NOT_SELECTED, indexer_topk, sparse_mla_attention
 

@@ -21,10 +21,10 @@ import pytest
 import torch
 import transformers
 
-from executor.types_.model_inputs import ScheduledSequence
 from models.deepseek_v3_2 import DeepseekV32ForCausalLM
 from models.glm_5 import GlmMoeDsaForCausalLM
 from module.dsa import SparseMLAAttention
+from ops.attention.metadata import ScheduledSequence
 from ops.sparse_attention import NOT_SELECTED
 from tests import paged_harness
 from tests.backends import cpu_backend

@@ -19,15 +19,17 @@ import torch._dynamo
 import torch._dynamo.testing
 import transformers
 
-from executor.types_.model_inputs import ModelInputs, ScheduledSequence, build_step_layout
 from models.llama import LlamaForCausalLM
 from module.attention import Attention
-from ops.attention_metadata import (
+from ops.attention.metadata import (
     AttentionMetadataBuilder,
-    NpuMetadataBuilder,
+    ModelInputs,
+    ScheduledSequence,
     TorchMetadataBuilder,
     build_model_inputs,
+    build_step_layout,
 )
+from ops.attention.npu import NpuMetadataBuilder
 from ops.backend import Backend
 from tests.backends import cpu_backend
 from tests.factories import llama_config

@@ -20,9 +20,9 @@ import torch
 import transformers
 
 from executor.types_ import AttentionKind
-from executor.types_.model_inputs import ScheduledSequence
 from models.gemma_4 import Gemma4ForCausalLM
 from module.attention import Attention, SharedKVAttention
+from ops.attention.metadata import ScheduledSequence
 from tests import paged_harness
 from tests.backends import cpu_backend
 from tests.engine_harness import (

@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from executor.core.model_worker.bucket_padding import pad_step
 from executor.core.model_worker.graph_runner import DecodeStep
 from executor.platform import npu_runtime
 from executor.platform.compile_cache import CompileCache
 from executor.platform.graph_compilers import NpuGraphExCompiler, TorchairGeCompiler, graph_compiler_factory
 from executor.platform.platform import Platform
-from executor.types_.model_inputs import StepLayout
-from ops.attention_metadata import build_model_inputs
+from ops.attention.metadata import StepLayout, build_model_inputs
 from tests.engine_harness import make_inference, token_records
 from tests.npu_stand_ins import Recorder, compiling_torchair, npugraph_ex_npu
 
@@ -44,7 +44,7 @@ def model_and_buffers(tiny_llama_dir):
     inference = make_inference(tiny_llama_dir, batch_size=2, num_blocks=32)
     inference.generate(token_records([[5, 6, 7]]))
     engine = inference.engine
-    layout = StepLayout([9], [3], [1], [4], [[[1]]], [[19]], [0], engine.max_blocks_per_request).pad_to(2)
+    layout = pad_step(StepLayout([9], [3], [1], [4], [[[1]]], [[19]], [0], engine.max_blocks_per_request), 2)
     return DecodeStep(engine.worker.model), build_model_inputs(layout, engine.metadata_builder)
 
 

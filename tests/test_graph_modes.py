@@ -20,7 +20,7 @@ from executor.core.engine import engine as engine_module
 from executor.offline.dataset import PromptRecord
 from executor.offline.offline_inference import OfflineInference
 from executor.utils.graph_buckets import Bucket
-from ops.attention_metadata import build_model_inputs
+from ops.attention.metadata import build_model_inputs
 from tests.conftest import SlidingLlama, save_tiny_llama
 from tests.engine_harness import make_inference, token_records
 from tests.factories import make_request

@@ -10,13 +10,20 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from executor.core.model_worker.bucket_padding import pad_step, padding_step
 from executor.core.model_worker.graph_runner import NOT_DECODE, GraphRunner, copy_step
 from executor.platform.compile_cache import CompileCache, graph_key
 from executor.platform.graph_compilers import GraphCallable, GraphCompiler, GraphInputs
-from executor.types_.model_inputs import ModelInputs, ScheduledSequence, StepLayout, build_step_layout
 from executor.utils.graph_buckets import Bucket, default_buckets, pick_bucket, resolve_buckets
 from executor.utils.tensor_tree import map_tensors, tensor_leaves, with_tensors
-from ops.attention_metadata import TorchMetadataBuilder, build_model_inputs
+from ops.attention.metadata import (
+    ModelInputs,
+    ScheduledSequence,
+    StepLayout,
+    TorchMetadataBuilder,
+    build_model_inputs,
+    build_step_layout,
+)
 from tests.backends import cpu_backend
 from tests.factories import llama_config
 
@@ -50,7 +57,7 @@ def test_configured_buckets_win_over_the_default():
 
 
 def test_a_padding_only_step_reads_and_writes_nothing_but_the_null_block():
-    inputs = build_model_inputs(StepLayout.padding(4, num_groups=2, max_blocks_per_request=MAX_BLOCKS), BUILDER)
+    inputs = build_model_inputs(padding_step(4, num_groups=2, max_blocks_per_request=MAX_BLOCKS), BUILDER)
     for group in inputs.forward_metadata.groups:
         assert group.slot_mapping.tolist() == [0] * 4
         assert group.block_table.shape == (4, MAX_BLOCKS) and not group.block_table.any()
@@ -73,7 +80,7 @@ def decode_inputs(seq_lens: list[int], pad_to: int | None = None) -> ModelInputs
         for i, n in enumerate(seq_lens)
     ]
     layout = build_step_layout(sequences, block_size=BLOCK_SIZE, max_blocks_per_request=MAX_BLOCKS)
-    return build_model_inputs(layout.pad_to(pad_to) if pad_to else layout, BUILDER)
+    return build_model_inputs(pad_step(layout, pad_to) if pad_to else layout, BUILDER)
 
 
 def test_copy_step_refuses_inputs_of_another_shape():

@@ -20,9 +20,9 @@ import torch.nn.functional as F
 import transformers
 from safetensors.torch import load_file, save_file
 
-from executor.types_.model_inputs import ScheduledSequence
 from models.hy3 import Hy3ForCausalLM
 from models.hy3.model import Hy3MoE
+from ops.attention.metadata import ScheduledSequence
 from tests.backends import cpu_backend
 from tests.factories import hy3_config
 from tests.paged_harness import (

@@ -15,13 +15,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from executor.types_.model_inputs import ScheduledSequence, build_step_layout
 from ops import cpu_kernels, quant_math
 from ops.attention import reference
 from ops.attention.cpu import CpuAttention
+from ops.attention.metadata import ScheduledSequence, TorchMetadataBuilder, build_model_inputs, build_step_layout
 from ops.attention.reference import ReferenceAttention
-from ops.attention_metadata import TorchMetadataBuilder, build_model_inputs
-from tests.attention_layers import attend
+from tests.attention_layers import attend, write_kv
 
 NUM_BLOCKS, BLOCK_SIZE, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 12, 4, 4, 2, 64
 MAX_BLOCKS = 6
@@ -81,7 +80,7 @@ class Caches:
         return {"key_scale": self.key_scale, "value_scale": self.value_scale}
 
     def write(self, ops: object, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
-        ops.write_kv_cache(key, value, self.key, self.value, slots, **self.scales)
+        write_kv(ops, key, value, self.key, self.value, slots, self.key_scale, self.value_scale)
         reference.write_kv_cache(key, value, self.plain_key, self.plain_value, slots)
 
     def dequantized(self, cache: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -220,7 +219,7 @@ def test_npu_writes_static_c8_as_int8_and_gives_fia_its_per_channel_antiquant_sc
     key_cache, value_cache = torch.zeros(shape, dtype=torch.int8), torch.zeros(shape, dtype=torch.int8)
     key_scale, value_scale = static_scales(torch.float32), static_scales(torch.float32)
     key, value = torch.randn(2, 2, 2, 64)
-    ops.write_kv_cache(key, value, key_cache, value_cache, torch.tensor([3, 9]), key_scale, value_scale)
+    write_kv(ops, key, value, key_cache, value_cache, torch.tensor([3, 9]), key_scale, value_scale)
     (written_key, written_value, *_), _ = torch_npu.last("scatter")
     assert written_key.dtype == torch.int8
     assert torch.equal(written_key, quant_math.quantize_kv_static(key, key_scale))
@@ -242,6 +241,13 @@ def test_npu_refuses_dynamic_c8_in_one_line():
     cache = torch.zeros(8, 128, 2, 64, dtype=torch.int8)
     scales = torch.zeros(8, 128, 2)
     with pytest.raises(NotImplementedError, match="static scales only"):
-        NpuAttention(RecordingTorchNpu()).write_kv_cache(
-            torch.randn(1, 2, 64), torch.randn(1, 2, 64), cache, cache.clone(), torch.tensor([0]), scales, scales
+        write_kv(
+            NpuAttention(RecordingTorchNpu()),
+            torch.randn(1, 2, 64),
+            torch.randn(1, 2, 64),
+            cache,
+            cache.clone(),
+            torch.tensor([0]),
+            scales,
+            scales,
         )

@@ -21,10 +21,9 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer as HFDeco
 from executor.model_loader.default_loader import DefaultModelLoader
 from executor.offline.dataset import load_prompts
 from executor.types_.errors import WeightLoadError
-from executor.types_.model_inputs import ScheduledSequence, build_step_layout
 from models.llama import LlamaForCausalLM
 from module.attention import Attention
-from ops.attention_metadata import TorchMetadataBuilder, build_model_inputs
+from ops.attention.metadata import ScheduledSequence, TorchMetadataBuilder, build_model_inputs, build_step_layout
 from scripts import train_mtp_head
 from scripts.train_mtp_head import Sequence, TrainableMTPLayer, generate_sequences, load_frozen_model, mtp_hidden_states
 from tests.backends import cpu_backend

@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from executor.types_.model_inputs import ScheduledSequence
 from models.longcat_flash import LongcatFlashForCausalLM
+from ops.attention.metadata import ScheduledSequence
 from tests.backends import cpu_backend
 from tests.engine_harness import ENGINE_CONFIG, make_inference, token_records
 from tests.factories import longcat_flash_config, tiny_tokenizer

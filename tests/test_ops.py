@@ -11,12 +11,11 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from executor.platform import npu_runtime
-from executor.types_.model_inputs import ScheduledSequence, build_step_layout
 from ops import cpu_kernels, torch_ref
 from ops.attention import reference
-from ops.attention_metadata import TorchMetadataBuilder
+from ops.attention.metadata import ScheduledSequence, TorchMetadataBuilder, build_step_layout
 from ops.backend import Backend, make_backend
-from tests.attention_layers import attend
+from tests.attention_layers import attend, write_kv
 from tests.backends import cpu_backend, reference_backend
 
 BLOCK_SIZE = 4
@@ -73,7 +72,7 @@ def test_write_kv_cache_puts_each_token_at_its_slot():
     blocks = [7, 2, 19]  # scattered, out of order
     slots = [blocks[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE for pos in range(10)]
     key, value = torch.randn(10, NUM_KV_HEADS, HEAD_DIM), torch.randn(10, NUM_KV_HEADS, HEAD_DIM)
-    cpu_backend().attention.write_kv_cache(key, value, key_cache, value_cache, torch.tensor(slots))
+    write_kv(cpu_backend().attention, key, value, key_cache, value_cache, torch.tensor(slots))
     for pos in range(10):
         block, offset = blocks[pos // BLOCK_SIZE], pos % BLOCK_SIZE
         torch.testing.assert_close(key_cache[block, offset], key[pos])
@@ -132,7 +131,7 @@ def run_paged(
         sequences.append(ScheduledSequence(list(range(q_len)), kv_len - q_len, [blocks]))
         key, value = torch.randn(kv_len, NUM_KV_HEADS, HEAD_DIM), torch.randn(kv_len, NUM_KV_HEADS, HEAD_DIM)
         slots = torch.tensor([blocks[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE for pos in range(kv_len)])
-        ops.attention.write_kv_cache(key, value, key_cache, value_cache, slots)
+        write_kv(ops.attention, key, value, key_cache, value_cache, slots)
         contiguous_kv.append((key, value))
         step_kv.append((key[kv_len - q_len :], value[kv_len - q_len :]))
         new_slots.append(slots[kv_len - q_len :])
@@ -469,7 +468,7 @@ def test_cpu_kv_cache_write_matches_index_copy_for_views_of_a_fused_projection(d
     expected_key = reference_cache_write(key, key_cache, slot_mapping)
     expected_value = reference_cache_write(value, value_cache, slot_mapping)
     with torch.profiler.profile() as profile:
-        cpu_backend(dtype).attention.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+        write_kv(cpu_backend(dtype).attention, key, value, key_cache, value_cache, slot_mapping)
     assert "infer_recipes::write_kv_cache" in {event.name for event in profile.events()}, "the C++ write must run"
     assert torch.equal(key_cache, expected_key) and torch.equal(value_cache, expected_value)
 
@@ -490,7 +489,7 @@ def test_cpu_kv_cache_write_rejects_a_slot_outside_the_cache_and_writes_nothing(
     value_cache = torch.zeros_like(key_cache)
     key = value = torch.ones(2, NUM_KV_HEADS, HEAD_DIM)
     with pytest.raises(RuntimeError, match="slot_mapping must lie in"):
-        cpu_backend().attention.write_kv_cache(key, value, key_cache, value_cache, torch.tensor([3, bad_slot]))
+        write_kv(cpu_backend().attention, key, value, key_cache, value_cache, torch.tensor([3, bad_slot]))
     assert key_cache.count_nonzero() == 0 and value_cache.count_nonzero() == 0
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers.models.kimi_linear import modeling_kimi_linear as hf_kda
 
-from executor.types_.model_inputs import RecurrentStateTables
+from ops.attention.metadata import RecurrentStateTables
 from ops.kda import chunk_kda, kda_chunked, kda_step, prepare_query_key, recurrent_kda
 
 HEADS, KEY_DIM, VALUE_DIM = 3, 8, 6

@@ -19,14 +19,13 @@ import torch
 
 from executor.platform import npu_runtime
 from executor.platform.graph_compilers import EXE_MODES
-from executor.types_.model_inputs import ModelInputs, ScheduledSequence, build_step_layout
 from executor.types_.quant_scheme import QuantArgs
 from models.llama import LlamaForCausalLM
 from module.attention import Attention
 from ops import quant_math, torch_ref
 from ops.attention import ATTENTION_KINDS
-from ops.attention.npu import NpuAttention, NpuGraphAttention
-from ops.attention_metadata import NpuAttentionMetadata, NpuMetadataBuilder, build_model_inputs
+from ops.attention.metadata import ModelInputs, ScheduledSequence, build_model_inputs, build_step_layout
+from ops.attention.npu import NpuAttention, NpuAttentionMetadata, NpuGraphAttention, NpuMetadataBuilder
 from ops.backend import NPU_REFERENCE_OPS, OP_NAMES, REFERENCE_OPS, Backend, make_backend
 from ops.npu import NpuGraphOps, NpuOps
 from tests import attention_layers
@@ -160,7 +159,7 @@ def test_kv_write_uses_the_nd_cache_mode_and_contiguous_inputs():
     key_cache, value_cache = caches()
     key = torch.zeros(NUM_KV_HEADS, 3, HEAD_DIM).transpose(0, 1)  # non-contiguous on purpose
     slots = torch.tensor([0, 1, 2])
-    NpuAttention(torch_npu).write_kv_cache(key, key, key_cache, value_cache, slots)
+    attention_layers.write_kv(NpuAttention(torch_npu), key, key, key_cache, value_cache, slots)
     args, kwargs = torch_npu.last("scatter")
     assert kwargs == {"cache_mode": "Norm"}
     assert args[0].is_contiguous() and args[1].is_contiguous()

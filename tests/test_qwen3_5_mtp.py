@@ -23,8 +23,8 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from executor.offline.__main__ import main as offline_main
-from executor.types_.model_inputs import ScheduledSequence
 from module.mtp import MTPLayerMixin
+from ops.attention.metadata import ScheduledSequence
 from tests.engine_harness import ENGINE_CONFIG
 from tests.factories import tiny_tokenizer
 from tests.paged_harness import (

@@ -27,12 +27,11 @@ import transformers
 from executor.core.config import ConfigError, build_config
 from executor.offline.__main__ import main as offline_main
 from executor.offline.offline_inference import OfflineInference
-from executor.types_.model_inputs import RecurrentStateTables, ScheduledSequence
 from models.qwen3_5 import Qwen3_5ForCausalLM
 from models.qwen3_5_moe import Qwen3_5MoeForCausalLM
 from models.qwen3_next import Qwen3NextForCausalLM
 from module.gated_delta_net import GatedDeltaNet
-from ops.attention_metadata import AttentionMetadataBuilder
+from ops.attention.metadata import AttentionMetadataBuilder, RecurrentStateTables, ScheduledSequence
 from tests.backends import cpu_backend
 from tests.engine_harness import (
     ENGINE_CONFIG,

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
-from executor.types_.model_inputs import RecurrentStateTables
 from ops import recurrent_ref as ref
+from ops.attention.metadata import RecurrentStateTables
 
 torch.manual_seed(0)
 HK, HV, DK, DV, CONV_CHANNELS, WIDTH = 2, 4, 8, 6, 12, 4

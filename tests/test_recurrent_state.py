@@ -9,10 +9,15 @@ import pytest
 import torch
 
 from executor.core.kv_cache import NULL_STATE_SLOT, KVCacheManager, RecurrentStateManager, StateSlotPool
+from executor.core.model_worker.bucket_padding import pad_step, padding_step
 from executor.core.scheduler import Scheduler, SchedulerLimits
 from executor.types_ import KVTensorSpec, attention_spec, recurrent_spec
-from executor.types_.model_inputs import RecurrentStateTables, ScheduledSequence, StepLayout, build_step_layout
-from ops.attention_metadata import TorchMetadataBuilder
+from ops.attention.metadata import (
+    RecurrentStateTables,
+    ScheduledSequence,
+    TorchMetadataBuilder,
+    build_step_layout,
+)
 from tests.factories import make_request
 
 FULL = attention_spec(2, 8, torch.float32)
@@ -141,12 +146,12 @@ def test_the_layout_keeps_each_rows_state_slot_and_whether_it_continues_a_state(
 def test_padded_decode_rows_read_and_write_the_null_slot_from_zeros():
     decode = [ScheduledSequence(token_ids=[9], num_computed_tokens=5, block_ids=[[1, 4], [2]])]
     layout = build_step_layout(decode, block_size=BLOCK_SIZE, max_blocks_per_request=4, state_groups=(1,))
-    padded = layout.pad_to(3)
+    padded = pad_step(layout, 3)
     tables = TorchMetadataBuilder(torch.device("cpu")).build(padded).groups[1]
     assert tables.state_slots.tolist() == [2, NULL_STATE_SLOT, NULL_STATE_SLOT]
     assert tables.has_initial_state.tolist() == [True, False, False]
     assert tables.query_ends_list is None  # decode-shaped: shapes depend on the rows alone
-    buffers = TorchMetadataBuilder(torch.device("cpu")).build(StepLayout.padding(3, 2, 4, state_groups=(1,)))
+    buffers = TorchMetadataBuilder(torch.device("cpu")).build(padding_step(3, 2, 4, state_groups=(1,)))
     assert buffers.groups[1].state_slots.shape == tables.state_slots.shape
 
 

@@ -13,9 +13,9 @@ from executor.core.config import ConfigError, build_config
 from executor.core.engine import StepRecord
 from executor.offline.dataset import PromptRecord
 from executor.offline.durable_io import read_jsonl
+from executor.offline.offline_inference import StepLog
 from executor.offline.results import ReplicaWriter, ResultWriter
 from executor.offline.run_folder import plan_run, unmerged_replica_lines
-from executor.offline.step_log import StepLog
 
 CONFIG = build_config({})
 RECORDS = [PromptRecord(f"r{i}", prompt=f"prompt {i}", content_hash=str(i)) for i in range(6)]

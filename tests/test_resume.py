@@ -15,7 +15,7 @@ import pytest
 
 from executor.offline import __main__ as cli
 from executor.offline import durable_io
-from executor.offline.step_log import StepLog
+from executor.offline.offline_inference import StepLog
 from tests.run_harness import NUM_PROMPTS, outputs_by_id, run_into, summary, write_run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -73,7 +73,7 @@ import json, os, signal, sys
 from executor.offline import __main__ as cli
 from executor.offline.durable_io import LineAppender
 from executor.offline.results import ResultWriter
-from executor.offline.step_log import StepLog
+from executor.offline.offline_inference import StepLog
 from tests.run_harness import NUM_PROMPTS, outputs_by_id, run_into, summary, write_run
 def die():
     os.kill(os.getpid(), signal.SIGKILL)

@@ -13,13 +13,19 @@ import pytest
 import torch
 
 from executor.core.config import build_config
+from executor.core.model_worker.bucket_padding import pad_step, padded_token_rows
 from executor.core.model_worker.graph_runner import NOT_DECODE, GraphRunner
 from executor.offline.offline_inference import OfflineInference, RunResult
 from executor.platform.graph_compilers import InductorCompiler
-from executor.types_.model_inputs import RecurrentStateTables, ScheduledSequence, build_step_layout
 from ops import recurrent_ref
 from ops.attention import reference
-from ops.attention_metadata import TorchMetadataBuilder, build_model_inputs
+from ops.attention.metadata import (
+    RecurrentStateTables,
+    ScheduledSequence,
+    TorchMetadataBuilder,
+    build_model_inputs,
+    build_step_layout,
+)
 from tests.conftest import save_tiny_llama
 from tests.test_graph_runner import RecordingCompiler
 from tests.test_qwen3_5_mtp import looping_mtp_model  # noqa: F401 (a fixture)
@@ -50,8 +56,8 @@ def verify_layout(state_groups: tuple[int, ...] = ()):
 
 def test_a_verify_step_pads_each_request_to_1_plus_k_tokens_each_a_decode_row():
     layout = verify_layout()
-    padded = layout.pad_to(4, TOKENS_PER_ROW)
-    rows = layout.token_rows(TOKENS_PER_ROW)
+    padded = pad_step(layout, 4, TOKENS_PER_ROW)
+    rows = padded_token_rows(layout, TOKENS_PER_ROW)
     assert rows == [0, 1, 2, 3, 4, 5, 8]
     assert padded.max_query_len == 1 and padded.num_rows == 16
     assert padded.input_ids[:8] == [20, 21, 22, 23, 30, 31, 0, 0] and padded.input_ids[8:] == [40] + [0] * 7
@@ -91,8 +97,8 @@ def test_token_row_attention_equals_the_eager_verify_attention_whatever_padding_
         return reference.paged_attention(q, k, v, *caches, group.block_table, metadata, dim**-0.5)
 
     eager = attend(layout, query, key, value, (key_cache.clone(), value_cache.clone()))
-    padded = layout.pad_to(4, TOKENS_PER_ROW)
-    rows = torch.tensor(layout.token_rows(TOKENS_PER_ROW))
+    padded = pad_step(layout, 4, TOKENS_PER_ROW)
+    rows = torch.tensor(padded_token_rows(layout, TOKENS_PER_ROW))
 
     def spread(x: torch.Tensor) -> torch.Tensor:
         out = torch.full((len(padded.input_ids), *x.shape[1:]), float("nan"))
@@ -110,8 +116,8 @@ def test_recurrent_token_rows_keep_the_state_after_each_position_as_the_eager_ve
     null slot 0 only."""
     torch.manual_seed(1)
     layout = verify_layout(state_groups=(1,))
-    padded = layout.pad_to(4, TOKENS_PER_ROW)
-    rows = torch.tensor(layout.token_rows(TOKENS_PER_ROW))
+    padded = pad_step(layout, 4, TOKENS_PER_ROW)
+    rows = torch.tensor(padded_token_rows(layout, TOKENS_PER_ROW))
     num_tokens, heads, k_dim, v_dim = len(layout.input_ids), 2, 4, 4
     inputs = [
         torch.randn(num_tokens, heads, k_dim),

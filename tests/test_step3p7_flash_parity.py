@@ -26,12 +26,12 @@ from executor.core.config import load_config
 from executor.core.config.model_registry import model_folder
 from executor.offline.__main__ import main as offline_main
 from executor.types_ import AttentionKind
-from executor.types_.model_inputs import ScheduledSequence
 from models.llama.model import LlamaAttention
 from models.step3p7_flash import Step3p7ForCausalLM
 from models.step3p7_flash.model import ClampedGatedMLP, Step3p7Attention, Step3p7Experts
 from module.moe import TopkRouter
 from module.norm import RMSNorm
+from ops.attention.metadata import ScheduledSequence
 from tests import paged_harness
 from tests.backends import cpu_backend
 from tests.engine_harness import (

@@ -6,8 +6,16 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from executor.types_.model_inputs import ScheduledSequence, build_step_layout
-from ops.attention_metadata import TorchMetadataBuilder, block_table_tensor, build_model_inputs, put_rows, take_rows
+from executor.core.model_worker.bucket_padding import pad_step
+from ops.attention.metadata import (
+    ScheduledSequence,
+    TorchMetadataBuilder,
+    block_table_tensor,
+    build_model_inputs,
+    build_step_layout,
+    put_rows,
+    take_rows,
+)
 
 CPU = torch.device("cpu")
 BUILDER = TorchMetadataBuilder(CPU)
@@ -89,7 +97,7 @@ def test_padding_a_decode_step_adds_rows_that_touch_only_the_null_block():
     layout = build_step_layout(
         [ScheduledSequence([9], 4, [[3, 1]]), ScheduledSequence([8], 2, [[6]])], block_size=4, max_blocks_per_request=3
     )
-    padded = layout.pad_to(4)
+    padded = pad_step(layout, 4)
     inputs = build_model_inputs(padded, BUILDER)
     meta = inputs.forward_metadata
     assert inputs.input_ids.tolist() == [9, 8, 0, 0] and inputs.positions.tolist() == [4, 2, 0, 0]

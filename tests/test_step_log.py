@@ -1,4 +1,4 @@
-"""The step log's cadence on the console (executor/offline/step_log.py): about 40
+"""The step log's cadence on the console (executor/offline/offline_inference.py): about 40
 step lines a run, none of cann-recipes' worded ones, while steps.log gets every step."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 
 from executor.core.engine import StepRecord
 from executor.offline.durable_io import OutputWriteError
+from executor.offline.offline_inference import CONSOLE_STEP_LINES, StepLog, console_step_interval
 from executor.offline.results import ResultWriter
-from executor.offline.run_folder import plan_run
-from executor.offline.step_log import CONSOLE_STEP_LINES, StepFiles, StepLog, console_step_interval
+from executor.offline.run_folder import StepFiles, plan_run
 from tests.engine_harness import make_inference, token_records
 
 

@@ -116,7 +116,14 @@ class CorruptLineError(ValueError):
 def read_jsonl(path: Path) -> JsonlContents:
     """Parse a JSONL file written by LineAppender; a last line without its newline or not JSON is torn."""
     data = path.read_bytes() if path.exists() else b""
-    lines: list[dict[str, Any]] = []
+    whole = data[: data.rfind(b"\n") + 1]
+    try:  # the common case, every line whole: one pass
+        parsed = [json.loads(raw) for raw in whole.splitlines()]
+        if {type(line) for line in parsed} <= {dict}:
+            return JsonlContents(parsed, len(whole), data[len(whole) :])
+    except ValueError:  # UnicodeDecodeError too
+        pass
+    lines: list[dict[str, Any]] = []  # a line is not a JSON object: find which, and whether it is the last
     position = 0
     while position < len(data):
         end = data.find(b"\n", position)

@@ -14,6 +14,7 @@ from typing import Any
 from executor.core.config import ConfigError, InferenceConfig
 from executor.core.config.comm_manager import DistEnv, launch_problem
 from executor.core.config.parallel_layout import ParallelLayout, model_fit_problems, num_experts_of
+from executor.core.engine.kv_cache_sizing import check_room_for_one_request
 from executor.core.spec_decode.factory import draft_model_config
 from executor.core.spec_decode.mtp import check_mtp_layers
 from executor.model_loader.default_loader import INDEX_FILE, checkpoint_shards
@@ -124,21 +125,15 @@ def check_device(config: InferenceConfig) -> str:
 
 
 def check_kv_pool(config: InferenceConfig, model_max_len: int) -> None:
-    """An explicit num_blocks must hold one request of max_model_len beside the null block, block 0.
-    A model with several cache groups needs that many times more; the engine checks that, and a
-    budget sized from free memory, once the model is built."""
+    """An explicit num_blocks must hold one request of max_model_len beside the null block, block 0
+    (the rule of executor/core/engine/kv_cache_sizing.py, for one cache group). A model with several
+    cache groups needs that many times more; the engine checks that, and a budget sized from free
+    memory, once the model is built."""
     sched = config.scheduler_config
-    if not sched.num_blocks:
-        return
-    max_model_len = sched.max_model_len or model_max_len
-    needed_blocks = -(-max_model_len // sched.block_size)
-    usable_blocks = sched.num_blocks - 1
-    if usable_blocks < needed_blocks:
-        raise ConfigError(
-            f"scheduler_config.num_blocks {sched.num_blocks} (block 0 reserved) x block_size {sched.block_size} = "
-            f"{usable_blocks * sched.block_size} KV slots cannot hold one request of max_model_len {max_model_len} "
-            f"({needed_blocks} blocks); raise num_blocks or lower scheduler_config.max_model_len ({config.source})"
-        )
+    if sched.num_blocks:
+        budget = f"scheduler_config.num_blocks {sched.num_blocks} (block 0 reserved)"
+        max_model_len = sched.max_model_len or model_max_len
+        check_room_for_one_request(sched.num_blocks, budget, sched.block_size, max_model_len, 1, config.source)
 
 
 def one_line(exc: BaseException) -> str:

@@ -1,6 +1,6 @@
 """Where a run's results go: outputs.jsonl (one line per request, written as it finishes),
 summary.json and the resolved config.yaml, in one run folder, and which step files the run's
-StepLog appends to (executor/offline/step_log.py). With several data-parallel replicas each
+StepLog appends to (executor/offline/offline_inference.py). With several data-parallel replicas each
 replica's leader writes its own outputs_dp<d>.jsonl and step files as it serves (ReplicaWriter),
 and rank 0 merges the outputs into outputs.jsonl at the end."""
 
@@ -34,6 +34,7 @@ from executor.offline.run_folder import (
     STEPS_FILE,
     SUMMARY_FILE,
     RunPlan,
+    StepFiles,
     prompt_token_ids_hash,
     replica_files,
     replica_outputs_file,
@@ -42,7 +43,6 @@ from executor.offline.run_folder import (
     unmerged_replica_lines,
 )
 from executor.offline.run_summary import run_summary
-from executor.offline.step_log import StepFiles
 from executor.types_ import FinishReason, Request, SamplingParams, TokenLogprobs
 
 logger = logging.getLogger(__name__)

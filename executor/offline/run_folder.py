@@ -83,8 +83,17 @@ def replica_steps_file(dp_rank: int) -> str:
 
 
 def replica_step_text_file(dp_rank: int) -> str:
-    """Replica `dp_rank`'s step lines as text (ours and cann-recipes' worded ones, executor/offline/step_log.py)."""
+    """Replica `dp_rank`'s step lines as text (ours and cann-recipes' worded ones: offline_inference.py's StepLog)."""
     return Path(replica_steps_file(dp_rank)).with_suffix(".log").name
+
+
+@dataclass(frozen=True, slots=True)
+class StepFiles:
+    """One replica's step files in its run folder, and the part of the run its lines belong to."""
+
+    text: Path  # steps.log
+    jsonl: Path  # steps.jsonl
+    part: int
 
 
 def replica_files(output_dir: Path, pattern: re.Pattern[str]) -> list[Path]:

@@ -4,14 +4,6 @@ from executor.types_.accept_counts import AcceptCounts
 from executor.types_.batch import Batch, StepResult, StepRunner
 from executor.types_.block_hash import BlockHash
 from executor.types_.kv_cache_spec import AttentionKind, KVCacheSpec, KVTensorSpec, attention_spec, recurrent_spec
-from executor.types_.model_inputs import (
-    CacheGroupTables,
-    ForwardMetaData,
-    ModelInputs,
-    ScheduledSequence,
-    StepLayout,
-    build_step_layout,
-)
 from executor.types_.request import FinishReason, Request, RequestStatus, SamplingParams, TokenLogprobs
 
 __all__ = [
@@ -19,21 +11,15 @@ __all__ = [
     "AttentionKind",
     "Batch",
     "BlockHash",
-    "CacheGroupTables",
     "FinishReason",
-    "ForwardMetaData",
     "KVCacheSpec",
     "KVTensorSpec",
-    "ModelInputs",
     "Request",
     "RequestStatus",
     "SamplingParams",
-    "ScheduledSequence",
-    "StepLayout",
     "StepResult",
     "StepRunner",
     "TokenLogprobs",
     "attention_spec",
-    "build_step_layout",
     "recurrent_spec",
 ]

@@ -1,5 +1,5 @@
 """setup_logging(): one format for every module; INFER_RECIPES_LOG_LEVEL picks the level. The
-step log (executor/offline/step_log.py) logs only the step lines the console shows; the run
+step log (executor/offline/offline_inference.py) logs only the step lines the console shows; the run
 folder's steps.log, written there, holds every one and cann-recipes' worded lines."""
 
 from __future__ import annotations

@@ -17,9 +17,7 @@ from torch import nn
 from transformers import DeepseekV3Config
 
 from executor.types_.errors import WeightLoadError
-from executor.types_.model_inputs import ForwardMetaData
-from module.causal_lm import CausalLM
-from module.decoder_layer import PreNormDecoderLayer
+from module.causal_lm import CausalLM, PreNormDecoderLayer
 from module.embedding import ParallelLMHead, VocabParallelEmbedding
 from module.mla import MLAAttention
 from module.mlp import GatedMLP
@@ -29,6 +27,7 @@ from module.norm import RMSNorm
 from module.parallel_group import ONE_PROCESS, ModelParallel
 from module.rotary import RotaryEmbedding
 from module.weights import ShardId, fused_shards_needed, load_fused_tensor
+from ops.attention.metadata import ForwardMetaData
 from ops.backend import Backend
 
 # Which part of a parameter a checkpoint tensor filled: a merged layer's shard, or (expert, projection).

@@ -17,11 +17,11 @@ from __future__ import annotations
 import torch
 from transformers import DeepseekV32Config
 
-from executor.types_.model_inputs import ForwardMetaData
 from models.deepseek_v3.model import DeepseekV3DecoderLayer, DeepseekV3ForCausalLM, DeepseekV3Model
 from module.dsa import SparseMLAAttention
 from module.mtp import MTPLayerMixin
 from module.parallel_group import ModelParallel
+from ops.attention.metadata import ForwardMetaData
 from ops.backend import Backend
 
 

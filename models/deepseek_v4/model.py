@@ -29,7 +29,6 @@ from transformers import DeepseekV4Config
 from transformers.activations import ACT2FN
 
 from executor.types_.kv_cache_spec import AttentionKind, KVCacheSpec, KVTensorSpec
-from executor.types_.model_inputs import ForwardMetaData
 from executor.types_.quant_scheme import KVCacheScheme
 from models.deepseek_v3.model import DeepseekV3ForCausalLM, ShardKey
 from module.attention import KVCacheLayer
@@ -43,6 +42,7 @@ from module.mlp import GatedMLP
 from module.moe import FusedExperts, SparseMoeBlock
 from module.norm import RMSNorm
 from module.parallel_group import ModelParallel
+from ops.attention.metadata import ForwardMetaData
 from ops.backend import Backend
 from ops.compressed_kv import token_rows, write_cache_rows
 
@@ -104,7 +104,7 @@ class DeepseekV4Attention(KVCacheLayer):
             else None
         )
         self.indexer = Indexer(config, self.ratio, backend=backend) if layer_type == CSA else None
-        self.cache_dtype = torch.get_default_dtype()
+        self.cache_dtype = backend.dtype
         self.caches: dict[str, torch.Tensor] = {}
 
     def kv_cache_spec(self) -> KVCacheSpec:

@@ -35,7 +35,6 @@ from transformers import Gemma4TextConfig
 
 from executor.types_.checkpoint_tensor import LoadedWeight, materialize
 from executor.types_.errors import WeightLoadError
-from executor.types_.model_inputs import ForwardMetaData
 from executor.types_.quant_scheme import LinearScheme
 from models.llama.model import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from module.attention import Attention, SharedKVAttention
@@ -49,6 +48,7 @@ from module.parallel_group import ONE_PROCESS, SINGLE, ModelParallel, ParallelGr
 from module.quantized import QuantizationError
 from module.rotary import RotaryEmbedding
 from module.weights import ShardId
+from ops.attention.metadata import ForwardMetaData
 from ops.backend import Backend
 from ops.linear_method import PLAIN
 

@@ -13,10 +13,8 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from executor.types_.errors import WeightLoadError
-from executor.types_.model_inputs import ForwardMetaData
 from module.attention import Attention
-from module.causal_lm import CausalLM
-from module.decoder_layer import PreNormDecoderLayer
+from module.causal_lm import CausalLM, PreNormDecoderLayer
 from module.embedding import ParallelLMHead, VocabParallelEmbedding
 from module.linear import QKVParallelLinear, RowParallelLinear, divide
 from module.mlp import GatedMLP
@@ -25,6 +23,7 @@ from module.norm import RMSNorm
 from module.parallel_group import ONE_PROCESS, ModelParallel
 from module.rotary import RotaryEmbedding
 from module.weights import fused_shards_needed, load_fused_tensor
+from ops.attention.metadata import ForwardMetaData
 from ops.backend import Backend
 from ops.linear_method import LinearMethod
 

@@ -22,9 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import LongcatFlashConfig
 
-from executor.types_.model_inputs import ForwardMetaData
 from models.deepseek_v3.model import DeepseekV3ForCausalLM, DeepseekV3Model, ShardKey
-from module.decoder_layer import PreNormDecoderLayer
+from module.causal_lm import PreNormDecoderLayer
 from module.embedding import VocabParallelEmbedding
 from module.mla import MLAAttention
 from module.mlp import GatedMLP
@@ -32,6 +31,7 @@ from module.moe import EXPERT_TENSOR, FusedExperts, Router, SparseMoeBlock
 from module.mtp import MTPLayerMixin, num_mtp_layers_of
 from module.norm import RMSNorm
 from module.parallel_group import ModelParallel, ParallelGroup
+from ops.attention.metadata import ForwardMetaData
 from ops.backend import Backend
 
 
@@ -113,7 +113,7 @@ class LongcatFlashMoE(SparseMoeBlock):
 class LongcatFlashDecoderLayer(nn.Module):
     """Two pre-norm attention + dense MLP blocks (self_attn.i, mlps.i and the norms .i, as checkpoints
     name them) and the shortcut MoE `mlp`. The residual add is fused into the next norm, as in
-    module/decoder_layer.py: (output, residual) pairs flow between layers."""
+    module/causal_lm.py: (output, residual) pairs flow between layers."""
 
     attention_cls: type[LongcatFlashAttention] = LongcatFlashAttention
     moe_cls: type[LongcatFlashMoE] = LongcatFlashMoE

@@ -36,13 +36,13 @@ from transformers import PretrainedConfig
 
 from executor.types_.checkpoint_tensor import materialize
 from executor.types_.errors import WeightLoadError
-from executor.types_.model_inputs import ForwardMetaData
 from models.llama.model import LlamaModel, head_dim_of
 from models.qwen3.model import Qwen3Attention, Qwen3DecoderLayer, Qwen3ForCausalLM
 from module.gated_delta_net import GatedDeltaNet
 from module.linear import QKVParallelLinear
 from module.parallel_group import ModelParallel
 from module.rotary import RotaryEmbedding
+from ops.attention.metadata import ForwardMetaData
 from ops.backend import Backend
 from ops.linear_method import LinearMethod
 

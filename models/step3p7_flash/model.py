@@ -37,7 +37,6 @@ from transformers.models.step3p7.modeling_step3p7 import Step3p7RotaryEmbedding 
 
 from executor.types_.checkpoint_tensor import LoadedWeight, materialize
 from executor.types_.errors import WeightLoadError
-from executor.types_.model_inputs import ForwardMetaData
 from models.llama.model import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from module.linear import ColumnParallelLinear
 from module.mlp import GatedMLP
@@ -45,6 +44,7 @@ from module.moe import FusedExperts, SparseMoeBlock, TopkRouter
 from module.norm import RMSNorm
 from module.parallel_group import ONE_PROCESS, ModelParallel, ParallelGroup
 from module.rotary import RotaryEmbedding
+from ops.attention.metadata import ForwardMetaData
 from ops.backend import Backend
 
 LAYER_TYPES = ("full_attention", "sliding_attention")

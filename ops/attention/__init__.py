@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from executor.types_.model_inputs import ForwardMetaData
+from ops.attention.metadata import ForwardMetaData
 
 # The forms an attention backend may have, by the names models require them (Backend.require): the
 # paged K/V's write and attention (with sinks: gpt-oss), MLA's latent write and attention.

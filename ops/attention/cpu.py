@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from ops.attention import PagedKVLayer
+from ops.attention.metadata import TorchAttentionMetadata
 from ops.attention.reference import ReferenceAttention, write_kv_cache, write_latent_cache
-from ops.attention_metadata import TorchAttentionMetadata
 from ops.cpu import named
 from ops.cpu_kernels import fake
 
@@ -66,23 +66,14 @@ class CpuAttention(ReferenceAttention):
             query, key, value, *caches, *lengths, *options
         )
 
-    def write_kv_cache(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        key_scale: torch.Tensor | None = None,
-        value_scale: torch.Tensor | None = None,
-    ) -> None:
+    def write_kv_cache(self, layer: PagedKVLayer, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
         """One memcpy per row (any dtype), or its quantization into an int8 cache; raises on a slot
         outside the cache."""
-        caches = (key_cache, value_cache, key_scale, value_scale)
-        if _can_write(slot_mapping, *caches):
-            named("write_kv_cache", self.kernels.write_kv_cache)(key, value, *caches[:2], slot_mapping, *caches[2:])
+        caches, scales = (layer.key_cache, layer.value_cache), layer.kv_scales()
+        if _can_write(slots, *caches, *scales):
+            named("write_kv_cache", self.kernels.write_kv_cache)(key, value, *caches, slots, *scales)
             return
-        write_kv_cache(key, value, *caches[:2], slot_mapping, *caches[2:])
+        write_kv_cache(key, value, *caches, slots, *scales)
 
     def write_latent_cache(
         self,

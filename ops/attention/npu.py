@@ -12,18 +12,66 @@ hardware.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 import torch
 
-from executor.types_.model_inputs import ForwardMetaData
 from ops import quant_math
 from ops.attention import PagedKVLayer
-from ops.attention_metadata import NpuAttentionMetadata, cache_writes, group_block_table
+from ops.attention.metadata import (
+    AttentionMetadataBuilder,
+    ForwardMetaData,
+    StepLayout,
+    cache_writes,
+    group_block_table,
+    to_device,
+)
 
+# FIA's compressed causal mask for sparse_mode=3 (bottom-right causal): always 2048x2048, 1 = masked.
+NPU_CAUSAL_MASK_SIZE = 2048
 _NO_LIMIT = 2147483647  # FIA's default pre_tokens / next_tokens
 _PER_CHANNEL = 0  # FIA's key/value_antiquant_mode for one scale per channel
+
+
+@dataclass(slots=True)
+class NpuAttentionMetadata(ForwardMetaData):
+    """npu_fused_infer_attention_score in TND with a paged cache: cumulative query ends and
+    per-request KV lengths (host lists in eager mode, int64 device tensors for the torchair graph
+    variant), and the mask and sparse mode the step's longest query calls for."""
+
+    actual_seq_lengths_q: list[int] | torch.Tensor | None = None
+    actual_seq_lengths_kv: list[int] | torch.Tensor | None = None
+    atten_mask: torch.Tensor | None = None
+    sparse_mode: int = 0
+
+
+class NpuMetadataBuilder(AttentionMetadataBuilder):
+    def __init__(self, device: torch.device, lengths_as_tensors: bool) -> None:
+        super().__init__(device)
+        self.lengths_as_tensors = lengths_as_tensors
+        self._causal_mask: torch.Tensor | None = None
+
+    def build(self, layout: StepLayout) -> NpuAttentionMetadata:
+        metadata = NpuAttentionMetadata(layout.max_query_len, self.cache_group_tables(layout))
+        if self.lengths_as_tensors:
+            metadata.actual_seq_lengths_q = to_device(layout.query_ends, torch.int64, self.device)
+            metadata.actual_seq_lengths_kv = to_device(layout.seq_lens, torch.int64, self.device)
+        else:
+            metadata.actual_seq_lengths_q = list(layout.query_ends)
+            metadata.actual_seq_lengths_kv = list(layout.seq_lens)
+        if not metadata.is_decode_shaped:  # a verify step (k+1 queries) is as causal as a prefill
+            metadata.atten_mask = self.causal_mask()
+            metadata.sparse_mode = 3  # bottom-right causal: queries aligned to the end of their KV
+        return metadata
+
+    def causal_mask(self) -> torch.Tensor:
+        if self._causal_mask is None:
+            size = NPU_CAUSAL_MASK_SIZE
+            mask = torch.triu(torch.ones(size, size, dtype=torch.bool), diagonal=1)
+            self._causal_mask = mask.to(torch.int8).to(self.device)
+        return self._causal_mask
 
 
 def _static_scales(
@@ -47,29 +95,22 @@ class NpuAttention:
     def __init__(self, torch_npu: ModuleType) -> None:
         self.torch_npu = torch_npu
 
-    def write_kv_cache(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        key_scale: torch.Tensor | None = None,
-        value_scale: torch.Tensor | None = None,
-    ) -> None:
+    def write_kv_cache(self, layer: PagedKVLayer, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+        """torch_npu's scatter into the layer's caches (quantized first into a C8 cache)."""
+        key_cache, value_cache = layer.key_cache, layer.value_cache
         if key_cache.dtype == torch.int8:
-            key_scale, value_scale = _static_scales(key_scale, value_scale)
+            key_scale, value_scale = _static_scales(*layer.kv_scales())
             key, value = (
                 quant_math.quantize_kv_static(key, key_scale),
                 quant_math.quantize_kv_static(value, value_scale),
             )
         self.torch_npu.npu_scatter_pa_kv_cache(
-            key.contiguous(), value.contiguous(), key_cache, value_cache, slot_mapping, cache_mode="Norm"
+            key.contiguous(), value.contiguous(), key_cache, value_cache, slots, cache_mode="Norm"
         )
 
     def write(self, layer: PagedKVLayer, key: torch.Tensor, value: torch.Tensor, metadata: ForwardMetaData) -> None:
         (key_rows, value_rows), slots = cache_writes(metadata, layer.kv_cache_group_id, key, value)
-        self.write_kv_cache(key_rows, value_rows, layer.key_cache, layer.value_cache, slots, *layer.kv_scales())
+        self.write_kv_cache(layer, key_rows, value_rows, slots)
 
     def write_latent_cache(self, *args: Any, **kwargs: Any) -> None:
         raise NotImplementedError("the npu attention backend has no latent cache write")

@@ -26,10 +26,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from executor.types_.model_inputs import ForwardMetaData
 from ops import quant_math
 from ops.attention import ATTENTION_KINDS, LatentLayer, PagedKVLayer
-from ops.attention_metadata import PagedAttention, TorchAttentionMetadata, group_block_table
+from ops.attention.metadata import ForwardMetaData, PagedAttention, TorchAttentionMetadata, group_block_table
 
 
 def write_kv_cache(
@@ -527,17 +526,9 @@ class ReferenceAttention(PagedAttention):
             value_scale,
         )
 
-    def write_kv_cache(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        key_scale: torch.Tensor | None = None,
-        value_scale: torch.Tensor | None = None,
-    ) -> None:
-        write_kv_cache(key, value, key_cache, value_cache, slot_mapping, key_scale, value_scale)
+    def write_kv_cache(self, layer: PagedKVLayer, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+        """The step's key/value [t, Hkv, D] into the layer's caches at `slots` (write_kv_cache)."""
+        write_kv_cache(key, value, layer.key_cache, layer.value_cache, slots, *layer.kv_scales())
 
     def write_latent_cache(
         self,

@@ -8,7 +8,7 @@ its mirror from the tail (h and 2 cp - 1 - h), so that under the causal mask eve
 about as many keys. h = (cp rank + request index) mod cp: the request's index turns the deal. Each
 segment runs as a request of its own: its queries over the request's blocks, with the positions
 before it as a cached prefix, which every rank holds since each layer all-gathers the step's K/V and
-writes every token's before it attends (ops.attention_metadata.cache_writes). A rank whose share is empty
+writes every token's before it attends (ops.attention.metadata.cache_writes). A rank whose share is empty
 runs one padding row on the null block, so that it joins every collective.
 """
 
@@ -16,14 +16,21 @@ from __future__ import annotations
 
 import torch
 
-from executor.types_.model_inputs import ContextParallelRows, ScheduledSequence, StepLayout
+from executor.core.model_worker.bucket_padding import padding_step
 from module.attention import KVCacheLayer
 from module.parallel_group import ParallelGroup
-from ops.attention_metadata import AttentionMetadataBuilder, build_model_inputs, to_device
+from ops.attention.metadata import (
+    AttentionMetadataBuilder,
+    ContextParallelRows,
+    ScheduledSequence,
+    StepLayout,
+    build_model_inputs,
+    to_device,
+)
 
 
 def layers_without_context_parallel(model: torch.nn.Module) -> list[str]:
-    """The classes of the model's cache layers that do not write through ops.attention_metadata.cache_writes
+    """The classes of the model's cache layers that do not write through ops.attention.metadata.cache_writes
     and attend through their block table (KVCacheLayer.context_parallel): recurrent states and
     compressed KV. Under context parallel such a model is refused before its weights load."""
     layers = {type(m).__name__ for m in model.modules() if isinstance(m, KVCacheLayer) and not m.context_parallel}
@@ -66,7 +73,7 @@ def local_layout(layout: StepLayout, shares: list[tuple[int, range]]) -> StepLay
     positions before it its cached prefix; a layout of one padding row where there is none."""
     num_groups = len(layout.block_ids)
     if not shares:
-        return StepLayout.padding(1, num_groups, layout.max_blocks_per_request, layout.state_groups)
+        return padding_step(1, num_groups, layout.max_blocks_per_request, layout.state_groups)
     local = StepLayout(
         [],
         [],

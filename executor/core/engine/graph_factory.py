@@ -17,7 +17,7 @@ from executor.platform.compile_cache import CompileCache
 from executor.platform.graph_compilers import GraphCompiler
 from executor.platform.platform import Platform
 from executor.utils.graph_buckets import resolve_buckets
-from ops.attention_metadata import AttentionMetadataBuilder
+from ops.attention.metadata import AttentionMetadataBuilder
 from ops.backend import Backend
 
 logger = logging.getLogger(__name__)

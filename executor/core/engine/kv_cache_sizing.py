@@ -35,6 +35,23 @@ def host_available_bytes() -> int:
     raise RuntimeError("MemAvailable not found in /proc/meminfo")
 
 
+def check_room_for_one_request(
+    num_blocks: int, budget: str, block_size: int, max_model_len: int, num_paged_groups: int, source: str
+) -> None:
+    """The one rule every KV pool keeps, checked from the config before a model loads (a pool of an
+    explicit size, one cache group: executor/offline/preflight.py) and here once the groups are
+    known: beside the null block (block 0), room for one request of max_model_len in every paged
+    cache group. `budget` says where num_blocks came from."""
+    needed_blocks = num_paged_groups * cdiv(max_model_len, block_size)
+    if num_blocks - 1 < needed_blocks:
+        raise ConfigError(
+            f"the KV cache budget ({budget}: {num_blocks - 1} usable blocks of {block_size} tokens) cannot "
+            f"hold one request of max_model_len {max_model_len}, which needs {needed_blocks} blocks "
+            f"over {num_paged_groups} cache group(s); raise the budget or lower scheduler_config.max_model_len "
+            f"({source})"
+        )
+
+
 def plan_num_blocks(
     *,
     num_blocks: int,
@@ -129,18 +146,12 @@ def size_kv_cache(
     )
     num_blocks = comm.min_over_world(num_blocks)
     blocks_per_request = num_paged_groups * max_blocks_per_request
-    if num_blocks - 1 < blocks_per_request:
-        source = (
-            f"num_blocks {sched.num_blocks}"
-            if sched.num_blocks
-            else (f"{free_bytes / 2**30:.2f} GiB free x mem_fraction_static {sched.mem_fraction_static}")
-        )
-        raise ConfigError(
-            f"the KV cache budget ({source}: {num_blocks - 1} usable blocks of {sched.block_size} tokens) cannot "
-            f"hold one request of max_model_len {max_model_len}, which needs {blocks_per_request} blocks "
-            f"over {num_paged_groups} cache group(s); raise the budget or lower scheduler_config.max_model_len "
-            f"({config.source})"
-        )
+    budget = (
+        f"num_blocks {sched.num_blocks}"
+        if sched.num_blocks
+        else f"{free_bytes / 2**30:.2f} GiB free x mem_fraction_static {sched.mem_fraction_static}"
+    )
+    check_room_for_one_request(num_blocks, budget, sched.block_size, max_model_len, num_paged_groups, config.source)
     manager = bind_kv_cache(worker, config, num_blocks, max_running_requests=sched.batch_size)
     assert manager is not None
     _log_kv_cache(worker, sched.block_size, num_blocks, blocks_per_request, max_model_len, num_paged_groups)

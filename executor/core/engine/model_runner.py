@@ -21,8 +21,15 @@ from executor.core.sampler.noise import token_seed
 from executor.core.spec_decode.proposer import ProposalContext, Proposer
 from executor.core.spec_decode.verify import accept_greedy, rejection_sample
 from executor.types_ import Batch, Request, StepResult, TokenLogprobs
-from executor.types_.model_inputs import ScheduledSequence, StepLayout, build_step_layout
-from ops.attention_metadata import AttentionMetadataBuilder, build_model_inputs, take_rows, to_device
+from ops.attention.metadata import (
+    AttentionMetadataBuilder,
+    ScheduledSequence,
+    StepLayout,
+    build_model_inputs,
+    build_step_layout,
+    take_rows,
+    to_device,
+)
 
 
 class ModelRunner:

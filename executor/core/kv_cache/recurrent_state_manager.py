@@ -13,7 +13,7 @@ chunks carries its state from chunk to chunk, and a preempted request, whose slo
 recomputes from a fresh state. With speculative decoding a request holds the 1 + k slots
 cann-recipes keeps (1 + next_n), used as a ring: the state after position p lives in its slot
 p mod (1 + k), and a verify step keeps the state after each of its positions, so the next step
-reads the accepted prefix's (RecurrentStateTables, built in ops/attention_metadata.py): the
+reads the accepted prefix's (RecurrentStateTables, built in ops/attention/metadata.py): the
 manager only hands the slots out and takes them back.
 
 A state describes a whole prefix, not a block, so a recurrent group finds no cached prefix: the

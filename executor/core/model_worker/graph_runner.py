@@ -4,7 +4,7 @@ Where cann-recipes has `compile_model`. As there, every step that is not a prefi
 a decode step of n rows is padded to the smallest bucket holding n (padding rows write only the null
 block's slot 0 and are never sampled); with speculative decoding a verify step, whose requests feed
 1 + k tokens (cann-recipes' next_n + 1), runs in the bucket of its request count that holds 1 + k
-tokens per request, each request's tokens padded to 1 + k (StepLayout.pad_to). The step's inputs are
+tokens per request, each request's tokens padded to 1 + k (bucket_padding.pad_step). The step's inputs are
 copied into that bucket's buffers, allocated once, and the bucket's callable runs on them. Prefills and
 steps that fit no bucket run eagerly; the log says why, once per reason. The MTP proposer's decode-shaped
 passes run through runners of their own (executor/core/spec_decode/mtp_graphs.py).
@@ -30,12 +30,20 @@ from typing import Protocol
 
 import torch
 
+from executor.core.model_worker.bucket_padding import pad_step, padded_token_rows, padding_step
 from executor.platform.graph_compilers import GraphCallable, GraphCompiler, GraphOutput
-from executor.types_.model_inputs import ForwardMetaData, ModelInputs, StepLayout
 from executor.utils.graph_buckets import Bucket, pick_bucket
 from executor.utils.slow_phase import announced_if_slow
 from executor.utils.tensor_tree import map_tensors, same_structure, tensor_leaves
-from ops.attention_metadata import AttentionMetadataBuilder, build_model_inputs, put_rows, take_rows
+from ops.attention.metadata import (
+    AttentionMetadataBuilder,
+    ForwardMetaData,
+    ModelInputs,
+    StepLayout,
+    build_model_inputs,
+    put_rows,
+    take_rows,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -188,7 +196,7 @@ class GraphRunner:
                     graph.bucket.name,
                 )
                 continue
-            layout = StepLayout.padding(
+            layout = padding_step(
                 bucket.num_rows,
                 self.num_cache_groups,
                 self.max_blocks_per_request,
@@ -249,13 +257,13 @@ class GraphRunner:
             self.eager_steps += 1
             return None
         graph = self.graphs[bucket]
-        fresh = build_model_inputs(layout.pad_to(bucket.num_rows, bucket.tokens_per_row), self.host_builder)
+        fresh = build_model_inputs(pad_step(layout, bucket.num_rows, bucket.tokens_per_row), self.host_builder)
         if graph.staging is not None:
             copy_step(graph.staging, fresh)
             fresh = graph.staging
         copy_step(graph.buffers.inputs, fresh)
         # each request's tokens start at its row of 1 + k (consecutive rows in a decode step)
-        rows = layout.token_rows(bucket.tokens_per_row)
+        rows = padded_token_rows(layout, bucket.tokens_per_row)
         for buffer, values in zip(graph.buffers.row_inputs, row_inputs, strict=True):
             put_rows(buffer, rows, values)
         if self.step_timer is not None:

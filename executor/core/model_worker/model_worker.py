@@ -17,7 +17,6 @@ from executor.model_loader.default_loader import checkpoint_header
 from executor.model_loader.quantized_checkpoint import check_quantized_tensors
 from executor.platform import Platform
 from executor.types_.kv_cache_spec import KVCacheSpec
-from executor.types_.model_inputs import ModelInputs
 from executor.types_.quant_scheme import QuantizationPlan
 from executor.utils.slow_phase import announced_if_slow
 from module.attention import KVCacheLayer
@@ -29,6 +28,7 @@ from module.quantization_pass import (
     quantize_model,
     weight_bytes,
 )
+from ops.attention.metadata import ModelInputs
 from ops.backend import Backend
 from ops.linear_method import process_linear_weights
 

@@ -21,7 +21,7 @@ from executor.core.spec_decode.mtp import MTPProposer
 from executor.core.spec_decode.ngram import NgramProposer, NgramStepProposer
 from executor.core.spec_decode.proposer import LockStep, Proposer, ReplicaSharedDrafts
 from executor.model_loader.default_model import expand_home_vars
-from ops.attention_metadata import AttentionMetadataBuilder
+from ops.attention.metadata import AttentionMetadataBuilder
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,9 +22,14 @@ from executor.core.config import ConfigError, InferenceConfig
 from executor.core.kv_cache import KVCacheManager
 from executor.core.model_worker.graph_runner import GraphRunner
 from executor.core.spec_decode.proposer import LockStep, ProposalContext
-from executor.types_.model_inputs import ScheduledSequence, build_step_layout
 from module.causal_lm import CausalLM
-from ops.attention_metadata import AttentionMetadataBuilder, build_model_inputs, take_rows
+from ops.attention.metadata import (
+    AttentionMetadataBuilder,
+    ScheduledSequence,
+    build_model_inputs,
+    build_step_layout,
+    take_rows,
+)
 
 
 def check_mtp_layers(model_cls: type[CausalLM], hf_config: Any, config: InferenceConfig, config_json: str) -> None:

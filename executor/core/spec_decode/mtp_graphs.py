@@ -16,7 +16,7 @@ import torch
 
 from executor.core.model_worker.graph_runner import GraphRunner
 from executor.platform.graph_compilers import GraphOutput
-from executor.types_.model_inputs import ForwardMetaData
+from ops.attention.metadata import ForwardMetaData
 
 
 class MTPStep(torch.nn.Module):

@@ -17,7 +17,7 @@ import torch
 from executor.core.config.comm_manager import CommManager
 from executor.core.sampler.sampler import without_nan_marks
 from executor.types_ import Request
-from executor.types_.model_inputs import ScheduledSequence
+from ops.attention.metadata import ScheduledSequence
 
 
 @dataclass(slots=True)
