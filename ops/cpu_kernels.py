@@ -76,11 +76,11 @@ def vector_flags() -> list[str]:
     return ["-mavx2", "-mfma"] if {"avx2", "fma"} <= cpu_flags() else []
 
 
-def build_name(flags: list[str], sources: list[str]) -> str:
-    """The extension's name, and so its build folder: one per vector flags and source text (headers
-    included), so that an edited kernel is built afresh and checkouts with different kernels never
-    rebuild each other's."""
-    digest = hashlib.sha256("\0".join([*flags, *sources]).encode()).hexdigest()[:12]
+def build_name(flags: list[str], sources: list[str], include_dir: Path) -> str:
+    """The extension's name, and so its build folder: one per vector flags, source text (headers
+    included) and source folder, so that an edited kernel is built afresh and checkouts never rebuild
+    each other's (torch's loader rebuilds a folder whose include path changed, even for the same text)."""
+    digest = hashlib.sha256("\0".join([*flags, *sources, str(include_dir)]).encode()).hexdigest()[:12]
     return "infer_recipes_cpu_kernels" + ("_avx2" if flags else "") + f"_{digest}"
 
 
@@ -117,7 +117,7 @@ def extension() -> Any | None:
             sources = [(CSRC / source).read_text() for source in SOURCES]
             # Keyed by the sources too: checkouts of other versions never load each other's builds.
             headers = [header.read_text() for header in sorted(CSRC.glob("*.h"))]  # #included: unseen by the loader
-            name = build_name(flags, sources + headers)
+            name = build_name(flags, sources + headers, CSRC)
             clear_stale_build_lock(name)
             load_inline(
                 name=name,

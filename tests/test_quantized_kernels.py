@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -249,11 +250,12 @@ def test_cpu_record_takes_the_quantized_kernels_where_they_built(kernels):
 # -- the build and the plan ---------------------------------------------------------------------------
 
 
-def test_the_build_is_named_by_its_sources():
-    flags = ["-mavx2"]
-    assert cpu_kernels.build_name(flags, ["a", "b"]) == cpu_kernels.build_name(flags, ["a", "b"])
-    assert cpu_kernels.build_name(flags, ["a", "b"]) != cpu_kernels.build_name(flags, ["a", "c"])
-    assert cpu_kernels.build_name(flags, ["a"]) != cpu_kernels.build_name([], ["a"])
+def test_the_build_is_named_by_its_sources_and_their_folder():
+    flags, here, there = ["-mavx2"], Path("/a/ops/csrc"), Path("/b/ops/csrc")
+    assert cpu_kernels.build_name(flags, ["a", "b"], here) == cpu_kernels.build_name(flags, ["a", "b"], here)
+    assert cpu_kernels.build_name(flags, ["a", "b"], here) != cpu_kernels.build_name(flags, ["a", "c"], here)
+    assert cpu_kernels.build_name(flags, ["a"], here) != cpu_kernels.build_name([], ["a"], here)
+    assert cpu_kernels.build_name(flags, ["a"], here) != cpu_kernels.build_name(flags, ["a"], there)  # checkouts
 
 
 def test_a_build_lock_left_by_a_killed_load_is_removed_once_stale_and_a_fresh_one_kept(tmp_path, monkeypatch):
