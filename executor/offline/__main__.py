@@ -244,9 +244,9 @@ def run(args: argparse.Namespace, stop: StopSignals) -> int:
     except BaseException as exc:
         env = DistEnv.from_environ()
         if env.world_size > 1 and is_lost_peer(exc):  # another rank is gone; nothing is wrong here
-            with stop.deferred():  # torchrun's SIGTERM to the survivors only sets the flag now
-                _finish_quietly(writer, "stopped on error")
-                print(stopped_line(env.rank, env.world_size, str(plan.output_dir), resume_hint), file=sys.stderr)
+            stop.settle()  # torchrun's SIGTERM to the survivors only sets the flag from now on
+            _finish_quietly(writer, "stopped on error")
+            print(stopped_line(env.rank, env.world_size, str(plan.output_dir), resume_hint), file=sys.stderr)
             return STOPPED_ON_ERROR
         report_rank_failure(exc)
         _finish_quietly(writer, "stopped on error")

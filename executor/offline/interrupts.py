@@ -41,6 +41,7 @@ class StopSignals:
         # Set by the first signal; the step loop polls is_set (a flag read, no call into this module).
         self.stop_requested = threading.Event()
         self._deferred = False
+        self._settled = False
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> StopSignals:
@@ -63,11 +64,19 @@ class StopSignals:
         finally:
             self._deferred = False
 
+    def settle(self) -> None:
+        """The run's outcome is decided (its folder written, its exit status known): from here to the
+        process's end the first signal only sets `stop_requested`, so that torchrun's SIGTERM to a rank
+        already stopping because another was lost adds no traceback to the rank's one-line error."""
+        self._settled = True
+
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         first = self.signum is None
         if first:
             self.signum = signum
             self.stop_requested.set()
+        if first and self._settled:
+            return
         if first and self._deferred:
             logger.warning(
                 "%s: finishing the current step, then stopping (again to stop at once)", signal.Signals(signum).name
