@@ -6,6 +6,8 @@ rotary_emb, forward) plus `self.lm_head`."""
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 from transformers import PretrainedConfig
@@ -96,7 +98,7 @@ class CausalLM(nn.Module):
     def mtp_embedding(self, layer: int) -> nn.Module:
         """The embedding MTP layer `layer` reads its tokens through: the model's own, as DeepSeek's
         MTP modules share it; a family whose checkpoints give the MTP its own says so here."""
-        return self.model.embed_tokens
+        return cast(nn.Module, self.model.embed_tokens)
 
     def mtp_forward(
         self,
@@ -111,7 +113,7 @@ class CausalLM(nn.Module):
         after the final norm) -> hidden states [T, hidden] before shared_head.norm. Its attention reads
         and writes its own cache through the step's block tables."""
         inputs_embeds = self.mtp_embedding(layer)(input_ids)
-        rotary = self.model.rotary_emb(positions, inputs_embeds.dtype)
+        rotary = cast(nn.Module, self.model.rotary_emb)(positions, inputs_embeds.dtype)
         return self.mtp_layer(layer).predict(inputs_embeds, previous_hidden_states, rotary, forward_metadata)
 
     def mtp_compute_logits(self, layer: int, hidden_states: torch.Tensor, row_indices: torch.Tensor) -> torch.Tensor:

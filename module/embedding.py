@@ -16,8 +16,8 @@ from torch import nn
 
 from module.linear import divide
 from module.parallel_group import SINGLE, ParallelGroup
-from module.quantized import QuantizableLinear, QuantParam, load_quant_tensor
-from module.weights import ShardId, load_shard
+from module.quantized import QuantizableLinear, load_quant_tensor, quant_param
+from module.weights import ShardId, load_shard, set_weight_loader
 from ops import quant_math
 from ops.linear_method import PLAIN, LinearMethod
 
@@ -37,10 +37,10 @@ class VocabParallelEmbedding(QuantizableLinear, nn.Module):
         self.num_embeddings_per_rank = divide(num_embeddings, tp.size)
         self.vocab_start = tp.rank * self.num_embeddings_per_rank
         self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_rank, embedding_dim), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        set_weight_loader(self.weight, self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
-        quant: QuantParam | None = getattr(param, "quant", None)
+        quant = quant_param(param)
         if quant is None:
             load_shard(param.data, loaded_weight, 0, self.tp_rank, self.tp_size)
         else:
@@ -85,6 +85,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     slices are gathered so every rank holds full logits. The multiply is the layer's LinearMethod,
     as in module/linear.py, quantized as a column layer is."""
 
+    linear_method: LinearMethod
+
     def __init__(
         self, num_embeddings: int, embedding_dim: int, tp: ParallelGroup = SINGLE, linear_method: LinearMethod = PLAIN
     ) -> None:
@@ -92,7 +94,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.linear_method = linear_method
         self.packed_weight = None
 
-    def forward(self, hidden_states: torch.Tensor, row_indices: torch.Tensor) -> torch.Tensor:
+    # it shares the table's weights and loading, not its call: hidden rows in, logits out
+    def forward(self, hidden_states: torch.Tensor, row_indices: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         rows = hidden_states[row_indices]
         if self.tp_size == 1:
             return self.linear_method.apply(self, rows, None)

@@ -44,6 +44,14 @@ class DepthwiseConvWeight(nn.Module):
         self.weight = nn.Parameter(torch.empty(channels, 1, width), requires_grad=False)
 
 
+class GatedNormWeight(nn.Module):
+    """Holds the gated norm's weight [head_v_dim] under the checkpoint's name (norm.weight)."""
+
+    def __init__(self, head_v_dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(head_v_dim), requires_grad=False)
+
+
 class GatedDeltaNet(RecurrentStateLayer):
     keeps_position_states = True  # ops/recurrent_ref.py's ops keep a verify step's states per position
 
@@ -77,8 +85,7 @@ class GatedDeltaNet(RecurrentStateLayer):
         self.conv1d = DepthwiseConvWeight(self.conv_dim, conv_width)
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.zeros(num_v_heads), requires_grad=False)
-        self.norm = nn.Module()
-        self.norm.weight = nn.Parameter(torch.ones(head_v_dim), requires_grad=False)
+        self.norm = GatedNormWeight(head_v_dim)
         self.out_proj = RowParallelLinear(self.value_dim, hidden_size, linear_method=method)
 
     def build_projections(self, hidden_size: int, method: LinearMethod) -> None:

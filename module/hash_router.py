@@ -62,6 +62,9 @@ class HashRouter(ScoredRouter):
         super().__init__(hidden_size, num_experts, top_k, scoring_func, routed_scaling_factor)
         self.tid2eid = nn.Parameter(torch.zeros(vocab_size, top_k, dtype=torch.int64), requires_grad=False)
 
-    def forward(self, hidden_states: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # routed by the token ids too, which only DeepSeek-V4's MoE block passes (models/deepseek_v4/model.py)
+    def forward(  # type: ignore[override]
+        self, hidden_states: torch.Tensor, input_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         expert_ids = self.tid2eid[input_ids].long()
         return self.expert_weights(self.scores(hidden_states), expert_ids), expert_ids

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
+from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
 
 ROPE_KINDS = ("main", "compress")
 
 
 class InterleavedRope(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: DeepseekV4Config) -> None:
         super().__init__()
         reference = DeepseekV4RotaryEmbedding(config)
         self.attention_scaling = {}

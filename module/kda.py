@@ -21,7 +21,7 @@ from executor.types_.kv_cache_spec import KVTensorSpec
 from module.linear import ColumnParallelLinear, RowParallelLinear, divide
 from module.parallel_group import SINGLE, ParallelGroup
 from module.recurrent import RecurrentStateLayer
-from module.weights import ShardId, load_shard
+from module.weights import ShardId, load_shard, set_weight_loader
 from ops.attention.metadata import ForwardMetaData
 from ops.backend import Backend
 from ops.linear_method import LinearMethod
@@ -37,7 +37,7 @@ def head_sharded(size: int, tp: ParallelGroup) -> nn.Parameter:
     def weight_loader(param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: ShardId = None) -> None:
         load_shard(param.data, materialize(loaded_weight).reshape(-1), 0, tp.rank, tp.size)
 
-    param.weight_loader = weight_loader
+    set_weight_loader(param, weight_loader)
     return param
 
 
@@ -50,7 +50,7 @@ class ShortConvolution(nn.Module):
         self.tp = tp
         self.local_channels = divide(channels, tp.size)
         self.weight = nn.Parameter(torch.empty(3 * self.local_channels, width), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        set_weight_loader(self.weight, self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: ShardId = None) -> None:
         assert shard_id in (0, 1, 2), f"the convolution is loaded as its q, k, v shards 0..2, got {shard_id!r}"

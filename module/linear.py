@@ -15,8 +15,8 @@ from torch import nn
 
 from executor.types_.errors import WeightLoadError
 from module.parallel_group import SINGLE, ParallelGroup
-from module.quantized import QuantizableLinear, QuantParam, load_quant_part, load_quant_tensor
-from module.weights import LoadedWeight, ShardId, load_shard
+from module.quantized import QuantizableLinear, load_quant_part, load_quant_tensor, quant_param
+from module.weights import LoadedWeight, ShardId, load_shard, set_weight_loader
 from ops.linear_method import PLAIN, LinearMethod
 
 
@@ -31,6 +31,9 @@ class LinearBase(QuantizableLinear, nn.Module):
     the layer's LinearMethod (its backend's for its weight scheme: ops/linear_method.py), which may
     keep a copy of W laid out for its kernel in `packed_weight` (a plain attribute, in no state_dict).
     A quantized scheme (set_scheme, module/quantized.py) adds its scales beside W."""
+
+    linear_method: LinearMethod
+    bias: nn.Parameter | None
 
     def __init__(
         self,
@@ -49,15 +52,15 @@ class LinearBase(QuantizableLinear, nn.Module):
         self.tp_rank = tp.rank
         self.tp_size = tp.size
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        set_weight_loader(self.weight, self.weight_loader)
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
+            set_weight_loader(self.bias, self.weight_loader)
         else:
             self.register_parameter("bias", None)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: ShardId = None) -> None:
-        quant: QuantParam | None = getattr(param, "quant", None)
+        quant = quant_param(param)
         if quant is not None:
             load_quant_tensor(param.data, loaded_weight, quant, self.tp_rank, self.tp_size)
             return
@@ -101,7 +104,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         assert isinstance(shard_id, int), "a merged layer is loaded one shard (by index) at a time"
         offset = divide(sum(self.output_sizes[:shard_id]), self.tp_size)
         size = divide(self.output_sizes[shard_id], self.tp_size)
-        quant: QuantParam | None = getattr(param, "quant", None)
+        quant = quant_param(param)
         if quant is None:
             load_shard(param.data.narrow(0, offset, size), loaded_weight, 0, self.tp_rank, self.tp_size)
         else:  # the part's rows of the weight, its scales and zero points; the shared input scale

@@ -42,7 +42,7 @@ from executor.types_.errors import WeightLoadError
 from executor.types_.quant_scheme import LinearScheme
 from module.linear import divide
 from module.parallel_group import SINGLE, ParallelGroup
-from module.quantized import QuantParam, load_quant_part, load_quant_tensor, quant_parameters
+from module.quantized import load_quant_part, load_quant_tensor, quant_param, quant_parameters, set_quant_param
 from module.weights import load_shard
 from ops.backend import Backend
 from ops.quantized_experts import ExpertsMethod
@@ -298,7 +298,7 @@ class FusedExperts(nn.Module):
             for tensor, (param, spec) in params.items():
                 stacked = torch.zeros(self.num_local_experts, *param.shape, dtype=param.dtype)
                 stacked_param = nn.Parameter(stacked, requires_grad=False)
-                stacked_param.quant = spec
+                set_quant_param(stacked_param, spec)
                 setattr(self, f"{projection}{STACKED_SUFFIX[tensor]}", stacked_param)
 
     def local_index(self, expert_id: int) -> int | None:
@@ -322,7 +322,7 @@ class FusedExperts(nn.Module):
         param = getattr(self, name, None)
         if param is None:
             raise WeightLoadError(f"{tensor} of expert {expert_id}'s {projection}, which the plan leaves unquantized")
-        spec: QuantParam | None = getattr(param, "quant", None)
+        spec = quant_param(param)
         if stacked == "down_proj":
             if spec is None:
                 load_shard(param.data[local], loaded_weight, 1, self.tp_rank, self.tp_size)

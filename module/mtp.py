@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from functools import cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -37,7 +37,19 @@ class SharedHead(nn.Module):
         self.norm = RMSNorm(hidden_size, eps, backend=backend)
 
 
-class MTPLayerMixin:
+if TYPE_CHECKING:
+
+    class DecoderLayer(nn.Module):
+        """To the type checker, the decoder layer class the mixin precedes in the MRO (at run time its
+        base is object): built from (HF config, layer index, parallel, backend), called as a module."""
+
+        def __init__(self, config: Any, layer_index: int, parallel: ModelParallel, backend: Backend) -> None: ...
+
+else:
+    DecoderLayer = object
+
+
+class MTPLayerMixin(DecoderLayer):
     """Mixed in before a model's decoder layer class (`class XMTPLayer(MTPLayerMixin, XDecoderLayer)`, or
     mtp_layer_class(XDecoderLayer)), so the checkpoint's decoder-layer names map onto it unchanged. The
     decoder layer takes (HF config, layer index, parallel, backend); the config's hidden_size and

@@ -30,7 +30,9 @@ from torch import nn
 from executor.types_.checkpoint_tensor import LoadedWeight, materialize
 from executor.types_.errors import WeightLoadError
 from executor.types_.quant_scheme import BLOCK, FLOAT, GROUP, INT, LinearScheme, QuantArgs
-from module.weights import load_shard
+from module.weights import WeightLoader, load_shard, set_weight_loader
+from ops.linear_method import LinearMethod
+from ops.quant_math import block_shape, group_size
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +63,20 @@ class QuantParam:
     non_negative: bool = False
 
 
+# The attribute a quantized parameter carries its QuantParam in (set_quant_param, quant_param).
+QUANT = "quant"
+
+
+def set_quant_param(param: nn.Parameter, spec: QuantParam) -> None:
+    """Mark `param` as a quantized tensor that loads by `spec` (its layer's weight_loader reads it)."""
+    setattr(param, QUANT, spec)
+
+
+def quant_param(param: nn.Parameter) -> QuantParam | None:
+    """How `param` loads as a quantized tensor; None for a plain parameter."""
+    return getattr(param, QUANT, None)
+
+
 def check_values(values: torch.Tensor, spec: QuantParam) -> None:
     """A WeightLoadError naming the first value a damaged checkpoint holds where `spec` forbids it
     (the loader prefixes the tensor's name): NaN or inf anywhere, a negative scale where not allowed."""
@@ -81,19 +97,19 @@ def check_values(values: torch.Tensor, spec: QuantParam) -> None:
 def scale_shape(args: QuantArgs, rows: int, cols: int) -> tuple[int, int]:
     """The [N, K] weight's scale shape under `args` (per tensor and per channel both [N, 1])."""
     if args.strategy == GROUP:
-        return rows, -(-cols // args.group_size)
+        return rows, -(-cols // group_size(args))
     if args.strategy == BLOCK:
-        block_rows, block_cols = args.block_structure
+        block_rows, block_cols = block_shape(args)
         return -(-rows // block_rows), -(-cols // block_cols)
     return rows, 1
 
 
 def shape_problem(args: QuantArgs, rows: int, cols: int) -> str | None:
     """Why an [rows, cols] weight cannot take `args`' groups or blocks whole, or None."""
-    if args.strategy == GROUP and cols % args.group_size:
+    if args.strategy == GROUP and cols % group_size(args):
         return f"{cols} input features do not split into groups of {args.group_size}; choose a _g<N> that divides them"
-    if args.strategy == BLOCK and (rows % args.block_structure[0] or cols % args.block_structure[1]):
-        blocks = "x".join(map(str, args.block_structure))
+    if args.strategy == BLOCK and (rows % block_shape(args)[0] or cols % block_shape(args)[1]):
+        blocks = "x".join(map(str, block_shape(args)))
         return f"a [{rows}, {cols}] weight does not split into {blocks} blocks"
     return None
 
@@ -153,8 +169,8 @@ def quant_parameters(
     weights = scheme.weights
     grouped = weights.strategy in (GROUP, BLOCK)
     scale_tp_dim = 0 if tp_dim == 0 else (1 if grouped else None)
-    block_rows = weights.block_structure[0] if weights.strategy == BLOCK else 1
-    if tp_dim == 1 and grouped and cols % (weights.group_size or weights.block_structure[1]):
+    block_rows = block_shape(weights)[0] if weights.strategy == BLOCK else 1
+    if tp_dim == 1 and grouped and cols % (weights.group_size or block_shape(weights)[1]):
         raise WeightLoadError(
             f"a row-parallel shard of {cols} input features does not hold whole groups of {scheme.describe()}"
         )
@@ -187,6 +203,7 @@ def load_quant_tensor(
         loaded = materialize(loaded)
         check_values(loaded, spec)
     if spec.shared:
+        assert spec.decode is not None, "a shared tensor (the input scale) decodes by its scheme"
         value = spec.decode(materialize(loaded), tuple(destination.shape))
         destination.copy_(torch.maximum(destination, value.reshape(destination.shape).to(destination.dtype)))
         return
@@ -194,6 +211,7 @@ def load_quant_tensor(
     if spec.tp_dim is not None:
         full[spec.tp_dim] *= tp_size
     if loaded.dtype != destination.dtype or loaded.shape.numel() != torch.Size(full).numel():
+        assert spec.decode is not None, "a tensor held in another dtype or shape than its parameter's decodes"
         decoded = spec.decode(materialize(loaded), tuple(full))
         if decoded.dtype != destination.dtype and destination.dtype == torch.int8:
             decoded = decoded.to(torch.int8)
@@ -248,15 +266,20 @@ class QuantizableLinear:
 
     reads_dense_weight = False
     weight: nn.Parameter
+    # set_scheme's (a plain embedding's scheme is None; a plain linear layer's is never set)
+    scheme: LinearScheme | None
+    linear_method: LinearMethod | None  # None: an embedding, which looks its rows up
+    compute_dtype: torch.dtype
+    quantize_at_load: bool
     tp_dim: int
     tp_rank: int
     tp_size: int
-    weight_loader: Callable[..., None]
+    weight_loader: WeightLoader
 
     def set_scheme(
         self,
         scheme: LinearScheme,
-        method: object,
+        method: LinearMethod | None,
         compute_dtype: torch.dtype,
         at_load: bool,
         tied_to: QuantizableLinear | None = None,
@@ -276,6 +299,6 @@ class QuantizableLinear:
             if tied_to is not None:
                 setattr(self, name, getattr(tied_to, name))  # loaded once, by its owner's loader
                 continue
-            param.quant = spec
-            param.weight_loader = self.weight_loader
+            set_quant_param(param, spec)
+            set_weight_loader(param, self.weight_loader)
             setattr(self, name, param)

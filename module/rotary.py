@@ -33,7 +33,8 @@ def rope_inv_freq(
         exponents = torch.arange(0, dim, 2, dtype=torch.float) / dim
         return 1.0 / (parameters["rope_theta"] ** exponents), 1.0
     if rope_type == "default":
-        return LlamaRotaryEmbedding.compute_default_rope_parameters(config)
+        # typed for LlamaConfig, it reads only the rope fields every config has
+        return LlamaRotaryEmbedding.compute_default_rope_parameters(config)  # type: ignore[arg-type]
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"unknown rope_type {rope_type!r}; transformers knows {sorted(ROPE_INIT_FUNCTIONS)}")
     if layer_type is None:
@@ -45,6 +46,8 @@ class RotaryEmbedding(nn.Module):
     """The table of rope_inv_freq(config, head_dim, layer_type), or of `frequencies` (inv_freq,
     attention_scaling) where a family has transformers compute them otherwise. `partial`: the model
     rotates the first rotary_dim dims of each head only (and says so); else rope must cover the whole head."""
+
+    cos_sin_cache: torch.Tensor  # a buffer (register_buffer)
 
     def __init__(
         self,

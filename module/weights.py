@@ -8,7 +8,7 @@ each tensor from the file, and an expert-parallel rank never reads another rank'
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -18,6 +18,16 @@ from executor.types_.errors import WeightLoadError
 
 # Which part of a fused parameter a checkpoint tensor fills: "q"/"k"/"v", a merged index, or None.
 ShardId = int | str | None
+# A parameter's `weight_loader(param, loaded_weight, shard_id=None)`: bound methods and partials too.
+WeightLoader = Callable[..., None]
+# The attribute the model loaders call a parameter's loader by (load_fused_tensor); torch's
+# Parameter does not declare it, so it is set by name (set_weight_loader).
+WEIGHT_LOADER = "weight_loader"
+
+
+def set_weight_loader(param: nn.Parameter, loader: WeightLoader) -> None:
+    """Give `param` the loader that cuts this rank's part of a checkpoint tensor into it."""
+    setattr(param, WEIGHT_LOADER, loader)
 
 
 def load_shard(
@@ -66,7 +76,7 @@ def load_fused_tensor(
     param = params.get(name)
     if param is None:
         raise WeightLoadError(f"unexpected: {type(model).__name__} has no parameter {name!r}")
-    getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard_id)
+    getattr(param, WEIGHT_LOADER, default_weight_loader)(param, tensor, shard_id)
     return name, shard_id
 
 

@@ -16,10 +16,15 @@ one graph.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import torch
 import torch.nn.functional as F
 
 from ops.attention.metadata import ForwardMetaData
+
+if TYPE_CHECKING:
+    from ops.attention.npu import NpuAttentionMetadata
 
 
 def token_rows(forward_metadata: ForwardMetaData, num_tokens: int, device: torch.device) -> torch.Tensor:
@@ -29,7 +34,7 @@ def token_rows(forward_metadata: ForwardMetaData, num_tokens: int, device: torch
         return torch.arange(num_tokens, device=device)
     ends = getattr(forward_metadata, "query_ends", None)
     if ends is None:
-        ends = torch.as_tensor(forward_metadata.actual_seq_lengths_q, device=device)
+        ends = torch.as_tensor(cast("NpuAttentionMetadata", forward_metadata).actual_seq_lengths_q, device=device)
     lengths = torch.diff(ends, prepend=ends.new_zeros(1))
     return torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths, output_size=num_tokens)
 
@@ -38,7 +43,7 @@ def request_seq_lens(forward_metadata: ForwardMetaData, device: torch.device) ->
     """[rows] each request's KV length after the step (the NPU's actual_seq_lengths_kv)."""
     seq_lens = getattr(forward_metadata, "seq_lens", None)
     if seq_lens is None:
-        seq_lens = torch.as_tensor(forward_metadata.actual_seq_lengths_kv, device=device)
+        seq_lens = torch.as_tensor(cast("NpuAttentionMetadata", forward_metadata).actual_seq_lengths_kv, device=device)
     return seq_lens
 
 
@@ -193,5 +198,5 @@ def _compressed_indexer_topk(
 
 @_compressed_indexer_topk.register_fake
 def _(query: torch.Tensor, head_weights: torch.Tensor, index_cache: torch.Tensor, *args: object) -> torch.Tensor:
-    top_k = args[-2]
+    top_k = cast(int, args[-2])  # the op's (..., ratio, top_k, softmax_scale)
     return query.new_empty((query.shape[0], top_k), dtype=torch.int64)

@@ -14,7 +14,7 @@ import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +22,7 @@ from torch import nn
 
 from ops import torch_ref
 from ops.cpu_kernels import extension, fake
-from ops.linear_method import LinearMethod
+from ops.linear_method import LinearMethod, set_layer_attr
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,9 @@ def moe_experts(
     """torch_ref.moe_experts with each expert's SiLU-and-mul by the fused fp32 kernel (its input, a
     linear's output, is contiguous). An op of its own, as the reference's is: it reads the counts on
     the host. Registered only once the extension built (CpuOps, fp32 models)."""
-    fused = named("fused_silu_and_mul", extension().fused_silu_and_mul)
+    kernels = extension()
+    assert kernels is not None, "registered only once the extension built"
+    fused = named("fused_silu_and_mul", kernels.fused_silu_and_mul)
     return torch_ref.experts_with_activation(
         hidden_states, topk_weights, topk_ids, gate_up_proj, down_proj, None, None, fused
     )
@@ -200,14 +202,14 @@ class KernelLinear(LinearMethod):
         self.rows_max = rows_max
 
     def process_weights(self, layer: nn.Module) -> None:
-        weight = layer.weight.detach()
-        layer.packed_weight = PackedWeight(self.pack(weight), weight.shape[0], self.layout)
+        weight = cast(torch.Tensor, layer.weight).detach()
+        set_layer_attr(layer, "packed_weight", PackedWeight(self.pack(weight), weight.shape[0], self.layout))
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        packed = layer.packed_weight
+        packed = cast("PackedWeight | None", layer.packed_weight)
         rows = x.numel() // x.shape[-1]
         if packed is None or rows > self.rows_max or (torch.compiler.is_compiling() and not _kernel_in_graph(rows)):
-            return F.linear(x, layer.weight, bias)
+            return F.linear(x, cast(torch.Tensor, layer.weight), bias)
         out = self.op(x.reshape(rows, x.shape[-1]), packed.data, bias, packed.out_features)
         return out.view(*x.shape[:-1], packed.out_features)
 
@@ -243,23 +245,23 @@ class OneDnnLinear(LinearMethod):
     layout = "onednn"
 
     def process_weights(self, layer: nn.Module) -> None:
-        weight = layer.weight.detach()
+        weight = cast(torch.Tensor, layer.weight).detach()
         try:
             blocked = torch.ops.mkldnn._reorder_linear_weight(weight, DECODE_ROWS_HINT)
         except RuntimeError as exc:  # bf16 needs AVX-512 or AVX-NE-CONVERT
             logger.info("linear weights stay in MKL's plain layout: %s", str(exc).splitlines()[0])
-            layer.packed_weight = None
+            set_layer_attr(layer, "packed_weight", None)
             return
-        layer.packed_weight = PackedWeight(blocked, weight.shape[0], self.layout)
+        set_layer_attr(layer, "packed_weight", PackedWeight(blocked, weight.shape[0], self.layout))
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        packed = layer.packed_weight
+        packed = cast("PackedWeight | None", layer.packed_weight)
         if packed is None or torch.compiler.is_compiling():
-            return F.linear(x, layer.weight, bias)
+            return F.linear(x, cast(torch.Tensor, layer.weight), bias)
         return torch.ops.mkldnn._linear_pointwise(x, packed.data, bias, "none", [], "")
 
 
-def cpu_linear_method(dtype: torch.dtype, extension: object | None, flags: frozenset[str]) -> LinearMethod | None:
+def cpu_linear_method(dtype: torch.dtype, extension: Any | None, flags: frozenset[str]) -> LinearMethod | None:
     """The packed method for weights of `dtype` on a CPU with `flags` and the built `extension` (or
     None), or None where only the plain layout serves."""
     if dtype == torch.float32 and extension is not None and {"avx2", "fma"} <= flags:

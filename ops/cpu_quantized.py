@@ -10,7 +10,7 @@ differs from F.linear over the dequantized weight only in the order of its fp32 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -18,8 +18,8 @@ from torch import nn
 
 from ops import quant_math
 from ops.cpu import named
-from ops.linear_method import LinearMethod
-from ops.quantized_linear import DequantizedLinear, keep_tensors, quantized_weight
+from ops.linear_method import LinearMethod, set_layer_attr
+from ops.quantized_linear import DequantizedLinear, keep_tensors, layer_scheme, quantized_weight
 
 # Rows up to which the 4/8-bit kernel runs (decode at batch 1..8); past them the weight is
 # dequantized for the call and the dense kernel multiplies it, as the kernel's repeated in-register
@@ -77,7 +77,7 @@ class VnniInt8Linear(LinearMethod):
         )
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        out_features = layer.int8_weight_scale.shape[0]
+        out_features = cast(torch.Tensor, layer.int8_weight_scale).shape[0]
         rows = x.reshape(-1, x.shape[-1])
         # one opaque op in a compiled graph too (its fake: ops/cpu.py)
         out = named("int8_linear", self.kernels.int8_linear_forward)(
@@ -107,7 +107,7 @@ class CodedWeight:
 def coded_weight(kernels: Any, layer: nn.Module) -> CodedWeight | None:
     """The layer's WNA16 weight as unsigned codes, scales and offsets (symmetric: offset = -2^(b-1) s,
     exact; zero points: -(zp + 2^(b-1)) s), packed; None where the kernel does not take it."""
-    args = layer.scheme.weights
+    args = layer_scheme(layer).weights
     weight = quantized_weight(layer)
     rows, cols = weight.values.shape
     groups = weight.scale.shape[-1] if weight.scale.dim() == 2 else 1
@@ -160,18 +160,22 @@ class Wna16Linear(LinearMethod):
     def process_weights(self, layer: nn.Module) -> None:
         """The coded weight's tensors as the layer's buffers (what graph modes bind as its weights)."""
         coded = coded_weight(self.kernels, layer)
-        layer.wna16_bits = None if coded is None else coded.bits
+        set_layer_attr(layer, "wna16_bits", None if coded is None else coded.bits)
         if coded is None:
             self.plainly.process_weights(layer)
             return
-        layer.wna16_out_features = coded.out_features
+        set_layer_attr(layer, "wna16_out_features", coded.out_features)
         keep_tensors(layer, wna16_codes=coded.codes, wna16_scales=coded.scales, wna16_offsets=coded.offsets)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if layer.wna16_bits is None:
             return self.plainly.apply(layer, x, bias)
         coded = CodedWeight(
-            layer.wna16_codes, layer.wna16_scales, layer.wna16_offsets, layer.wna16_bits, layer.wna16_out_features
+            cast(torch.Tensor, layer.wna16_codes),
+            cast(torch.Tensor, layer.wna16_scales),
+            cast(torch.Tensor, layer.wna16_offsets),
+            cast(int, layer.wna16_bits),
+            cast(int, layer.wna16_out_features),
         )
         rows = x.numel() // x.shape[-1]
         if torch.compiler.is_compiling():

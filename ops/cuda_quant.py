@@ -15,6 +15,7 @@ the CPU, where torch 2.13 has both ops too).
 from __future__ import annotations
 
 import logging
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -22,8 +23,15 @@ from torch import nn
 
 from executor.types_.quant_scheme import CHANNEL, FP8, TENSOR, TOKEN, W8A8_INT8
 from ops import quant_math
-from ops.linear_method import LinearMethod
-from ops.quantized_linear import DequantizedLinear, Int8ScaledLinear, NativeLinear, keep_tensors, quantized_weight
+from ops.linear_method import LinearMethod, set_layer_attr
+from ops.quantized_linear import (
+    DequantizedLinear,
+    Int8ScaledLinear,
+    NativeLinear,
+    keep_tensors,
+    layer_scheme,
+    quantized_weight,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +61,8 @@ class Fp8ScaledLinear(NativeLinear):
     kernel = "torch._scaled_mm"
 
     def refusal(self, layer: nn.Module) -> str | None:
-        weights, inputs = layer.scheme.weights, layer.scheme.input_activations
+        scheme = layer_scheme(layer)
+        weights, inputs = scheme.weights, scheme.input_activations
         if weights.strategy not in (TENSOR, CHANNEL):
             return f"torch._scaled_mm is used with per-tensor or per-row scales here, not {weights.describe()}"
         if inputs is None:
@@ -80,26 +89,29 @@ class Fp8ScaledLinear(NativeLinear):
             fp8_weight_scale=scale.contiguous(),
             fp8_input_scale=weight.input_scale,
         )
-        layer.fp8_features = (in_features, out_features)
+        set_layer_attr(layer, "fp8_features", (in_features, out_features))
 
     def run(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        in_features, out_features = layer.fp8_features
-        padded_in, padded_out = layer.fp8_weight_t.shape
+        in_features, out_features = cast("tuple[int, int]", layer.fp8_features)
+        weight_t = cast(torch.Tensor, layer.fp8_weight_t)
+        inputs = layer_scheme(layer).input_activations
+        assert inputs is not None, "refusal() lets through quantized activations only"
+        padded_in, padded_out = weight_t.shape
         rows = x.reshape(-1, x.shape[-1]).float()
-        values, x_scale = quant_math.quantize_activation(rows, layer.scheme.input_activations, layer.fp8_input_scale)
+        values, x_scale = quant_math.quantize_activation(
+            rows, inputs, cast("torch.Tensor | None", layer.fp8_input_scale)
+        )
         x_fp8 = values.to(torch.float8_e4m3fn)
         if padded_in != in_features:
             x_fp8 = F.pad(x_fp8.view(torch.uint8), (0, padded_in - in_features)).view(torch.float8_e4m3fn)
         x_scale = x_scale.float().reshape(-1, 1)
-        w_scale = layer.fp8_weight_scale
+        w_scale = cast(torch.Tensor, layer.fp8_weight_scale)
         if w_scale.numel() > 1 or x_scale.numel() > 1:  # rowwise: both scales per row, bf16 out
             x_scale = x_scale.expand(rows.shape[0], 1).contiguous()
             w_scale = w_scale.expand(1, padded_out).contiguous()
-            out = torch._scaled_mm(x_fp8, layer.fp8_weight_t, x_scale, w_scale, out_dtype=torch.bfloat16)
+            out = torch._scaled_mm(x_fp8, weight_t, x_scale, w_scale, out_dtype=torch.bfloat16)
         else:
-            out = torch._scaled_mm(
-                x_fp8, layer.fp8_weight_t, x_scale.reshape(()), w_scale.reshape(()), out_dtype=x.dtype
-            )
+            out = torch._scaled_mm(x_fp8, weight_t, x_scale.reshape(()), w_scale.reshape(()), out_dtype=x.dtype)
         out = out[:, :out_features]
         if bias is not None:
             out = out.float() + bias.float()

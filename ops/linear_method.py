@@ -9,11 +9,19 @@ and ops/npu_quant.py's, one per scheme and device (ops/backend.py's linear_metho
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 UNQUANTIZED = "unquantized"
+
+
+def set_layer_attr(layer: nn.Module, name: str, value: object) -> None:
+    """Keep `value` (a layout, a flag, None) as `layer`'s attribute `name`, through nn.Module's
+    setattr as `layer.name = value` would: torch types a module's attributes as tensors and modules."""
+    setattr(layer, name, value)
 
 
 class LinearMethod:
@@ -39,7 +47,7 @@ class PlainLinear(LinearMethod):
     """F.linear over the plain weight: every device's unquantized form, and the CPU's without packing."""
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+        return F.linear(x, cast(torch.Tensor, layer.weight), bias)
 
 
 PLAIN = PlainLinear()  # stateless: one instance serves every layer and every record

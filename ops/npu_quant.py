@@ -23,14 +23,15 @@ docs/context/torch_npu-npu_quant_matmul.md, -npu_dynamic_quant.md, -npu_weight_q
 from __future__ import annotations
 
 from types import ModuleType
+from typing import cast
 
 import torch
 from torch import nn
 
 from executor.types_.quant_scheme import FP8, GROUP, MXFP4, MXFP8, TENSOR, TOKEN, W4A8, W8A8_INT8, WNA16
 from ops import quant_math
-from ops.linear_method import LinearMethod
-from ops.quantized_linear import DequantizedLinear, NativeLinear, keep_tensors, quantized_weight
+from ops.linear_method import LinearMethod, set_layer_attr
+from ops.quantized_linear import DequantizedLinear, NativeLinear, keep_tensors, layer_scheme, quantized_weight
 
 NPU_MAX_K_N = 65535  # both ops: K and N at most 65535
 NPU_GROUP_MULTIPLE = 32
@@ -44,7 +45,7 @@ NOT_NATIVE = {
 
 
 def _size_refusal(layer: nn.Module) -> str | None:
-    out_features, in_features = layer.weight.shape
+    out_features, in_features = cast(torch.Tensor, layer.weight).shape
     if max(out_features, in_features) > NPU_MAX_K_N:
         return f"the npu's quantized matmuls take K, N <= {NPU_MAX_K_N}, this layer is {out_features}x{in_features}"
     return None
@@ -61,7 +62,8 @@ class NpuW8A8Linear(NativeLinear):
         self.torch_npu = torch_npu
 
     def refusal(self, layer: nn.Module) -> str | None:
-        inputs = layer.scheme.input_activations
+        inputs = layer_scheme(layer).input_activations
+        assert inputs is not None, "a W8A8 scheme quantizes its activations"
         if not inputs.symmetric:
             return "npu_dynamic_quant quantizes symmetrically, the scheme's activations are asymmetric"
         if inputs.strategy not in (TOKEN, TENSOR) or (inputs.strategy == TENSOR and inputs.dynamic):
@@ -82,7 +84,8 @@ class NpuW8A8Linear(NativeLinear):
     def run(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         out_dtype = x.dtype if x.dtype in HALF_DTYPES else torch.bfloat16
         rows = x.reshape(-1, x.shape[-1])
-        input_scale = layer.npu_int8_input_scale
+        input_scale = cast("torch.Tensor | None", layer.npu_int8_input_scale)
+        weight_t = cast(torch.Tensor, layer.npu_int8_weight_t)
         if input_scale is None:
             x_values, x_scale = self.torch_npu.npu_dynamic_quant(rows.to(out_dtype))
         else:
@@ -90,13 +93,13 @@ class NpuW8A8Linear(NativeLinear):
             x_scale = input_scale.float().expand(rows.shape[0])
         out = self.torch_npu.npu_quant_matmul(
             x_values,
-            layer.npu_int8_weight_t,
+            weight_t,
             layer.npu_int8_scale,
             pertoken_scale=x_scale,
             bias=None if bias is None else bias.float(),
             output_dtype=out_dtype,
         )
-        return out.to(x.dtype).view(*x.shape[:-1], layer.npu_int8_weight_t.shape[1])
+        return out.to(x.dtype).view(*x.shape[:-1], weight_t.shape[1])
 
 
 class NpuWeightQuantLinear(NativeLinear):
@@ -110,39 +113,40 @@ class NpuWeightQuantLinear(NativeLinear):
         self.torch_npu = torch_npu
 
     def refusal(self, layer: nn.Module) -> str | None:
-        weights = layer.scheme.weights
-        out_features, in_features = layer.weight.shape
-        if layer.compute_dtype not in HALF_DTYPES:
-            return f"npu_weight_quant_batchmatmul takes fp16/bf16 activations, the model runs {layer.compute_dtype}"
-        if weights.strategy == GROUP and (
-            weights.group_size % NPU_GROUP_MULTIPLE or not NPU_GROUP_MULTIPLE <= weights.group_size < in_features
-        ):
-            return f"npu_weight_quant_batchmatmul takes groups of 32k below K={in_features}, not {weights.group_size}"
+        weights = layer_scheme(layer).weights
+        out_features, in_features = cast(torch.Tensor, layer.weight).shape
+        compute_dtype = cast(torch.dtype, layer.compute_dtype)
+        if compute_dtype not in HALF_DTYPES:
+            return f"npu_weight_quant_batchmatmul takes fp16/bf16 activations, the model runs {compute_dtype}"
+        if weights.strategy == GROUP:
+            group_size = quant_math.group_size(weights)
+            if group_size % NPU_GROUP_MULTIPLE or not NPU_GROUP_MULTIPLE <= group_size < in_features:
+                return f"npu_weight_quant_batchmatmul takes groups of 32k below K={in_features}, not {group_size}"
         if weights.num_bits == 4 and out_features % 8:
             return f"npu_convert_weight_to_int4pack packs N in eights, N is {out_features}"
         return _size_refusal(layer)
 
     def pack(self, layer: nn.Module) -> None:
         weight = quantized_weight(layer)
-        args = layer.scheme.weights
+        args = layer_scheme(layer).weights
         out_features = weight.values.shape[0]
         transposed = weight.values.t().contiguous()  # [K, N]
         if args.num_bits == 4:
             transposed = self.torch_npu.npu_convert_weight_to_int4pack(transposed.to(torch.int32))
-        dtype = layer.compute_dtype
+        dtype = cast(torch.dtype, layer.compute_dtype)
         scale = weight.scale.reshape(out_features, -1).t().to(dtype).contiguous()  # [G, N]; [1, N] per channel
         offset = None
         if weight.zero_point is not None:
             offset = (-weight.zero_point.reshape(out_features, -1).t().to(dtype)).contiguous()
-        group_size = args.group_size if args.strategy == GROUP else 0
+        group_size = quant_math.group_size(args) if args.strategy == GROUP else 0
         if group_size == 0:
             scale = scale.reshape(-1).expand(out_features).contiguous()
             offset = None if offset is None else offset.reshape(-1).expand(out_features).contiguous()
         keep_tensors(layer, npu_antiquant_weight=transposed, npu_antiquant_scale=scale, npu_antiquant_offset=offset)
-        layer.npu_antiquant_shape = (group_size, out_features)
+        set_layer_attr(layer, "npu_antiquant_shape", (group_size, out_features))
 
     def run(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        group_size, out_features = layer.npu_antiquant_shape
+        group_size, out_features = cast("tuple[int, int]", layer.npu_antiquant_shape)
         rows = x.reshape(-1, x.shape[-1])
         if bias is not None:
             bias = bias.float() if x.dtype == torch.bfloat16 else bias.to(x.dtype)

@@ -17,6 +17,18 @@ E8M0_BIAS = 127
 FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
+def group_size(args: QuantArgs) -> int:
+    """A group strategy's group size (QuantArgs holds None for the strategies without groups)."""
+    assert args.group_size is not None, f"weights per {args.strategy} have no group size"
+    return args.group_size
+
+
+def block_shape(args: QuantArgs) -> tuple[int, int]:
+    """A block strategy's [rows, cols] block (QuantArgs holds None for the other strategies)."""
+    assert args.block_structure is not None, f"weights per {args.strategy} have no block shape"
+    return args.block_structure
+
+
 def _eps_fix(scale: torch.Tensor) -> torch.Tensor:
     return torch.where(scale == 0, torch.finfo(scale.dtype).eps, scale)
 
@@ -197,10 +209,10 @@ def weight_groups(weight: torch.Tensor, args: QuantArgs) -> tuple[torch.Tensor, 
     if args.strategy == CHANNEL:
         return weight.amin(1, keepdim=True), weight.amax(1, keepdim=True)
     if args.strategy == GROUP:
-        grouped = weight.unflatten(1, (-1, args.group_size))
+        grouped = weight.unflatten(1, (-1, group_size(args)))
         return grouped.amin(-1), grouped.amax(-1)
     if args.strategy == BLOCK:
-        rows, cols = args.block_structure
+        rows, cols = block_shape(args)
         blocks = weight.unflatten(1, (-1, cols)).unflatten(0, (-1, rows))
         return blocks.amin((1, 3)), blocks.amax((1, 3))
     raise ValueError(f"weights per {args.strategy} are not run here")
@@ -210,9 +222,9 @@ def expand_scale(scale: torch.Tensor, shape: torch.Size, args: QuantArgs) -> tor
     """A weight's scale (or zero point) [1], [N, 1], [N, G] or [N/b0, K/b1] broadcast to the weight's [N, K]."""
     rows, cols = shape
     if args.strategy == GROUP:
-        return scale.repeat_interleave(args.group_size, dim=1)[:, :cols]
+        return scale.repeat_interleave(group_size(args), dim=1)[:, :cols]
     if args.strategy == BLOCK:
-        block_rows, block_cols = args.block_structure
+        block_rows, block_cols = block_shape(args)
         return scale.repeat_interleave(block_rows, 0).repeat_interleave(block_cols, 1)[:rows, :cols]
     return scale.expand(rows, cols) if scale.numel() > 1 else scale.reshape(1, 1).expand(rows, cols)
 

@@ -17,15 +17,43 @@ decoded: `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I] values, `*_scale` a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 from torch import nn
 
 from executor.types_.quant_scheme import LinearScheme, QuantArgs
 from ops import quant_math, torch_ref
+from ops.linear_method import set_layer_attr
 from ops.quantized_linear import keep_tensors
 
+if TYPE_CHECKING:
+    from ops.backend import Backend
+
 PROJECTIONS = ("gate_up_proj", "down_proj")
+
+
+class QuantizedExperts(Protocol):
+    """What these methods read of a quantized FusedExperts (module/moe.py's set_scheme), and the
+    tensors they keep on it: torch types an nn.Module's attributes as tensors and modules."""
+
+    ops: Backend
+    scheme: LinearScheme
+    compute_dtype: torch.dtype
+    quantize_at_load: bool
+    gate_up_proj: torch.Tensor
+    down_proj: torch.Tensor
+    int8_gate_up_proj_t: torch.Tensor  # Int8Experts's buffers
+    int8_gate_up_proj_scale: torch.Tensor
+    int8_gate_up_proj_input_scale: torch.Tensor | None
+    int8_down_proj_t: torch.Tensor
+    int8_down_proj_scale: torch.Tensor
+    int8_down_proj_input_scale: torch.Tensor | None
+    input_scale_values: dict[str, torch.Tensor | None]  # DequantizedExperts's static input scales
+
+    def run_dense_experts(
+        self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,11 +68,13 @@ class StackedWeight:
 
 def stacked_weight(layer: nn.Module, projection: str) -> StackedWeight:
     """The projection as the layer's scheme holds it: its tensors, or its float weights rounded to nearest."""
-    scheme: LinearScheme = layer.scheme
+    experts = cast("QuantizedExperts", layer)
+    scheme = experts.scheme
     values = getattr(layer, projection).detach()
-    if layer.quantize_at_load:
+    if experts.quantize_at_load:
         parts = [quant_math.quantize_weight(expert, scheme.weights) for expert in values]
-        zero_points = None if scheme.weights.symmetric else torch.stack([part[2] for part in parts])
+        # asymmetric weights round to a zero point each
+        zero_points = None if scheme.weights.symmetric else torch.stack([cast(torch.Tensor, p[2]) for p in parts])
         return StackedWeight(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]), zero_points, None)
     zero_point = getattr(layer, f"{projection}_zero_point", None)
     input_scale = getattr(layer, f"{projection}_input_scale", None)
@@ -96,16 +126,17 @@ class Int8Experts(ExpertsMethod):
     def apply(
         self, layer: nn.Module, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
-        return layer.ops.moe_experts_int8(
+        experts = cast("QuantizedExperts", layer)
+        return experts.ops.moe_experts_int8(
             hidden_states,
             topk_weights,
             topk_ids,
-            layer.int8_gate_up_proj_t,
-            layer.int8_gate_up_proj_scale,
-            layer.int8_down_proj_t,
-            layer.int8_down_proj_scale,
-            layer.int8_gate_up_proj_input_scale,
-            layer.int8_down_proj_input_scale,
+            experts.int8_gate_up_proj_t,
+            experts.int8_gate_up_proj_scale,
+            experts.int8_down_proj_t,
+            experts.int8_down_proj_scale,
+            experts.int8_gate_up_proj_input_scale,
+            experts.int8_down_proj_input_scale,
         )
 
 
@@ -117,8 +148,9 @@ class DequantizedExperts(ExpertsMethod):
         return "dequantized once at load into the stacked experts"
 
     def process_weights(self, layer: nn.Module) -> None:
-        args = layer.scheme.weights
-        input_scales = {}
+        experts = cast("QuantizedExperts", layer)
+        args = experts.scheme.weights
+        input_scales: dict[str, torch.Tensor | None] = {}
         for projection in PROJECTIONS:
             weight = stacked_weight(layer, projection)
             dense = torch.stack(
@@ -128,30 +160,31 @@ class DequantizedExperts(ExpertsMethod):
                         weight.scale[e],
                         None if weight.zero_point is None else weight.zero_point[e],
                         args,
-                        layer.compute_dtype,
+                        experts.compute_dtype,
                     )
                     for e, values in enumerate(weight.values)
                 ]
             )
             setattr(layer, projection, nn.Parameter(dense, requires_grad=False))
             input_scales[projection] = weight.input_scale
-        layer.input_scale_values = input_scales
+        set_layer_attr(layer, "input_scale_values", input_scales)
 
     def apply(
         self, layer: nn.Module, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
-        inputs: QuantArgs | None = layer.scheme.input_activations
+        experts = cast("QuantizedExperts", layer)
+        inputs = experts.scheme.input_activations
         if inputs is None:
-            return layer.run_dense_experts(hidden_states, topk_weights, topk_ids)
+            return experts.run_dense_experts(hidden_states, topk_weights, topk_ids)
         return fake_quantized_experts(
             hidden_states,
             topk_weights,
             topk_ids,
-            layer.gate_up_proj,
-            layer.down_proj,
+            experts.gate_up_proj,
+            experts.down_proj,
             inputs,
-            layer.input_scale_values["gate_up_proj"],
-            layer.input_scale_values["down_proj"],
+            experts.input_scale_values["gate_up_proj"],
+            experts.input_scale_values["down_proj"],
         )
 
 

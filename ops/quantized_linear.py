@@ -26,13 +26,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
 
-from executor.types_.quant_scheme import LinearScheme, QuantArgs
+from executor.types_.quant_scheme import LinearScheme
 from ops import quant_math
-from ops.linear_method import LinearMethod
+from ops.linear_method import LinearMethod, set_layer_attr
 
 logger = logging.getLogger(__name__)
 
@@ -53,23 +54,29 @@ class QuantizedWeight:
     offset: torch.Tensor | None = None
 
 
+def layer_scheme(layer: nn.Module) -> LinearScheme:
+    """The scheme set_scheme gave a quantized layer (module/quantized.py, module/moe.py)."""
+    return cast(LinearScheme, layer.scheme)
+
+
 def quantized_weight(layer: nn.Module) -> QuantizedWeight:
     """The layer's weight as its scheme holds it: its own tensors, or its float weight rounded to
     nearest, which then replace the float one (so it is not held twice; a tied LM head unties)."""
-    scheme: LinearScheme = layer.scheme
+    scheme = layer_scheme(layer)
     if getattr(layer, "quantize_at_load", False):
-        values, scale, zero_point = quant_math.quantize_weight(layer.weight.detach(), scheme.weights)
+        weight = cast(torch.Tensor, layer.weight)
+        values, scale, zero_point = quant_math.quantize_weight(weight.detach(), scheme.weights)
         layer.weight = nn.Parameter(values, requires_grad=False)
         layer.weight_scale = nn.Parameter(scale, requires_grad=False)
         if zero_point is not None:
             layer.weight_zero_point = nn.Parameter(zero_point, requires_grad=False)
-        layer.quantize_at_load = False
+        set_layer_attr(layer, "quantize_at_load", False)
     zero_point = getattr(layer, "weight_zero_point", None)
     input_scale = getattr(layer, "input_scale", None)
     offset = getattr(layer, "weight_offset", None)
     return QuantizedWeight(
-        layer.weight.detach(),
-        layer.weight_scale.detach(),
+        cast(torch.Tensor, layer.weight).detach(),
+        cast(torch.Tensor, layer.weight_scale).detach(),
         None if zero_point is None else zero_point.detach(),
         None if input_scale is None else input_scale.detach().float(),
         None if offset is None else offset.detach(),
@@ -121,14 +128,16 @@ class Int8ScaledLinear(LinearMethod):
         )
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        input_scale = cast("torch.Tensor | None", layer.int8_input_scale)
+        weight_t = cast(torch.Tensor, layer.int8_weight_t)
         rows = x.reshape(-1, x.shape[-1])
-        if layer.int8_input_scale is None:
+        if input_scale is None:
             x_values, x_scale = self.quantize(rows)
         else:
-            x_scale = layer.int8_input_scale.reshape(1, 1)
+            x_scale = input_scale.reshape(1, 1)
             x_values = quant_math.quantize_int8(rows, x_scale)
-        out = self.rescale(self.int_mm(x_values, layer.int8_weight_t), x_scale, layer.int8_weight_scale, bias)
-        return out.to(x.dtype).view(*x.shape[:-1], layer.int8_weight_t.shape[1])
+        out = self.rescale(self.int_mm(x_values, weight_t), x_scale, cast(torch.Tensor, layer.int8_weight_scale), bias)
+        return out.to(x.dtype).view(*x.shape[:-1], weight_t.shape[1])
 
 
 class DequantizedLinear(LinearMethod):
@@ -145,19 +154,20 @@ class DequantizedLinear(LinearMethod):
 
     def process_weights(self, layer: nn.Module) -> None:
         weight = quantized_weight(layer)
-        args = layer.scheme.weights
+        args = layer_scheme(layer).weights
+        compute_dtype = cast(torch.dtype, layer.compute_dtype)
         dense = quant_math.dequantize_weight(
-            weight.values, weight.scale, weight.zero_point, args, layer.compute_dtype, weight.offset
+            weight.values, weight.scale, weight.zero_point, args, compute_dtype, weight.offset
         )
         layer.weight = nn.Parameter(dense, requires_grad=False)
         keep_tensors(layer, fake_input_scale=weight.input_scale)
         self.dense.process_weights(layer)
 
     def quantize_input(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        inputs: QuantArgs | None = layer.scheme.input_activations
+        inputs = layer_scheme(layer).input_activations
         if inputs is None:
             return x
-        return quant_math.fake_quantize_activation(x, inputs, layer.fake_input_scale)
+        return quant_math.fake_quantize_activation(x, inputs, cast("torch.Tensor | None", layer.fake_input_scale))
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return self.dense.apply(layer, self.quantize_input(layer, x), bias)
@@ -184,7 +194,7 @@ class NativeLinear(LinearMethod):
         raise NotImplementedError
 
     def process_weights(self, layer: nn.Module) -> None:
-        layer.native_refusal = self.refusal(layer)
+        set_layer_attr(layer, "native_refusal", self.refusal(layer))
         if layer.native_refusal is None:
             self.pack(layer)
         else:

@@ -224,7 +224,7 @@ def _position_slots(tables: RecurrentStateTables, num_rows: int) -> list[list[in
 def _write_states(
     cache: torch.Tensor,
     tables: RecurrentStateTables,
-    finals: list[torch.Tensor],
+    finals: list[torch.Tensor | None],
     kept: list[tuple[list[int], torch.Tensor]],
 ) -> None:
     """Each row's final state to its final slot, or (kept) every position's state to its slot."""
@@ -232,7 +232,8 @@ def _write_states(
     final_index = tables.write_slots[torch.tensor(final_rows, dtype=torch.int64, device=cache.device)]
     kept_slots = [slot for position_slots, _ in kept for slot in position_slots]
     index = torch.cat([final_index, torch.tensor(kept_slots, dtype=torch.int64, device=cache.device)])
-    states = [finals[row] for row in final_rows] + [state for _, states in kept for state in states.unbind(0)]
+    finals_written = [final for final in finals if final is not None]
+    states = finals_written + [state for _, states in kept for state in states.unbind(0)]
     cache.index_copy_(0, index, torch.stack(states).to(cache.dtype))
 
 
@@ -249,7 +250,9 @@ def scan_rows(
     after each position, written to that position's slot) -> the outputs packed again."""
     initial = row_states(state_cache, tables)
     bounds = _row_bounds(tables)
-    outputs, finals, kept = [], [], []
+    outputs: list[torch.Tensor] = []
+    finals: list[torch.Tensor | None] = []
+    kept: list[tuple[list[int], torch.Tensor]] = []
     for row, ((start, end), position_slots) in enumerate(
         zip(bounds, _position_slots(tables, len(bounds)), strict=True)
     ):
@@ -278,7 +281,9 @@ def causal_conv1d_fn(
     slot (after each position, in a row that fits its ring)."""
     initial = row_states(conv_cache, tables)
     bounds = _row_bounds(tables)
-    outputs, finals, kept = [], [], []
+    outputs: list[torch.Tensor] = []
+    finals: list[torch.Tensor | None] = []
+    kept: list[tuple[list[int], torch.Tensor]] = []
     for row, ((start, end), position_slots) in enumerate(
         zip(bounds, _position_slots(tables, len(bounds)), strict=True)
     ):

@@ -98,6 +98,7 @@ def indexer_topk(
     query per request."""
     seq_lens = forward_metadata.seq_lens
     query_ends = forward_metadata.query_ends
+    assert seq_lens is not None, "the torch metadata builder sets seq_lens every step"
     if forward_metadata.is_decode_shaped:
         query_ends = torch.arange(1, seq_lens.shape[0] + 1, device=seq_lens.device)
     return indexer_topk_rows(
@@ -137,6 +138,7 @@ def sparse_mla_attention(
         row_requests = torch.arange(num_rows, device=q_nope.device)
     else:
         rows = torch.arange(num_rows, device=q_nope.device)
+        assert forward_metadata.query_ends is not None, "set for every step that is not decode-shaped"
         row_requests = torch.searchsorted(forward_metadata.query_ends, rows, right=True)
     slots = selected_slots(topk_indices, block_table, row_requests, latent_cache.shape[1])
     latents = latent_cache.view(-1, latent_cache.shape[-1])[slots]  # [T, k, L + R]
