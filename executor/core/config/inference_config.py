@@ -32,6 +32,7 @@ from executor.core.config.sections import (
     REFUSED,
     SECTIONS,
     DataConfig,
+    DisaggConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -53,6 +54,7 @@ class InferenceConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    disagg_config: DisaggConfig = field(default_factory=DisaggConfig)
     source: str = "<defaults>"  # the YAML file this came from, for error messages and output names
     # `section.key` of every key the file set; a flattened file's keys with no sectioned one under their own name
     explicit_keys: frozenset[str] = frozenset()
