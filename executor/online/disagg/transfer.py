@@ -280,11 +280,13 @@ class PrefillTransfer(_Thread):
         """Drop what no decode rank came for within the timeout (a decode that gave up, or never
         was): the gathered KV of a room is held no longer than that."""
         now_s = time.monotonic()
-        for room in [room for room, item in self._ready.items() if now_s - item.ready_s > self.timeout_s]:
-            logger.warning("no decode rank asked for the KV of room %s within %g s: dropped", room, self.timeout_s)
-            del self._ready[room]
         for room in [room for room, (_, since) in self._failed.items() if now_s - since > self.timeout_s]:
             del self._failed[room]
+        for room in [room for room, item in self._ready.items() if now_s - item.ready_s > self.timeout_s]:
+            why = f"no decode rank asked for its KV within {self.timeout_s:g} s (transfer_timeout_s): dropped"
+            logger.warning("room %s: %s", room, why)
+            del self._ready[room]
+            self._failed[room] = (why, now_s)  # a want that comes later is answered, not left to time out
         for room in [room for room, (_, since) in self._wants.items() if now_s - since > 2 * self.timeout_s]:
             del self._wants[room]  # the decode side failed it by now
 
