@@ -139,9 +139,17 @@ def test_c8_kv_with_its_scales_goes_across(tiny_llama_dir, prompts):
         check_pd_equals_offline(pair, prompts, expected, MAX_TOKENS)
 
 
-# One family per cache kind: sliding windows (gpt-oss), MLA (DeepSeek-V3), the DSA indexer's keys
-# (GLM-5), recurrent and conv states (Qwen3.5), compressed entries (DeepSeek-V4).
-CACHE_KINDS = ["gpt_oss", "deepseek_v3", "glm_5", "qwen3_5", "deepseek_v4"]
+# One family per cache kind: sliding windows (gpt-oss), MLA (DeepSeek-V3, and its int8 latent with
+# scales under C8), the DSA indexer's keys (GLM-5), recurrent and conv states (Qwen3.5), compressed
+# entries (DeepSeek-V4).
+CACHE_KINDS = [
+    pytest.param("gpt_oss", [], id="gpt_oss"),
+    pytest.param("deepseek_v3", [], id="deepseek_v3"),
+    pytest.param("deepseek_v3", ["model_config.quantization=c8"], id="deepseek_v3-c8"),
+    pytest.param("glm_5", [], id="glm_5"),
+    pytest.param("qwen3_5", [], id="qwen3_5"),
+    pytest.param("deepseek_v4", [], id="deepseek_v4"),
+]
 TINY_SETTINGS = [
     "data_config.num_prompts=3",
     "scheduler_config.batch_size=4",
@@ -150,17 +158,22 @@ TINY_SETTINGS = [
 ]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("family", CACHE_KINDS)
-def test_every_cache_kind_goes_across_and_decodes_as_offline(family, monkeypatch):
+@pytest.mark.parametrize(("family", "settings"), CACHE_KINDS)
+def test_every_cache_kind_goes_across_and_decodes_as_offline(family, settings, monkeypatch):
     monkeypatch.chdir(ROOT)  # the configs' model_path is relative to the repository
     yaml = ROOT / "models" / family / "config" / "tiny_random.yaml"
-    config = load_config(yaml, TINY_SETTINGS)
+    config = load_config(yaml, TINY_SETTINGS + settings)
     model_path = str(resolve_model_path(config))
-    prompts = [record.prompt_token_ids for record in load_records(config)]
-    assert all(prompts)
-    expected = offline_greedy(OfflineInference(config, model_path), prompts, 6)
-    engines = [OfflineInference(load_config(yaml, TINY_SETTINGS), model_path).engine for _ in range(2)]
+    records = load_records(config)
+    for record in records:
+        record.sampling_overrides["max_new_tokens"] = 6
+    offline = OfflineInference(config, model_path).generate(records).requests
+    prompts = [request.prompt_token_ids for request in offline]
+    expected = [request.output_token_ids for request in offline]
+    assert all(prompts) and all(expected)
+    engines = [OfflineInference(load_config(yaml, TINY_SETTINGS + settings), model_path).engine for _ in range(2)]
+    if settings:
+        assert any(t.dtype == torch.int8 for g in engines[0].worker.kv_cache_groups for t in g.spec.tensors)
     with pd_pair(*engines, timeout_s=30) as pair:
         check_pd_equals_offline(pair, prompts, expected, 6)
 
