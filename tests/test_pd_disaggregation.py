@@ -274,3 +274,12 @@ def test_the_transfer_threads_leave_no_queue_behind(llama_pair):
     assert llama_pair.decode.decode_transfer.arrivals.qsize() == 0
     with pytest.raises(queue.Empty):
         llama_pair.decode.decode_transfer.arrivals.get_nowait()
+
+
+def test_a_dead_transfer_thread_stops_its_loop_with_the_reason(tiny_llama_dir, prompts):
+    engines = [make_inference(tiny_llama_dir, max_new_tokens=4).engine for _ in range(2)]
+    with pd_pair(*engines, timeout_s=5) as pair:
+        pair.decode.decode_transfer.error = OSError("socket gone")
+        outcome = wait(pair.submit(prompts[0], SamplingParams(max_new_tokens=4)), timeout_s=20)
+        assert outcome.finish_reason == "error" and "KV transfer thread stopped: OSError: socket gone" in outcome.error
+        assert pair.decode.error is not None

@@ -178,6 +178,9 @@ class DisaggEngineLoop(EngineLoop):
         return super()._idle_wait_s()
 
     def _step(self) -> list[Update]:
+        transfer = self.prefill_transfer if self.role == "prefill" else self.decode_transfer
+        if transfer.error is not None:  # the loop stops: /health says why, requests get 503
+            raise RuntimeError(f"the KV transfer thread stopped: {type(transfer.error).__name__}: {transfer.error}")
         if self.role == "prefill":
             return super()._step()
         updates = self._take_arrivals()
