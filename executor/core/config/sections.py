@@ -332,8 +332,9 @@ class SchedulerConfig:
     num_reserved_decode_tokens: int = rule(
         64,
         min=0,
-        help="the decode role of prefill-decode disaggregation (disagg_config): tokens of room past its prompt a "
-        "request must find free at admission; unused in the other modes",
+        help="the decode role of prefill-decode disaggregation (disagg_config): tokens of room every request in "
+        "flight keeps past its own; a new one is admitted when its prompt and that room fit the free blocks less "
+        "the others' (cann-recipes' admission); unused in the other modes",
     )
     cp_mini_batch: int = rule(
         -1,

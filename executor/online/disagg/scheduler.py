@@ -106,16 +106,18 @@ class DecodeDisaggScheduler(Scheduler):
         return len(self.pending) + len(self.transferring)
 
     def admit_pending(self) -> None:
-        """Give blocks to the pending requests that fit (their prompt and the reserved decode
-        tokens), oldest first, after the retracted ones (`waiting`) and within batch_size; each
-        then asks for its KV."""
+        """Give blocks to the pending requests that fit, oldest first, after the retracted ones
+        (`waiting`) and within batch_size; each then asks for its KV. cann-recipes' admission: every
+        request in flight (transferring or running) keeps `num_reserved_decode_tokens` of room past
+        its tokens, and a new one is admitted only if its prompt and its own reservation fit the
+        free blocks less the others' reservations."""
         no_hit = PrefixHit([[] for _ in range(self.kv_cache_manager.num_groups)], 0)
         while self.pending and not self.waiting:
             if len(self.running) + len(self.transferring) >= self.limits.batch_size:
                 return
             request = self.pending[0]
-            reserve = min(self.num_reserved_decode_tokens, self.limits.max_model_len - request.num_tokens)
-            if not self.kv_cache_manager.can_admit(request, no_hit, max(reserve, 0)):
+            needed = self.kv_cache_manager.num_blocks_for_tokens(self._reserved_length(request))
+            if not self.kv_cache_manager.can_admit(request, no_hit) or needed > self._free_beyond_reservations():
                 return
             allocated = self.kv_cache_manager.allocate_slots(request, request.num_prompt_tokens)
             assert allocated is not None, "its tokens and more fit the free blocks, so its prompt does"
@@ -123,6 +125,21 @@ class DecodeDisaggScheduler(Scheduler):
             self.transferring[request.request_id] = (request, self.clock())
             rows = self.kv_cache_manager.get_block_ids(request.request_id)
             self.on_admitted(request, self.tickets[request.request_id], rows)
+
+    def _reserved_length(self, request: Request) -> int:
+        """The request's tokens and the reserved decode tokens, within max_model_len."""
+        return min(request.num_tokens + self.num_reserved_decode_tokens, self.limits.max_model_len)
+
+    def _free_beyond_reservations(self) -> int:
+        """Free blocks less what the requests in flight still reserve beyond the blocks they hold."""
+        kv = self.kv_cache_manager
+        in_flight = self.running + [request for request, _ in self.transferring.values()]
+        reserved = 0
+        for request in in_flight:
+            rows = kv.get_block_ids(request.request_id)
+            held = sum(len(row) for group, row in enumerate(rows) if group not in kv.state_groups)
+            reserved += max(kv.num_blocks_for_tokens(self._reserved_length(request)) - held, 0)
+        return kv.num_free_blocks - reserved
 
     def kv_arrived(
         self,
