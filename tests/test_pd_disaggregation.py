@@ -15,14 +15,18 @@ import pytest
 import torch
 
 from executor.core.config import load_config
+from executor.core.config.sections import DisaggConfig
 from executor.offline.__main__ import load_records, resolve_model_path
 from executor.offline.dataset import PromptRecord
 from executor.offline.offline_inference import OfflineInference
 from executor.online.disagg import transfer as transfer_module
 from executor.online.disagg.kv_copy import KVCopier
+from executor.online.disagg.loop import DisaggEngineLoop
+from executor.online.disagg.scheduler import DisaggTicket
 from executor.online.disagg.transfer import TRANSFER_ERROR
-from executor.types_ import SamplingParams
+from executor.types_ import Request, SamplingParams
 from tests.engine_harness import ENGINE_PROMPT_LENS, make_inference
+from tests.online_harness import free_port
 from tests.paged_harness import random_prompts
 from tests.pd_harness import PDPair, pd_pair, pools_empty, wait
 
@@ -87,7 +91,6 @@ def test_the_received_kv_equals_a_combined_runs_block_for_block(tiny_llama_dir, 
         release(request)
 
     combined_scheduler._release = keep_kv
-    from executor.types_ import Request
 
     combined.core.add_request(Request("c", None, list(prompt), SamplingParams(max_new_tokens=1)))
     while combined.core.has_work():
@@ -283,3 +286,36 @@ def test_a_dead_transfer_thread_stops_its_loop_with_the_reason(tiny_llama_dir, p
         outcome = wait(pair.submit(prompts[0], SamplingParams(max_new_tokens=4)), timeout_s=20)
         assert outcome.finish_reason == "error" and "KV transfer thread stopped: OSError: socket gone" in outcome.error
         assert pair.decode.error is not None
+
+
+def test_a_decode_instance_that_starts_first_finds_the_prefill_instance_when_it_comes(tiny_llama_dir, prompts):
+    """The decode half of a request names a bootstrap server that is not up yet: the decode
+    instance keeps reading its route (bounded by the timeout) and meets the prefill instance once
+    it starts; the output is the offline run's."""
+
+    expected = offline_greedy(make_inference(tiny_llama_dir, max_new_tokens=5), [prompts[3]], 5)[0]
+    port = free_port()
+    decode = DisaggEngineLoop(make_inference(tiny_llama_dir).engine, 8, DisaggConfig("DECODE", transfer_timeout_s=20))
+    prefill_engine = make_inference(tiny_llama_dir).engine
+    decode.start()
+    prefill = None
+    try:
+        updates: queue.Queue = queue.Queue()
+        ticket = DisaggTicket("early", "127.0.0.1", port)
+        decode.submit_disagg(
+            Request("d", None, list(prompts[3]), SamplingParams(max_new_tokens=5)), updates.put, ticket
+        )
+        time.sleep(1.0)  # the decode side is already asking for a route no one serves
+        prefill = DisaggEngineLoop(
+            prefill_engine, 8, DisaggConfig("PREFILL", bootstrap_port=port, transfer_timeout_s=20)
+        )
+        prefill.start()
+        prefill.submit_disagg(
+            Request("p", None, list(prompts[3]), SamplingParams(max_new_tokens=5)), lambda u: None, ticket
+        )
+        outcome = wait(updates, timeout_s=30)
+        assert outcome.error is None and outcome.token_ids == expected
+    finally:
+        decode.stop(timeout_s=15)
+        if prefill is not None:
+            prefill.stop(timeout_s=15)
