@@ -28,6 +28,7 @@ def test_percentiles_and_the_transfer_share_per_request():
         "kv_transfer_bytes": 100,
         "prefill_step_s": 5.0,
         "prefill_steps": 1,
+        "prefilled_requests": 3,
     }
     after = {
         "kv_transfers": 6,
@@ -35,14 +36,15 @@ def test_percentiles_and_the_transfer_share_per_request():
         "kv_transfer_bytes": 500,
         "prefill_step_s": 9.0,
         "prefill_steps": 3,
+        "prefilled_requests": 8,  # 5 prefilled, 4 of them sent: the step time is shared by the 5
     }
     decode = {"kv_transfers": 4, "kv_transfer_s": 0.8}
     figures = bench_pd.transfer_figures(before, after, {"kv_transfers": 0, "kv_transfer_s": 0.0}, decode)
     assert figures["kv_bytes_per_request"] == 100
     assert figures["send_ms_per_request"] == pytest.approx(100.0)
     assert figures["receive_ms_per_request"] == pytest.approx(200.0)
-    assert figures["prefill_step_ms_per_request"] == pytest.approx(1000.0)
-    assert figures["transfer_share_of_prefill"] == pytest.approx(0.2)
+    assert figures["prefill_step_ms_per_request"] == pytest.approx(800.0)
+    assert figures["transfer_share_of_prefill"] == pytest.approx(0.25)
     assert bench_pd.transfer_figures(before, before, decode, decode) == {"kv_transfers": 0}
     row = {
         "system": "PD",
@@ -55,7 +57,7 @@ def test_percentiles_and_the_transfer_share_per_request():
         "transfer": figures,
     }
     assert "| PD | 8 | 10.0 | 1.0 / 2.0 | 3.0 / 4.0 |" in bench_pd.format_table([row])
-    assert "20.0%" in bench_pd.format_table([row])
+    assert "25.0%" in bench_pd.format_table([row])
 
 
 @pytest.mark.slow

@@ -131,3 +131,28 @@ def test_a_decode_instance_reports_its_transfers_in_stats(pd, prompts):
         json.loads(json.dumps(httpx.get(prefill.base_url.removesuffix("/v1") + "/bootstrap_info").json()))["role"]
         == "prefill"
     )
+
+
+def test_the_entry_refuses_a_role_it_cannot_run_before_loading_and_port_0_picks_one(tiny_llama_dir, capsys, tmp_path):
+    from executor.core.config import ConfigError, build_config
+    from executor.offline.exit_status import COULD_NOT_START
+    from executor.online.__main__ import check_disaggregation, check_port, main
+
+    two_ranks = build_config({"parallel_config": {"world_size": 2}, "disagg_config": {"disaggregation_mode": "DECODE"}})
+    with pytest.raises(ConfigError, match="disaggregation_mode DECODE .* one rank here"):
+        check_disaggregation(two_ranks)  # (under torchrun each rank says it before loading)
+    config = tmp_path / "pd.yaml"
+    config.write_text(f"model_config:\n  model_path: {tiny_llama_dir}\n  device: cpu\n")
+    speculating = ["--set", "speculative_config.method=ngram", "--set", "speculative_config.num_speculative_tokens=2"]
+    assert main(["--yaml", str(config), "--pd-role", "prefill", "--port", "0", *speculating]) == COULD_NOT_START
+    assert "speculative decoding (ngram) is not built with disaggregation" in capsys.readouterr().err
+    assert check_port("127.0.0.1", 0) > 0
+
+
+def test_the_router_refuses_what_it_cannot_route(capsys):
+    from executor.online.router import main
+
+    assert main(["--prefill", "http://127.0.0.1:1"]) == 2
+    assert "at least one --prefill and one --decode" in capsys.readouterr().err
+    assert main(["--prefill", "127.0.0.1:1", "--decode", "http://127.0.0.1:2"]) == 2
+    assert "an http:// URL" in capsys.readouterr().err

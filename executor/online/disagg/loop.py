@@ -57,8 +57,9 @@ class DisaggEngineLoop(EngineLoop):
         self.disagg = disagg
         self.role = disagg.disaggregation_mode.lower()
         self.copier = KVCopier(engine.worker)
-        self.prefill_step_s = 0.0  # time in prefill steps, and their number (bench_pd reads them)
+        self.prefill_step_s = 0.0  # time in prefill steps, their number, the requests they prefilled (bench_pd)
         self.num_prefill_steps = 0
+        self.num_prefilled = 0
         self._tickets: dict[str, DisaggTicket] = {}
         self._request_of_room: dict[str, str] = {}
         if self.role == "prefill":
@@ -145,7 +146,11 @@ class DisaggEngineLoop(EngineLoop):
     def transfer_stats(self) -> dict[str, float | int]:
         transfer = self.prefill_transfer if self.role == "prefill" else self.decode_transfer
         stats: dict[str, float | int] = transfer.stats.as_dict()
-        stats |= {"prefill_steps": self.num_prefill_steps, "prefill_step_s": self.prefill_step_s}
+        stats |= {
+            "prefill_steps": self.num_prefill_steps,
+            "prefill_step_s": self.prefill_step_s,
+            "prefilled_requests": self.num_prefilled,
+        }
         if self.role == "decode":
             scheduler = self.core.scheduler
             stats |= {"num_in_transfer": scheduler.num_in_transfer, "retractions": scheduler.num_retractions}
@@ -209,6 +214,7 @@ class DisaggEngineLoop(EngineLoop):
     def _hand_over(self, request: Request, ticket: DisaggTicket, rows: list[list[int]]) -> None:
         """Prefill role: the request's prompt is prefilled and its first token sampled; gather its
         KV (before its blocks are freed) for the transfer thread to send."""
+        self.num_prefilled += 1
         metas, buffer = self.copier.gather(rows)
         self.prefill_transfer.publish(
             Prefilled(
