@@ -29,6 +29,7 @@ through queues only (ZMQ sockets are not thread-safe).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import queue
@@ -372,9 +373,14 @@ class DecodeTransfer(_Thread):
             where = f"{bootstrap[0]}:{bootstrap[1]}"
             self._fail(room, f"could not meet the prefill instance of bootstrap server {where}: {exc}")
             return
+        try:  # never blocks: a prefill instance that stopped reading fills its queue, then this fails
+            peer.socket.send(_dumps({"op": "want", "room": room, "block_ids": block_ids}), zmq.NOBLOCK)
+        except zmq.Again:
+            self._break(bootstrap, f"the prefill instance at bootstrap {bootstrap[0]}:{bootstrap[1]} takes no more")
+            self._fail(room, f"the prefill instance at bootstrap {bootstrap[0]}:{bootstrap[1]} takes no more requests")
+            return
         peer.rooms.add(room)
         self._room_peer[room] = bootstrap
-        peer.socket.send(_dumps({"op": "want", "room": room, "block_ids": block_ids}))
 
     def _drop(self, room: str, timed_out: bool) -> None:
         key = self._room_peer.pop(room, None)
@@ -382,7 +388,8 @@ class DecodeTransfer(_Thread):
             return
         peer = self._peers[key]
         peer.rooms.discard(room)
-        peer.socket.send(_dumps({"op": "drop", "room": room}))
+        with contextlib.suppress(zmq.Again):  # a drop may be lost: the prefill side expires what it holds
+            peer.socket.send(_dumps({"op": "drop", "room": room}), zmq.NOBLOCK)
         if timed_out and time.monotonic() - peer.last_heard_s > self.timeout_s:
             self._break(key, f"the prefill instance at bootstrap {key[0]}:{key[1]} went silent")
 
@@ -396,7 +403,7 @@ class DecodeTransfer(_Thread):
         sock = self.context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(entry.endpoint)
-        sock.send(_dumps({"op": "hello", "decode_id": self.decode_id}))
+        sock.send(_dumps({"op": "hello", "decode_id": self.decode_id}), zmq.NOBLOCK)  # a fresh socket queues it
         if not sock.poll(int(self.timeout_s * 1e3)):
             sock.close(0)
             raise TimeoutError(f"the prefill rank at {entry.endpoint} did not answer hello within {self.timeout_s:g} s")
