@@ -319,3 +319,36 @@ def test_a_decode_instance_that_starts_first_finds_the_prefill_instance_when_it_
         decode.stop(timeout_s=15)
         if prefill is not None:
             prefill.stop(timeout_s=15)
+
+
+PD_YAMLS = ROOT / "tests" / "data" / "cann_recipes" / "runs" / "deepseek_r1_pd"
+
+
+def test_cann_recipes_pd_yamls_run_as_they_are_as_the_two_roles(monkeypatch):
+    """The layout of cann-recipes' *_pd/prefill.yaml and decode.yaml (top-level model_name and
+    world_size kept beside the sections, max_new_tokens 1 on the prefill side) loads as the role
+    --pd-role names and serves: greedy output equal to the decode YAML's offline run."""
+    monkeypatch.chdir(ROOT)
+    device = ["model_config.device=cpu"]
+    configs = {
+        role: load_config(PD_YAMLS / f"{role}.yaml", [*device, f"disagg_config.disaggregation_mode={role.upper()}"])
+        for role in ("prefill", "decode")
+    }
+    assert configs["prefill"].model_config.model_name == "deepseek_r1" == configs["decode"].model_config.model_name
+    assert configs["prefill"].scheduler_config.max_new_tokens == 1
+    model_path = str(resolve_model_path(configs["decode"]))
+    offline = OfflineInference(load_config(PD_YAMLS / "decode.yaml", device), model_path)
+    prompts = random_prompts((9, 30, 130), seed=3)  # the last spans two blocks of 128
+    expected = offline_greedy(offline, prompts, 8)
+    engines = [OfflineInference(configs[role], model_path).engine for role in ("prefill", "decode")]
+    with pd_pair(*engines, timeout_s=30) as pair:
+        check_pd_equals_offline(pair, prompts, expected, 8)
+
+
+def test_a_kept_top_level_key_that_disagrees_with_its_section_is_refused():
+    from executor.core.config import ConfigError, build_config
+
+    with pytest.raises(
+        ConfigError, match="world_size 2 at the top of t.yaml .* differs from parallel_config.world_size 1"
+    ):
+        build_config({"world_size": 2, "parallel_config": {"world_size": 1}}, source="t.yaml")
