@@ -138,9 +138,14 @@ def test_the_entry_refuses_a_role_it_cannot_run_before_loading_and_port_0_picks_
     from executor.offline.exit_status import COULD_NOT_START
     from executor.online.__main__ import check_disaggregation, check_port, main
 
-    two_ranks = build_config({"parallel_config": {"world_size": 2}, "disagg_config": {"disaggregation_mode": "DECODE"}})
+    def config(mode: str, **parallel: int):
+        return build_config({"parallel_config": parallel, "disagg_config": {"disaggregation_mode": mode}})
+
     with pytest.raises(ConfigError, match="disaggregation_mode DECODE .* one rank here"):
-        check_disaggregation(two_ranks)  # (under torchrun each rank says it before loading)
+        check_disaggregation(config("DECODE", world_size=2, attn_tp_size=2))  # (each rank says it before loading)
+    with pytest.raises(ConfigError, match="disaggregation_mode PREFILL .* one rank here"):
+        check_disaggregation(config("PREFILL", world_size=2))
+    check_disaggregation(config("DECODE", world_size=2))  # data-parallel replicas
     config = tmp_path / "pd.yaml"
     config.write_text(f"model_config:\n  model_path: {tiny_llama_dir}\n  device: cpu\n")
     speculating = ["--set", "speculative_config.method=ngram", "--set", "speculative_config.num_speculative_tokens=2"]

@@ -129,15 +129,19 @@ def check_port(host: str, port: int) -> int:
 
 
 def check_disaggregation(config: InferenceConfig) -> None:
-    """What prefill-decode disaggregation is built for here: one rank per instance, no speculation."""
+    """What prefill-decode disaggregation is built for here: a one-rank prefill instance, a decode
+    instance of one rank or of data-parallel replicas, no speculation."""
     mode = config.disagg_config.disaggregation_mode
     if mode == "NONE":
         return
-    if config.parallel_config.world_size != 1:
+    parallel = config.parallel_config
+    replicas_only = parallel.attn_tp_size == 1 and parallel.cp_size == 1
+    if parallel.world_size != 1 and (mode == "PREFILL" or not replicas_only):
         raise ConfigError(
-            f"disagg_config.disaggregation_mode {mode} in {config.source}: a prefill or decode instance runs one "
-            f"rank here (parallel_config.world_size 1, got {config.parallel_config.world_size}); run several "
-            "instances behind the Router for more"
+            f"disagg_config.disaggregation_mode {mode} in {config.source}: a prefill instance runs one rank here, "
+            f"a decode instance one rank or data-parallel replicas of one (attn_tp_size 1, cp_size 1); got "
+            f"world_size {parallel.world_size}, attn_tp_size {parallel.attn_tp_size}, cp_size {parallel.cp_size}: "
+            "run several instances behind the Router for more"
         )
     if config.speculation[0]:
         raise ConfigError(

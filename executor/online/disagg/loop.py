@@ -24,6 +24,7 @@ from urllib.parse import urlparse
 
 import torch.distributed as dist
 
+from executor.core.config import ConfigError
 from executor.core.config.sections import DisaggConfig
 from executor.core.engine import EngineStep, ExecutionEngine, RequestOutput
 from executor.core.scheduler import Scheduler
@@ -60,7 +61,8 @@ class DisaggEngineLoop(EngineLoop):
         self.prefill_step_s = 0.0  # time in prefill steps, their number, the requests they prefilled (bench_pd)
         self.num_prefill_steps = 0
         self.num_prefilled = 0
-        self._tickets: dict[str, DisaggTicket] = {}
+        self._tickets: dict[str, DisaggTicket] = {}  # rank 0: submitted, not yet in a turn
+        self._turn_tickets: dict[str, DisaggTicket] = {}  # under torchrun: the last turn's, on every rank
         self._request_of_room: dict[str, str] = {}
         if self.role == "prefill":
             scheduler = role_scheduler(engine.core.scheduler, PrefillDisaggScheduler)
@@ -73,6 +75,12 @@ class DisaggEngineLoop(EngineLoop):
             )
             scheduler.on_admitted = self._want
             scheduler.on_dropped = self._dropped
+        if engine.lock_step:  # a replica that skips a step while its KV comes would stall the others
+            raise ConfigError(
+                f"disagg_config.disaggregation_mode {disagg.disaggregation_mode} in {engine.config.source}: the "
+                f"data-parallel replicas step in lock-step here ({', '.join(engine.lock_step_kinds)} span them), "
+                "which a decode replica waiting for its KV cannot join; use replicas that step on their own"
+            )
         engine.core.scheduler = scheduler
         super().__init__(engine, max_waiting_requests)
         self.bootstrap: BootstrapServer | None = None
@@ -169,16 +177,35 @@ class DisaggEngineLoop(EngineLoop):
 
     # -- the engine's thread ------------------------------------------------------------------
 
+    def _next_turn(self) -> Any:
+        """The base loop's turn; under torchrun (a decode instance of data-parallel replicas) rank 0
+        then sends the turn's tickets to every rank, each replica keeping its requests'."""
+        turn = super()._next_turn()
+        if self.comm.is_distributed and turn.requests:
+            tickets = None
+            if self.comm.rank == 0:
+                with self._wake:
+                    ids = [request.request_id for request, _ in turn.requests]
+                    tickets = {rid: self._tickets.pop(rid) for rid in ids if rid in self._tickets}
+            self._turn_tickets = self.comm.broadcast_from_rank0(tickets)
+        return turn
+
     def _apply(self, turn: Any) -> None:
         with self._wake:
-            for request, _ in turn.requests:
-                ticket = self._tickets.pop(request.request_id, None)
-                if ticket is not None:
+            for request, replica in turn.requests:
+                if self.comm.is_distributed:
+                    ticket = self._turn_tickets.get(request.request_id)
+                else:
+                    ticket = self._tickets.pop(request.request_id, None)
+                if ticket is not None and replica == self.comm.dp_rank:
                     self.core.scheduler.tickets[request.request_id] = ticket
         super()._apply(turn)
 
     def _idle_wait_s(self) -> float | None:
-        if self.role == "decode" and self.core.scheduler.num_in_transfer:
+        """Short while requests wait for their KV here, or (data-parallel replicas) are in flight on
+        another replica, whose arrivals and steps wait for rank 0's next turn."""
+        waiting_elsewhere = self.comm.is_distributed and self.num_in_flight > 0
+        if self.role == "decode" and (self.core.scheduler.num_in_transfer or waiting_elsewhere):
             return POLL_S
         return super()._idle_wait_s()
 
