@@ -16,10 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import uvicorn
 
+from executor.core.config.sections import DisaggConfig
 from executor.core.engine import ExecutionEngine
 from executor.online.__main__ import build_server
+from executor.online.disagg.loop import DisaggEngineLoop
 from executor.online.engine_loop import EngineLoop
+from executor.online.router import Router, RouterSettings
 from executor.online.server import OnlineServer
 from tests.engine_harness import make_inference
 
@@ -56,14 +60,33 @@ class RunningServer:
 
 @contextlib.contextmanager
 def serving(
-    model_dir: Path, *, max_waiting_requests: int = 64, served_model_name: str | None = None, **scheduler: object
+    model_dir: Path,
+    *,
+    max_waiting_requests: int = 64,
+    served_model_name: str | None = None,
+    disagg: DisaggConfig | None = None,
+    **scheduler: object,
 ) -> Iterator[RunningServer]:
-    """The server over an engine like the offline tests' (make_inference), on a free port."""
+    """The server over an engine like the offline tests' (make_inference), on a free port; with
+    `disagg`, a prefill or decode instance of prefill-decode disaggregation."""
     engine = make_inference(model_dir, **scheduler).engine
-    loop = EngineLoop(engine, max_waiting_requests)
+    if disagg is None:
+        loop = EngineLoop(engine, max_waiting_requests)
+    else:
+        loop = DisaggEngineLoop(engine, max_waiting_requests, disagg)
     port = free_port()
     server, uvicorn_server = build_server(engine, loop, "127.0.0.1", port, served_model_name, graceful_timeout_s=10)
     loop.start()
+    try:
+        with running_uvicorn(uvicorn_server):
+            yield RunningServer(f"http://127.0.0.1:{port}/v1", server, loop, engine)
+    finally:
+        loop.stop(timeout_s=15)
+
+
+@contextlib.contextmanager
+def running_uvicorn(uvicorn_server: uvicorn.Server) -> Iterator[None]:
+    """`uvicorn_server` on a thread, started (bounded) and joined at the end."""
     thread = threading.Thread(target=uvicorn_server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -71,11 +94,21 @@ def serving(
         assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
         time.sleep(0.05)
     try:
-        yield RunningServer(f"http://127.0.0.1:{port}/v1", server, loop, engine)
+        yield
     finally:
         uvicorn_server.should_exit = True
         thread.join(15)
-        loop.stop(timeout_s=15)
+
+
+@contextlib.contextmanager
+def routing(prefill_urls: list[str], decode_urls: list[str]) -> Iterator[str]:
+    """The prefill-decode Router over the instances (their base URLs, without /v1) on a free port:
+    its base URL with /v1."""
+    router = Router(RouterSettings(prefill_urls, decode_urls, request_timeout_s=120))
+    port = free_port()
+    config = uvicorn.Config(router.app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+    with running_uvicorn(uvicorn.Server(config)):
+        yield f"http://127.0.0.1:{port}/v1"
 
 
 def printed(process: subprocess.Popen) -> str:

@@ -187,12 +187,18 @@ def test_a_flattened_file_builds_the_config_of_the_sectioned_file_it_stands_for(
 @pytest.mark.parametrize(
     ("text", "marks"),
     [
-        ("world_size: 2\nscheduler_config:\n  batch_size: 4\n", ("world_size", "scheduler_config")),
+        (
+            "world_size: 2\nexe_mode: eager\nscheduler_config:\n  batch_size: 4\n",
+            ("world_size", "exe_mode", "scheduler_config"),
+        ),
         (
             "data_config:\n  input_max_len: 8\n  input_truncated_len: 8\n",
             ("data_config.input_max_len", "data_config.input_truncated_len"),
         ),
-        ("model_name: qwen3\nmodel_config:\n  model_name: qwen3\n", ("model_name", "model_config.model_name")),
+        (
+            "model_name: qwen3\nmodel_path: x\nmodel_config:\n  model_name: qwen3\n",
+            ("model_name", "model_path", "model_config.model_name"),
+        ),
         ("model_config:\n  pa_block_size: 128\nscheduler_config:\n  block_size: 128\n", ("pa_block_size",)),
     ],
 )
@@ -204,6 +210,19 @@ def test_a_file_mixing_the_two_schemas_is_refused_in_one_line(tmp_path, text, ma
     message = str(err.value)
     assert "\n" not in message and "mixes cann-recipes' two schemas" in message and str(path) in message
     assert all(mark in message for mark in marks)
+
+
+def test_a_sectioned_file_may_keep_model_name_and_world_size_at_the_top_as_cann_recipes_pd_files_do(tmp_path):
+    """cann-recipes' *_pd/prefill.yaml and decode.yaml keep both "for backward compatibility"."""
+    path = tmp_path / "prefill.yaml"
+    path.write_text(
+        "model_name: qwen3\nworld_size: 1\nmodel_config:\n  model_name: qwen3\nscheduler_config:\n  batch_size: 4\n"
+    )
+    config = load_config(path)
+    assert (config.model_config.model_name, config.parallel_config.world_size) == ("qwen3", 1)
+    path.write_text("model_name: qwen3\nmodel_config:\n  model_name: llama\n")
+    with pytest.raises(ConfigError, match="model_name 'qwen3' at the top of .* differs from model_config.model_name"):
+        load_config(path)
 
 
 @pytest.mark.parametrize(

@@ -200,6 +200,12 @@ def run(args: argparse.Namespace, stop: StopSignals) -> int:
     config, plan = prepared.config, prepared.plan
     for key, why in not_applicable_keys(config, prepared.device_type):
         logger.info("%s is not applicable here, set but unused: %s", key, why)
+    if config.disagg_config.disaggregation_mode != "NONE":  # cann-recipes' *_pd/prefill.yaml, decode.yaml
+        logger.info(
+            "disagg_config.disaggregation_mode %s: prefill-decode disaggregation is online only "
+            "(python -m executor.online --pd-role); this offline run prefills and decodes in one engine",
+            config.disagg_config.disaggregation_mode,
+        )
     if plan.resumed:
         logger.info("continuing the run in %s: %d request(s) left", plan.output_dir, len(plan.pending))
     servable = [record for record in plan.pending if record.error is None]

@@ -1,5 +1,8 @@
-"""`python -m executor.online --yaml FILE [--host H] [--port N] [--served-model-name NAME] [--set k=v ...]`:
-the OpenAI-compatible server on the recipe's engine (cann-recipes' online entry).
+"""`python -m executor.online --yaml FILE [--host H] [--port N] [--served-model-name NAME]
+[--pd-role prefill|decode] [--set k=v ...]`: the OpenAI-compatible server on the recipe's engine
+(cann-recipes' online entry); `--port 0` picks a free port and logs it. With `--pd-role` it is one
+half of a prefill-decode disaggregated deployment, behind `python -m executor.online.router`
+(docs/online.md).
 
 Every setting of the YAML that works offline works here; data_config's dataset keys do not apply
 (the prompts come over HTTP) and are said so once. With parallel_config.world_size above 1 it runs
@@ -21,7 +24,7 @@ from collections.abc import Iterator
 
 import uvicorn
 
-from executor.core.config import ConfigError
+from executor.core.config import ConfigError, InferenceConfig
 from executor.core.config.comm_manager import DistEnv
 from executor.core.config.inference_config import not_applicable_keys
 from executor.core.engine import ExecutionEngine
@@ -29,6 +32,7 @@ from executor.core.sampler import default_sampling_params
 from executor.offline.__main__ import check_model_config
 from executor.offline.exit_status import COULD_NOT_START
 from executor.offline.preflight import one_line
+from executor.online.disagg.loop import DisaggEngineLoop
 from executor.online.engine_loop import EngineLoop
 from executor.online.server import OnlineServer, ServerSettings
 from executor.utils.logging_config import setup_logging
@@ -57,6 +61,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=30.0,
         help="on SIGTERM or /stop, seconds the running requests get to finish before they are aborted",
     )
+    parser.add_argument(
+        "--pd-role",
+        choices=("prefill", "decode"),
+        default=None,
+        help="prefill-decode disaggregation: this instance's role (sets disagg_config.disaggregation_mode); "
+        "clients go through python -m executor.online.router",
+    )
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     return parser.parse_args(argv)
 
@@ -67,10 +78,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_waiting_requests < 0:
         print(f"error: --max-waiting-requests must be >= 0, got {args.max_waiting_requests}", file=sys.stderr)
         return COULD_NOT_START
+    overrides = list(args.overrides)
+    if args.pd_role is not None:
+        overrides.append(f"disagg_config.disaggregation_mode={args.pd_role.upper()}")
     try:
-        checked = check_model_config(args.yaml, args.overrides)
+        checked = check_model_config(args.yaml, overrides)
+        check_disaggregation(checked.config)
         if DistEnv.from_environ().rank == 0:
-            check_port(args.host, args.port)
+            args.port = check_port(args.host, args.port)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return COULD_NOT_START
@@ -86,7 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, RuntimeError, ValueError) as exc:  # ConfigError and WeightLoadError are ValueErrors
         print(f"error: the model could not be loaded: {one_line(exc)}", file=sys.stderr)
         return COULD_NOT_START
-    loop = EngineLoop(engine, args.max_waiting_requests)
+    disagg = config.disagg_config
+    if disagg.disaggregation_mode == "NONE":
+        loop = EngineLoop(engine, args.max_waiting_requests)
+    else:
+        loop = DisaggEngineLoop(engine, args.max_waiting_requests, disagg)
     try:
         if DistEnv.from_environ().rank != 0:
             loop.run()  # follow rank 0's turns until it says stop
@@ -96,13 +115,39 @@ def main(argv: list[str] | None = None) -> int:
         engine.comm.close()
 
 
-def check_port(host: str, port: int) -> None:
-    """The address can be listened on (found before the model loads, not after)."""
+def check_port(host: str, port: int) -> int:
+    """The address can be listened on (found before the model loads, not after); the port, a free
+    one picked (and logged) for port 0."""
     try:
-        with socket.create_server((host, port)):
-            pass
+        with socket.create_server((host, port)) as sock:
+            picked: int = sock.getsockname()[1]
     except OSError as exc:
         raise ConfigError(f"--host {host} --port {port}: cannot listen there ({exc.strerror or exc})") from exc
+    if port == 0:
+        logger.info("--port 0: listening on free port %d", picked)
+    return picked
+
+
+def check_disaggregation(config: InferenceConfig) -> None:
+    """What prefill-decode disaggregation is built for here: a one-rank prefill instance, a decode
+    instance of one rank or of data-parallel replicas, no speculation."""
+    mode = config.disagg_config.disaggregation_mode
+    if mode == "NONE":
+        return
+    parallel = config.parallel_config
+    replicas_only = parallel.attn_tp_size == 1 and parallel.cp_size == 1
+    if parallel.world_size != 1 and (mode == "PREFILL" or not replicas_only):
+        raise ConfigError(
+            f"disagg_config.disaggregation_mode {mode} in {config.source}: a prefill instance runs one rank here, "
+            f"a decode instance one rank or data-parallel replicas of one (attn_tp_size 1, cp_size 1); got "
+            f"world_size {parallel.world_size}, attn_tp_size {parallel.attn_tp_size}, cp_size {parallel.cp_size}: "
+            "run several instances behind the Router for more"
+        )
+    if config.speculation[0]:
+        raise ConfigError(
+            f"disagg_config.disaggregation_mode {mode} in {config.source}: speculative decoding "
+            f"({config.speculation[0]}) is not built with disaggregation; turn it off"
+        )
 
 
 class _GracefulServer(uvicorn.Server):

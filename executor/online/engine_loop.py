@@ -164,7 +164,7 @@ class EngineLoop:
         if self.comm.rank == 0:
             with self._wake:
                 if not (self._inbox.requests or self._inbox.aborts or self._inbox.stop or self.core.has_work()):
-                    self._wake.wait(HEARTBEAT_S if self.comm.is_distributed else None)
+                    self._wake.wait(self._idle_wait_s())
                 turn, self._inbox = self._inbox, _Turn()
                 for request, replica in turn.requests:
                     self._replica_of[request.request_id] = replica
@@ -172,6 +172,15 @@ class EngineLoop:
             turn = self.comm.broadcast_from_rank0(turn)
         assert turn is not None
         return turn
+
+    def _idle_wait_s(self) -> float | None:
+        """Longest rank 0 waits for something to arrive while nothing runs (None: until woken)."""
+        return HEARTBEAT_S if self.comm.is_distributed else None
+
+    def wake(self) -> None:
+        """Cut the idle wait short (something outside the HTTP side has work for the loop)."""
+        with self._wake:
+            self._wake.notify()
 
     def _apply(self, turn: _Turn) -> None:
         for request, replica in turn.requests:
@@ -200,7 +209,7 @@ class EngineLoop:
         self._update_stats(step)
         if self.on_step is not None and self.comm.rank == 0:
             self.on_step(step)
-        return [_update(output) for output in step.outputs] if self.comm.is_dp_leader else []
+        return [update_of(output) for output in step.outputs] if self.comm.is_dp_leader else []
 
     def _update_stats(self, step: EngineStep) -> None:
         scheduler = self.core.scheduler
@@ -240,7 +249,8 @@ class EngineLoop:
             sink(Update(request_id, [], [], finish_reason=FinishReason.ERROR.value, error=reason))
 
 
-def _update(output: RequestOutput) -> Update:
+def update_of(output: RequestOutput) -> Update:
+    """The sink's update for what one step (or a KV arrival) did for a request."""
     request = output.request
     update = Update(request.request_id, list(output.new_token_ids), list(output.new_logprobs))
     first = bool(output.new_token_ids) and len(request.output_token_ids) == len(output.new_token_ids)

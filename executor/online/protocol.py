@@ -45,6 +45,11 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids in the response
+    # prefill-decode disaggregation: the Router's room and the prefill instance's bootstrap server
+    # (cann-recipes' and SGLang's names); ignored by a combined server
+    bootstrap_room: Annotated[int, Field(ge=0)] | None = None
+    bootstrap_host: str | None = None
+    bootstrap_port: Annotated[int, Field(ge=0, le=65535)] | None = None
     # taken and ignored: they change nothing a response holds here
     user: str | None = None
     metadata: dict[str, Any] | None = None
@@ -126,7 +131,7 @@ class GenerateRequest(BaseModel):
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     stream: bool = False
     rid: str | None = None
-    # the prefill-decode router's fields (cann-recipes), accepted and unused without disaggregation
-    bootstrap_room: int | None = None
+    # the prefill-decode Router's fields (cann-recipes), passed on; ignored by a combined server
+    bootstrap_room: Annotated[int, Field(ge=0)] | None = None
     bootstrap_host: str | None = None
-    bootstrap_port: int | None = None
+    bootstrap_port: Annotated[int, Field(ge=0, le=65535)] | None = None

@@ -22,6 +22,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
+from executor.online.disagg.loop import DisaggEngineLoop
+from executor.online.disagg.scheduler import DisaggTicket
+from executor.online.disagg.transfer import TRANSFER_ERROR
 from executor.online.engine_loop import EngineLoop, QueueFull, Update
 from executor.online.metrics import ServerMetrics
 from executor.online.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, SamplingFields
@@ -122,6 +125,7 @@ class OnlineServer:
         app.post("/generate")(self.generate)
         app.get("/stats")(self.stats)
         app.post("/stop")(self.stop)
+        app.get("/bootstrap_info")(self.bootstrap_info)
         return app
 
     # -- routes -----------------------------------------------------------------------------
@@ -155,7 +159,16 @@ class OnlineServer:
         return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
     async def stats(self) -> dict[str, Any]:
-        return asdict(self.engine_loop.stats) | {"num_in_flight": self.engine_loop.num_in_flight}
+        stats = asdict(self.engine_loop.stats) | {"num_in_flight": self.engine_loop.num_in_flight}
+        if isinstance(self.engine_loop, DisaggEngineLoop):
+            stats |= self.engine_loop.transfer_stats()
+        return stats
+
+    async def bootstrap_info(self) -> Response:
+        """Prefill-decode disaggregation: this instance's role and its bootstrap server (the Router asks)."""
+        if not isinstance(self.engine_loop, DisaggEngineLoop):
+            return JSONResponse({"role": "combined"})
+        return JSONResponse(self.engine_loop.bootstrap_info())
 
     async def stop(self) -> dict[str, str]:
         """cann-recipes' /stop: stop taking requests, finish or abort the running ones, exit."""
@@ -176,7 +189,10 @@ class OnlineServer:
         if (body.text is None) == (body.input_ids is None):
             raise BadRequest("give exactly one of text and input_ids", "text")
         prompt = body.input_ids if body.input_ids is not None else body.text
-        completion = CompletionRequest.model_validate(fields.model_dump(exclude_unset=True) | {"prompt": prompt})
+        pd_fields = body.model_dump(include={"bootstrap_room", "bootstrap_host", "bootstrap_port"}, exclude_none=True)
+        completion = CompletionRequest.model_validate(
+            fields.model_dump(exclude_unset=True) | pd_fields | {"prompt": prompt}
+        )
         tracked = self._submit(completion, body.rid or new_id("gen"))
         await self._collect(tracked, raw)
         choice = tracked[0].choice
@@ -205,7 +221,8 @@ class OnlineServer:
         await self._collect(tracked, raw)
         failed = next((item.choice for item in tracked if item.choice.finish_reason == "error"), None)
         if failed is not None:
-            return error_response(400, f"request failed: {failed.error}")
+            status = 503 if (failed.error or "").startswith(TRANSFER_ERROR) else 400
+            return error_response(status, f"request failed: {failed.error}")
         return JSONResponse(self._response(body, request_id, tracked, chat))
 
     def _check_model(self, name: str | None) -> None:
@@ -216,6 +233,7 @@ class OnlineServer:
     def _submit(self, body: CompletionRequest | ChatCompletionRequest, request_id: str) -> list[_Tracked]:
         """Tokenize, check, and hand each (prompt, choice) to the engine loop; all or none."""
         prompts = prompt_token_ids(body, self.tokenizer)
+        disagg = self._disagg_loop(body)
         for token_ids in prompts:
             check_prompt(token_ids, self.settings.vocab_size, self.settings.max_model_len)
         tracked: list[_Tracked] = []
@@ -228,13 +246,34 @@ class OnlineServer:
                     stream = TextStream(self.tokenizer, list(body.stop or []))
                     choice = Choice(index, prompt_index, f"{request_id}-{index}", token_ids, stream)
                     item = _Tracked(choice, asyncio.Queue(), arrival_s)
-                    self.engine_loop.submit(EngineRequest(choice.request_id, None, token_ids, params), item.sink())
+                    engine_request = EngineRequest(choice.request_id, None, token_ids, params)
+                    if disagg is None:
+                        self.engine_loop.submit(engine_request, item.sink())
+                    else:  # each choice its own room: the Router's, and its index
+                        ticket = DisaggTicket(
+                            f"{body.bootstrap_room}-{index}", str(body.bootstrap_host), int(body.bootstrap_port or 0)
+                        )
+                        disagg.submit_disagg(engine_request, item.sink(), ticket)
                     tracked.append(item)
         except Exception:
             for item in tracked:
                 self.engine_loop.abort(item.choice.request_id)
             raise
         return tracked
+
+    def _disagg_loop(self, body: CompletionRequest | ChatCompletionRequest) -> DisaggEngineLoop | None:
+        """The role loop a request goes to with its ticket; None on a combined server (which
+        ignores the bootstrap fields). A prefill or decode instance takes only the Router's requests."""
+        if not isinstance(self.engine_loop, DisaggEngineLoop):
+            return None
+        for field in ("bootstrap_room", "bootstrap_host", "bootstrap_port"):
+            if getattr(body, field) is None:
+                raise BadRequest(
+                    f"this is a {self.engine_loop.role} instance of prefill-decode disaggregation: it takes requests "
+                    f"through the Router (python -m executor.online.router), which sets {field}",
+                    field,
+                )
+        return self.engine_loop
 
     async def _collect(self, tracked: list[_Tracked], raw: Request) -> None:
         """Wait for every choice to finish; abort them all if the client goes away first."""

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# cann-recipes' entry: bash executor/scripts/infer.sh --model <dir> --yaml <file> [--mode offline|online] [--port N] [--set section.key=value ...]
+# cann-recipes' entry: bash executor/scripts/infer.sh --model <dir> --yaml <file> [--mode offline|online] [--pd-role prefill|decode] [--port N] [--set section.key=value ...]
 # runs models/<dir>/config/<file> (a path to an existing file also works for --yaml), offline or as
 # the online server, as `bash models/<dir>/infer.sh <yaml> --mode ...` does. Sets itself up on first
 # run (scripts/setup.sh).
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(cd "$here/../.." && pwd)
-usage="usage: bash executor/scripts/infer.sh --model <folder under models/> --yaml <file under models/<folder>/config/> [--mode offline|online] [--port N] [--host H] [--served-model-name NAME] [--set section.key=value ...]"
+usage="usage: bash executor/scripts/infer.sh --model <folder under models/> --yaml <file under models/<folder>/config/> [--mode offline|online] [--pd-role prefill|decode] [--port N] [--host H] [--served-model-name NAME] [--set section.key=value ...]"
 model="" yaml="" mode=offline overrides=()
 while [[ $# -gt 0 ]]; do
     case "$1" in
@@ -19,7 +19,7 @@ while [[ $# -gt 0 ]]; do
                 exit 2
             fi
             shift 2 ;;
-        --port|--host|--served-model-name|--max-waiting-requests|--graceful-timeout-s)
+        --port|--host|--served-model-name|--max-waiting-requests|--graceful-timeout-s|--pd-role)
             overrides+=("$1" "${2:?$1 needs a value}"); shift 2 ;;
         --set) overrides+=(--set "${2:?--set needs section.key=value}"); shift 2 ;;
         -h|--help) echo "$usage"; exit 0 ;;

@@ -32,6 +32,7 @@ from executor.core.config.sections import (
     REFUSED,
     SECTIONS,
     DataConfig,
+    DisaggConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -53,6 +54,7 @@ class InferenceConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    disagg_config: DisaggConfig = field(default_factory=DisaggConfig)
     source: str = "<defaults>"  # the YAML file this came from, for error messages and output names
     # `section.key` of every key the file set; a flattened file's keys with no sectioned one under their own name
     explicit_keys: frozenset[str] = frozenset()
@@ -149,6 +151,8 @@ def _in_sectioned_schema(raw: dict[str, Any], source: str, problems: list[str]) 
     """The file itself when sectioned; a flattened file's keys validated against flat_schema.py's tables
     and written at the sectioned places they mean. Told apart by the keys only one schema has."""
     flat, sectioned = _schema_marks(raw)
+    if flat and sectioned and set(flat) <= KEPT_AT_TOP.keys():
+        return _SectionedFile(_fold_kept_keys(raw, source, problems))
     if flat and sectioned:
         raise ConfigError(
             f"{source} mixes cann-recipes' two schemas: {', '.join(flat)} (flattened) with {', '.join(sectioned)} "
@@ -175,6 +179,32 @@ def _in_sectioned_schema(raw: dict[str, Any], source: str, problems: list[str]) 
                 value = metadata[key]["values"].get(value, value) if "values" in metadata[key] else value
                 _write_at(translated, target, value, flat_key, written_as, source, problems)
     return _SectionedFile(translated, frozenset(flat_only))
+
+
+# Top-level keys a sectioned cann-recipes file may keep beside its sections "for backward
+# compatibility" (its *_pd/prefill.yaml and decode.yaml do), and the sectioned key each repeats.
+KEPT_AT_TOP = {"model_name": "model_config.model_name", "world_size": "parallel_config.world_size"}
+
+
+def _fold_kept_keys(raw: dict[str, Any], source: str, problems: list[str]) -> dict[str, Any]:
+    """The sectioned file without its kept top-level keys: each must equal the sectioned key it
+    repeats, or stands for it where the section leaves it out."""
+    folded = {key: value for key, value in raw.items() if key not in KEPT_AT_TOP}
+    for key, target in KEPT_AT_TOP.items():
+        if key not in raw:
+            continue
+        section, inner = target.split(".")
+        values = folded.setdefault(section, {})
+        if not isinstance(values, dict):
+            continue  # the section's own check says what is wrong with it
+        if inner not in values:
+            folded[section] = values | {inner: raw[key]}
+        elif values[inner] != raw[key]:
+            problems.append(
+                f"{key} {raw[key]!r} at the top of {source} (kept for backward compatibility) differs from "
+                f"{target} {values[inner]!r}; make them agree or drop the top-level one"
+            )
+    return folded
 
 
 def _schema_marks(raw: dict[str, Any]) -> tuple[list[str], list[str]]:

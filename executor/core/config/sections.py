@@ -329,8 +329,12 @@ class SchedulerConfig:
     )
     mem_fraction_static: float = rule(0.85, min=0.01, max=1.0, help="share of free device memory for the KV cache")
     block_size: int = rule(128, min=1, help="tokens per KV block (NPU fused attention wants a multiple of 128)")
-    num_reserved_decode_tokens: int = not_applicable(
-        64, "admission control of online prefill-decode disaggregation; runs here are offline", min=0
+    num_reserved_decode_tokens: int = rule(
+        64,
+        min=0,
+        help="the decode role of prefill-decode disaggregation (disagg_config): tokens of room every request in "
+        "flight keeps past its own; a new one is admitted when its prompt and that room fit the free blocks less "
+        "the others' (cann-recipes' admission); unused in the other modes",
     )
     cp_mini_batch: int = rule(
         -1,
@@ -367,12 +371,51 @@ class SpeculativeConfig:
     prompt_lookup_max: int = rule(4, min=1, help="ours: method ngram: longest n-gram matched (tried first)")
 
 
+@dataclass(slots=True)
+class DisaggConfig:
+    """cann-recipes' DisaggConfig: the role of an online instance in prefill-decode disaggregation
+    (docs/online.md). NONE runs combined: offline, or one online instance doing both."""
+
+    disaggregation_mode: str = rule(
+        "NONE",
+        choices=("NONE", "PREFILL", "DECODE"),
+        help="NONE: combined; PREFILL / DECODE: this online instance's role (`--pd-role` sets it); offline runs "
+        "combined whatever it says",
+    )
+    bootstrap_host: str = rule(
+        "127.0.0.1", help="the prefill leader's bootstrap server: where it listens, where decode reads the rank table"
+    )
+    bootstrap_port: int = rule(18800, min=0, max=65535, help="its port; 0 = a free one, logged (the prefill role)")
+    store_url: str = rule(
+        "",
+        help="tcp://host:port of the TCPStore the instance pairs' gloo groups meet on; empty = a free port on "
+        "local_ip, announced through the bootstrap server",
+    )
+    is_store_creator_node: bool = rule(
+        True, help="the prefill leader creates the store at store_url (false: it joins one another node made)"
+    )
+    local_ip: str = rule("127.0.0.1", help="the address this instance's KV-transfer control socket listens on")
+    transfer_timeout_s: float = rule(
+        60.0,
+        above=0.0,
+        help="ours: longest a decode instance waits for a request's KV (and a prefill instance for its decode "
+        "peer) before that request fails alone",
+    )
+    transfer_backend: str = rule(
+        "gloo",
+        choices=("gloo", "nccl", "hccl"),
+        help="ours: the torch.distributed backend of the KV data path between the two instances' ranks "
+        "(docs/distributed.md)",
+    )
+
+
 SECTIONS: dict[str, type] = {
     "model_config": ModelConfig,
     "data_config": DataConfig,
     "parallel_config": ParallelConfig,
     "scheduler_config": SchedulerConfig,
     "speculative_config": SpeculativeConfig,
+    "disagg_config": DisaggConfig,
 }
 # Mappings inside a section whose keys have a table of their own: "section.key" -> class.
 NESTED: dict[str, type] = {"model_config.custom_params": CustomParams}

@@ -295,10 +295,15 @@ class Scheduler:
                 request.status = RequestStatus.FINISHED
                 request.finish_reason = reason
                 request.finish_time_s = now_s
-                self.running.remove(request)
-                self.kv_cache_manager.free(request)
+                self._release(request)
                 finished.append(request)
         return finished
+
+    def _release(self, request: Request) -> None:
+        """A request that just finished leaves the running ones and gives its blocks back (a
+        prefill-role scheduler first hands its KV over: executor/online/disagg/)."""
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
 
     @staticmethod
     def _append_prompt_logprobs(requests: list[Request], prompt_logprobs: list[list[TokenLogprobs]]) -> None:
