@@ -38,6 +38,7 @@ from executor.core.config.sections import (
     SpeculativeConfig,
 )
 from executor.core.config.yaml_loader import load_yaml_mapping
+from executor.types_.structured_output import parse_structured_output
 
 logger = logging.getLogger(__name__)
 
@@ -349,6 +350,10 @@ def _check_cross_rules(config: InferenceConfig, problems: list[str]) -> None:
         _check_speculation(config)
     except ConfigError as exc:
         problems.append(str(exc))
+    try:
+        parse_structured_output(dataclasses.asdict(config.data_config))
+    except ValueError as exc:
+        problems.append(f"data_config in {config.source}: {exc}")
     problems.extend(f"{problem} in {config.source}" for problem in parallel_size_problems(config))
     problems.extend(f"{problem} in {config.source}" for problem in context_parallel_problems(config))
 

@@ -264,6 +264,18 @@ class DataConfig:
     prompt_logprobs: int | None = rule(
         None, min=0, max=20, help="ours: per prompt token, its logprob (teacher forced) and the top N; null = off"
     )
+    bad_words: list[str] = rule(
+        default_factory=list, help="ours (vLLM's): words no output may hold, for every request (docs/sampling.md)"
+    )
+    guided_json: dict | str | None = rule(
+        None, help="ours (vLLM's): a JSON schema every output follows (docs/sampling.md, structured output)"
+    )
+    guided_regex: str = rule("", help="ours (vLLM's): a regular expression every output matches")
+    guided_choice: list[str] = rule(default_factory=list, help="ours (vLLM's): every output is one of these")
+    guided_grammar: str = rule("", help="ours (vLLM's): an EBNF grammar (xgrammar's) every output follows")
+    structured_outputs: dict | None = rule(
+        None, help="ours (vLLM's): one of json, regex, choice, grammar, json_object: true; as the guided_* keys"
+    )
     apply_chat_template: bool = rule(True, help="ours: send text prompts through the chat template")
     num_prompts: int = rule(0, min=0, help="ours: use the first N prompts; 0 = all")
 

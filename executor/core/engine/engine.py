@@ -28,6 +28,8 @@ from executor.core.engine.model_runner import ModelRunner
 from executor.core.kv_cache import KVCacheManager, cdiv
 from executor.core.model_worker import ModelWorker
 from executor.core.sampler import Sampler
+from executor.core.sampler.constraints import LogitsConstraints
+from executor.core.sampler.structured_output import StructuredOutputCompiler
 from executor.core.scheduler import Scheduler, SchedulerLimits
 from executor.core.spec_decode.factory import DraftParts, draft_model_config, make_proposer
 from executor.core.spec_decode.mtp import MTPProposer
@@ -97,6 +99,8 @@ class ExecutionEngine:
         self._check_speculation_with_states()
         self.tokenizer: Any = AutoTokenizer.from_pretrained(model_path)
         self.eos_token_ids = self._collect_eos_token_ids(model_path)
+        # grammars compile against the tokenizer (requests are checked with it when made, docs/sampling.md)
+        self.structured_output = StructuredOutputCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.graphs = self._make_graph_factory()  # None in eager mode
         self.kv_cache_manager = size_kv_cache(
             config,
@@ -222,6 +226,7 @@ class ExecutionEngine:
             lock_step_kinds=self.lock_step_kinds,
             proposer=proposer,
             context_parallel=self._context_parallel_forward(),
+            constraints=LogitsConstraints(self.structured_output),
         )
 
     def _context_parallel_forward(self) -> ContextParallelForward | None:
