@@ -22,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
+from executor.core.sampler.structured_output import StructuredOutputCompiler
 from executor.online.engine_loop import EngineLoop, QueueFull, Update
 from executor.online.metrics import ServerMetrics
 from executor.online.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, SamplingFields
@@ -54,6 +55,8 @@ class ServerSettings:
     max_model_len: int
     vocab_size: int
     defaults: SamplingParams  # the recipe's (scheduler_config, data_config)
+    # grammars compile (and bad words tokenize) when a request comes; the engine's, shared with its runner
+    compiler: StructuredOutputCompiler | None = None
 
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -223,7 +226,7 @@ class OnlineServer:
         try:
             for prompt_index, token_ids in enumerate(prompts):
                 for j in range(body.n):
-                    params = sampling_params(body, self.settings.defaults, choice=j)
+                    params = sampling_params(body, self.settings.defaults, choice=j, compiler=self.settings.compiler)
                     index = prompt_index * body.n + j
                     stream = TextStream(self.tokenizer, list(body.stop or []))
                     choice = Choice(index, prompt_index, f"{request_id}-{index}", token_ids, stream)
