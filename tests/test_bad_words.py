@@ -4,6 +4,8 @@ have (with speculation too, each verify row banning after the drafts before it).
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from transformers import AutoTokenizer
 
@@ -66,7 +68,7 @@ def first_occurrence_end(output: list[int], sequences: tuple[tuple[int, ...], ..
 def phrase_of_several_tokens(output: list[int], tokenizer) -> str:
     """Two neighbouring words of the output, as one banned string: a sequence of several tokens."""
     words = [word.strip(".,!?;:\"'") for word in tokenizer.decode(output).split()]
-    for first, second in zip(words, words[1:]):
+    for first, second in itertools.pairwise(words):
         phrase = f"{first} {second}"
         spaced = tuple(tokenizer.encode(" " + phrase, add_special_tokens=False))
         if first.isalpha() and second.isalpha() and first_occurrence_end(output[1:], (spaced,)) is not None:
