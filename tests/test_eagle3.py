@@ -15,8 +15,9 @@ import torch.nn.functional as F
 import transformers
 from safetensors.torch import save_file
 
+from executor.core.spec_decode.eagle3 import load_eagle3_drafter
 from executor.types_.model_inputs import ScheduledSequence, build_step_layout
-from models.llama.eagle3 import aux_hidden_state_layers, load_eagle3_drafter
+from models.llama.eagle3 import aux_hidden_state_layers
 from module.attention import Attention
 from ops.attention_metadata import TorchMetadataBuilder, build_model_inputs
 from tests.backends import cpu_backend

@@ -40,7 +40,8 @@ def test_response_format_json_schema_is_followed(server):
 
 
 def test_response_format_json_object_gives_an_object(server):
-    assert isinstance(json.loads(content(chat(server, response_format={"type": "json_object"}))), dict)
+    cat = [{"role": "user", "content": "Reply with a JSON object with the keys name and colour of a cat."}]
+    assert isinstance(json.loads(content(chat(server, messages=cat, response_format={"type": "json_object"}))), dict)
 
 
 def test_guided_choice_and_bad_words_as_vllm_takes_them(server):

@@ -191,30 +191,3 @@ def eagle3_config_problem(config: Any) -> str | None:
     if getattr(config, "num_hidden_layers", 1) != 1:
         return f"num_hidden_layers is {config.num_hidden_layers}; an EAGLE-3 drafter here has one layer (midlayer)"
     return None
-
-
-def load_eagle3_drafter(
-    path: str,
-    target_config: PretrainedConfig,
-    *,
-    parallel: ModelParallel = ONE_PROCESS,
-    backend: Backend,
-) -> tuple[Eagle3Drafter, tuple[int, int, int]]:
-    """A published EAGLE-3 drafter folder (config.json + safetensors) as it is, and the target layers
-    it reads; ValueError naming the folder when it is not one, or a tensor is missing."""
-    from transformers import AutoConfig
-
-    from executor.model_loader.default_loader import safetensors_weights
-
-    config = AutoConfig.from_pretrained(path)
-    if (problem := eagle3_config_problem(config)) is not None:
-        raise ValueError(f"{path}/config.json: {problem}")
-    if config.hidden_size != target_config.hidden_size and getattr(config, "target_hidden_size", None) is None:
-        raise ValueError(f"{path}/config.json: hidden_size {config.hidden_size} differs from the target's")
-    target_hidden = getattr(config, "target_hidden_size", None) or target_config.hidden_size
-    drafter = Eagle3Drafter(config, target_hidden, parallel=parallel, backend=backend)
-    filled = drafter.load_weights(safetensors_weights(path))
-    missing = sorted({name for name, _ in drafter.named_parameters()} - filled)
-    if missing or "d2t" not in filled and drafter.draft_vocab_size != target_config.vocab_size:
-        raise ValueError(f"{path}: the checkpoint lacks {missing or ['d2t']}")
-    return drafter, aux_hidden_state_layers(config, target_config.num_hidden_layers)

@@ -370,11 +370,15 @@ class SchedulerConfig:
 class SpeculativeConfig:
     method: str = rule(
         "",
-        choices=("", "mtp", "ngram", "draft_model"),
+        choices=("", "mtp", "ngram", "draft_model", "eagle3"),
         help="ours: draft proposer; empty = off (or model_config.next_n)",
     )
     num_speculative_tokens: int = rule(0, min=0, help="ours: draft tokens per request per step")
-    draft_model_path: str = rule("", help="ours: method draft_model: a model folder with the target's tokenizer")
+    draft_model_path: str = rule(
+        "",
+        help="ours: method draft_model: a model folder with the target's tokenizer; method eagle3: an EAGLE-3 "
+        "drafter folder in vLLM's layout (docs/speculative_decoding.md)",
+    )
     prompt_lookup_min: int = rule(2, min=1, help="ours: method ngram: shortest n-gram matched")
     prompt_lookup_max: int = rule(4, min=1, help="ours: method ngram: longest n-gram matched (tried first)")
 

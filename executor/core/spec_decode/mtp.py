@@ -65,7 +65,7 @@ class MTPProposer:
         argmax_rows: Callable[[torch.Tensor], torch.Tensor],
         lock_step: LockStep | None = None,
     ) -> None:
-        check_mtp_layers(type(model), model.config, config, "its config.json")
+        self.check_drafter(model, config)
         self.model = model
         self.kv_cache_manager = kv_cache_manager
         self.builder = builder
@@ -75,6 +75,19 @@ class MTPProposer:
         self.lock_step = lock_step
         self.argmax_rows = argmax_rows  # each draft's greedy choice: the backend's
         self.graph_runners: list[GraphRunner] = []  # by MTP layer, in graph modes (the engine sets them)
+
+    @property
+    def num_draft_layers(self) -> int:
+        """The drafting layers: draft j runs layer min(j, this - 1)."""
+        return self.model.num_mtp_layers
+
+    def check_drafter(self, model: CausalLM, config: InferenceConfig) -> None:
+        """Refuse a model that has nothing to draft with (here: no MTP layer)."""
+        check_mtp_layers(type(model), model.config, config, "its config.json")
+
+    def first_pass_hidden(self, context: ProposalContext, rows: list[int]) -> torch.Tensor:
+        """The hidden states the first pass reads at the given rows of the step: the target's final ones."""
+        return context.hidden_states[torch.tensor(rows, device=context.hidden_states.device)]
 
     @torch.inference_mode()
     def propose(self, context: ProposalContext) -> list[list[int]]:
@@ -101,9 +114,9 @@ class MTPProposer:
         # writes the MTP layer's K/V for its rows
         num_passes = max((self._depths(context, item) for item in drafting), default=1 if sequences else 0)
         num_passes = self.lock_step.max_over_world(num_passes) if self.lock_step else num_passes
-        hidden = context.hidden_states[torch.tensor(hidden_rows, device=context.hidden_states.device)]
+        hidden = self.first_pass_hidden(context, hidden_rows)
         for depth in range(num_passes):
-            layer = min(depth, self.model.num_mtp_layers - 1)
+            layer = min(depth, self.num_draft_layers - 1)
             if not sequences:  # lock-step: another replica's requests draft further
                 self._idle_pass(layer, context.hidden_states)
                 continue
@@ -123,7 +136,7 @@ class MTPProposer:
 
     def _idle_passes(self, num_passes: int, hidden_states: torch.Tensor) -> None:
         for depth in range(num_passes):
-            self._idle_pass(min(depth, self.model.num_mtp_layers - 1), hidden_states)
+            self._idle_pass(min(depth, self.num_draft_layers - 1), hidden_states)
 
     def _idle_pass(self, layer: int, hidden_states: torch.Tensor) -> None:
         """Lock-step: a pass of MTP module `layer` over one padding token whose K/V goes to the null
