@@ -137,6 +137,9 @@ class OfflineInference:
         }
         if (graph := self.engine.graph_stats()) is not None:
             summary["graph"] = graph
+        method, num_speculative_tokens = self.config.speculation
+        if method and "speculative" in summary:  # the proposer by name beside its accept rates (and per position)
+            summary["speculative"].update(method=method, num_speculative_tokens=num_speculative_tokens)
         if (structured := structured_output_summary(requests, self.engine.runner.constraints)) is not None:
             summary["structured_output"] = structured
         if writer is not None:

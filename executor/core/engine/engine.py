@@ -288,6 +288,8 @@ class ExecutionEngine:
             draft,
             self.eagle3,
         )
+        if proposer is not None:
+            logger.info("speculative decoding: proposer %s, %d draft tokens per step", *self.config.speculation)
         mtp = drafting_proposer(proposer)
         # EAGLE-3's drafter passes run eagerly (its proposer is an MTPProposer with no MTP layer)
         if isinstance(mtp, MTPProposer) and not isinstance(mtp, Eagle3Proposer) and self.graphs is not None:
