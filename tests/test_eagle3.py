@@ -15,12 +15,15 @@ import torch.nn.functional as F
 import transformers
 from safetensors.torch import save_file
 
+from executor.core.config import ConfigError, build_config
 from executor.core.spec_decode.eagle3 import load_eagle3_drafter
+from executor.offline.dataset import DATASET_DIR, PromptRecord, load_prompts
 from executor.types_.model_inputs import ScheduledSequence, build_step_layout
 from models.llama.eagle3 import aux_hidden_state_layers
 from module.attention import Attention
 from ops.attention_metadata import TorchMetadataBuilder, build_model_inputs
 from tests.backends import cpu_backend
+from tests.engine_harness import make_inference
 from tests.factories import TINY_VOCAB, llama_config
 from tests.paged_harness import random_prompts, single_thread  # noqa: F401 (single_thread: an autouse fixture)
 
@@ -228,3 +231,91 @@ def test_packed_drafter_rows_and_chained_rows_match_the_reference(setup):
         assert torch.equal(our_drafts, expected_drafts[:-1])
         assert (hidden2[index] - expected_hidden[-1]).abs().max() <= 1e-4
         assert int(drafts2[index]) == int(expected_drafts[-1])
+
+
+# -- in the engine ----------------------------------------------------------------------------------
+
+
+def save_drafter(folder, target: transformers.LlamaConfig, seed: int, **config_overrides: object):
+    """A random EAGLE-3 drafter folder for `target` in vLLM's layout."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(draft_config(target) | config_overrides))
+    save_file(random_drafter_tensors(target, seed), str(folder / "model.safetensors"))
+    return folder
+
+
+def engine_outputs(model_dir, records, speculative_config=None, **model_config):
+    inference = make_inference(
+        model_dir, model_config=model_config, speculative_config=speculative_config, max_new_tokens=16
+    )
+    result = inference.generate(records)
+    return [r.output_token_ids for r in result.requests], result.summary
+
+
+def test_method_eagle3_needs_a_drafter_folder():
+    with pytest.raises(ConfigError, match="draft_model_path in t.yaml is required with method eagle3"):
+        build_config({"speculative_config": {"method": "eagle3", "num_speculative_tokens": 2}}, source="t.yaml")
+    with pytest.raises(ConfigError, match="npugraph_ex"):
+        build_config(
+            {
+                "model_config": {"exe_mode": "npugraph_ex"},
+                "speculative_config": {"method": "eagle3", "num_speculative_tokens": 2, "draft_model_path": "x"},
+            },
+            source="t.yaml",
+        )
+
+
+def test_a_folder_that_holds_no_eagle3_drafter_is_refused_naming_it(tiny_llama_dir):
+    spec = {"method": "eagle3", "num_speculative_tokens": 2, "draft_model_path": str(tiny_llama_dir)}
+    with pytest.raises(ConfigError, match=r"draft_model_path in test.yaml: .*config.json: architectures .* no EAGLE-3"):
+        make_inference(tiny_llama_dir, speculative_config=spec)
+
+
+def test_greedy_output_with_a_random_drafter_equals_speculation_off(tiny_llama_dir, tmp_path):
+    """Drafts of a random drafter are mostly rejected: the verify path with rejections, the drafter's
+    K/V after them, and lookahead slots; every token must still be greedy decoding's."""
+    target = transformers.LlamaConfig.from_pretrained(tiny_llama_dir)
+    drafter = save_drafter(
+        tmp_path / "drafter", target, seed=3, eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 1]}
+    )
+    records = [PromptRecord(str(i), prompt_token_ids=p) for i, p in enumerate(random_prompts([5, 17, 1, 9], seed=4))]
+    off, _ = engine_outputs(tiny_llama_dir, records)
+    spec = {"method": "eagle3", "num_speculative_tokens": 3, "draft_model_path": str(drafter)}
+    on, summary = engine_outputs(tiny_llama_dir, records, spec)
+    assert on == off
+    assert summary["speculative"]["method"] == "eagle3" and summary["speculative"]["draft_tokens"] > 0
+    assert len(summary["speculative"]["per_position"]) == 3
+
+
+@pytest.fixture(scope="module")
+def smollm2_eagle3_dir(smollm2_dir, tmp_path_factory):
+    """A drafter for the default model trained briefly by scripts/train_eagle3.py (accepts some drafts)."""
+    from scripts import train_eagle3
+
+    output = tmp_path_factory.mktemp("eagle3") / "SmolLM2-EAGLE3"
+    prompts = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    prompts.write_text("".join(line + "\n" for line in (DATASET_DIR / "mtp_train.jsonl").read_text().splitlines()[:16]))
+    args = ["--model", str(smollm2_dir), "--prompts", str(prompts), "--output", str(output)]
+    record = train_eagle3.main([*args, "--steps", "40", "--max-new-tokens", "32", "--draft-vocab", "4096"])
+    assert record["held_out_draft1_top1_accuracy"] > record["held_out_draft1_top1_accuracy_at_init"]
+    return output
+
+
+def chat_records(smollm2_dir) -> list[PromptRecord]:
+    records = load_prompts(DATASET_DIR / "mtp_train.jsonl")[:4]
+    return [PromptRecord(r.id, messages=[{"role": "user", "content": r.prompt}]) for r in records]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("exe_mode", ["eager", "ge_graph"])
+def test_real_model_greedy_output_with_a_trained_drafter_equals_speculation_off(
+    exe_mode, smollm2_dir, smollm2_eagle3_dir
+):
+    records = chat_records(smollm2_dir)
+    off, _ = engine_outputs(smollm2_dir, records)
+    spec = {"method": "eagle3", "num_speculative_tokens": 3, "draft_model_path": str(smollm2_eagle3_dir)}
+    on, summary = engine_outputs(smollm2_dir, records, spec, exe_mode=exe_mode)
+    assert on == off
+    assert summary["speculative"]["accepted_tokens"] > 0
+    if exe_mode == "ge_graph":
+        assert sum(summary["graph"]["graph_steps_per_bucket"].values()) > 0
