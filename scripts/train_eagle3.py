@@ -25,7 +25,6 @@ import argparse
 import copy
 import json
 import logging
-import math
 import random
 import time
 from collections import Counter
@@ -40,15 +39,20 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from executor.model_loader.default_model import default_model_path
-from executor.offline.dataset import DATASET_DIR, DatasetError
+from executor.offline.dataset import DatasetError
 from executor.utils.logging_config import setup_logging
 from models.llama.eagle3 import aux_hidden_state_layers
-from scripts.train_mtp_head import Sequence, generate_sequences, load_frozen_model
+from scripts.train_mtp_head import (
+    Sequence,
+    generate_sequences,
+    load_frozen_model,
+    training_arguments,
+    warmup_cosine,
+)
 
 logger = logging.getLogger("train_eagle3")
 
 TRAINING_RECORD_FILE = "eagle3_training.json"
-DEFAULT_PROMPT_FILES = (DATASET_DIR / "mtp_train.jsonl",)
 
 
 class TrainableEagle3(nn.Module):
@@ -136,10 +140,7 @@ def train(
 ) -> None:
     """AdamW, linear warm-up then cosine decay; each step one sequence in one causal pass; soft targets."""
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=lr, weight_decay=0.0)
-    warmup = max(1, steps // 10)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / steps))
-    )
+    schedule = warmup_cosine(optimizer, steps)
     order = random.Random(seed)
     drafter.train()
     with tqdm(range(steps), desc="train", unit="step") as progress:
@@ -203,19 +204,8 @@ def save_folder(
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, default=None, help="HF Llama folder; default: the default model")
-    parser.add_argument(
-        "--prompts", type=Path, nargs="+", default=list(DEFAULT_PROMPT_FILES), help="JSONL prompt files"
-    )
-    parser.add_argument("--steps", type=int, default=600, help="optimizer steps, one sequence each")
+    parser = training_arguments(__doc__.splitlines()[0], steps=600, output_suffix="-EAGLE3")
     parser.add_argument("--draft-vocab", type=int, default=8192, help="tokens of the reduced draft vocabulary")
-    parser.add_argument("--output", type=Path, default=None, help="default: <model folder>-EAGLE3 beside the model")
-    parser.add_argument("--max-new-tokens", type=int, default=160, help="greedy tokens generated per prompt")
-    parser.add_argument("--held-out", type=float, default=0.2, help="share of sequences kept for the accuracy")
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.draft_vocab < 1 or args.max_new_tokens < 2 or not 0 < args.held_out < 1:
         parser.error("--steps and --draft-vocab must be >= 1, --max-new-tokens >= 2 and --held-out between 0 and 1")

@@ -31,13 +31,12 @@ from executor.types_.errors import WeightLoadError
 from executor.types_.model_inputs import ForwardMetaData
 from models.llama.model import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, head_dim_of
 from module.embedding import ParallelLMHead, VocabParallelEmbedding
-from module.linear import ColumnParallelLinear, QKVParallelLinear
+from module.linear import ColumnParallelLinear
 from module.norm import RMSNorm
 from module.parallel_group import ONE_PROCESS, ModelParallel
 from module.rotary import RotaryEmbedding
 from module.weights import fused_shards_needed, load_fused_tensor
 from ops.backend import Backend
-from ops.linear_method import LinearMethod
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 
@@ -62,18 +61,8 @@ def aux_hidden_state_layers(draft_config: PretrainedConfig, num_target_layers: i
 class Eagle3Attention(LlamaAttention):
     """Llama attention whose q/k/v read the concatenated [embedding, hidden] (2 x hidden)."""
 
-    def build_qkv_proj(
-        self, config: PretrainedConfig, layer_index: int, parallel: ModelParallel, bias: bool, method: LinearMethod
-    ) -> QKVParallelLinear:
-        return QKVParallelLinear(
-            2 * config.hidden_size,
-            self.head_dim,
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            bias=bias,
-            tp=parallel.attn_tp,
-            linear_method=method,
-        )
+    def qkv_input_size(self, config: PretrainedConfig) -> int:
+        return 2 * config.hidden_size
 
 
 class Eagle3DecoderLayer(LlamaDecoderLayer):

@@ -25,7 +25,7 @@ from executor.core.config import ConfigError, InferenceConfig
 from executor.core.spec_decode.mtp import MTPProposer
 from executor.core.spec_decode.proposer import ProposalContext
 from executor.model_loader.default_loader import safetensors_weights
-from executor.types_.model_inputs import ScheduledSequence, build_step_layout
+from executor.types_.model_inputs import ScheduledSequence
 from models.llama.eagle3 import Eagle3Drafter, aux_hidden_state_layers, eagle3_config_problem
 from module.causal_lm import CausalLM
 from module.parallel_group import ONE_PROCESS, ModelParallel
@@ -145,25 +145,12 @@ class Eagle3Proposer(MTPProposer):
     def _run(
         self, layer: int, sequences: list[ScheduledSequence], previous_hidden: torch.Tensor
     ) -> tuple[torch.Tensor, list[int]]:
-        layout = build_step_layout(
-            sequences,
-            block_size=self.kv_cache_manager.block_size,
-            max_blocks_per_request=self.max_blocks_per_request,
-            state_groups=self.kv_cache_manager.state_groups,
-        )
-        inputs = build_model_inputs(layout, self.builder)
+        inputs = build_model_inputs(self.layout(sequences), self.builder)
         hidden = self.drafter(self._embed(inputs.input_ids), inputs.positions, previous_hidden, inputs.forward_metadata)
         draft_ids = self.argmax_rows(self.drafter.compute_logits(hidden, inputs.logits_indices))
         return hidden[inputs.logits_indices], self.drafter.target_token_ids(draft_ids).tolist()
 
     def _idle_pass(self, layer: int, hidden_states: torch.Tensor) -> None:
         """Lock-step: a drafter pass over one padding token whose K/V goes to the null block."""
-        null_blocks = [[0]] * self.kv_cache_manager.num_groups
-        layout = build_step_layout(
-            [ScheduledSequence([0], 0, null_blocks, num_sampled_rows=0)],
-            block_size=self.kv_cache_manager.block_size,
-            max_blocks_per_request=self.max_blocks_per_request,
-            state_groups=self.kv_cache_manager.state_groups,
-        )
-        inputs = build_model_inputs(layout, self.builder)
+        inputs = build_model_inputs(self.idle_layout(), self.builder)
         self.drafter(self._embed(inputs.input_ids), inputs.positions, hidden_states[:1], inputs.forward_metadata)

@@ -58,30 +58,19 @@ def make_proposer(
     proposer: Proposer
     if method == "ngram":
         proposer = NgramStepProposer(NgramProposer(num_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max))
-    elif method == "mtp":
-        proposer = MTPProposer(
-            model,
-            kv_cache_manager,
-            metadata_builder,
+    elif method in ("mtp", "eagle3"):  # EAGLE-3's passes are MTP's, through its drafter
+        passes = dict(
             num_speculative_tokens=num_tokens,
             max_blocks_per_request=max_blocks_per_request,
             config=config,
             lock_step=lock_step,
             argmax_rows=argmax_rows,
         )
-    elif method == "eagle3":
-        assert eagle3 is not None, "method eagle3 needs the drafter the engine attached"
-        proposer = Eagle3Proposer(
-            model,
-            eagle3,
-            kv_cache_manager,
-            metadata_builder,
-            num_speculative_tokens=num_tokens,
-            max_blocks_per_request=max_blocks_per_request,
-            config=config,
-            lock_step=lock_step,
-            argmax_rows=argmax_rows,
-        )
+        if method == "mtp":
+            proposer = MTPProposer(model, kv_cache_manager, metadata_builder, **passes)
+        else:
+            assert eagle3 is not None, "method eagle3 needs the drafter the engine attached"
+            proposer = Eagle3Proposer(model, eagle3, kv_cache_manager, metadata_builder, **passes)
     else:
         assert draft is not None, "method draft_model needs the draft model's runner"
         proposer = DraftModelProposer(draft.runner, draft.kv_cache_manager, num_tokens, draft.lock_step)

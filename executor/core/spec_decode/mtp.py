@@ -22,7 +22,7 @@ from executor.core.config import ConfigError, InferenceConfig
 from executor.core.kv_cache import KVCacheManager
 from executor.core.model_worker.graph_runner import GraphRunner
 from executor.core.spec_decode.proposer import LockStep, ProposalContext
-from executor.types_.model_inputs import ScheduledSequence, build_step_layout
+from executor.types_.model_inputs import ScheduledSequence, StepLayout, build_step_layout
 from module.causal_lm import CausalLM
 from ops.attention_metadata import AttentionMetadataBuilder, build_model_inputs, take_rows
 
@@ -142,13 +142,7 @@ class MTPProposer:
         """Lock-step: a pass of MTP module `layer` over one padding token whose K/V goes to the null
         block, as the runner's idle forward does, so that the collectives of another replica's pass
         meet this one's (in graph modes in the bucket the replicas agree on); its output is dropped."""
-        null_blocks = [[0]] * self.kv_cache_manager.num_groups
-        layout = build_step_layout(
-            [ScheduledSequence([0], 0, null_blocks, num_sampled_rows=0)],
-            block_size=self.kv_cache_manager.block_size,
-            max_blocks_per_request=self.max_blocks_per_request,
-            state_groups=self.kv_cache_manager.state_groups,
-        )
+        layout = self.idle_layout()
         if self.graph_runners and self.graph_runners[layer].forward(layout, hidden_states[:1]) is not None:
             return
         inputs = build_model_inputs(layout, self.builder)
@@ -157,6 +151,20 @@ class MTPProposer:
         )
         if self.lock_step is not None and self.lock_step.joins_lm_head:
             self.model.mtp_compute_logits(layer, hidden, inputs.logits_indices)  # no row: the gathers only
+
+    def layout(self, sequences: list[ScheduledSequence]) -> StepLayout:
+        """A drafting pass's packed inputs over the target's block tables."""
+        return build_step_layout(
+            sequences,
+            block_size=self.kv_cache_manager.block_size,
+            max_blocks_per_request=self.max_blocks_per_request,
+            state_groups=self.kv_cache_manager.state_groups,
+        )
+
+    def idle_layout(self) -> StepLayout:
+        """One padding token (id 0, position 0) writing only the null block: an idle pass's input."""
+        null_blocks = [[0]] * self.kv_cache_manager.num_groups
+        return self.layout([ScheduledSequence([0], 0, null_blocks, num_sampled_rows=0)])
 
     def _depths(self, context: ProposalContext, item: _Drafting) -> int:
         """MTP passes the request drafts in: one per position from its last row on that holds a slot."""
@@ -173,12 +181,7 @@ class MTPProposer:
         self, layer: int, sequences: list[ScheduledSequence], previous_hidden: torch.Tensor
     ) -> tuple[torch.Tensor, list[int]]:
         """One pass of MTP module `layer`; its hidden states and each sampled row's greedy token."""
-        layout = build_step_layout(
-            sequences,
-            block_size=self.kv_cache_manager.block_size,
-            max_blocks_per_request=self.max_blocks_per_request,
-            state_groups=self.kv_cache_manager.state_groups,
-        )
+        layout = self.layout(sequences)
         graph_output = self.graph_runners[layer].forward(layout, previous_hidden) if self.graph_runners else None
         # rows of the next pass are the sampled rows, one per drafting request, in order
         if graph_output is None:
