@@ -9,6 +9,7 @@ figures.
 
     python benchmarks/bench_spec_decode.py --methods ngram --dataset repeat_input --batch-sizes 1 8
     python benchmarks/bench_spec_decode.py --methods mtp draft_model --batch-sizes 1 8
+    python benchmarks/bench_spec_decode.py --methods eagle3 mtp ngram --batch-sizes 1 8 --exe-mode ge_graph
     python benchmarks/bench_spec_decode.py --methods ngram --dataset repeat_input --batch-sizes 1 \
         --exe-mode ge_graph --graph-buckets 1 --rounds 3
 
@@ -30,7 +31,7 @@ from bench_vs_transformers import add_engine_args, build_inference, load_records
 
 from executor.model_loader.default_model import default_model_path
 
-METHODS = ("ngram", "mtp", "draft_model")
+METHODS = ("ngram", "mtp", "draft_model", "eagle3")
 
 
 def sections_for(method: str, args: argparse.Namespace) -> dict:
@@ -39,6 +40,8 @@ def sections_for(method: str, args: argparse.Namespace) -> dict:
     spec = {"method": method, "num_speculative_tokens": args.num_speculative_tokens}
     if method == "draft_model":
         spec["draft_model_path"] = str(args.draft_model_path)
+    if method == "eagle3":
+        spec["draft_model_path"] = str(args.eagle3_path)
     if method == "ngram":
         spec |= {"prompt_lookup_min": 2, "prompt_lookup_max": 4}
     return {"speculative_config": spec}
@@ -66,6 +69,7 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--draft-model-path", type=Path, default=None, help="default: <model>-draft8 beside it")
     parser.add_argument("--mtp-model-path", type=Path, default=None, help="default: <model>-MTP beside it")
+    parser.add_argument("--eagle3-path", type=Path, default=None, help="default: <model>-EAGLE3 beside it")
     parser.add_argument("--rounds", type=int, default=1, help="times the order off, methods, reversed, off is run")
     parser.add_argument(
         "--stop-at-eos",
@@ -77,6 +81,7 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     base_model = Path(args.model_path or default_model_path())
     args.draft_model_path = args.draft_model_path or base_model.with_name(f"{base_model.name}-draft8")
+    args.eagle3_path = args.eagle3_path or base_model.with_name(f"{base_model.name}-EAGLE3")
     records = load_records(args.dataset, args.num_prompts)
     report: dict = {
         "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "

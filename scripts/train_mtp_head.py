@@ -175,6 +175,14 @@ def generate_sequences(
     return sequences
 
 
+def warmup_cosine(optimizer: torch.optim.Optimizer, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up over a tenth of the steps, then cosine decay to 0 (train_eagle3.py uses it too)."""
+    warmup = max(1, steps // 10)
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / steps))
+    )
+
+
 def train(
     model: nn.Module,
     mtp: TrainableMTPLayer,
@@ -199,10 +207,7 @@ def train(
     new_params = [param for param in mtp.parameters() if id(param) not in decoder_ids]
     groups = [{"params": new_params}, {"params": decoder_params, "lr": lr / 10}]
     optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=0.0)
-    warmup = max(1, steps // 10)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / steps))
-    )
+    schedule = warmup_cosine(optimizer, steps)
     order = random.Random(seed)
     mtp.train()
     with tqdm(range(steps), desc="train", unit="step") as progress:
@@ -271,21 +276,29 @@ def _link_or_copy(source: Path, target: Path) -> None:
         shutil.copy2(source, target)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def training_arguments(description: str, steps: int, output_suffix: str) -> argparse.ArgumentParser:
+    """The flags a head trained on the model's own outputs takes (train_eagle3.py's too)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--model", type=Path, default=None, help="HF Llama folder; default: the default model")
     parser.add_argument(
         "--prompts", type=Path, nargs="+", default=list(DEFAULT_PROMPT_FILES), help="JSONL prompt files (dataset/)"
     )
-    parser.add_argument("--steps", type=int, default=800, help="optimizer steps, one sequence each")
-    parser.add_argument("--output", type=Path, default=None, help="default: <model folder>-MTP beside the model")
+    parser.add_argument("--steps", type=int, default=steps, help="optimizer steps, one sequence each")
+    parser.add_argument(
+        "--output", type=Path, default=None, help=f"default: <model folder>{output_suffix} beside the model"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=160, help="greedy tokens generated per prompt")
     parser.add_argument("--held-out", type=float, default=0.2, help="share of sequences kept for the accuracy")
-    parser.add_argument("--rows-per-step", type=int, default=64, help="rows of a sequence the loss reads a step")
-    parser.add_argument("--lr", type=float, default=1e-3, help="of the new parts; the decoder layer's is a tenth")
+    parser.add_argument("--lr", type=float, default=1e-3, help="of the new parts (MTP: the decoder layer's is a tenth)")
     parser.add_argument("--seed", type=int, default=0)
     # One thread: on a busy machine a second one mostly waits for the first (7x slower measured on 2 shared cores).
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    return parser
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = training_arguments(__doc__.splitlines()[0], steps=800, output_suffix="-MTP")
+    parser.add_argument("--rows-per-step", type=int, default=64, help="rows of a sequence the loss reads a step")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.rows_per_step < 1 or args.max_new_tokens < 2 or not 0 < args.held_out < 1:
         parser.error("--steps and --rows-per-step must be >= 1, --max-new-tokens >= 2 and --held-out between 0 and 1")

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from executor.types_.structured_output import GUIDED_FIELDS, parse_structured_output
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -40,8 +42,11 @@ SAMPLING_FIELDS: dict[str, type] = {
     "prompt_logprobs": int,
     "ignore_eos": bool,
     "stop_token_ids": list,
+    "bad_words": list,
 }
-_ALLOWED_KEYS = frozenset(("id", *_PROMPT_FIELDS, *SAMPLING_FIELDS))
+# What the output must match (vLLM's names): one of them becomes SamplingParams.structured_output.
+_STRUCTURED_FIELDS = (*GUIDED_FIELDS, "structured_outputs")
+_ALLOWED_KEYS = frozenset(("id", *_PROMPT_FIELDS, *SAMPLING_FIELDS, *_STRUCTURED_FIELDS))
 
 
 class DatasetError(ValueError):
@@ -230,7 +235,12 @@ def _parse_sampling_overrides(obj: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"{key!r} must be {expected.__name__}, got {_describe(value)}")
         if key == "stop_token_ids" and not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
             raise ValueError(f"'stop_token_ids' must be a list of ints, got {_describe(value)}")
-        overrides[key] = tuple(value) if key == "stop_token_ids" else value
+        if key == "bad_words" and not all(isinstance(word, str) and word.strip() for word in value):
+            raise ValueError(f"'bad_words' must be a list of non-empty strings, got {_describe(value)}")
+        overrides[key] = tuple(value) if key in ("stop_token_ids", "bad_words") else value
+    structured_output = parse_structured_output(obj)
+    if structured_output is not None:
+        overrides["structured_output"] = structured_output
     return overrides
 
 

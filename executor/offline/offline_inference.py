@@ -29,6 +29,7 @@ from executor.core.config import InferenceConfig
 from executor.core.config.model_registry import model_folder
 from executor.core.engine import EngineStep, ExecutionEngine, StepRecord
 from executor.core.sampler import default_sampling_params, request_seed
+from executor.core.sampler.constraints import LogitsConstraints, prepare_constraints
 from executor.offline.dataset import DatasetError, PromptRecord, tokenize_record
 from executor.offline.durable_io import write_error
 from executor.offline.metrics import breakdown_lines, cann_closing_lines, step_breakdown, summarize
@@ -156,6 +157,7 @@ class OfflineInference:
         steps: list[StepRecord] = []
         results: dict[str, dict[str, Any]] = {}
         requests = [self._make_request(record) for record in records]
+        log_structured_requests(requests)
 
         def finish(request: Request) -> None:
             text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
@@ -228,6 +230,11 @@ class OfflineInference:
         }
         if (graph := self.engine.graph_stats()) is not None:
             summary["graph"] = graph
+        method, num_speculative_tokens = self.config.speculation
+        if method and "speculative" in summary:  # the proposer by name beside its accept rates (and per position)
+            summary["speculative"].update(method=method, num_speculative_tokens=num_speculative_tokens)
+        if (structured := structured_output_summary(requests, self.engine.runner.constraints)) is not None:
+            summary["structured_output"] = structured
         if writer is not None:
             writer.write_summary(summary)
         return RunResult(requests, [results[r.request_id] for r in requests if r.request_id in results], steps, summary)
@@ -316,9 +323,16 @@ class OfflineInference:
                 f"the tokenizer gave token id {max(token_ids)}, outside the model's vocabulary of "
                 f"{self.engine.vocab_size}: tokenizer and model do not match"
             )
+        if reason is None:
+            try:
+                prepared = prepare_constraints(params, self.engine.structured_output)
+            except ValueError as exc:  # a grammar that does not compile, a bad word the vocabulary lacks
+                reason = str(exc)
         if reason is not None:
             return Request.failed(record.id, prompt, params, f"record {record.id!r}: {reason}", time.perf_counter())
-        return Request(record.id, prompt, token_ids, params)
+        request = Request(record.id, prompt, token_ids, prepared.params)
+        request.grammar_compile_ms = prepared.compile_ms
+        return request
 
 
 def merge_replicas(replicas: list[RunResult], prompt_order: list[str]) -> RunResult:
@@ -333,3 +347,35 @@ def merge_replicas(replicas: list[RunResult], prompt_order: list[str]) -> RunRes
         "data_parallel_replicas": [replica.summary for replica in replicas]
     }
     return RunResult(requests, results, steps, summary)
+
+
+def log_structured_requests(requests: list[Request]) -> None:
+    """Start-up: which requests are constrained, and how long each grammar took to compile."""
+    for request in requests:
+        params = request.sampling_params
+        if params.structured_output is not None and request.grammar_compile_ms is not None:
+            logger.info(
+                "request %s: structured output %s, grammar compiled in %.2f ms",
+                request.request_id,
+                params.structured_output.describe(),
+                request.grammar_compile_ms,
+            )
+        if params.bad_words:
+            logger.info("request %s: bad words %s", request.request_id, list(params.bad_words))
+
+
+def structured_output_summary(requests: list[Request], constraints: LogitsConstraints | None) -> dict[str, Any] | None:
+    """summary.json's `structured_output`: the constrained requests, their grammars' compile times,
+    and the host time masking took (per step with a constrained row); None when no request had one."""
+    structured = [r for r in requests if r.sampling_params.structured_output is not None]
+    banned = [r for r in requests if r.sampling_params.bad_words]
+    if not structured and not banned:
+        return None
+    compile_ms = {r.request_id: r.grammar_compile_ms for r in structured if r.grammar_compile_ms is not None}
+    return {
+        "requests": [r.request_id for r in structured],
+        "bad_words_requests": [r.request_id for r in banned],
+        "compile_ms": compile_ms,
+        "compile_ms_max": max(compile_ms.values(), default=0.0),
+        **(constraints.stats.as_dict() if constraints is not None else {}),
+    }

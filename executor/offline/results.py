@@ -68,7 +68,7 @@ def request_result(request: Request, output_text: str) -> dict[str, Any]:
         "error": request.error,
         "logprobs": _logprobs_result(request),
         "prompt_logprobs": _prompt_logprobs_result(request),
-    }
+    } | ({"grammar_compile_ms": request.grammar_compile_ms} if request.grammar_compile_ms is not None else {})
 
 
 def _logprobs_result(request: Request) -> list[dict[str, Any]] | None:

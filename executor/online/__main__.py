@@ -177,7 +177,8 @@ def build_server(
 ) -> tuple[OnlineServer, uvicorn.Server]:
     """The app over `loop`, and the uvicorn server that runs it (the app's /stop ends that server)."""
     names = ["default"] + ([served_model_name] if served_model_name not in (None, "default") else [])
-    settings = ServerSettings(names, engine.max_model_len, engine.vocab_size, default_sampling_params(engine.config))
+    defaults = default_sampling_params(engine.config)
+    settings = ServerSettings(names, engine.max_model_len, engine.vocab_size, defaults, engine.structured_output)
     server = OnlineServer(loop, engine.tokenizer, settings)
     config = uvicorn.Config(
         server.app,

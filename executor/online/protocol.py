@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from executor.types_.request import MAX_LOGPROBS, PENALTY_RANGE
+from executor.types_.structured_output import response_format_spec
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
 
@@ -50,6 +51,13 @@ class SamplingFields(BaseModel):
     bootstrap_room: Annotated[int, Field(ge=0)] | None = None
     bootstrap_host: str | None = None
     bootstrap_port: Annotated[int, Field(ge=0, le=65535)] | None = None
+    # vLLM's: words no output holds, and what the output must match (docs/sampling.md)
+    bad_words: list[str] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
     # taken and ignored: they change nothing a response holds here
     user: str | None = None
     metadata: dict[str, Any] | None = None
@@ -116,9 +124,8 @@ class ChatCompletionRequest(SamplingFields):
 
     @field_validator("response_format")
     @classmethod
-    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None and value.get("type", "text") != "text":
-            raise ValueError(f"type {value.get('type')!r} is not supported here (structured output is not built)")
+    def _known_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        response_format_spec(value)  # text, json_object or json_schema with a schema
         return value
 
 

@@ -22,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
+from executor.core.sampler.structured_output import StructuredOutputCompiler
 from executor.online.disagg.loop import DisaggEngineLoop
 from executor.online.disagg.scheduler import DisaggTicket
 from executor.online.disagg.transfer import TRANSFER_ERROR
@@ -57,6 +58,8 @@ class ServerSettings:
     max_model_len: int
     vocab_size: int
     defaults: SamplingParams  # the recipe's (scheduler_config, data_config)
+    # grammars compile (and bad words tokenize) when a request comes; the engine's, shared with its runner
+    compiler: StructuredOutputCompiler | None = None
 
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -241,7 +244,7 @@ class OnlineServer:
         try:
             for prompt_index, token_ids in enumerate(prompts):
                 for j in range(body.n):
-                    params = sampling_params(body, self.settings.defaults, choice=j)
+                    params = sampling_params(body, self.settings.defaults, choice=j, compiler=self.settings.compiler)
                     index = prompt_index * body.n + j
                     stream = TextStream(self.tokenizer, list(body.stop or []))
                     choice = Choice(index, prompt_index, f"{request_id}-{index}", token_ids, stream)

@@ -16,10 +16,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from executor.core.sampler.constraints import prepare_constraints
+from executor.core.sampler.structured_output import StructuredOutputCompiler
 from executor.offline.dataset import DatasetError, PromptRecord, tokenize_record
 from executor.online.engine_loop import Update
 from executor.online.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from executor.types_ import SamplingParams, TokenLogprobs
+from executor.types_.structured_output import GUIDED_FIELDS, parse_structured_output, response_format_spec
 
 
 class BadRequest(Exception):
@@ -31,8 +34,16 @@ class BadRequest(Exception):
         self.status = status
 
 
-def sampling_params(body: SamplingFields, defaults: SamplingParams, *, choice: int = 0) -> SamplingParams:
-    """The recipe's defaults with the body's fields; choice j of n > 1 gets seed + j."""
+def sampling_params(
+    body: SamplingFields,
+    defaults: SamplingParams,
+    *,
+    choice: int = 0,
+    compiler: StructuredOutputCompiler | None = None,
+) -> SamplingParams:
+    """The recipe's defaults with the body's fields; choice j of n > 1 gets seed + j. With a
+    `compiler`, bad words are tokenized and the grammar compiled here, so that one that does not
+    compile is a 400 with the compiler's message."""
     overrides: dict[str, Any] = {}
     max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
     if max_tokens is not None:
@@ -54,13 +65,39 @@ def sampling_params(body: SamplingFields, defaults: SamplingParams, *, choice: i
     elif isinstance(body, ChatCompletionRequest):
         overrides["logprobs"] = (body.top_logprobs or 0) if body.logprobs else None
         overrides["prompt_logprobs"] = None
+    overrides |= _constraint_overrides(body)
     params = dataclasses.replace(defaults, **overrides)
     if (reason := params.check()) is not None:
         key = reason.split(" ", 1)[0]
         raise BadRequest(
             reason.replace("max_new_tokens", "max_tokens", 1), "max_tokens" if key == "max_new_tokens" else key
         )
+    if compiler is not None and (params.bad_words or params.structured_output is not None):
+        try:
+            params = prepare_constraints(params, compiler).params
+        except ValueError as exc:
+            raise BadRequest(
+                str(exc), "bad_words" if str(exc).startswith("bad_words") else "structured_outputs"
+            ) from exc
     return params
+
+
+def _constraint_overrides(body: SamplingFields) -> dict[str, Any]:
+    """The body's bad words and structured output (vLLM's fields, or a chat's response_format)."""
+    overrides: dict[str, Any] = {}
+    if body.bad_words is not None:
+        overrides["bad_words"] = tuple(body.bad_words)
+    try:
+        spec = parse_structured_output(body.model_dump(include={*GUIDED_FIELDS, "structured_outputs"}))
+        if isinstance(body, ChatCompletionRequest) and (from_format := response_format_spec(body.response_format)):
+            if spec is not None:
+                raise ValueError("give response_format or a guided_* / structured_outputs field, not both")
+            spec = from_format
+    except ValueError as exc:
+        raise BadRequest(str(exc), "response_format") from exc
+    if spec is not None:
+        overrides["structured_output"] = spec
+    return overrides
 
 
 def prompt_token_ids(body: CompletionRequest | ChatCompletionRequest, tokenizer: Any) -> list[list[int]]:

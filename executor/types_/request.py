@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 
 from executor.types_.block_hash import BlockHash
+from executor.types_.structured_output import StructuredOutputSpec
 
 
 class RequestStatus(enum.Enum):
@@ -50,6 +51,17 @@ class SamplingParams:
     logprobs: int | None = None  # None = off; 0 = the sampled token's; n = also the top n
     # None = off; 0 = each prompt token's logprob (teacher forced); n = also the top n (vLLM's)
     prompt_logprobs: int | None = None
+    # vLLM's bad_words: words the output must not hold; their token sequences (each word with and
+    # without a leading space) are filled in from the tokenizer when the request is made
+    bad_words: tuple[str, ...] = ()
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    # what the output must match (a JSON schema, regex, choice or grammar); None = free text
+    structured_output: StructuredOutputSpec | None = None
+
+    @property
+    def has_logits_constraints(self) -> bool:
+        """Tokens are masked before sampling: banned words or a grammar (docs/sampling.md)."""
+        return bool(self.bad_words_token_ids) or self.structured_output is not None
 
     @property
     def is_greedy(self) -> bool:
@@ -89,6 +101,8 @@ class SamplingParams:
             value = getattr(self, key)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 return f"{key} must be in [0, {MAX_LOGPROBS}], got {value}"
+        if any(not isinstance(word, str) or not word.strip() for word in self.bad_words):
+            return f"bad_words must be non-empty strings, got {list(self.bad_words)!r}"
         return None
 
 
@@ -128,6 +142,8 @@ class Request:
     # When sampling_params.prompt_logprobs is set: one entry per prompt token from the second on
     # (entry i scores prompt token i + 1), as prefill computes them (the scheduler appends).
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # How long its structured output's grammar took to compile when the request was made; None without one.
+    grammar_compile_ms: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

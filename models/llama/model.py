@@ -62,7 +62,7 @@ class LlamaAttention(nn.Module):
         """The fused projection of the parts the layer has (projected_parts) over this rank's heads
         (gated attention widens its q part)."""
         return QKVParallelLinear(
-            config.hidden_size,
+            self.qkv_input_size(config),
             self.head_dim,
             config.num_attention_heads,
             config.num_key_value_heads,
@@ -71,6 +71,10 @@ class LlamaAttention(nn.Module):
             linear_method=method,
             parts=self.projected_parts(config, layer_index),
         )
+
+    def qkv_input_size(self, config: PretrainedConfig) -> int:
+        """What q/k/v project from: the hidden state (EAGLE-3's drafter reads two of them side by side)."""
+        return config.hidden_size
 
     def build_attention(
         self, config: PretrainedConfig, sliding_window: int | None, parallel: ModelParallel

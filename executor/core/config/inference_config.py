@@ -39,6 +39,7 @@ from executor.core.config.sections import (
     SpeculativeConfig,
 )
 from executor.core.config.yaml_loader import load_yaml_mapping
+from executor.types_.structured_output import parse_structured_output
 
 logger = logging.getLogger(__name__)
 
@@ -379,6 +380,10 @@ def _check_cross_rules(config: InferenceConfig, problems: list[str]) -> None:
         _check_speculation(config)
     except ConfigError as exc:
         problems.append(str(exc))
+    try:
+        parse_structured_output(dataclasses.asdict(config.data_config))
+    except ValueError as exc:
+        problems.append(f"data_config in {config.source}: {exc}")
     problems.extend(f"{problem} in {config.source}" for problem in parallel_size_problems(config))
     problems.extend(f"{problem} in {config.source}" for problem in context_parallel_problems(config))
 
@@ -423,8 +428,13 @@ def _check_speculation(config: InferenceConfig) -> None:
         raise ConfigError(
             f"speculative_config.num_speculative_tokens in {where} must be >= 1 with method {spec.method!r}"
         )
-    if spec.method == "draft_model" and not spec.draft_model_path:
-        raise ConfigError(f"speculative_config.draft_model_path in {where} is required with method draft_model")
+    if spec.method in ("draft_model", "eagle3") and not spec.draft_model_path:
+        raise ConfigError(f"speculative_config.draft_model_path in {where} is required with method {spec.method}")
+    if spec.method == "eagle3" and config.model_config.exe_mode == "npugraph_ex":
+        raise ConfigError(
+            f"speculative_config.method eagle3 in {where} runs in eager and ge_graph: its hidden states come from "
+            "hooks on the target's layers, which an ahead-of-time compiled graph (npugraph_ex) does not run"
+        )
     if spec.prompt_lookup_min > spec.prompt_lookup_max:
         raise ConfigError(
             f"speculative_config.prompt_lookup_min {spec.prompt_lookup_min} in {where} exceeds "

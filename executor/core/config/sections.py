@@ -264,6 +264,18 @@ class DataConfig:
     prompt_logprobs: int | None = rule(
         None, min=0, max=20, help="ours: per prompt token, its logprob (teacher forced) and the top N; null = off"
     )
+    bad_words: list[str] = rule(
+        default_factory=list, help="ours (vLLM's): words no output may hold, for every request (docs/sampling.md)"
+    )
+    guided_json: dict | str | None = rule(
+        None, help="ours (vLLM's): a JSON schema every output follows (docs/sampling.md, structured output)"
+    )
+    guided_regex: str = rule("", help="ours (vLLM's): a regular expression every output matches")
+    guided_choice: list[str] = rule(default_factory=list, help="ours (vLLM's): every output is one of these")
+    guided_grammar: str = rule("", help="ours (vLLM's): an EBNF grammar (xgrammar's) every output follows")
+    structured_outputs: dict | None = rule(
+        None, help="ours (vLLM's): one of json, regex, choice, grammar, json_object: true; as the guided_* keys"
+    )
     apply_chat_template: bool = rule(True, help="ours: send text prompts through the chat template")
     num_prompts: int = rule(0, min=0, help="ours: use the first N prompts; 0 = all")
 
@@ -362,11 +374,15 @@ class SchedulerConfig:
 class SpeculativeConfig:
     method: str = rule(
         "",
-        choices=("", "mtp", "ngram", "draft_model"),
+        choices=("", "mtp", "ngram", "draft_model", "eagle3"),
         help="ours: draft proposer; empty = off (or model_config.next_n)",
     )
     num_speculative_tokens: int = rule(0, min=0, help="ours: draft tokens per request per step")
-    draft_model_path: str = rule("", help="ours: method draft_model: a model folder with the target's tokenizer")
+    draft_model_path: str = rule(
+        "",
+        help="ours: method draft_model: a model folder with the target's tokenizer; method eagle3: an EAGLE-3 "
+        "drafter folder in vLLM's layout (docs/speculative_decoding.md)",
+    )
     prompt_lookup_min: int = rule(2, min=1, help="ours: method ngram: shortest n-gram matched")
     prompt_lookup_max: int = rule(4, min=1, help="ours: method ngram: longest n-gram matched (tried first)")
 

@@ -10,6 +10,7 @@ last the EngineCore (scheduler and runner), which both entries drive.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,11 +29,15 @@ from executor.core.engine.model_runner import ModelRunner
 from executor.core.kv_cache import KVCacheManager, cdiv
 from executor.core.model_worker import ModelWorker
 from executor.core.sampler import Sampler
+from executor.core.sampler.constraints import LogitsConstraints
+from executor.core.sampler.structured_output import StructuredOutputCompiler
 from executor.core.scheduler import Scheduler, SchedulerLimits
+from executor.core.spec_decode.eagle3 import Eagle3Parts, Eagle3Proposer
 from executor.core.spec_decode.factory import DraftParts, draft_model_config, make_proposer
 from executor.core.spec_decode.mtp import MTPProposer
 from executor.core.spec_decode.mtp_graphs import mtp_graph_runners
 from executor.core.spec_decode.proposer import LockStep, Proposer, drafting_proposer
+from executor.model_loader.default_model import expand_home_vars
 from executor.model_loader.hf_config import load_hf_config
 from executor.model_loader.quantization_config import quantization_request, read_quantization
 from executor.platform import create_platform, resolve_dtype
@@ -95,8 +100,11 @@ class ExecutionEngine:
         quantization = read_quantization(hf_config, request, f"{model_path}/config.json")
         self.worker.init(model_cls, hf_config, model_path, quantization, before_load=self._check_context_parallel)
         self._check_speculation_with_states()
+        self.eagle3 = self._attach_eagle3()  # its attention's K/V goes in the pool sized below
         self.tokenizer: Any = AutoTokenizer.from_pretrained(model_path)
         self.eos_token_ids = self._collect_eos_token_ids(model_path)
+        # grammars compile against the tokenizer (requests are checked with it when made, docs/sampling.md)
+        self.structured_output = StructuredOutputCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.graphs = self._make_graph_factory()  # None in eager mode
         self.kv_cache_manager = size_kv_cache(
             config,
@@ -222,6 +230,7 @@ class ExecutionEngine:
             lock_step_kinds=self.lock_step_kinds,
             proposer=proposer,
             context_parallel=self._context_parallel_forward(),
+            constraints=LogitsConstraints(self.structured_output),
         )
 
     def _context_parallel_forward(self) -> ContextParallelForward | None:
@@ -245,6 +254,25 @@ class ExecutionEngine:
             )
         return DraftParts(engine.runner, engine.kv_cache_manager, engine.proposer_lock_step())
 
+    def _attach_eagle3(self) -> Eagle3Parts | None:
+        """Method eagle3: the drafter at speculative_config.draft_model_path, loaded beside the target
+        (and the hooks that read the target's three layers, set before any graph traces them)."""
+        if self.config.speculation[0] != "eagle3":
+            return None
+        assert self.worker.model is not None
+        path = str(Path(expand_home_vars(self.config.speculative_config.draft_model_path)).expanduser())
+        try:
+            parts = Eagle3Parts.attach(path, self.worker.model, self.worker)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"speculative_config.draft_model_path in {self.config.source}: {exc}") from None
+        logger.info(
+            "speculative decoding: EAGLE-3 drafter from %s (draft vocabulary %d), reading target layers %s",
+            path,
+            parts.drafter.draft_vocab_size,
+            list(parts.aux_layers),
+        )
+        return parts
+
     def _make_proposer(self, draft: DraftParts | None) -> Proposer | None:
         """The run's proposer; `draft`: the draft model's engine's parts (_make_draft_engine)."""
         assert self.worker.model is not None
@@ -258,9 +286,13 @@ class ExecutionEngine:
             self.backend.argmax_rows,
             self.proposer_lock_step(),
             draft,
+            self.eagle3,
         )
+        if proposer is not None:
+            logger.info("speculative decoding: proposer %s, %d draft tokens per step", *self.config.speculation)
         mtp = drafting_proposer(proposer)
-        if isinstance(mtp, MTPProposer) and self.graphs is not None:
+        # EAGLE-3's drafter passes run eagerly (its proposer is an MTPProposer with no MTP layer)
+        if isinstance(mtp, MTPProposer) and not isinstance(mtp, Eagle3Proposer) and self.graphs is not None:
             mtp.graph_runners = mtp_graph_runners(
                 self.worker.model, mtp.num_speculative_tokens, self.hidden_size, self.dtype, self.graphs.mtp_runner
             )

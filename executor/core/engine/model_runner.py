@@ -17,6 +17,7 @@ from executor.core.engine.engine_core import StepTimer
 from executor.core.kv_cache import CacheLayout
 from executor.core.model_worker import ModelWorker
 from executor.core.sampler import Sampler, SamplingMetadata, prompt_logprobs
+from executor.core.sampler.constraints import LogitsConstraints
 from executor.core.sampler.noise import token_seed
 from executor.core.spec_decode.proposer import ProposalContext, Proposer
 from executor.core.spec_decode.verify import accept_greedy, rejection_sample
@@ -46,9 +47,11 @@ class ModelRunner:
         lock_step_kinds: list[str],
         proposer: Proposer | None = None,
         context_parallel: ContextParallelForward | None = None,
+        constraints: LogitsConstraints | None = None,
     ) -> None:
         """`lock_step_kinds`: the model groups spanning data-parallel replicas; `context_parallel`: the
-        forward of a prefill step split over the ranks (docs/distributed.md)."""
+        forward of a prefill step split over the ranks (docs/distributed.md); `constraints`: bad words
+        and grammars, applied to the sampled rows' logits before the sampler (docs/sampling.md)."""
         self.worker = worker
         self.sampler = sampler
         self.cache_layout = cache_layout
@@ -58,6 +61,7 @@ class ModelRunner:
         self.lock_step_kinds = lock_step_kinds
         self.proposer = proposer
         self.context_parallel = context_parallel
+        self.constraints = constraints
         self.device = device  # where the sampled rows' indices go
 
     def execute(self, batch: Batch) -> StepResult:
@@ -94,6 +98,9 @@ class ModelRunner:
         num_sampled = len(layout.logits_indices)
         if num_sampled:
             sampled_logits = logits[:num_sampled]
+            if self.constraints is not None:  # eagerly, after the graph's LM head in the graph modes
+                rows_per_request = [seq.num_sampled_rows for seq in sequences]
+                sampled_logits = self.constraints.apply(sampled_logits, batch.requests, rows_per_request, drafts)
             row_token_ids, row_logprobs = self._sample(sampled_logits, batch.requests, sequences)
             result = self._verify(batch.requests, drafts, sequences, row_token_ids, row_logprobs, sampled_logits)
         else:
@@ -253,7 +260,10 @@ class ModelRunner:
             hidden_states=hidden_states,
             row_starts=[0, *layout.query_ends[:-1]],
         )
-        return self.proposer.propose(context)
+        next_drafts = self.proposer.propose(context)
+        if self.constraints is not None:  # drafts the grammar refuses are cut, as vLLM does
+            next_drafts = self.constraints.cut_drafts(requests, result.new_token_ids, next_drafts)
+        return next_drafts
 
     def idle_forward(self) -> None:
         """Lock-step data parallelism: the step of a replica with nothing to run, so that the groups it

@@ -125,6 +125,23 @@ class ModelWorker:
             raise ValueError(f"{model_cls.__name__} has no module.attention.KVCacheLayer to hold a KV cache")
         self.kv_cache_groups = group_kv_cache_layers(self.kv_cache_layers)
 
+    def add_draft_module(
+        self, name: str, build: Callable[[ModelParallel, Backend], torch.nn.Module]
+    ) -> torch.nn.Module:
+        """Build a drafter that lives beside the model (EAGLE-3's) on the device in the model's dtype
+        with this rank's groups, lay its linear weights out, and give its attention layers a KV cache
+        in the model's pool (grouped with the model's layers of the same spec). Before the KV cache
+        is sized. `build` loads its weights."""
+        with _default_dtype(self.dtype), self.platform.device:
+            module = build(self.parallel, self.backend)
+        process_linear_weights(module)
+        self.weight_bytes += weight_bytes(module)
+        module.eval()
+        layers = {f"{name}.{n}": m for n, m in module.named_modules() if isinstance(m, KVCacheLayer)}
+        self.kv_cache_layers |= layers
+        self.kv_cache_groups = group_kv_cache_layers(self.kv_cache_layers)
+        return module
+
     def kv_cache_bytes_per_token(self) -> int:
         """KV bytes one token takes across every layer's cache tensors."""
         return sum(layer.kv_cache_spec().bytes_per_token for layer in self.kv_cache_layers.values())

@@ -3,8 +3,11 @@ sampling knobs; a dataset line or an HTTP request overrides them per request."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from executor.core.config import InferenceConfig
 from executor.types_ import SamplingParams
+from executor.types_.structured_output import parse_structured_output
 
 
 def default_sampling_params(config: InferenceConfig) -> SamplingParams:
@@ -22,4 +25,6 @@ def default_sampling_params(config: InferenceConfig) -> SamplingParams:
         presence_penalty=data.presence_penalty,
         logprobs=data.logprobs,
         prompt_logprobs=data.prompt_logprobs,
+        bad_words=tuple(data.bad_words),
+        structured_output=parse_structured_output(dataclasses.asdict(data)),  # checked when the config loads
     )

@@ -17,6 +17,7 @@ from executor.core.config import InferenceConfig
 from executor.core.config.comm_manager import CommManager
 from executor.core.kv_cache import KVCacheManager
 from executor.core.spec_decode.draft_model import DraftModelProposer, DraftRunner
+from executor.core.spec_decode.eagle3 import Eagle3Parts, Eagle3Proposer
 from executor.core.spec_decode.mtp import MTPProposer
 from executor.core.spec_decode.ngram import NgramProposer, NgramStepProposer
 from executor.core.spec_decode.proposer import LockStep, Proposer, ReplicaSharedDrafts
@@ -44,10 +45,11 @@ def make_proposer(
     argmax_rows: Callable[[torch.Tensor], torch.Tensor],
     lock_step: LockStep | None = None,
     draft: DraftParts | None = None,
+    eagle3: Eagle3Parts | None = None,
 ) -> Proposer | None:
     """None when speculative decoding is off; built after the target's weights and cache.
     `argmax_rows`: the backend's greedy choice (MTP's drafts take it); `lock_step`: the target's, when
-    its groups span the replicas; `draft`: for method draft_model.
+    its groups span the replicas; `draft`: for method draft_model; `eagle3`: for method eagle3.
     Above one rank per attention TP group, the group's ranks take its rank 0's drafts."""
     method, num_tokens = config.speculation
     spec = config.speculative_config
@@ -56,17 +58,19 @@ def make_proposer(
     proposer: Proposer
     if method == "ngram":
         proposer = NgramStepProposer(NgramProposer(num_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max))
-    elif method == "mtp":
-        proposer = MTPProposer(
-            model,
-            kv_cache_manager,
-            metadata_builder,
+    elif method in ("mtp", "eagle3"):  # EAGLE-3's passes are MTP's, through its drafter
+        passes = dict(
             num_speculative_tokens=num_tokens,
             max_blocks_per_request=max_blocks_per_request,
             config=config,
             lock_step=lock_step,
             argmax_rows=argmax_rows,
         )
+        if method == "mtp":
+            proposer = MTPProposer(model, kv_cache_manager, metadata_builder, **passes)
+        else:
+            assert eagle3 is not None, "method eagle3 needs the drafter the engine attached"
+            proposer = Eagle3Proposer(model, eagle3, kv_cache_manager, metadata_builder, **passes)
     else:
         assert draft is not None, "method draft_model needs the draft model's runner"
         proposer = DraftModelProposer(draft.runner, draft.kv_cache_manager, num_tokens, draft.lock_step)

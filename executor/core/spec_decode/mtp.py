@@ -26,6 +26,7 @@ from module.causal_lm import CausalLM
 from ops.attention.metadata import (
     AttentionMetadataBuilder,
     ScheduledSequence,
+    StepLayout,
     build_model_inputs,
     build_step_layout,
     take_rows,
@@ -70,7 +71,7 @@ class MTPProposer:
         argmax_rows: Callable[[torch.Tensor], torch.Tensor],
         lock_step: LockStep | None = None,
     ) -> None:
-        check_mtp_layers(type(model), model.config, config, "its config.json")
+        self.check_drafter(model, config)
         self.model = model
         self.kv_cache_manager = kv_cache_manager
         self.builder = builder
@@ -80,6 +81,19 @@ class MTPProposer:
         self.lock_step = lock_step
         self.argmax_rows = argmax_rows  # each draft's greedy choice: the backend's
         self.graph_runners: list[GraphRunner] = []  # by MTP layer, in graph modes (the engine sets them)
+
+    @property
+    def num_draft_layers(self) -> int:
+        """The drafting layers: draft j runs layer min(j, this - 1)."""
+        return self.model.num_mtp_layers
+
+    def check_drafter(self, model: CausalLM, config: InferenceConfig) -> None:
+        """Refuse a model that has nothing to draft with (here: no MTP layer)."""
+        check_mtp_layers(type(model), model.config, config, "its config.json")
+
+    def first_pass_hidden(self, context: ProposalContext, rows: list[int]) -> torch.Tensor:
+        """The hidden states the first pass reads at the given rows of the step: the target's final ones."""
+        return context.hidden_states[torch.tensor(rows, device=context.hidden_states.device)]
 
     @torch.inference_mode()
     def propose(self, context: ProposalContext) -> list[list[int]]:
@@ -106,9 +120,9 @@ class MTPProposer:
         # writes the MTP layer's K/V for its rows
         num_passes = max((self._depths(context, item) for item in drafting), default=1 if sequences else 0)
         num_passes = self.lock_step.max_over_world(num_passes) if self.lock_step else num_passes
-        hidden = context.hidden_states[torch.tensor(hidden_rows, device=context.hidden_states.device)]
+        hidden = self.first_pass_hidden(context, hidden_rows)
         for depth in range(num_passes):
-            layer = min(depth, self.model.num_mtp_layers - 1)
+            layer = min(depth, self.num_draft_layers - 1)
             if not sequences:  # lock-step: another replica's requests draft further
                 self._idle_pass(layer, context.hidden_states)
                 continue
@@ -128,19 +142,13 @@ class MTPProposer:
 
     def _idle_passes(self, num_passes: int, hidden_states: torch.Tensor) -> None:
         for depth in range(num_passes):
-            self._idle_pass(min(depth, self.model.num_mtp_layers - 1), hidden_states)
+            self._idle_pass(min(depth, self.num_draft_layers - 1), hidden_states)
 
     def _idle_pass(self, layer: int, hidden_states: torch.Tensor) -> None:
         """Lock-step: a pass of MTP module `layer` over one padding token whose K/V goes to the null
         block, as the runner's idle forward does, so that the collectives of another replica's pass
         meet this one's (in graph modes in the bucket the replicas agree on); its output is dropped."""
-        null_blocks = [[0]] * self.kv_cache_manager.num_groups
-        layout = build_step_layout(
-            [ScheduledSequence([0], 0, null_blocks, num_sampled_rows=0)],
-            block_size=self.kv_cache_manager.block_size,
-            max_blocks_per_request=self.max_blocks_per_request,
-            state_groups=self.kv_cache_manager.state_groups,
-        )
+        layout = self.idle_layout()
         if self.graph_runners and self.graph_runners[layer].forward(layout, hidden_states[:1]) is not None:
             return
         inputs = build_model_inputs(layout, self.builder)
@@ -149,6 +157,20 @@ class MTPProposer:
         )
         if self.lock_step is not None and self.lock_step.joins_lm_head:
             self.model.mtp_compute_logits(layer, hidden, inputs.logits_indices)  # no row: the gathers only
+
+    def layout(self, sequences: list[ScheduledSequence]) -> StepLayout:
+        """A drafting pass's packed inputs over the target's block tables."""
+        return build_step_layout(
+            sequences,
+            block_size=self.kv_cache_manager.block_size,
+            max_blocks_per_request=self.max_blocks_per_request,
+            state_groups=self.kv_cache_manager.state_groups,
+        )
+
+    def idle_layout(self) -> StepLayout:
+        """One padding token (id 0, position 0) writing only the null block: an idle pass's input."""
+        null_blocks = [[0]] * self.kv_cache_manager.num_groups
+        return self.layout([ScheduledSequence([0], 0, null_blocks, num_sampled_rows=0)])
 
     def _depths(self, context: ProposalContext, item: _Drafting) -> int:
         """MTP passes the request drafts in: one per position from its last row on that holds a slot."""
@@ -165,12 +187,7 @@ class MTPProposer:
         self, layer: int, sequences: list[ScheduledSequence], previous_hidden: torch.Tensor
     ) -> tuple[torch.Tensor, list[int]]:
         """One pass of MTP module `layer`; its hidden states and each sampled row's greedy token."""
-        layout = build_step_layout(
-            sequences,
-            block_size=self.kv_cache_manager.block_size,
-            max_blocks_per_request=self.max_blocks_per_request,
-            state_groups=self.kv_cache_manager.state_groups,
-        )
+        layout = self.layout(sequences)
         graph_output = self.graph_runners[layer].forward(layout, previous_hidden) if self.graph_runners else None
         # rows of the next pass are the sampled rows, one per drafting request, in order
         if graph_output is None:

@@ -1,0 +1,155 @@
+"""EAGLE-3 proposer (vLLM's `eagle3` method): a one-layer drafter reading the target's residual
+stream at three layers (low, middle, high), drafting k tokens per step as a chain.
+
+After every step its first pass runs over each request's rows whose K/V stands, as the MTP pass
+does (the inputs shifted by one token, so that its own KV cache stays complete): row p takes the
+embedding of the token at p + 1 and fc(the target's three hidden states at p), and the last row's
+greedy token is draft 1. Draft j > 1 feeds draft j - 1 and the previous pass's hidden state
+(before the drafter's norm) back, one position further on, in the lookahead slots the scheduler
+allocates with the step. The drafter's attention layer keeps its K/V in the target's KV pool (its
+layers are added to the worker's cache layers before the cache is sized). The target's three
+hidden states come from forward pre-hooks on those layers, which keep the latest step's rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AutoConfig, PretrainedConfig
+
+from executor.core.config import ConfigError, InferenceConfig
+from executor.core.spec_decode.mtp import MTPProposer
+from executor.core.spec_decode.proposer import ProposalContext
+from executor.model_loader.default_loader import safetensors_weights
+from models.llama.eagle3 import Eagle3Drafter, aux_hidden_state_layers, eagle3_config_problem
+from module.causal_lm import CausalLM
+from module.parallel_group import ONE_PROCESS, ModelParallel
+from ops.attention.metadata import ScheduledSequence, build_model_inputs
+from ops.backend import Backend
+
+
+def load_eagle3_drafter(
+    path: str,
+    target_config: PretrainedConfig,
+    *,
+    parallel: ModelParallel = ONE_PROCESS,
+    backend: Backend,
+) -> tuple[Eagle3Drafter, tuple[int, int, int]]:
+    """A published EAGLE-3 drafter folder (config.json + safetensors) as it is, and the target layers
+    it reads; ValueError naming the folder when it is not one, or a tensor is missing."""
+    config = AutoConfig.from_pretrained(path)
+    if (problem := eagle3_config_problem(config)) is not None:
+        raise ValueError(f"{path}/config.json: {problem}")
+    target_hidden = getattr(config, "target_hidden_size", None) or target_config.hidden_size
+    if config.hidden_size != target_config.hidden_size:
+        raise ValueError(
+            f"{path}/config.json: hidden_size {config.hidden_size} differs from the target's "
+            f"{target_config.hidden_size}; the drafter embeds through the target's embedding"
+        )
+    drafter = Eagle3Drafter(config, target_hidden, parallel=parallel, backend=backend)
+    filled = drafter.load_weights(safetensors_weights(path))
+    missing = sorted({name for name, _ in drafter.named_parameters()} - filled)
+    if "d2t" not in filled and drafter.draft_vocab_size != target_config.vocab_size:
+        missing.append("d2t")
+    if missing:
+        raise ValueError(f"{path}: the checkpoint lacks {missing}")
+    return drafter, aux_hidden_state_layers(config, target_config.num_hidden_layers)
+
+
+class AuxHiddenStates:
+    """The target's residual stream at the input of three of its layers, kept from its latest
+    forward by pre-hooks on those layers (each row's hidden + residual, as vLLM collects them)."""
+
+    def __init__(self, layers: list[nn.Module]) -> None:
+        self._latest: list[torch.Tensor | None] = [None] * len(layers)
+        self._handles = [layer.register_forward_pre_hook(self._hook(index)) for index, layer in enumerate(layers)]
+
+    def _hook(self, index: int) -> Callable[[nn.Module, tuple[Any, ...]], None]:
+        def keep(_: nn.Module, args: tuple[Any, ...]) -> None:
+            hidden_states, residual = args[0], args[1]
+            self._latest[index] = hidden_states if residual is None else hidden_states + residual
+
+        return keep
+
+    def rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """[len(rows), 3 x hidden] of the latest target forward."""
+        assert all(t is not None for t in self._latest), "no target forward ran yet"
+        return torch.cat([t[rows] for t in self._latest if t is not None], dim=-1)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+@dataclass(slots=True)
+class Eagle3Parts:
+    """What the engine builds for method eagle3 before the KV cache is sized and the graphs are
+    compiled: the drafter (its layers in the worker's cache), the target layers it reads, and the
+    hooks that keep their hidden states (on the target before any graph traces it)."""
+
+    drafter: Eagle3Drafter
+    aux_layers: tuple[int, int, int]
+    aux: AuxHiddenStates
+
+    @classmethod
+    def attach(cls, path: str, model: CausalLM, worker: Any) -> Eagle3Parts:
+        """Load the drafter at `path` into `worker` (ModelWorker.add_draft_module) beside `model`."""
+        loaded: list[tuple[int, int, int]] = []
+
+        def build(parallel: ModelParallel, backend: Backend) -> nn.Module:
+            drafter, layers = load_eagle3_drafter(path, model.config, parallel=parallel, backend=backend)
+            loaded.append(layers)
+            return drafter
+
+        drafter = worker.add_draft_module("eagle3", build)
+        aux_layers = loaded[0]
+        return cls(drafter, aux_layers, AuxHiddenStates([model.model.layers[index] for index in aux_layers]))
+
+
+class Eagle3Proposer(MTPProposer):
+    """MTPProposer's passes (the same rows, slots and lock-step idle passes) through the EAGLE-3
+    drafter instead of an MTP layer."""
+
+    def __init__(self, model: CausalLM, parts: Eagle3Parts, *args: Any, **kwargs: Any) -> None:
+        self.drafter = parts.drafter
+        super().__init__(model, *args, **kwargs)
+        self.aux_layers = parts.aux_layers
+        self.aux = parts.aux
+
+    @property
+    def num_draft_layers(self) -> int:
+        return 1
+
+    def check_drafter(self, model: CausalLM, config: InferenceConfig) -> None:
+        if self.drafter.config.vocab_size != model.config.vocab_size:
+            raise ConfigError(
+                f"speculative_config.draft_model_path in {config.source}: the EAGLE-3 drafter's vocab_size "
+                f"{self.drafter.config.vocab_size} differs from the target's {model.config.vocab_size}"
+            )
+
+    def first_pass_hidden(self, context: ProposalContext, rows: list[int]) -> torch.Tensor:
+        index = torch.tensor(rows, dtype=torch.int64, device=context.hidden_states.device)
+        return self.drafter.combine_hidden_states(self.aux.rows(index))
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        embedding = (
+            self.drafter.embed_tokens if self.drafter.embed_tokens is not None else self.model.model.embed_tokens
+        )
+        return embedding(input_ids)
+
+    def _run(
+        self, layer: int, sequences: list[ScheduledSequence], previous_hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, list[int]]:
+        inputs = build_model_inputs(self.layout(sequences), self.builder)
+        hidden = self.drafter(self._embed(inputs.input_ids), inputs.positions, previous_hidden, inputs.forward_metadata)
+        draft_ids = self.argmax_rows(self.drafter.compute_logits(hidden, inputs.logits_indices))
+        return hidden[inputs.logits_indices], self.drafter.target_token_ids(draft_ids).tolist()
+
+    def _idle_pass(self, layer: int, hidden_states: torch.Tensor) -> None:
+        """Lock-step: a drafter pass over one padding token whose K/V goes to the null block."""
+        inputs = build_model_inputs(self.idle_layout(), self.builder)
+        self.drafter(self._embed(inputs.input_ids), inputs.positions, hidden_states[:1], inputs.forward_metadata)
