@@ -98,7 +98,8 @@ class ModelRunner:
         num_sampled = len(layout.logits_indices)
         if num_sampled:
             sampled_logits = logits[:num_sampled]
-            if self.constraints is not None:  # eagerly, after the graph's LM head in the graph modes
+            constrained = any(request.sampling_params.has_logits_constraints for request in batch.requests)
+            if self.constraints is not None and constrained:  # eagerly, after the graph's LM head in graphs
                 rows_per_request = [seq.num_sampled_rows for seq in sequences]
                 sampled_logits = self.constraints.apply(sampled_logits, batch.requests, rows_per_request, drafts)
             row_token_ids, row_logprobs = self._sample(sampled_logits, batch.requests, sequences)

@@ -69,9 +69,9 @@ class LogitsConstraints:
         drafts: Sequence[Sequence[int]],
     ) -> torch.Tensor:
         """`logits` [rows, vocab] (a request's `rows_per_request` consecutive rows: its own token,
-        then one per draft) with -inf at each row's banned words' tokens and outside its grammar."""
-        if not any(request.sampling_params.has_logits_constraints for request in requests):
-            return logits
+        then one per draft) with -inf at each row's banned words' tokens and outside its grammar. The
+        runner calls it only for a step where some request has constraints, so that a step without
+        any passes through no file of theirs."""
         start_s = time.perf_counter()
         grammar_rows = self.grammars.fill_rows(requests, rows_per_request, drafts)
         if grammar_rows is not None:
