@@ -61,6 +61,7 @@ def test_percentiles_and_the_transfer_share_per_request():
 
 
 @pytest.mark.slow
+@pytest.mark.long  # a real PD and combined run: past CI's budget; its figures are docs/benchmarks.md's
 def test_a_tiny_run_end_to_end(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     out = tmp_path / "pd.json"

@@ -16,7 +16,7 @@ from tests.engine_harness import ENGINE_PROMPT_LENS, make_inference
 from tests.online_harness import routing, server_process
 from tests.paged_harness import random_prompts
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # torchrun and three processes: past CI's budget
 
 MAX_TOKENS = 8
 
