@@ -306,7 +306,7 @@ def chat_records(smollm2_dir) -> list[PromptRecord]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("exe_mode", ["eager", "ge_graph"])
+@pytest.mark.parametrize("exe_mode", ["eager", pytest.param("ge_graph", marks=pytest.mark.long)])
 def test_real_model_greedy_output_with_a_trained_drafter_equals_speculation_off(
     exe_mode, smollm2_dir, smollm2_eagle3_dir
 ):

@@ -313,6 +313,7 @@ def test_greedy_structured_output_is_the_same_with_mtp_drafts(smollm2_mtp_dir, p
 
 
 @pytest.mark.slow
+@pytest.mark.long  # a graph compile: past CI's budget (the mask is applied outside the graph, as in eager)
 def test_greedy_structured_output_is_the_same_in_ge_graph_with_ngram_drafts(smollm2_dir, plain_outputs):
     """The mask is applied after the graph, on the sampled rows' logits; decode and verify buckets
     of 4 requests (4 and 4x4)."""
