@@ -95,8 +95,14 @@ def naive_top_p_keep(logits: np.ndarray, top_p: float) -> np.ndarray:
     return keep
 
 
+# Up to 0.999: past it the nucleus ends among tokens whose probabilities lie below float32's resolution
+# of a cumulative sum near 1 (6e-8), where the sampler's float32 sum and the naive float64 one may part
+# by a token (top_p 0.99999 did); top_p 1.0, no filter at all, is the same in both.
+TOP_PS = st.one_of(st.floats(0.05, 0.999), st.just(1.0))
+
+
 @EXAMPLES
-@given(seed=st.integers(0, 10**6), top_ps=st.lists(st.floats(0.05, 1.0), min_size=1, max_size=5))
+@given(seed=st.integers(0, 10**6), top_ps=st.lists(TOP_PS, min_size=1, max_size=5))
 def test_top_p_keeps_the_smallest_nucleus_as_a_naive_sort_and_transformers_do(seed, top_ps):
     requests = [make_request(f"r{i}", temperature=1.0, top_p=p) for i, p in enumerate(top_ps)]
     logits = make_logits(len(requests), seed)
