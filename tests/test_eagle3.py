@@ -141,7 +141,7 @@ def setup(tmp_path_factory):
     folder = tmp_path_factory.mktemp("eagle3")
     (folder / "config.json").write_text(json.dumps(draft_config(target_config)))
     save_file(weights, str(folder / "model.safetensors"))
-    drafter, layers = load_eagle3_drafter(str(folder), target_config, backend=cpu_backend())
+    drafter, layers = load_eagle3_drafter(str(folder), target_config, "llama", backend=cpu_backend())
     for attention in (m for m in drafter.modules() if isinstance(m, Attention)):
         shape = (NUM_BLOCKS, BLOCK_SIZE, 2, target_config.hidden_size // 4)
         attention.bind_kv_cache({"key": torch.full(shape, float("nan")), "value": torch.full(shape, float("nan"))}, 0)

@@ -10,7 +10,13 @@ from executor.core.config import build_config
 from executor.core.config.sections import SECTIONS
 from executor.offline.__main__ import resume_command
 from executor.offline.dataset import PromptRecord
-from executor.offline.run_folder import OUTPUT_NEUTRAL_KEYS, check_output_dir, request_hash, settings_hash
+from executor.offline.run_folder import (
+    OUTPUT_NEUTRAL_KEYS,
+    changed_settings,
+    check_output_dir,
+    request_hash,
+    settings_hash,
+)
 
 
 def test_output_neutral_keys_name_real_config_keys():
@@ -62,3 +68,13 @@ def test_the_resume_command_adds_the_output_folder_only_when_the_config_has_none
     )
     config = build_config({"model_config": {"output_path": str(tmp_path)}})
     assert "output_path" not in resume_command(args, config, tmp_path)
+
+
+def test_a_key_the_earlier_config_lacks_is_no_change_while_it_holds_its_default():
+    # a run folder written before data_config.bad_words existed; the key now at its default, then set
+    earlier, defaults = {"data_config.seed": 5}, {"data_config.seed": 0, "data_config.bad_words": []}
+    unchanged = {"data_config.seed": 5, "data_config.bad_words": []}
+    assert changed_settings(earlier, unchanged, defaults) == []
+    banned = {"data_config.seed": 5, "data_config.bad_words": ["x"]}
+    assert changed_settings(earlier, banned, defaults) == ["data_config.bad_words was not set, now ['x']"]
+    assert changed_settings(earlier, unchanged) == ["data_config.bad_words was not set, now []"]  # no defaults

@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from executor.core.config import ConfigError, InferenceConfig
+from executor.core.config import ConfigError, InferenceConfig, build_config
 from executor.offline.dataset import PromptRecord
 from executor.offline.durable_io import CorruptLineError, JsonlContents, read_jsonl
 
@@ -216,12 +216,18 @@ def read_output_settings(output_dir: Path) -> dict[str, Any]:
     return output_settings({k: v for k, v in earlier.items() if isinstance(v, dict)})
 
 
-def changed_settings(earlier: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """`key was X, now Y` for each setting that differs between two runs, by key."""
+def changed_settings(
+    earlier: dict[str, Any], current: dict[str, Any], defaults: dict[str, Any] | None = None
+) -> list[str]:
+    """`key was X, now Y` for each setting that differs between two runs, by key. With `defaults`, a
+    key the earlier run's config lacks (a harness from before the key) that now holds its default is
+    no change: the earlier run behaved as the default does."""
+    defaults = defaults or {}
     return [
         f"{key} was {_shown(earlier, key)}, now {_shown(current, key)}"
         for key in sorted(set(earlier) | set(current))
         if earlier.get(key, _ABSENT) != current.get(key, _ABSENT)
+        and not (key not in earlier and key in defaults and current.get(key, _ABSENT) == defaults[key])
     ]
 
 
@@ -237,7 +243,8 @@ def _check_same_settings(output_dir: Path, config: InferenceConfig) -> None:
         raise ConfigError(
             f"{output_dir / CONFIG_FILE} cannot be read ({type(exc).__name__}); choose another model_config.output_path"
         ) from None
-    changed = changed_settings(earlier_settings, output_settings(config.to_dict()))
+    defaults = output_settings(build_config({}).to_dict())
+    changed = changed_settings(earlier_settings, output_settings(config.to_dict()), defaults)
     if changed:
         more = f"; and {len(changed) - MAX_CHANGES_SHOWN} more" if len(changed) > MAX_CHANGES_SHOWN else ""
         raise ConfigError(

@@ -94,6 +94,16 @@ class Eagle3Drafter(nn.Module):
     """The drafter's modules under the checkpoint's names; the target's embedding and rope are
     passed in (a checkpoint with its own embed_tokens uses that)."""
 
+    @staticmethod
+    def config_problem(config: Any) -> str | None:
+        """Why a draft config.json is not one this class loads (eagle3_config_problem); None when it is."""
+        return eagle3_config_problem(config)
+
+    @staticmethod
+    def aux_layers(config: PretrainedConfig, num_target_layers: int) -> tuple[int, int, int]:
+        """The target layers this drafter reads (aux_hidden_state_layers)."""
+        return aux_hidden_state_layers(config, num_target_layers)
+
     def __init__(
         self,
         config: PretrainedConfig,

@@ -63,5 +63,20 @@ def resolve_model(model_name: str) -> tuple[type, Any]:
     return package.model_cls, package.config_cls
 
 
+def resolve_eagle3_drafter(model_name: str) -> type:
+    """The EAGLE-3 drafter class of model_name's family (its package's `eagle3_drafter_cls`);
+    ValueError when the family has none."""
+    folder = model_folder(model_name)
+    drafter_cls = getattr(importlib.import_module(f"models.{folder}"), "eagle3_drafter_cls", None)
+    if drafter_cls is None:
+        families = [
+            name
+            for name in available_models()
+            if hasattr(importlib.import_module(f"models.{name}"), "eagle3_drafter_cls")
+        ]
+        raise ValueError(f"models/{folder} has no EAGLE-3 drafter here (families with one: {', '.join(families)})")
+    return drafter_cls
+
+
 def model_dir(model_name: str) -> Path:
     return Path(models.__file__).parent / model_folder(model_name)

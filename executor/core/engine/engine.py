@@ -262,7 +262,7 @@ class ExecutionEngine:
         assert self.worker.model is not None
         path = str(Path(expand_home_vars(self.config.speculative_config.draft_model_path)).expanduser())
         try:
-            parts = Eagle3Parts.attach(path, self.worker.model, self.worker)
+            parts = Eagle3Parts.attach(path, self.worker.model, self.worker, self.config.model_config.model_name)
         except (OSError, ValueError) as exc:
             raise ConfigError(f"speculative_config.draft_model_path in {self.config.source}: {exc}") from None
         logger.info(

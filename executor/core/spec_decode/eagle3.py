@@ -22,10 +22,10 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
 from executor.core.config import ConfigError, InferenceConfig
+from executor.core.config.model_registry import resolve_eagle3_drafter
 from executor.core.spec_decode.mtp import MTPProposer
 from executor.core.spec_decode.proposer import ProposalContext
 from executor.model_loader.default_loader import safetensors_weights
-from models.llama.eagle3 import Eagle3Drafter, aux_hidden_state_layers, eagle3_config_problem
 from module.causal_lm import CausalLM
 from module.parallel_group import ONE_PROCESS, ModelParallel
 from ops.attention.metadata import ScheduledSequence, build_model_inputs
@@ -35,14 +35,17 @@ from ops.backend import Backend
 def load_eagle3_drafter(
     path: str,
     target_config: PretrainedConfig,
+    model_name: str,
     *,
     parallel: ModelParallel = ONE_PROCESS,
     backend: Backend,
-) -> tuple[Eagle3Drafter, tuple[int, int, int]]:
-    """A published EAGLE-3 drafter folder (config.json + safetensors) as it is, and the target layers
-    it reads; ValueError naming the folder when it is not one, or a tensor is missing."""
+) -> tuple[Any, tuple[int, int, int]]:
+    """A published EAGLE-3 drafter folder (config.json + safetensors) as it is, built by the drafter
+    class of model_name's family, and the target layers it reads; ValueError naming the folder when it
+    is not one, or a tensor is missing."""
+    drafter_cls = resolve_eagle3_drafter(model_name)
     config = AutoConfig.from_pretrained(path)
-    if (problem := eagle3_config_problem(config)) is not None:
+    if (problem := drafter_cls.config_problem(config)) is not None:
         raise ValueError(f"{path}/config.json: {problem}")
     target_hidden = getattr(config, "target_hidden_size", None) or target_config.hidden_size
     if config.hidden_size != target_config.hidden_size:
@@ -50,14 +53,14 @@ def load_eagle3_drafter(
             f"{path}/config.json: hidden_size {config.hidden_size} differs from the target's "
             f"{target_config.hidden_size}; the drafter embeds through the target's embedding"
         )
-    drafter = Eagle3Drafter(config, target_hidden, parallel=parallel, backend=backend)
+    drafter = drafter_cls(config, target_hidden, parallel=parallel, backend=backend)
     filled = drafter.load_weights(safetensors_weights(path))
     missing = sorted({name for name, _ in drafter.named_parameters()} - filled)
     if "d2t" not in filled and drafter.draft_vocab_size != target_config.vocab_size:
         missing.append("d2t")
     if missing:
         raise ValueError(f"{path}: the checkpoint lacks {missing}")
-    return drafter, aux_hidden_state_layers(config, target_config.num_hidden_layers)
+    return drafter, drafter_cls.aux_layers(config, target_config.num_hidden_layers)
 
 
 class AuxHiddenStates:
@@ -91,17 +94,17 @@ class Eagle3Parts:
     compiled: the drafter (its layers in the worker's cache), the target layers it reads, and the
     hooks that keep their hidden states (on the target before any graph traces it)."""
 
-    drafter: Eagle3Drafter
+    drafter: Any  # the family's drafter class: its package's eagle3_drafter_cls
     aux_layers: tuple[int, int, int]
     aux: AuxHiddenStates
 
     @classmethod
-    def attach(cls, path: str, model: CausalLM, worker: Any) -> Eagle3Parts:
+    def attach(cls, path: str, model: CausalLM, worker: Any, model_name: str) -> Eagle3Parts:
         """Load the drafter at `path` into `worker` (ModelWorker.add_draft_module) beside `model`."""
         loaded: list[tuple[int, int, int]] = []
 
         def build(parallel: ModelParallel, backend: Backend) -> nn.Module:
-            drafter, layers = load_eagle3_drafter(path, model.config, parallel=parallel, backend=backend)
+            drafter, layers = load_eagle3_drafter(path, model.config, model_name, parallel=parallel, backend=backend)
             loaded.append(layers)
             return drafter
 
