@@ -59,6 +59,7 @@ def test_real_model_graph_mode_equals_eager(exe_mode, smollm2_dir, records):
         assert set(summary["graph"]["bucket_origins"].values()) == CACHED_ORIGINS[exe_mode]
 
 
+@pytest.mark.long  # 80 s; n-gram verify steps in graphs stay in CI through tests/test_spec_graphs.py
 def test_real_model_with_ngram_in_ge_graph_equals_eager_without_speculation(smollm2_dir):
     """Verify steps of up to 4 requests x (1 + 3) tokens in bucket 4x4's graph, the rest (5 or 6
     requests, prefills) eagerly: the tokens of eager without drafts, with drafts accepted."""

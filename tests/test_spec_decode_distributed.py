@@ -221,6 +221,7 @@ def verify_steps(graph: dict) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 92 s; ge_graph + MTP + TP stay in CI through the TP 3 SmolLM2 test
 def test_ge_graph_with_mtp_at_tp_2_and_in_lock_step_runs_every_step_but_prefills_in_graphs(tmp_path):
     """The flagship combination on the tiny DeepSeek-V3, MTP drafting in ge_graph: at attention TP 2
     (EP 2 inside the group) and at DP 2 x EP 2 (lock-step: the replicas' requests, prompt lengths and
