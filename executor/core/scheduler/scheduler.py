@@ -103,13 +103,7 @@ class Scheduler:
                     queue.remove(request)
                     if queue is self.running:
                         self.kv_cache_manager.free(request)
-                    if error is not None:
-                        request.fail(error, now_s)
-                    else:
-                        request.status = RequestStatus.FINISHED
-                        request.finish_reason = FinishReason.ABORT
-                        request.finish_time_s = now_s
-                    return request
+                    return end_aborted(request, now_s, error)
         return None
 
     def schedule(self) -> Batch | None:
@@ -331,3 +325,14 @@ class Scheduler:
             ):
                 return FinishReason.LENGTH
         return None
+
+
+def end_aborted(request: Request, now_s: float, error: str | None) -> Request:
+    """An aborted request finished: failed with `error` when there is one, else with finish reason abort."""
+    if error is not None:
+        request.fail(error, now_s)
+    else:
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = FinishReason.ABORT
+        request.finish_time_s = now_s
+    return request

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from executor.core.kv_cache.kv_cache_manager import PrefixHit
 from executor.core.scheduler import Scheduler
+from executor.core.scheduler.scheduler import end_aborted
 from executor.types_ import FinishReason, Request, RequestStatus, TokenLogprobs
 
 
@@ -190,13 +191,7 @@ class DecodeDisaggScheduler(Scheduler):
         request = self._take_unstarted(request_id)
         if request is None:
             return super().abort(request_id, now_s, error)
-        if error is not None:
-            request.fail(error, now_s)
-        else:
-            request.status = RequestStatus.FINISHED
-            request.finish_reason = FinishReason.ABORT
-            request.finish_time_s = now_s
-        return request
+        return end_aborted(request, now_s, error)
 
     def has_failed(self) -> bool:
         """Failed requests wait to be reported by the next step."""
