@@ -49,9 +49,10 @@ def build_inference(
     scheduler_overrides: dict | None = None,
     sections: dict | None = None,
     quantization: str = "",
+    model_overrides: dict | None = None,
 ) -> OfflineInference:
     """Our engine as run_ours runs it; `sections` adds whole config sections (speculative_config,
-    ...), `quantization` is model_config.quantization."""
+    ...), `quantization` is model_config.quantization, `model_overrides` other model_config keys."""
     config = build_config(
         {
             **(sections or {}),
@@ -61,6 +62,7 @@ def build_inference(
                 "device": args.device,
                 "exe_mode": args.exe_mode,
                 "quantization": quantization,
+                **(model_overrides or {}),
             },
             "data_config": {"apply_chat_template": True, "input_truncated_len": 0},
             "scheduler_config": {

@@ -23,6 +23,7 @@ import logging
 import statistics
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 from bench_graph_modes import decode_ms
@@ -38,10 +39,12 @@ from ops.cpu import OneDnnLinear
 from ops.linear_method import LinearMethod, PlainLinear
 
 
-def build_engine(dtype: str, batch_size: int, quantization: str = "") -> ExecutionEngine:
-    """An eager engine on the default model with room for `batch_size` requests of max_model_len,
-    its weights quantized at load by `quantization` (model_config.quantization; "" for none)."""
-    model_path = default_model_path()
+def build_engine(
+    dtype: str, batch_size: int, quantization: str = "", model_path: Path | None = None
+) -> ExecutionEngine:
+    """An eager engine on `model_path` (default: the default model) with room for `batch_size` requests
+    of max_model_len, its weights quantized at load by `quantization` (model_config.quantization; "" for none)."""
+    model_path = model_path or default_model_path()
     config = build_config(
         {
             "model_config": {
@@ -211,6 +214,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--quantization", default="", help="model_config.quantization, e.g. w8a8 (default: none)")
+    parser.add_argument("--model-path", type=Path, default=None, help="a model folder (default: the default model)")
     parser.add_argument("--prompt-tokens", type=int, default=200)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rows", type=int, default=15, help="operators in the printed table")
@@ -219,7 +223,7 @@ def main() -> None:
     parser.add_argument("--profile-baseline", action="store_true", help="profile decode with the baseline part")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    engine = build_engine(args.dtype, args.batch_size, args.quantization)
+    engine = build_engine(args.dtype, args.batch_size, args.quantization, args.model_path)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         start = time.perf_counter()
         requests = prefilled(engine, args.batch_size, args.prompt_tokens)

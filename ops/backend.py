@@ -30,7 +30,7 @@ from ops.attention.metadata import AttentionMetadataBuilder, TorchMetadataBuilde
 from ops.attention.npu import NpuAttention, NpuGraphAttention, NpuMetadataBuilder
 from ops.attention.reference import ReferenceAttention
 from ops.cpu import CpuOps, cpu_linear_method
-from ops.cpu_quantized import VNNI_FLAGS, CpuInt8Kernels, VnniInt8Linear, Wna16Linear
+from ops.cpu_quantized import AUTO_ACTIVATIONS, VNNI_FLAGS, CpuInt8Kernels, VnniInt8Linear, Wna16Linear
 from ops.linear_method import PLAIN, UNQUANTIZED, LinearMethod
 from ops.npu import NpuGraphOps, NpuOps
 from ops.npu_quant import npu_linear_methods
@@ -207,10 +207,12 @@ def make_backend(
     *,
     prepack_weights: bool = True,
     cpu_extension: bool = True,
+    wna16_activations: str = AUTO_ACTIVATIONS,
 ) -> Backend:
     """The record for (device_type, exe_mode) with a model of `dtype`. `prepack_weights` (CPU only)
     lays linear weights out for the CPU's kernels; `cpu_extension` False keeps the C++ kernels out
-    (the reference runs). NPU records import torch_npu (and torchair for graph modes) now, so a bad
+    (the reference runs); `wna16_activations` (CPU only) is how the few-row 4/8-bit kernel multiplies
+    (ops/cpu_quantized.py's Wna16Linear). NPU records import torch_npu (and torchair for graph modes) now, so a bad
     install fails here with the reason, not mid-run."""
     if device_type not in DEVICE_TYPES:
         raise ValueError(f"device type must be one of {list(DEVICE_TYPES)}, got {device_type!r}")
@@ -222,7 +224,7 @@ def make_backend(
         "graph_compiler": compiler,
     }
     if device_type == "cpu":
-        return _cpu_backend(dtype, prepack_weights, cpu_extension, common)
+        return _cpu_backend(dtype, prepack_weights, cpu_extension, wna16_activations, common)
     if device_type == "cuda":
         captured = exe_mode == "npugraph_ex"  # CUDA graphs (executor/platform/graph_compilers.py)
         # DSA's indexer reads each request's length to score only its tokens: no captured form yet
@@ -240,7 +242,9 @@ def make_backend(
     return _npu_backend(exe_mode, common)
 
 
-def _cpu_backend(dtype: torch.dtype, prepack_weights: bool, use_extension: bool, common: dict[str, Any]) -> Backend:
+def _cpu_backend(
+    dtype: torch.dtype, prepack_weights: bool, use_extension: bool, wna16_activations: str, common: dict[str, Any]
+) -> Backend:
     kernels = cpu_kernels.extension() if use_extension else None
     ops: dict[str, Any] = dict(REFERENCE_OPS)
     attention: AttentionBackend = ReferenceAttention()
@@ -252,14 +256,16 @@ def _cpu_backend(dtype: torch.dtype, prepack_weights: bool, use_extension: bool,
         attention = CpuAttention(kernels)
     packed = cpu_linear_method(dtype, kernels, cpu_kernels.cpu_flags()) if prepack_weights else None
     dense = packed or PLAIN
-    linear = linear_methods(dense, _cpu_quantized_methods(kernels, dense, dtype), "cpu")
+    linear = linear_methods(dense, _cpu_quantized_methods(kernels, dense, dtype, wna16_activations), "cpu")
     return Backend("cpu", linear=linear, metadata_builder=TorchMetadataBuilder, attention=attention, **common, **ops)
 
 
-def _cpu_quantized_methods(kernels: object | None, dense: LinearMethod, dtype: torch.dtype) -> dict[str, LinearMethod]:
+def _cpu_quantized_methods(
+    kernels: object | None, dense: LinearMethod, dtype: torch.dtype, wna16_activations: str
+) -> dict[str, LinearMethod]:
     """W8A8 by the one-kernel int8 linear on fp32 models where the CPU has AVX-512 VNNI, else by
     torch._int_mm between the one-pass kernels of ops/cpu_quantized.py (the plain-torch quantize and
-    rescale where the extension did not build); WNA16 by the few-row 4/8-bit kernel."""
+    rescale where the extension did not build); WNA16 by the few-row 4/8-bit kernels."""
     if kernels is None:
         return {W8A8_INT8: Int8ScaledLinear(cpu.int8_mm, "torch._int_mm, oneDNN")}
     if dtype == torch.float32 and VNNI_FLAGS <= cpu_kernels.cpu_flags():
@@ -269,7 +275,9 @@ def _cpu_quantized_methods(kernels: object | None, dense: LinearMethod, dtype: t
         w8a8 = Int8ScaledLinear(cpu.int8_mm, "torch._int_mm, oneDNN", int8.quantize, int8.rescale)
     return {
         W8A8_INT8: w8a8,
-        WNA16: Wna16Linear(kernels, DequantizedLinear(dense, "no CPU kernel for its groups or dtype")),
+        WNA16: Wna16Linear(
+            kernels, DequantizedLinear(dense, "no CPU kernel for its groups or dtype"), wna16_activations
+        ),
     }
 
 

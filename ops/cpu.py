@@ -28,8 +28,9 @@ logger = logging.getLogger(__name__)
 
 
 def named(name: str, kernel: Callable[..., Any]) -> Callable[..., Any]:
-    """`kernel`, recorded as infer_recipes::`name` while a profiler runs (a pybind call is no aten op)."""
-    if torch.autograd._profiler_enabled():
+    """`kernel`, recorded as infer_recipes::`name` while a profiler runs (a pybind call is no aten op); as
+    it is while a graph is traced (the op is the graph's node)."""
+    if not torch.compiler.is_compiling() and torch.autograd._profiler_enabled():
         return functools.partial(_recorded, f"infer_recipes::{name}", kernel)
     return kernel
 
@@ -56,6 +57,15 @@ def _(a, b):
 def _(x: torch.Tensor, packed: torch.Tensor, compensation: torch.Tensor, *args: object) -> torch.Tensor:
     """W8A8's whole linear by ops/csrc/int8_linear.cpp (AVX-512 VNNI), one opaque op in a compiled graph
     (ops/cpu_quantized.py's VnniInt8Linear): [rows, out_features]."""
+    out_features = args[-1]
+    assert isinstance(out_features, int)
+    return x.new_empty(x.shape[0], out_features)
+
+
+@fake("q8_dot_linear")
+def _(x: torch.Tensor, codes: torch.Tensor, *args: object) -> torch.Tensor:
+    """A few-row WNA16 linear with int8 rows by ops/csrc/q8_dot_linear.cpp, one opaque op in a compiled
+    graph (ops/cpu_quantized.py's Wna16Linear): [rows, out_features]."""
     out_features = args[-1]
     assert isinstance(out_features, int)
     return x.new_empty(x.shape[0], out_features)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from executor.types_.quant_scheme import GGUF_BLOCK_SCHEMES
 from ops import quant_math
 from ops.cpu import named
 from ops.linear_method import LinearMethod, set_layer_attr
@@ -92,21 +93,38 @@ class VnniInt8Linear(LinearMethod):
         return out.view(*x.shape[:-1], out_features)
 
 
+# model_config.wna16_activations: how the few-row kernel multiplies (docs/quantization.md).
+FLOAT_ACTIVATIONS, INT8_ACTIVATIONS, AUTO_ACTIVATIONS = "float", "int8", "auto"
+WNA16_ACTIVATIONS = (AUTO_ACTIVATIONS, FLOAT_ACTIVATIONS, INT8_ACTIVATIONS)
+Q8_BLOCK = 32  # q8_dot_linear.cpp's activation block: its weight groups are whole blocks
+Q8_PANEL_COLUMNS = 8  # q8_dot_linear.cpp's panel width
+
+
 @dataclass(frozen=True, slots=True)
 class CodedWeight:
-    """wna16_linear.cpp's layout: unsigned codes in 16-column panels, fp32 scales and offsets
-    [panels, K / group, 16] with w = u * scale + offset."""
+    """A coded weight as one of two kernels lays it out, w = u * scale + offset per group along K:
+    wna16_linear.cpp's (`int8_rows` False: unsigned codes in 16-column panels, fp32 activations) or
+    q8_dot_linear.cpp's (`int8_rows` True: 8-column panels, 8-bit codes signed, the activation rows
+    quantized to int8 per 32 values, scales in fp16 where exact, zero offsets left out as an empty
+    tensor); scales and offsets [panels, K / group, panel width]."""
 
     codes: torch.Tensor
     scales: torch.Tensor
     offsets: torch.Tensor
     bits: int
     out_features: int
+    int8_rows: bool
+
+    @property
+    def kernel_names(self) -> tuple[str, str]:
+        """(its linear op, its dequantize op) in the extension."""
+        return ("q8_dot_linear", "q8_dot_dequantize") if self.int8_rows else ("wna16_linear", "wna16_dequantize")
 
 
-def coded_weight(kernels: Any, layer: nn.Module) -> CodedWeight | None:
-    """The layer's WNA16 weight as unsigned codes, scales and offsets (symmetric: offset = -2^(b-1) s,
-    exact; zero points: -(zp + 2^(b-1)) s), packed; None where the kernel does not take it."""
+def unsigned_codes(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None:
+    """The layer's WNA16 weight as unsigned codes [N, K], fp32 scales and offsets [N, K / group] and the
+    bits (symmetric: offset = -2^(b-1) s, exact; zero points: -(zp + 2^(b-1)) s), or None where no
+    kernel takes it (not fp32, not 4/8 bits, odd groups)."""
     args = layer_scheme(layer).weights
     weight = quantized_weight(layer)
     rows, cols = weight.values.shape
@@ -117,75 +135,130 @@ def coded_weight(kernels: Any, layer: nn.Module) -> CodedWeight | None:
         return None
     scale = weight.scale.float().reshape(rows, groups)
     if weight.offset is not None:  # unsigned codes with a float offset already (GGUF Q4_1)
-        codes, offset = weight.values.to(torch.uint8), weight.offset.float().reshape(rows, groups)
-    else:
-        half = 2 ** (args.num_bits - 1)
-        zero = 0.0 if weight.zero_point is None else weight.zero_point.float().reshape(rows, groups)
-        offset = -(zero + half) * scale
-        codes = (weight.values.to(torch.int16) + half).to(torch.uint8)
-    packed, scales, offsets = kernels.pack_wna16_weight(codes, scale, offset.contiguous(), args.num_bits)
-    return CodedWeight(packed, scales, offsets, args.num_bits, rows)
+        return weight.values.to(torch.uint8), scale, weight.offset.float().reshape(rows, groups), args.num_bits
+    half = 2 ** (args.num_bits - 1)
+    zero = 0.0 if weight.zero_point is None else weight.zero_point.float().reshape(rows, groups)
+    offset = (-(zero + half) * scale).contiguous()
+    return (weight.values.to(torch.int16) + half).to(torch.uint8), scale, offset, args.num_bits
+
+
+def coded_weight(kernels: Any, layer: nn.Module, int8_rows: bool) -> CodedWeight | None:
+    """The layer's WNA16 weight packed for q8_dot_linear.cpp where `int8_rows` and its groups are whole
+    blocks of 32, for wna16_linear.cpp otherwise; None where neither takes it."""
+    coded = unsigned_codes(layer)
+    if coded is None:
+        return None
+    codes, scale, offset, bits = coded
+    int8_rows = int8_rows and (codes.shape[1] // scale.shape[1]) % Q8_BLOCK == 0
+    pack = kernels.pack_q8_dot_weight if int8_rows else kernels.pack_wna16_weight
+    packed, scales, offsets = pack(codes, scale, offset, bits)
+    return CodedWeight(packed, scales, offsets, bits, codes.shape[0], int8_rows)
 
 
 def dequantize_coded(weight: CodedWeight) -> torch.Tensor:
     """The dense fp32 [N, K] weight of a coded one, in torch ops (what a compiled graph traces): the
-    values wna16_dequantize gives by one fused multiply-add each, as u * s + o is exact in float64."""
+    values the kernels' dequantize ops give by one fused multiply-add each, as u * s + o is exact in
+    float64."""
     panels, width = weight.codes.shape
-    if weight.bits == 4:
-        pairs = weight.codes.view(panels, width // PANEL_COLUMNS, 1, PANEL_COLUMNS)
-        codes = torch.cat([pairs & 0xF, pairs >> 4], dim=2).flatten(1, 2)
+    if weight.int8_rows:
+        columns = Q8_PANEL_COLUMNS
+        if weight.bits == 4:  # [panels, block, chunk, column, 4]: low nibbles 8 * chunk + t, high ones + 4
+            quads = weight.codes.view(panels, -1, 4, columns, 1, 4)
+            codes = torch.cat([quads & 0xF, quads >> 4], dim=4).permute(0, 3, 1, 2, 4, 5)
+        else:  # [panels, block, chunk, column, 4]: value 4 * chunk + t, signed
+            codes = weight.codes.view(torch.int8).view(panels, -1, 8, columns, 4).permute(0, 3, 1, 2, 4)
+        codes = codes.reshape(panels, columns, -1).transpose(1, 2)  # [panels, K, 8]
     else:
-        codes = weight.codes.view(panels, width // PANEL_COLUMNS, PANEL_COLUMNS)
+        columns = PANEL_COLUMNS
+        if weight.bits == 4:
+            pairs = weight.codes.view(panels, width // columns, 1, columns)
+            codes = torch.cat([pairs & 0xF, pairs >> 4], dim=2).flatten(1, 2)
+        else:
+            codes = weight.codes.view(panels, width // columns, columns)
     group = codes.shape[1] // weight.scales.shape[1]
-    scales = weight.scales.repeat_interleave(group, dim=1)
-    offsets = weight.offsets.repeat_interleave(group, dim=1)
-    dense = (codes.double() * scales.double() + offsets.double()).float()  # [panels, K, 16]
-    return dense.permute(0, 2, 1).reshape(panels * PANEL_COLUMNS, -1)[: weight.out_features]
+    scales = weight.scales.double().repeat_interleave(group, dim=1)
+    dense = codes.double() * scales
+    if weight.offsets.numel():  # q8_dot_linear.cpp leaves zero offsets out
+        dense = dense + weight.offsets.double().repeat_interleave(group, dim=1)
+    dense = dense.float()  # [panels, K, columns]
+    return dense.permute(0, 2, 1).reshape(panels * columns, -1)[: weight.out_features]
 
 
 class Wna16Linear(LinearMethod):
-    """WNA16 (int4/int8 weights, fp32 activations) by wna16_linear.cpp up to WNA16_ROWS_MAX rows, the
-    weight dequantized per call and multiplied by F.linear past them; a layer the kernel does not
-    take (bf16 models, odd groups) runs the scheme plainly (`plainly`: weights dequantized at load)."""
+    """WNA16 (int4/int8 weights, fp32 activations) by a few-row kernel up to WNA16_ROWS_MAX rows, the
+    weight dequantized per call and multiplied by F.linear past them; a layer no kernel takes (bf16
+    models, odd groups) runs the scheme plainly (`plainly`: weights dequantized at load). The few-row
+    kernel is wna16_linear.cpp (each weight dequantized to fp32: the exact path) or, as `activations`
+    says per scheme, q8_dot_linear.cpp (the row quantized to int8 per 32 values and multiplied in
+    integers, as llama.cpp does: faster, with the row's rounding); auto takes the latter for a GGUF's
+    block schemes, whose users compare them with llama.cpp's, and the exact path for the rest."""
 
-    def __init__(self, kernels: Any, plainly: DequantizedLinear) -> None:
+    def __init__(self, kernels: Any, plainly: DequantizedLinear, activations: str = AUTO_ACTIVATIONS) -> None:
+        if activations not in WNA16_ACTIVATIONS:
+            raise ValueError(f"wna16_activations must be one of {list(WNA16_ACTIVATIONS)}, got {activations!r}")
         self.kernels = kernels
         self.plainly = plainly
+        self.activations = activations
+
+    def int8_rows(self, layer: nn.Module) -> bool:
+        """Whether `layer`'s few rows are quantized to int8 (the setting, or auto's rule by its scheme)."""
+        if self.activations == AUTO_ACTIVATIONS:
+            return layer_scheme(layer) in GGUF_BLOCK_SCHEMES.values()
+        return self.activations == INT8_ACTIVATIONS
 
     def describe(self, layer: nn.Module) -> str:
-        if layer.wna16_bits is None:
+        coded = self.coded(layer)
+        if coded is None:
             return self.plainly.describe(layer)
-        return f"native {layer.wna16_bits}-bit weights (wna16_linear.cpp up to {WNA16_ROWS_MAX} rows)"
+        if coded.int8_rows:
+            return (
+                f"native {coded.bits}-bit weights times int8 rows per 32 values "
+                f"(q8_dot_linear.cpp up to {WNA16_ROWS_MAX} rows)"
+            )
+        return f"native {coded.bits}-bit weights (wna16_linear.cpp up to {WNA16_ROWS_MAX} rows)"
 
     def process_weights(self, layer: nn.Module) -> None:
         """The coded weight's tensors as the layer's buffers (what graph modes bind as its weights)."""
-        coded = coded_weight(self.kernels, layer)
+        coded = coded_weight(self.kernels, layer, self.int8_rows(layer))
         set_layer_attr(layer, "wna16_bits", None if coded is None else coded.bits)
         if coded is None:
             self.plainly.process_weights(layer)
             return
         set_layer_attr(layer, "wna16_out_features", coded.out_features)
+        set_layer_attr(layer, "wna16_int8_rows", coded.int8_rows)
         keep_tensors(layer, wna16_codes=coded.codes, wna16_scales=coded.scales, wna16_offsets=coded.offsets)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    @staticmethod
+    def coded(layer: nn.Module) -> CodedWeight | None:
+        """The layer's coded weight as process_weights kept it, or None where it runs plainly."""
         if layer.wna16_bits is None:
-            return self.plainly.apply(layer, x, bias)
-        coded = CodedWeight(
+            return None
+        return CodedWeight(
             cast(torch.Tensor, layer.wna16_codes),
             cast(torch.Tensor, layer.wna16_scales),
             cast(torch.Tensor, layer.wna16_offsets),
             cast(int, layer.wna16_bits),
             cast(int, layer.wna16_out_features),
+            cast(bool, layer.wna16_int8_rows),
         )
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        coded = self.coded(layer)
+        if coded is None:
+            return self.plainly.apply(layer, x, bias)
         rows = x.numel() // x.shape[-1]
-        if torch.compiler.is_compiling():
+        linear_name, dequantize_name = coded.kernel_names
+        few_rows = rows <= WNA16_ROWS_MAX and x.dtype == torch.float32
+        if torch.compiler.is_compiling() and not (few_rows and coded.int8_rows):
             return F.linear(x, dequantize_coded(coded), bias)
-        if rows > WNA16_ROWS_MAX or x.dtype != torch.float32:
-            dense = self.kernels.wna16_dequantize(
+        if not few_rows:
+            dense = getattr(self.kernels, dequantize_name)(
                 coded.codes, coded.scales, coded.offsets, coded.bits, coded.out_features
             )
             return F.linear(x, dense.to(x.dtype), bias)
-        kernel = named("wna16_linear", self.kernels.wna16_linear)
+        # the int8-row kernel is one opaque op in a compiled graph too (its fake: ops/cpu.py), so a graph
+        # gives eager's values
+        kernel = named(linear_name, getattr(self.kernels, linear_name))
         out = kernel(
             x.reshape(rows, x.shape[-1]), coded.codes, coded.scales, coded.offsets, bias, coded.bits, coded.out_features
         )

@@ -2,13 +2,18 @@
 
 The blocks dequantize to exactly what gguf's own dequantization gives (what transformers' GGUF loader,
 and so the fp32 folder, holds), so the engine on the blocks folder and on the fp32 folder computes
-the same weights: logits agree within fp32 rounding (1e-4) and greedy tokens are identical.
+the same weights: with `wna16_activations: float` (the exact path) logits agree within fp32 rounding
+(1e-4) and greedy tokens are identical. By default (auto) decode's few rows are rounded to int8 per 32
+values as llama.cpp rounds them (ops/csrc/q8_dot_linear.cpp): the tokens then equal transformers on
+the fp32 folder with the same rounding of every linear layer's input in its one-token steps.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
@@ -29,7 +34,9 @@ from models import DEFAULT_CHECKPOINT
 from module.quantization_pass import QuantizedLayer
 from module.quantized import QuantizationError
 from ops import quant_math
-from tests.engine_harness import engine_prefill_logits, make_inference, token_records
+from ops.cpu_quantized import WNA16_ROWS_MAX
+from tests.engine_harness import engine_prefill_logits, load_hf_model, make_inference, token_records
+from tests.q8_reference import dequantized_rows
 from tests.test_model_loader import write_tiny_gguf
 
 Q4_1 = GGUF_BLOCK_SCHEMES["q4_1"].weights
@@ -130,8 +137,13 @@ def test_tied_token_table_stays_in_blocks_and_the_lm_head_shares_it(tiny_folders
     assert layer.scheme.weights == Q4_1
 
 
+EXACT = {"wna16_activations": "float"}
+
+
 def test_engine_on_blocks_equals_engine_on_the_fp32_folder(tiny_folders: tuple[Path, Path]) -> None:
-    fp32, blocks = (make_inference(folder, batch_size=3, max_new_tokens=8) for folder in tiny_folders)
+    fp32, blocks = (
+        make_inference(folder, model_config=EXACT, batch_size=3, max_new_tokens=8) for folder in tiny_folders
+    )
     prompts = [[1, 86, 260, 261], [5, 9, 200, 13, 40, 41, 42], [261]]
     assert (engine_prefill_logits(blocks, prompts) - engine_prefill_logits(fp32, prompts)).abs().max() <= 1e-4
     expected = [r.output_token_ids for r in fp32.generate(token_records(prompts)).requests]
@@ -143,12 +155,71 @@ def test_default_model_from_its_blocks_equals_the_fp32_folder(smollm2_dir: Path)
 
     blocks_dir = ensure_default_model(blocks=True)
     fp32 = make_inference(smollm2_dir, batch_size=4, max_new_tokens=16, max_model_len=2048)
-    blocks = make_inference(blocks_dir, batch_size=4, max_new_tokens=16, max_model_len=2048)
+    blocks = make_inference(blocks_dir, model_config=EXACT, batch_size=4, max_new_tokens=16, max_model_len=2048)
     records = load_prompts(DATASET_DIR / "default.jsonl")[:4]
     prompts = [tokenize_record(record, fp32.tokenizer, True) for record in records]
     assert (engine_prefill_logits(blocks, prompts) - engine_prefill_logits(fp32, prompts)).abs().max() <= 1e-4
     expected = [r.output_token_ids for r in fp32.generate(token_records(prompts)).requests]
     assert [r.output_token_ids for r in blocks.generate(token_records(prompts)).requests] == expected
+
+
+@contextlib.contextmanager
+def one_token_steps_rounded_to_int8_rows(model: torch.nn.Module) -> Iterator[None]:
+    """transformers' `model` with every linear layer's input rounded per 32 values as the int8-row
+    kernel rounds it (tests/q8_reference.py), in its one-token (decode) steps only, as ours at 1 row."""
+
+    def rounded(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...] | None:
+        x = inputs[0]
+        return (dequantized_rows(x).to(x.dtype),) if x.shape[-2] == 1 else None
+
+    handles = [m.register_forward_pre_hook(rounded) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@torch.inference_mode()
+def hf_decode_logits(model: torch.nn.Module, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy tokens for `prompt` and the logits of its one-token steps [steps - 1, vocab]."""
+    input_ids = torch.tensor([prompt])
+    out = model.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        do_sample=False,
+        max_new_tokens=steps,
+        min_new_tokens=steps,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    return out.sequences[0, len(prompt) :].tolist(), torch.cat(out.logits[1:]).float()
+
+
+def test_blocks_by_default_decode_with_int8_rows_as_transformers_with_the_same_rounding(
+    tiny_folders: tuple[Path, Path],
+) -> None:
+    """Tokens equal, and each decode step's logits within 1e-4 of transformers with the same rounding,
+    while the exact path's are further off than that (so the comparison could fail)."""
+    fp32_dir, blocks_dir = tiny_folders
+    blocks = make_inference(blocks_dir, batch_size=1, max_new_tokens=12, ignore_eos=True)
+    head = blocks.engine.worker.model.lm_head
+    assert head.wna16_int8_rows and "q8_dot_linear.cpp" in head.linear_method.describe(head)
+    decode_logits: list[torch.Tensor] = []
+    head.register_forward_hook(lambda module, inputs, output: decode_logits.append(output.float().clone()))
+    model = load_hf_model(fp32_dir)
+    # prompts past the kernel's row limit, so that their prefill runs the exact path on both sides
+    for length in (WNA16_ROWS_MAX + 3, WNA16_ROWS_MAX + 20):
+        prompt = [1, *range(40, 40 + length)]
+        decode_logits.clear()
+        ours = blocks.generate(token_records([prompt])).requests[0].output_token_ids
+        with one_token_steps_rounded_to_int8_rows(model):
+            tokens, rounded = hf_decode_logits(model, prompt, 12)
+        _, exact = hf_decode_logits(model, prompt, 12)
+        assert ours == tokens
+        ours_logits = torch.cat(decode_logits[1:])
+        assert (ours_logits - rounded).abs().max() <= 1e-4
+        assert (ours_logits - exact).abs().max() > 1e-3
 
 
 def test_unknown_block_type_is_named_with_its_module() -> None:

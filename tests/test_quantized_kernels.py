@@ -24,7 +24,6 @@ from ops.backend import make_backend
 from ops.cpu_quantized import (
     VNNI_FLAGS,
     WNA16_ROWS_MAX,
-    CodedWeight,
     CpuInt8Kernels,
     VnniInt8Linear,
     Wna16Linear,
@@ -209,12 +208,14 @@ def test_wna16_method_matches_the_scheme_computed_plainly(kernels, bits, symmetr
     DequantizedLinear's weight ((q - zp) * s in fp32) and F.linear."""
     scheme = LinearScheme(QuantArgs(bits, strategy=GROUP, group_size=32, symmetric=symmetric))
     reference = quantized_layer(128, 50, scheme, DequantizedLinear(PLAIN), seed=1)
-    layer = quantized_layer(128, 50, scheme, Wna16Linear(kernels, DequantizedLinear(PLAIN)), seed=1)
+    # float: the exact path (auto takes int8 rows for 8-bit groups of 32, GGUF's Q8_0: tests/test_q8_dot_kernel.py)
+    layer = quantized_layer(128, 50, scheme, Wna16Linear(kernels, DequantizedLinear(PLAIN), "float"), seed=1)
     assert layer.wna16_bits == bits
     dense = reference.weight.detach()
     # Symmetric offsets (-2^(b-1) s) are exact, so the weights are the reference's to the bit; a
     # zero point's offset is rounded once more.
-    coded = CodedWeight(layer.wna16_codes, layer.wna16_scales, layer.wna16_offsets, bits, 50)
+    coded = Wna16Linear.coded(layer)
+    assert coded is not None and not coded.int8_rows
     torch_dense = dequantize_coded(coded)
     assert torch.equal(torch_dense, kernels.wna16_dequantize(coded.codes, coded.scales, coded.offsets, bits, 50))
     if symmetric:
@@ -230,7 +231,7 @@ def test_wna16_runs_plainly_where_the_kernel_does_not_take_the_layer(kernels):
     scheme = LinearScheme(QuantArgs(4, strategy=GROUP, group_size=32))
     layer = ColumnParallelLinear(64, 8, bias=False)
     layer.set_scheme(scheme, None, torch.bfloat16, at_load=True)
-    assert coded_weight(kernels, layer) is None  # a bf16 model
+    assert coded_weight(kernels, layer, int8_rows=True) is None  # a bf16 model
 
 
 def test_cpu_record_takes_the_quantized_kernels_where_they_built(kernels):

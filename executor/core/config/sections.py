@@ -117,6 +117,14 @@ class ModelConfig:
         "the plain weights stay too: their memory twice); "
         "off: MKL on the plain weights",
     )
+    wna16_activations: str = rule(
+        "auto",
+        choices=("auto", "float", "int8"),
+        help="ours: on the CPU, how 4/8-bit weight-only layers multiply at decode's few rows (up to 8): float: "
+        "each weight dequantized to fp32 (the exact path); int8: each input row quantized to int8 per 32 values "
+        "and multiplied in integers, as llama.cpp does (faster, the row's rounding added; docs/quantization.md); "
+        "auto: int8 for a GGUF's Q4_1 / Q8_0 blocks, float for the rest",
+    )
     quantization: str = rule(
         "",
         help="ours: quantize at load, round to nearest: one weight scheme (w8a8, w8a16, w4a16, w4a16_asym, w4a8, "

@@ -64,7 +64,11 @@ class ExecutionEngine:
         self.dtype = resolve_dtype(config.model_config.dtype, self.platform.device_type)
         model_config = config.model_config
         self.backend = make_backend(
-            self.platform.device_type, model_config.exe_mode, self.dtype, prepack_weights=model_config.prepack_weights
+            self.platform.device_type,
+            model_config.exe_mode,
+            self.dtype,
+            prepack_weights=model_config.prepack_weights,
+            wna16_activations=model_config.wna16_activations,
         )
         self.metadata_builder = self.backend.metadata_builder(self.platform.device)
         self.host_metadata_builder = self.backend.metadata_builder(torch.device("cpu"))  # graph steps stage here
