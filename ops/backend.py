@@ -30,7 +30,14 @@ from ops.attention.metadata import AttentionMetadataBuilder, TorchMetadataBuilde
 from ops.attention.npu import NpuAttention, NpuGraphAttention, NpuMetadataBuilder
 from ops.attention.reference import ReferenceAttention
 from ops.cpu import CpuOps, cpu_linear_method
-from ops.cpu_quantized import AUTO_ACTIVATIONS, VNNI_FLAGS, CpuInt8Kernels, VnniInt8Linear, Wna16Linear
+from ops.cpu_quantized import (
+    AUTO_ACTIVATIONS,
+    VNNI_FLAGS,
+    CpuInt8Kernels,
+    Int16MaddInt8Linear,
+    VnniInt8Linear,
+    Wna16Linear,
+)
 from ops.linear_method import PLAIN, UNQUANTIZED, LinearMethod
 from ops.npu import NpuGraphOps, NpuOps
 from ops.npu_quant import npu_linear_methods
@@ -263,13 +270,17 @@ def _cpu_backend(
 def _cpu_quantized_methods(
     kernels: object | None, dense: LinearMethod, dtype: torch.dtype, wna16_activations: str
 ) -> dict[str, LinearMethod]:
-    """W8A8 by the one-kernel int8 linear on fp32 models where the CPU has AVX-512 VNNI, else by
-    torch._int_mm between the one-pass kernels of ops/cpu_quantized.py (the plain-torch quantize and
-    rescale where the extension did not build); WNA16 by the few-row 4/8-bit kernels."""
+    """W8A8 by the one-kernel int8 linear on fp32 models where the CPU has AVX-512 VNNI, by the int16
+    vpmaddwd matmul where it has AVX2 without VNNI (oneDNN's int8 product is a reference loop there),
+    else by torch._int_mm; between the one-pass kernels of ops/cpu_quantized.py (the plain-torch
+    quantize and rescale where the extension did not build); WNA16 by the few-row 4/8-bit kernels."""
     if kernels is None:
         return {W8A8_INT8: Int8ScaledLinear(cpu.int8_mm, "torch._int_mm, oneDNN")}
-    if dtype == torch.float32 and VNNI_FLAGS <= cpu_kernels.cpu_flags():
+    flags = cpu_kernels.cpu_flags()
+    if dtype == torch.float32 and VNNI_FLAGS <= flags:
         w8a8: LinearMethod = VnniInt8Linear(kernels)
+    elif "avx2" in flags and not VNNI_FLAGS <= flags:
+        w8a8 = Int16MaddInt8Linear(kernels)
     else:
         int8 = CpuInt8Kernels(kernels)
         w8a8 = Int8ScaledLinear(cpu.int8_mm, "torch._int_mm, oneDNN", int8.quantize, int8.rescale)

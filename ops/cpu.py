@@ -62,6 +62,13 @@ def _(x: torch.Tensor, packed: torch.Tensor, compensation: torch.Tensor, *args: 
     return x.new_empty(x.shape[0], out_features)
 
 
+@fake("int16_madd_mm")
+def _(a: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """W8A8's int8 matmul on AVX2 by ops/csrc/int16_madd_mm.cpp, one opaque op in a compiled graph
+    (ops/cpu_quantized.py's Int16MaddInt8Linear): int32 [rows, out_features]."""
+    return a.new_empty(a.shape[0], out_features, dtype=torch.int32)
+
+
 @fake("q8_dot_linear")
 def _(x: torch.Tensor, codes: torch.Tensor, *args: object) -> torch.Tensor:
     """A few-row WNA16 linear with int8 rows by ops/csrc/q8_dot_linear.cpp, one opaque op in a compiled

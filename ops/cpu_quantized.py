@@ -20,7 +20,7 @@ from executor.types_.quant_scheme import GGUF_BLOCK_SCHEMES
 from ops import quant_math
 from ops.cpu import named
 from ops.linear_method import LinearMethod, set_layer_attr
-from ops.quantized_linear import DequantizedLinear, keep_tensors, layer_scheme, quantized_weight
+from ops.quantized_linear import DequantizedLinear, Int8ScaledLinear, keep_tensors, layer_scheme, quantized_weight
 
 # Rows up to which the 4/8-bit kernel runs (decode at batch 1..8); past them the weight is
 # dequantized for the call and the dense kernel multiplies it, as the kernel's repeated in-register
@@ -47,6 +47,27 @@ class CpuInt8Kernels:
         if torch.compiler.is_compiling():
             return quant_math.int8_rescale(accumulated, x_scale, weight_scale, bias)
         return named("int8_rescale", self.kernels.int8_rescale)(accumulated, x_scale, weight_scale, bias)
+
+
+class Int16MaddInt8Linear(Int8ScaledLinear):
+    """W8A8 on CPUs with AVX2 but no AVX-512 VNNI, where oneDNN runs torch._int_mm's signed int8
+    product by a reference loop (30-80x slower than fp32 on Zen 2): the int8 weight widened to int16
+    panels once at load and multiplied by int16_madd_mm.cpp (vpmaddwd, exact int32 sums), between
+    int8_quant.cpp's one-pass quantization and rescale."""
+
+    def __init__(self, kernels: Any) -> None:
+        int8 = CpuInt8Kernels(kernels)
+        super().__init__(
+            kernel="int16_madd_mm.cpp, AVX2, weights packed at load", quantize=int8.quantize, rescale=int8.rescale
+        )
+        self.kernels = kernels
+
+    def pack(self, values: torch.Tensor) -> torch.Tensor:
+        return self.kernels.pack_int16_madd_weight(values)
+
+    def matmul(self, layer: nn.Module, x_values: torch.Tensor, out_features: int) -> torch.Tensor:
+        # one opaque op in a compiled graph too (its fake: ops/cpu.py)
+        return named("int16_madd_mm", self.kernels.int16_madd_mm)(x_values, layer.int8_weight_t, out_features)
 
 
 # The CPU flags int8_linear.cpp needs (Linux's names).

@@ -117,27 +117,37 @@ class Int8ScaledLinear(LinearMethod):
         return f"native int8 matmul ({self.kernel})"
 
     def process_weights(self, layer: nn.Module) -> None:
-        """int8 W^T [K, N] contiguous, fp32 scales [1, N], the static input scale (or None)."""
+        """The int8 weight as matmul takes it (here W^T [K, N] contiguous), fp32 scales [1, N], the
+        static input scale (or None)."""
         weight = quantized_weight(layer)
         out_features = weight.values.shape[0]
         keep_tensors(
             layer,
-            int8_weight_t=weight.values.to(torch.int8).t().contiguous(),
+            int8_weight_t=self.pack(weight.values.to(torch.int8)),
             int8_weight_scale=weight.scale.float().reshape(1, -1).expand(1, out_features).contiguous(),
             int8_input_scale=weight.input_scale,
         )
 
+    def pack(self, values: torch.Tensor) -> torch.Tensor:
+        """The int8 weight [N, K] laid out for matmul: transposed for int_mm."""
+        return values.t().contiguous()
+
+    def matmul(self, layer: nn.Module, x_values: torch.Tensor, out_features: int) -> torch.Tensor:
+        """int8 rows [M, K] times the layer's int8 weight: int32 [M, N]."""
+        return self.int_mm(x_values, cast(torch.Tensor, layer.int8_weight_t))
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         input_scale = cast("torch.Tensor | None", layer.int8_input_scale)
-        weight_t = cast(torch.Tensor, layer.int8_weight_t)
+        weight_scale = cast(torch.Tensor, layer.int8_weight_scale)
+        out_features = weight_scale.shape[1]
         rows = x.reshape(-1, x.shape[-1])
         if input_scale is None:
             x_values, x_scale = self.quantize(rows)
         else:
             x_scale = input_scale.reshape(1, 1)
             x_values = quant_math.quantize_int8(rows, x_scale)
-        out = self.rescale(self.int_mm(x_values, weight_t), x_scale, cast(torch.Tensor, layer.int8_weight_scale), bias)
-        return out.to(x.dtype).view(*x.shape[:-1], weight_t.shape[1])
+        out = self.rescale(self.matmul(layer, x_values, out_features), x_scale, weight_scale, bias)
+        return out.to(x.dtype).view(*x.shape[:-1], out_features)
 
 
 class DequantizedLinear(LinearMethod):

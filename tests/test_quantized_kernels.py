@@ -25,6 +25,7 @@ from ops.cpu_quantized import (
     VNNI_FLAGS,
     WNA16_ROWS_MAX,
     CpuInt8Kernels,
+    Int16MaddInt8Linear,
     VnniInt8Linear,
     Wna16Linear,
     coded_weight,
@@ -139,6 +140,58 @@ def test_vnni_method_equals_w8a8_in_plain_torch_across_a_row_chunk(kernels):
         quantized_layer(96, 70, scheme, method, seed=3) for method in (Int8ScaledLinear(), VnniInt8Linear(kernels))
     )
     assert torch.equal(vnni(x), plain(x))
+
+
+needs_avx2 = pytest.mark.skipif("avx2" not in cpu_kernels.cpu_flags(), reason="int16_madd_mm.cpp needs AVX2")
+
+
+@needs_avx2
+@FAST
+@given(
+    rows=st.integers(1, 40),
+    features=st.integers(1, 200),
+    out=st.integers(1, 60),
+    seed=st.integers(0, 2**16),
+)
+def test_int16_madd_matmul_equals_int_mm_exactly(kernels, rows, features, out, seed):
+    """Every register block's row and panel tails, odd K, and the extreme values -128 and 127 on both
+    sides (whose products vpmaddubsw's 16-bit pair sums would saturate)."""
+    generator = torch.Generator().manual_seed(seed)
+    a = torch.randint(-128, 128, (rows, features), dtype=torch.int8, generator=generator)
+    weight = torch.randint(-128, 128, (out, features), dtype=torch.int8, generator=generator)
+    a[0, :], weight[0, :] = -128, -128
+    y = kernels.int16_madd_mm(a, kernels.pack_int16_madd_weight(weight), out)
+    assert torch.equal(y, (a.long() @ weight.long().t()).to(torch.int32))
+
+
+@needs_avx2
+@pytest.mark.parametrize("static", [False, True])
+def test_int16_madd_method_equals_w8a8_in_plain_torch(kernels, static):
+    scheme = LinearScheme(QuantArgs(8), QuantArgs(8, strategy="token", dynamic=not static))
+    x = torch.randn(3, 11, 96)
+    plain, avx2 = (
+        quantized_layer(96, 70, scheme, method, seed=3) for method in (Int8ScaledLinear(), Int16MaddInt8Linear(kernels))
+    )
+    if static:
+        for layer in (plain, avx2):
+            layer.int8_input_scale = torch.tensor([0.02])
+    assert "int16_madd_mm.cpp" in avx2.linear_method.describe(avx2)
+    assert torch.equal(avx2(x), plain(x))
+
+
+@needs_avx2
+@pytest.mark.slow
+def test_a_compiled_graph_calls_the_int16_madd_matmul(kernels):
+    scheme = LinearScheme(QuantArgs(8), QuantArgs(8, strategy="token", dynamic=True))
+    layer = quantized_layer(96, 70, scheme, Int16MaddInt8Linear(kernels), seed=3)
+    x = torch.randn(4, 96)
+    assert torch.equal(torch.compile(layer, fullgraph=True, dynamic=False)(x), layer(x))
+
+
+def test_cpu_record_takes_the_avx2_int8_matmul_where_vnni_is_missing(kernels):
+    has_avx2 = "avx2" in cpu_kernels.cpu_flags()
+    expected = VnniInt8Linear if HAS_VNNI else Int16MaddInt8Linear if has_avx2 else Int8ScaledLinear
+    assert type(make_backend("cpu").linear[W8A8_INT8]) is expected
 
 
 # -- weight-only 4/8-bit ------------------------------------------------------------------------------
