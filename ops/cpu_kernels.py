@@ -10,8 +10,10 @@ request of a non-decode step in one call, taking the step's own K/V from the lay
 out of the cache. The fused fp32 kernels (RMSNorm with
 and without the residual add, SiLU-and-mul, the rotary embedding) make one pass over memory where
 the reference makes one per operator. The cache writes copy each new K/V row straight to its slot.
-The quantized kernels: W8A8's per-token int8 quantization and rescale in one pass each around
-torch._int_mm (int8_quant.cpp), and a weight-only 4/8-bit linear for decode's few rows (wna16_linear.cpp).
+The quantized kernels: W8A8's per-token int8 quantization and rescale in one pass each
+(int8_quant.cpp) around torch._int_mm or, on AVX2 without VNNI, an exact int16 matmul
+(int16_madd_mm.cpp), and two weight-only 4/8-bit linears for decode's few rows, with fp32 rows
+(wna16_linear.cpp) or rows rounded to int8 per 32 values as llama.cpp does (q8_dot_linear.cpp).
 The greedy choice over a step's logits is two vector passes per row (argmax_rows.cpp).
 Where no compiler is found or the build fails, the CPU backend takes the reference instead, and the
 log says why once. The build is keyed by the CPU's vector extensions and the source text, so a cache shared by
