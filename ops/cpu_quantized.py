@@ -137,9 +137,9 @@ class CodedWeight:
     int8_rows: bool
 
     @property
-    def kernel_names(self) -> tuple[str, str]:
-        """(its linear op, its dequantize op) in the extension."""
-        return ("q8_dot_linear", "q8_dot_dequantize") if self.int8_rows else ("wna16_linear", "wna16_dequantize")
+    def dequantize_name(self) -> str:
+        """Its dequantize op in the extension."""
+        return "q8_dot_dequantize" if self.int8_rows else "wna16_dequantize"
 
 
 def unsigned_codes(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None:
@@ -220,6 +220,8 @@ class Wna16Linear(LinearMethod):
         self.kernels = kernels
         self.plainly = plainly
         self.activations = activations
+        # the few-row kernels by whether the rows are int8 (resolved once: an op lookup per call adds up)
+        self.row_kernels = {False: kernels.wna16_linear, True: kernels.q8_dot_linear}
 
     def int8_rows(self, layer: nn.Module) -> bool:
         """Whether `layer`'s few rows are quantized to int8 (the setting, or auto's rule by its scheme)."""
@@ -264,23 +266,31 @@ class Wna16Linear(LinearMethod):
         )
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        coded = self.coded(layer)
-        if coded is None:
+        if layer.wna16_bits is None:
             return self.plainly.apply(layer, x, bias)
         rows = x.numel() // x.shape[-1]
-        linear_name, dequantize_name = coded.kernel_names
+        int8_rows = cast(bool, layer.wna16_int8_rows)
         few_rows = rows <= WNA16_ROWS_MAX and x.dtype == torch.float32
-        if torch.compiler.is_compiling() and not (few_rows and coded.int8_rows):
-            return F.linear(x, dequantize_coded(coded), bias)
-        if not few_rows:
-            dense = getattr(self.kernels, dequantize_name)(
-                coded.codes, coded.scales, coded.offsets, coded.bits, coded.out_features
+        if few_rows and (int8_rows or not torch.compiler.is_compiling()):
+            # the step's hot path at decode: the buffers read as they are (a CodedWeight costs more
+            # than a small layer's kernel); the int8-row kernel is one opaque op in a compiled graph
+            # too (its fake: ops/cpu.py), so a graph gives eager's values
+            name = "q8_dot_linear" if int8_rows else "wna16_linear"
+            out_features = cast(int, layer.wna16_out_features)
+            out = named(name, self.row_kernels[int8_rows])(
+                x if x.dim() == 2 else x.reshape(rows, x.shape[-1]),
+                layer.wna16_codes,
+                layer.wna16_scales,
+                layer.wna16_offsets,
+                bias,
+                layer.wna16_bits,
+                out_features,
             )
-            return F.linear(x, dense.to(x.dtype), bias)
-        # the int8-row kernel is one opaque op in a compiled graph too (its fake: ops/cpu.py), so a graph
-        # gives eager's values
-        kernel = named(linear_name, getattr(self.kernels, linear_name))
-        out = kernel(
-            x.reshape(rows, x.shape[-1]), coded.codes, coded.scales, coded.offsets, bias, coded.bits, coded.out_features
-        )
-        return out.view(*x.shape[:-1], coded.out_features)
+            return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)
+        coded = self.coded(layer)
+        assert coded is not None
+        if torch.compiler.is_compiling():
+            return F.linear(x, dequantize_coded(coded), bias)
+        dequantize = getattr(self.kernels, coded.dequantize_name)
+        dense = dequantize(coded.codes, coded.scales, coded.offsets, coded.bits, coded.out_features)
+        return F.linear(x, dense.to(x.dtype), bias)
