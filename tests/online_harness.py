@@ -12,8 +12,10 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import uvicorn
@@ -109,6 +111,29 @@ def routing(prefill_urls: list[str], decode_urls: list[str]) -> Iterator[str]:
     config = uvicorn.Config(router.app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
     with running_uvicorn(uvicorn.Server(config)):
         yield f"http://127.0.0.1:{port}/v1"
+
+
+def routed_greedy(
+    prefill_base: str, decode_base: str, prompts: list[list[int]], expected: list[list[int]], max_tokens: int
+) -> dict[str, Any]:
+    """Greedy tokens of `prompts` sent at once through a Router over the two instances (base URLs,
+    without /v1) equal `expected`; then the decode instance's pool empties (bounded): its /stats."""
+    with routing([prefill_base], [decode_base]) as router_url:
+
+        def tokens(prompt: list[int]) -> list[int]:
+            body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}
+            answer = httpx.post(router_url + "/completions", json=body, timeout=300)
+            assert answer.status_code == 200, answer.text
+            return answer.json()["choices"][0]["token_ids"]
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            assert list(pool.map(tokens, prompts)) == expected
+    deadline = time.monotonic() + 10  # the figures are as of each replica's last step
+    while (stats := httpx.get(decode_base + "/stats").json())["kv_blocks_used"]:
+        assert time.monotonic() < deadline, f"the decode instance holds blocks after the load: {stats}"
+        time.sleep(0.2)
+    assert stats["num_in_flight"] == 0 and stats["num_running"] == 0
+    return stats
 
 
 def printed(process: subprocess.Popen) -> str:

@@ -141,11 +141,12 @@ def test_the_entry_refuses_a_role_it_cannot_run_before_loading_and_port_0_picks_
     def config(mode: str, **parallel: int):
         return build_config({"parallel_config": parallel, "disagg_config": {"disaggregation_mode": mode}})
 
-    with pytest.raises(ConfigError, match="disaggregation_mode DECODE .* one rank here"):
+    with pytest.raises(ConfigError, match="disaggregation_mode DECODE .* one rank or data-parallel replicas"):
         check_disaggregation(config("DECODE", world_size=2, attn_tp_size=2))  # (each rank says it before loading)
-    with pytest.raises(ConfigError, match="disaggregation_mode PREFILL .* one rank here"):
-        check_disaggregation(config("PREFILL", world_size=2))
+    with pytest.raises(ConfigError, match="disaggregation_mode PREFILL .* one attention tensor-parallel group"):
+        check_disaggregation(config("PREFILL", world_size=2))  # two replicas
     check_disaggregation(config("DECODE", world_size=2))  # data-parallel replicas
+    check_disaggregation(config("PREFILL", world_size=2, attn_tp_size=2))  # each rank a share of the KV heads
     config = tmp_path / "pd.yaml"
     config.write_text(f"model_config:\n  model_path: {tiny_llama_dir}\n  device: cpu\n")
     speculating = ["--set", "speculative_config.method=ngram", "--set", "speculative_config.num_speculative_tokens=2"]

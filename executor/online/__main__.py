@@ -102,10 +102,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: the model could not be loaded: {one_line(exc)}", file=sys.stderr)
         return COULD_NOT_START
     disagg = config.disagg_config
-    if disagg.disaggregation_mode == "NONE":
-        loop = EngineLoop(engine, args.max_waiting_requests)
-    else:
-        loop = DisaggEngineLoop(engine, args.max_waiting_requests, disagg)
+    try:
+        if disagg.disaggregation_mode == "NONE":
+            loop = EngineLoop(engine, args.max_waiting_requests)
+        else:
+            loop = DisaggEngineLoop(engine, args.max_waiting_requests, disagg)
+    except ConfigError as exc:  # what the loaded model decides (its cache kinds, lock-step replicas)
+        print(f"error: {exc}", file=sys.stderr)
+        engine.comm.close()
+        return COULD_NOT_START
     try:
         if DistEnv.from_environ().rank != 0:
             loop.run()  # follow rank 0's turns until it says stop
@@ -129,19 +134,25 @@ def check_port(host: str, port: int) -> int:
 
 
 def check_disaggregation(config: InferenceConfig) -> None:
-    """What prefill-decode disaggregation is built for here: a one-rank prefill instance, a decode
-    instance of one rank or of data-parallel replicas, no speculation."""
+    """What prefill-decode disaggregation is built for here: a prefill instance of one attention TP
+    group (one rank, or its ranks each holding a share of the KV heads), a decode instance of one
+    rank or of data-parallel replicas of one, no speculation."""
     mode = config.disagg_config.disaggregation_mode
     if mode == "NONE":
         return
     parallel = config.parallel_config
-    replicas_only = parallel.attn_tp_size == 1 and parallel.cp_size == 1
-    if parallel.world_size != 1 and (mode == "PREFILL" or not replicas_only):
+    if mode == "PREFILL" and (parallel.attn_tp_size != parallel.world_size or parallel.cp_size != 1):
         raise ConfigError(
-            f"disagg_config.disaggregation_mode {mode} in {config.source}: a prefill instance runs one rank here, "
-            f"a decode instance one rank or data-parallel replicas of one (attn_tp_size 1, cp_size 1); got "
-            f"world_size {parallel.world_size}, attn_tp_size {parallel.attn_tp_size}, cp_size {parallel.cp_size}: "
-            "run several instances behind the Router for more"
+            f"disagg_config.disaggregation_mode PREFILL in {config.source}: a prefill instance is one attention "
+            f"tensor-parallel group here (attn_tp_size = world_size, cp_size 1); got world_size "
+            f"{parallel.world_size}, attn_tp_size {parallel.attn_tp_size}, cp_size {parallel.cp_size}: run several "
+            "instances behind the Router for more"
+        )
+    if mode == "DECODE" and (parallel.attn_tp_size != 1 or parallel.cp_size != 1):
+        raise ConfigError(
+            f"disagg_config.disaggregation_mode DECODE in {config.source}: a decode instance is one rank or "
+            f"data-parallel replicas of one here (attn_tp_size 1, cp_size 1); got world_size {parallel.world_size}, "
+            f"attn_tp_size {parallel.attn_tp_size}, cp_size {parallel.cp_size}"
         )
     if config.speculation[0]:
         raise ConfigError(

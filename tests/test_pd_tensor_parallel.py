@@ -1,0 +1,180 @@
+"""A tensor-parallel prefill instance feeding decode instances of another layout: each prefill rank
+sends its share of a request's KV heads, the decode rank joins them (kv_copy.assemble).
+
+Fast: the join, over caches cut as attention TP cuts them (K/V and their C8 scales by heads, an MLA
+latent whole), equals the one-rank cache block for block; a tensor split another way is refused by
+name. Slow (torchrun): a prefill instance at TP 2 through the Router, feeding a one-rank decode
+instance and a decode instance of two data-parallel replicas, greedy tokens equal to offline fp32."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+import torch
+
+from executor.core.config import ConfigError
+from executor.core.model_worker.model_worker import KVCacheGroup
+from executor.offline.dataset import PromptRecord
+from executor.online.disagg.kv_copy import KVCopier, assemble
+from executor.online.disagg.loop import DisaggEngineLoop
+from executor.types_.kv_cache_spec import AttentionKind, KVCacheSpec, KVTensorSpec, TPSplit, attention_spec, mla_spec
+from executor.types_.quant_scheme import KVCacheScheme
+from tests.engine_harness import ENGINE_PROMPT_LENS, make_inference
+from tests.online_harness import routed_greedy, server_process
+from tests.paged_harness import random_prompts
+
+NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM, LATENT = 6, 4, 4, 3, 5
+
+
+@dataclass
+class _Layer:
+    caches: dict[str, torch.Tensor]
+
+    def kv_caches(self) -> dict[str, torch.Tensor]:
+        return self.caches
+
+
+@dataclass
+class _Worker:
+    """What KVCopier reads of a worker: its cache groups and each layer's bound tensors."""
+
+    kv_cache_groups: list[KVCacheGroup]
+    kv_cache_layers: dict[str, _Layer]
+
+
+def worker_of(specs: dict[str, KVCacheSpec], fill: torch.Generator | None) -> _Worker:
+    """One layer per spec, its tensors random (from `fill`) or zero."""
+    groups, layers = [], {}
+    for name, spec in specs.items():
+        caches = {}
+        for tensor in spec.tensors:
+            shape = tensor.cache_shape(NUM_BLOCKS, BLOCK_SIZE)
+            values = torch.zeros(shape) if fill is None else torch.randn(shape, generator=fill)
+            caches[tensor.name] = (
+                values.to(tensor.dtype) if tensor.dtype != torch.int8 else (values * 50).to(torch.int8)
+            )
+        groups.append(KVCacheGroup(spec, (name,)))
+        layers[name] = _Layer(caches)
+    return _Worker(groups, layers)
+
+
+def specs_at(tp_size: int) -> dict[str, KVCacheSpec]:
+    """A C8 attention layer (int8 K/V and per-head scales) and an fp32 MLA layer, as one rank of
+    attention TP `tp_size` holds them."""
+    return {
+        "attn": attention_spec(HEADS // tp_size, HEAD_DIM, torch.float32, kv_scheme=KVCacheScheme()),
+        "mla": mla_spec(LATENT - 2, 2, torch.float32),
+    }
+
+
+def shard_of(whole: _Worker, rank: int, tp_size: int) -> _Worker:
+    """Rank `rank`'s caches of `whole` at attention TP `tp_size`: its run of heads, the latent whole."""
+    shard = worker_of(specs_at(tp_size), None)
+    per_rank = HEADS // tp_size
+    for name, layer in whole.kv_cache_layers.items():
+        for key, tensor in layer.caches.items():
+            split = tensor[:, :, rank * per_rank : (rank + 1) * per_rank] if name == "attn" else tensor
+            shard.kv_cache_layers[name].caches[key].copy_(split)
+    return shard
+
+
+def test_the_prefill_ranks_shares_join_into_the_one_rank_cache_block_for_block():
+    whole = worker_of(specs_at(1), torch.Generator().manual_seed(0))
+    sent_blocks, received_blocks = [3, 1, 4], [5, 2, 0]  # the two instances' own block ids for the request
+    shares = [KVCopier(shard_of(whole, rank, 2)).gather([sent_blocks, sent_blocks]) for rank in range(2)]
+    assert [meta.shape[2] for meta in shares[0][0]] == [HEADS // 2] * 4 + [LATENT]  # each rank half the heads
+    metas, buffer = assemble(shares)
+    received = worker_of(specs_at(1), None)
+    KVCopier(received).scatter(metas, buffer, [received_blocks, received_blocks])
+    for name, layer in whole.kv_cache_layers.items():
+        for key, tensor in layer.caches.items():
+            got = received.kv_cache_layers[name].caches[key]
+            assert torch.equal(got[received_blocks], tensor[sent_blocks]), f"{name}.{key}"
+            assert not got[[1, 3, 4]].any(), f"{name}.{key}: written outside the request's blocks"
+    assert buffer.numel() == sum(share[1].numel() for share in shares) - shares[1][0][-1].nbytes  # latent once
+
+
+def test_one_share_is_passed_through_and_a_tensor_split_otherwise_is_refused_by_name():
+    worker = worker_of(specs_at(1), torch.Generator().manual_seed(1))
+    share = KVCopier(worker).gather([[1], [1]])
+    assert assemble([share]) is share
+    conv = KVCacheSpec((KVTensorSpec("conv_state", (2, 3), torch.float32),))
+    assert conv.tensors[0].tp_split is TPSplit.OTHER  # the default: nothing joins what it does not know
+    shares = [KVCopier(worker_of({"conv": conv}, torch.Generator().manual_seed(rank))).gather([[2]]) for rank in (0, 1)]
+    with pytest.raises(ValueError, match=r"conv\.conv_state is split over the prefill instance's 2 attention TP"):
+        assemble(shares)
+    with pytest.raises(ValueError, match="prefill rank 1 sent other KV cache tensors than rank 0"):
+        assemble([share, shares[0]])
+
+
+def test_a_prefill_instance_at_tp_2_refuses_at_start_a_cache_tensor_it_cannot_join():
+    conv = KVCacheSpec((KVTensorSpec("conv_state", (2, 3), torch.float32),), AttentionKind.RECURRENT)
+    at_tp = {size: SimpleNamespace(layout=SimpleNamespace(attn_tp_size=size)) for size in (1, 2)}
+    engine = SimpleNamespace(
+        worker=worker_of(specs_at(2) | {"linear": conv}, None), config=SimpleNamespace(source="x.yaml")
+    )
+    DisaggEngineLoop._check_joinable(SimpleNamespace(comm=at_tp[1], engine=engine))  # one rank sends it whole
+    with pytest.raises(
+        ConfigError, match=r"x\.yaml: at attn_tp_size 2 the KV cache tensor 'conv_state' \(layers linear\)"
+    ):
+        DisaggEngineLoop._check_joinable(SimpleNamespace(comm=at_tp[2], engine=engine))
+
+
+# -- under torchrun ------------------------------------------------------------------------------
+
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def tp_prefill(tiny_llama_dir, tmp_path_factory) -> Iterator[tuple[Path, str, list[list[int]], list[list[int]]]]:
+    """A prefill instance at attention TP 2 (the tiny Llama's two KV heads, one a rank) under
+    torchrun; with its YAML, its base URL, the prompts and their offline fp32 greedy tokens."""
+    prompts = random_prompts(ENGINE_PROMPT_LENS, seed=11)
+    records = [PromptRecord(f"p{i}", prompt_token_ids=ids) for i, ids in enumerate(prompts)]
+    for record in records:
+        record.sampling_overrides["max_new_tokens"] = MAX_TOKENS
+    offline = make_inference(tiny_llama_dir, max_new_tokens=MAX_TOKENS).generate(records)
+    yaml = tmp_path_factory.mktemp("tp_prefill") / "tiny.yaml"
+    yaml.write_text(
+        f"model_config:\n  model_path: {tiny_llama_dir}\n  dtype: float32\n  device: cpu\n"
+        "data_config:\n  apply_chat_template: false\n"
+        f"scheduler_config:\n  block_size: 16\n  batch_size: 8\n  max_new_tokens: {MAX_TOKENS}\n  num_blocks: 64\n"
+    )
+    tp2 = ["--set", "parallel_config.world_size=2", "--set", "parallel_config.attn_tp_size=2"]
+    prefill_args = ["--pd-role", "prefill", "--set", "disagg_config.bootstrap_port=0", *tp2]
+    with server_process(yaml, *prefill_args, timeout_s=600, torchrun=2) as (prefill_url, _):
+        yield yaml, prefill_url.removesuffix("/v1"), prompts, [request.output_token_ids for request in offline.requests]
+
+
+def check_shares(prefill_base: str, stats: dict, num_requests: int, replicas: int) -> None:
+    """The decode instance's /stats (rank 0's figures: one replica's) counts a share from each
+    prefill rank per request; the prefill leader holds no KV and no block after the load."""
+    if replicas == 1:
+        assert stats["kv_transfers"] == 2 * num_requests
+    else:  # replica 0 received some of the requests, each in two shares
+        assert stats["kv_transfers"] % 2 == 0 and 0 < stats["kv_transfers"] < 2 * num_requests, stats
+    prefill_stats = httpx.get(prefill_base + "/stats").json()
+    assert prefill_stats["kv_held"] == 0 and prefill_stats["kv_blocks_used"] == 0, prefill_stats
+
+
+@pytest.mark.slow
+def test_prefill_at_tp_2_feeding_a_one_rank_decode_instance_equals_offline(tp_prefill):
+    yaml, prefill_base, prompts, expected = tp_prefill
+    with server_process(yaml, "--pd-role", "decode", timeout_s=600) as (decode_url, _):
+        stats = routed_greedy(prefill_base, decode_url.removesuffix("/v1"), prompts, expected, MAX_TOKENS)
+        check_shares(prefill_base, stats, len(prompts), replicas=1)
+
+
+@pytest.mark.slow
+def test_prefill_at_tp_2_feeding_a_decode_instance_of_two_replicas_equals_offline(tp_prefill):
+    yaml, prefill_base, prompts, expected = tp_prefill
+    decode_args = ["--pd-role", "decode", "--set", "parallel_config.world_size=2"]
+    with server_process(yaml, *decode_args, timeout_s=600, torchrun=2) as (decode_url, _):
+        stats = routed_greedy(prefill_base, decode_url.removesuffix("/v1"), prompts, expected, MAX_TOKENS)
+        check_shares(prefill_base, stats, len(prompts), replicas=2)
+    assert httpx.get(prefill_base + "/stats").json()["kv_held"] == 0
