@@ -9,7 +9,7 @@ import pytest
 
 from executor.offline.dataset import PromptRecord
 from tests.engine_harness import ENGINE_PROMPT_LENS, make_inference
-from tests.online_harness import routed_greedy, server_process
+from tests.online_harness import routed_greedy, routing, server_process
 from tests.paged_harness import random_prompts
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]  # torchrun and three processes: past CI's budget
@@ -35,8 +35,7 @@ def test_prefill_to_a_decode_instance_of_two_replicas_equals_offline(tiny_llama_
     with (
         server_process(yaml, *prefill_args, timeout_s=600) as (prefill_url, _),
         server_process(yaml, *decode_args, timeout_s=600, torchrun=2) as (decode_url, _),
+        routing([prefill_url.removesuffix("/v1")], [decode_url.removesuffix("/v1")]) as router_url,
     ):
-        stats = routed_greedy(
-            prefill_url.removesuffix("/v1"), decode_url.removesuffix("/v1"), prompts, expected, MAX_TOKENS
-        )
+        stats = routed_greedy(router_url, decode_url.removesuffix("/v1"), prompts, expected, MAX_TOKENS)
         assert 0 < stats["kv_transfers"] < len(prompts)  # replica 0's figures: it received some, replica 1 the rest

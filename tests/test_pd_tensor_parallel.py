@@ -8,6 +8,7 @@ instance and a decode instance of two data-parallel replicas, greedy tokens equa
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,7 @@ from executor.online.disagg.loop import DisaggEngineLoop
 from executor.types_.kv_cache_spec import AttentionKind, KVCacheSpec, KVTensorSpec, TPSplit, attention_spec, mla_spec
 from executor.types_.quant_scheme import KVCacheScheme
 from tests.engine_harness import ENGINE_PROMPT_LENS, make_inference
-from tests.online_harness import routed_greedy, server_process
+from tests.online_harness import free_port, health_ok, printed, routed_greedy, routing, server_process
 from tests.paged_harness import random_prompts
 
 NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM, LATENT = 6, 4, 4, 3, 5
@@ -165,16 +166,28 @@ def check_shares(prefill_base: str, stats: dict, num_requests: int, replicas: in
 @pytest.mark.slow
 def test_prefill_at_tp_2_feeding_a_one_rank_decode_instance_equals_offline(tp_prefill):
     yaml, prefill_base, prompts, expected = tp_prefill
-    with server_process(yaml, "--pd-role", "decode", timeout_s=600) as (decode_url, _):
-        stats = routed_greedy(prefill_base, decode_url.removesuffix("/v1"), prompts, expected, MAX_TOKENS)
+    with (
+        server_process(yaml, "--pd-role", "decode", timeout_s=600) as (decode_url, _),
+        routing([prefill_base], [decode_url.removesuffix("/v1")]) as router_url,
+    ):
+        stats = routed_greedy(router_url, decode_url.removesuffix("/v1"), prompts, expected, MAX_TOKENS)
         check_shares(prefill_base, stats, len(prompts), replicas=1)
 
 
 @pytest.mark.slow
 def test_prefill_at_tp_2_feeding_a_decode_instance_of_two_replicas_equals_offline(tp_prefill):
+    """The decode leader starts the Router beside itself (disagg_config.router_port) here."""
     yaml, prefill_base, prompts, expected = tp_prefill
+    router_port = free_port()
     decode_args = ["--pd-role", "decode", "--set", "parallel_config.world_size=2"]
-    with server_process(yaml, *decode_args, timeout_s=600, torchrun=2) as (decode_url, _):
-        stats = routed_greedy(prefill_base, decode_url.removesuffix("/v1"), prompts, expected, MAX_TOKENS)
+    decode_args += ["--set", f"disagg_config.router_port={router_port}"]
+    decode_args += ["--set", f"disagg_config.router_prefill_urls=[{prefill_base}]"]
+    router_base = f"http://127.0.0.1:{router_port}"
+    with server_process(yaml, *decode_args, timeout_s=600, torchrun=2) as (decode_url, decode):
+        deadline = time.monotonic() + 60
+        while not health_ok(router_base + "/health"):
+            assert time.monotonic() < deadline, f"the decode leader's Router did not come up: {printed(decode)}"
+            time.sleep(0.2)
+        stats = routed_greedy(router_base + "/v1", decode_url.removesuffix("/v1"), prompts, expected, MAX_TOKENS)
         check_shares(prefill_base, stats, len(prompts), replicas=2)
-    assert httpx.get(prefill_base + "/stats").json()["kv_held"] == 0
+    assert not health_ok(router_base + "/health")  # stopped with the leader
