@@ -24,8 +24,8 @@ and not a transfer engine).
 
 Every wait is bounded: meeting a prefill instance and each transfer by
 disagg_config.transfer_timeout_s, each named in the error the request fails with. A prefill rank
-dying mid-transfer breaks its pair: the requests waiting on it fail at once, the next request that
-names it meets it afresh.
+dying mid-transfer breaks the links to its instance: the requests waiting on it fail at once, the
+next request that names it meets it afresh.
 
 Each side runs one thread that owns its sockets and pair groups; the engine's thread talks to it
 through queues only (ZMQ sockets are not thread-safe).
