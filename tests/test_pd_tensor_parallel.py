@@ -4,10 +4,14 @@ sends its share of a request's KV heads, the decode rank joins them (kv_copy.ass
 Fast: the join, over caches cut as attention TP cuts them (K/V and their C8 scales by heads, an MLA
 latent whole), equals the one-rank cache block for block; a tensor split another way is refused by
 name. Slow (torchrun): a prefill instance at TP 2 through the Router, feeding a one-rank decode
-instance and a decode instance of two data-parallel replicas, greedy tokens equal to offline fp32."""
+instance and a decode instance of two data-parallel replicas (whose leader starts the Router), and
+a DeepSeek-V3 (MLA) prefill instance at TP 2 feeding a one-rank decode instance: greedy tokens
+equal to offline fp32."""
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,7 +29,9 @@ from executor.online.disagg.kv_copy import KVCopier, assemble
 from executor.online.disagg.loop import DisaggEngineLoop
 from executor.types_.kv_cache_spec import AttentionKind, KVCacheSpec, KVTensorSpec, TPSplit, attention_spec, mla_spec
 from executor.types_.quant_scheme import KVCacheScheme
+from tests import deepseek_v3_harness
 from tests.engine_harness import ENGINE_PROMPT_LENS, make_inference
+from tests.factories import deepseek_config, tiny_tokenizer
 from tests.online_harness import free_port, health_ok, printed, routed_greedy, routing, server_process
 from tests.paged_harness import random_prompts
 
@@ -131,25 +137,39 @@ def test_a_prefill_instance_at_tp_2_refuses_at_start_a_cache_tensor_it_cannot_jo
 MAX_TOKENS = 8
 
 
-@pytest.fixture(scope="module")
-def tp_prefill(tiny_llama_dir, tmp_path_factory) -> Iterator[tuple[Path, str, list[list[int]], list[list[int]]]]:
-    """A prefill instance at attention TP 2 (the tiny Llama's two KV heads, one a rank) under
-    torchrun; with its YAML, its base URL, the prompts and their offline fp32 greedy tokens."""
-    prompts = random_prompts(ENGINE_PROMPT_LENS, seed=11)
-    records = [PromptRecord(f"p{i}", prompt_token_ids=ids) for i, ids in enumerate(prompts)]
-    for record in records:
-        record.sampling_overrides["max_new_tokens"] = MAX_TOKENS
-    offline = make_inference(tiny_llama_dir, max_new_tokens=MAX_TOKENS).generate(records)
-    yaml = tmp_path_factory.mktemp("tp_prefill") / "tiny.yaml"
+def tp_2_prefill(
+    model_dir: Path, folder: Path, model_config: dict | None = None
+) -> contextlib.AbstractContextManager[tuple[str, subprocess.Popen]]:
+    """A prefill instance of `model_dir` at attention TP 2 under torchrun; `folder` gets its YAML."""
+    yaml = folder / "tiny.yaml"
+    model_lines = "".join(f"  {key}: {value}\n" for key, value in (model_config or {}).items())
     yaml.write_text(
-        f"model_config:\n  model_path: {tiny_llama_dir}\n  dtype: float32\n  device: cpu\n"
+        f"model_config:\n  model_path: {model_dir}\n  dtype: float32\n  device: cpu\n{model_lines}"
         "data_config:\n  apply_chat_template: false\n"
         f"scheduler_config:\n  block_size: 16\n  batch_size: 8\n  max_new_tokens: {MAX_TOKENS}\n  num_blocks: 64\n"
     )
     tp2 = ["--set", "parallel_config.world_size=2", "--set", "parallel_config.attn_tp_size=2"]
     prefill_args = ["--pd-role", "prefill", "--set", "disagg_config.bootstrap_port=0", *tp2]
-    with server_process(yaml, *prefill_args, timeout_s=600, torchrun=2) as (prefill_url, _):
-        yield yaml, prefill_url.removesuffix("/v1"), prompts, [request.output_token_ids for request in offline.requests]
+    return server_process(yaml, *prefill_args, timeout_s=600, torchrun=2)
+
+
+def offline_greedy(model_dir: Path, prompts: list[list[int]], model_config: dict | None = None) -> list[list[int]]:
+    """One process's greedy tokens in fp32."""
+    records = [PromptRecord(f"p{i}", prompt_token_ids=ids) for i, ids in enumerate(prompts)]
+    for record in records:
+        record.sampling_overrides["max_new_tokens"] = MAX_TOKENS
+    offline = make_inference(model_dir, model_config=model_config, max_new_tokens=MAX_TOKENS).generate(records)
+    return [request.output_token_ids for request in offline.requests]
+
+
+@pytest.fixture(scope="module")
+def tp_prefill(tiny_llama_dir, tmp_path_factory) -> Iterator[tuple[Path, str, list[list[int]], list[list[int]]]]:
+    """A prefill instance at attention TP 2 (the tiny Llama's two KV heads, one a rank) under
+    torchrun; with its YAML, its base URL, the prompts and their offline fp32 greedy tokens."""
+    prompts = random_prompts(ENGINE_PROMPT_LENS, seed=11)
+    folder = tmp_path_factory.mktemp("tp_prefill")
+    with tp_2_prefill(tiny_llama_dir, folder) as (prefill_url, _):
+        yield folder / "tiny.yaml", prefill_url.removesuffix("/v1"), prompts, offline_greedy(tiny_llama_dir, prompts)
 
 
 def check_shares(prefill_base: str, stats: dict, num_requests: int, replicas: int) -> None:
@@ -191,3 +211,22 @@ def test_prefill_at_tp_2_feeding_a_decode_instance_of_two_replicas_equals_offlin
         stats = routed_greedy(router_base + "/v1", decode_url.removesuffix("/v1"), prompts, expected, MAX_TOKENS)
         check_shares(prefill_base, stats, len(prompts), replicas=2)
     assert not health_ok(router_base + "/health")  # stopped with the leader
+
+
+@pytest.mark.slow
+def test_an_mla_prefill_at_tp_2_feeds_a_one_rank_decode_instance_as_offline(tmp_path):
+    """DeepSeek-V3's latent (every rank holds it whole) with its heads and experts split over the
+    prefill ranks (EP 2 inside the TP group): taken from rank 0 and decoded as offline."""
+    model_dir = tmp_path / "model"
+    deepseek_v3_harness.save_checkpoint(model_dir, deepseek_config())
+    tiny_tokenizer().save_pretrained(model_dir)
+    deepseek = {"model_name": "deepseek_v3"}
+    prompts = random_prompts(ENGINE_PROMPT_LENS, seed=13)
+    expected = offline_greedy(model_dir, prompts, deepseek)
+    with (
+        tp_2_prefill(model_dir, tmp_path, model_config=deepseek) as (prefill_url, _),
+        server_process(tmp_path / "tiny.yaml", "--pd-role", "decode", timeout_s=600) as (decode_url, _),
+        routing([prefill_url.removesuffix("/v1")], [decode_url.removesuffix("/v1")]) as router_url,
+    ):
+        stats = routed_greedy(router_url, decode_url.removesuffix("/v1"), prompts, expected, MAX_TOKENS)
+        check_shares(prefill_url.removesuffix("/v1"), stats, len(prompts), replicas=1)
