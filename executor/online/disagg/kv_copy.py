@@ -110,10 +110,9 @@ def assemble(shards: list[tuple[list[PartMeta], torch.Tensor]]) -> tuple[list[Pa
     if len(shards) == 1:
         return shards[0]
     first_metas = shards[0][0]
+    described = [(meta.key, meta.dtype, meta.tp_split) for meta in first_metas]
     for rank, (metas, _) in enumerate(shards):
-        if [(meta.key, meta.dtype, meta.tp_split) for meta in metas] != [
-            (meta.key, meta.dtype, meta.tp_split) for meta in first_metas
-        ]:
+        if [(meta.key, meta.dtype, meta.tp_split) for meta in metas] != described:
             raise ValueError(f"prefill rank {rank} sent other KV cache tensors than rank 0")
     views = [_split_parts(metas, buffer) for metas, buffer in shards]
     joined_metas: list[PartMeta] = []
@@ -127,7 +126,7 @@ def assemble(shards: list[tuple[list[PartMeta], torch.Tensor]]) -> tuple[list[Pa
         else:
             raise ValueError(
                 f"KV cache tensor {meta.key} is split over the prefill instance's {len(shards)} attention TP ranks "
-                "in a way not joined here (only heads are): run that model's prefill at attn_tp_size 1"
+                "in a way not joined here (only heads and whole tensors are): run its prefill at attn_tp_size 1"
             )
         joined_metas.append(
             PartMeta(meta.key, meta.group_id, meta.dtype, tuple(part.shape), meta.tp_split, meta.row_dims)
