@@ -3,10 +3,13 @@ sends its share of a request's KV heads, the decode rank joins them (kv_copy.ass
 
 Fast: the join, over caches cut as attention TP cuts them (K/V and their C8 scales by heads, an MLA
 latent whole), equals the one-rank cache block for block; a tensor split another way is refused by
-name. Slow (torchrun): a prefill instance at TP 2 through the Router, feeding a one-rank decode
-instance and a decode instance of two data-parallel replicas (whose leader starts the Router), and
-a DeepSeek-V3 (MLA) prefill instance at TP 2 feeding a one-rank decode instance: greedy tokens
-equal to offline fp32."""
+name; the transfer sides of two prefill ranks and a decode rank in one process: the decode rank asks
+both, gets the joined KV, or the first failure with the pair streams still in step.
+
+Slow (torchrun): a prefill instance at TP 2 through the Router, feeding a one-rank decode instance
+and a decode instance of two data-parallel replicas (whose leader starts the Router), and a
+DeepSeek-V3 (MLA) prefill instance at TP 2 feeding a one-rank decode instance: greedy tokens equal
+to offline fp32."""
 
 from __future__ import annotations
 
@@ -15,18 +18,22 @@ import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
 import pytest
 import torch
+import torch.distributed as dist
 
 from executor.core.config import ConfigError
 from executor.core.model_worker.model_worker import KVCacheGroup
 from executor.offline.dataset import PromptRecord
+from executor.online.disagg.bootstrap import BootstrapServer
 from executor.online.disagg.kv_copy import KVCopier, assemble
 from executor.online.disagg.loop import DisaggEngineLoop
+from executor.online.disagg.transfer import DecodeTransfer, Prefilled, PrefillTransfer
 from executor.types_.kv_cache_spec import AttentionKind, KVCacheSpec, KVTensorSpec, TPSplit, attention_spec, mla_spec
 from executor.types_.quant_scheme import KVCacheScheme
 from tests import deepseek_v3_harness
@@ -130,6 +137,68 @@ def test_a_prefill_instance_at_tp_2_refuses_at_start_a_cache_tensor_it_cannot_jo
         ConfigError, match=r"x\.yaml: at attn_tp_size 2 the KV cache tensor 'conv_state' \(layers linear\)"
     ):
         DisaggEngineLoop._check_joinable(SimpleNamespace(comm=at_tp[2], engine=engine))
+
+
+TRANSFER_TIMEOUT_S = 20.0
+
+
+@pytest.fixture
+def two_rank_prefill() -> Iterator[tuple[list[PrefillTransfer], DecodeTransfer, tuple[str, int]]]:
+    """The transfer sides of a prefill instance of two ranks (one store, both registered in one
+    Bootstrap server) and of a decode rank, in this process: the protocol without torchrun."""
+    timeout = timedelta(seconds=TRANSFER_TIMEOUT_S)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
+    bootstrap = BootstrapServer("127.0.0.1", 0, "two-ranks", 2)
+    ranks = [
+        PrefillTransfer(
+            "127.0.0.1", store, "127.0.0.1", store.port, backend="gloo", timeout_s=TRANSFER_TIMEOUT_S, rank=r
+        )
+        for r in range(2)
+    ]
+    decode = DecodeTransfer(backend="gloo", timeout_s=TRANSFER_TIMEOUT_S, wake=lambda: None, device=torch.device("cpu"))
+    bootstrap.start()
+    for side in [*ranks, decode]:
+        side.start()
+    for rank in ranks:
+        bootstrap.register(rank.entry)
+    try:
+        yield ranks, decode, ("127.0.0.1", bootstrap.port)
+    finally:
+        for side in [decode, *ranks]:
+            side.stop()
+        bootstrap.stop()
+
+
+def test_a_decode_rank_asks_every_prefill_rank_and_gets_the_joined_kv_or_the_first_failure(two_rank_prefill):
+    ranks, decode, bootstrap = two_rank_prefill
+    whole = worker_of(specs_at(1), torch.Generator().manual_seed(2))
+    blocks = [3, 1]
+    shares = [KVCopier(shard_of(whole, rank, 2)).gather([blocks, blocks]) for rank in range(2)]
+
+    def publish(room: str, rank: int) -> None:
+        ranks[rank].publish(Prefilled(room, [7], [], [], *shares[rank]))
+
+    decode.want("joined", bootstrap, [[4, 5], [4, 5]])
+    for rank in (1, 0):  # in any order
+        publish("joined", rank)
+    arrival = decode.arrivals.get(timeout=TRANSFER_TIMEOUT_S)
+    assert (arrival.room, arrival.error, arrival.first_token_ids) == ("joined", None, [7])
+    assert arrival.nbytes == sum(share[1].numel() for share in shares)
+    assert arrival.buffer is not None and torch.equal(arrival.buffer, assemble(shares)[1])
+    # rank 1 fails a room whose share rank 0 sends: it fails once, rank 0's share is received and
+    # dropped, and the pair streams stay in step for the next room
+    decode.want("half-failed", bootstrap, [[4, 5], [4, 5]])
+    publish("half-failed", 0)
+    ranks[1].fail("half-failed", "aborted on rank 1")
+    failed = decode.arrivals.get(timeout=TRANSFER_TIMEOUT_S)
+    assert failed.room == "half-failed" and "the prefill instance failed it: aborted on rank 1" in failed.error
+    decode.want("next", bootstrap, [[4, 5], [4, 5]])
+    for rank in (0, 1):
+        publish("next", rank)
+    following = decode.arrivals.get(timeout=TRANSFER_TIMEOUT_S)
+    assert (following.room, following.error) == ("next", None)
+    assert decode.arrivals.empty() and decode.stats.num_failed == 1
+    assert [rank.stats.num_transfers for rank in ranks] == [3, 2] and [rank.num_held for rank in ranks] == [0, 0]
 
 
 # -- under torchrun ------------------------------------------------------------------------------
