@@ -12,8 +12,10 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import uvicorn
@@ -111,6 +113,36 @@ def routing(prefill_urls: list[str], decode_urls: list[str]) -> Iterator[str]:
         yield f"http://127.0.0.1:{port}/v1"
 
 
+def health_ok(url: str) -> bool:
+    """Whether `url` (a /health) answers 200 now."""
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def routed_greedy(
+    router_url: str, decode_base: str, prompts: list[list[int]], expected: list[list[int]], max_tokens: int
+) -> dict[str, Any]:
+    """Greedy tokens of `prompts` sent at once through the Router at `router_url` (with /v1) equal
+    `expected`; then the decode instance's pool (at its base URL) empties (bounded): its /stats."""
+
+    def tokens(prompt: list[int]) -> list[int]:
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}
+        answer = httpx.post(router_url + "/completions", json=body, timeout=300)
+        assert answer.status_code == 200, answer.text
+        return answer.json()["choices"][0]["token_ids"]
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        assert list(pool.map(tokens, prompts)) == expected
+    deadline = time.monotonic() + 10  # the figures are as of each replica's last step
+    while (stats := httpx.get(decode_base + "/stats").json())["kv_blocks_used"]:
+        assert time.monotonic() < deadline, f"the decode instance holds blocks after the load: {stats}"
+        time.sleep(0.2)
+    assert stats["num_in_flight"] == 0 and stats["num_running"] == 0
+    return stats
+
+
 def printed(process: subprocess.Popen) -> str:
     """What a server_process printed so far."""
     process.log.seek(0)  # type: ignore[attr-defined]
@@ -140,9 +172,8 @@ def server_process(
         while True:
             assert process.poll() is None, f"the server exited: {printed(process)}"
             assert time.monotonic() < deadline, "the server did not start in time"
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
+            if health_ok(base + "/health"):
+                break
             time.sleep(0.5)
         yield base + "/v1", process
     finally:

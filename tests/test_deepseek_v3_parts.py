@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from executor.model_loader.default_loader import safetensors_weights
 from executor.types_.errors import WeightLoadError
-from executor.types_.kv_cache_spec import AttentionKind, KVTensorSpec, mla_spec
+from executor.types_.kv_cache_spec import AttentionKind, KVTensorSpec, TPSplit, mla_spec
 from models.deepseek_v3 import DeepseekV3ForCausalLM
 from module.moe import FusedExperts
 from module.parallel_group import ParallelGroup
@@ -61,7 +61,7 @@ def test_absorbed_decode_equals_naive_decompression():
 
 def test_mla_cache_spec_is_one_latent_per_token_not_per_head():
     spec = mla_spec(512, 64, torch.bfloat16)  # DeepSeek-V3's dims
-    assert spec.tensors == (KVTensorSpec("latent", (576,), torch.bfloat16),)
+    assert spec.tensors == (KVTensorSpec("latent", (576,), torch.bfloat16, tp_split=TPSplit.WHOLE),)  # every head's
     assert spec.kind is AttentionKind.FULL
     assert spec.bytes_per_token == 576 * 2
 

@@ -6,6 +6,7 @@ the role servers refuse a request that did not come through the Router."""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
@@ -13,7 +14,7 @@ import pytest
 
 from executor.core.config.sections import DisaggConfig
 from tests.engine_harness import ENGINE_PROMPT_LENS
-from tests.online_harness import free_port, routing, serving
+from tests.online_harness import free_port, health_ok, routing, serving
 from tests.paged_harness import random_prompts
 from tests.pd_harness import pools_empty
 
@@ -141,17 +142,52 @@ def test_the_entry_refuses_a_role_it_cannot_run_before_loading_and_port_0_picks_
     def config(mode: str, **parallel: int):
         return build_config({"parallel_config": parallel, "disagg_config": {"disaggregation_mode": mode}})
 
-    with pytest.raises(ConfigError, match="disaggregation_mode DECODE .* one rank here"):
+    with pytest.raises(ConfigError, match="disaggregation_mode DECODE .* one rank or data-parallel replicas"):
         check_disaggregation(config("DECODE", world_size=2, attn_tp_size=2))  # (each rank says it before loading)
-    with pytest.raises(ConfigError, match="disaggregation_mode PREFILL .* one rank here"):
-        check_disaggregation(config("PREFILL", world_size=2))
+    with pytest.raises(ConfigError, match="disaggregation_mode PREFILL .* one attention tensor-parallel group"):
+        check_disaggregation(config("PREFILL", world_size=2))  # two replicas
     check_disaggregation(config("DECODE", world_size=2))  # data-parallel replicas
+    check_disaggregation(config("PREFILL", world_size=2, attn_tp_size=2))  # each rank a share of the KV heads
     config = tmp_path / "pd.yaml"
     config.write_text(f"model_config:\n  model_path: {tiny_llama_dir}\n  device: cpu\n")
     speculating = ["--set", "speculative_config.method=ngram", "--set", "speculative_config.num_speculative_tokens=2"]
     assert main(["--yaml", str(config), "--pd-role", "prefill", "--port", "0", *speculating]) == COULD_NOT_START
     assert "speculative decoding (ngram) is not built with disaggregation" in capsys.readouterr().err
     assert check_port("127.0.0.1", 0) > 0
+
+
+def test_the_router_keys_are_refused_where_no_router_can_start(tiny_llama_dir):
+    from executor.core.config import ConfigError, build_config
+    from executor.online.__main__ import check_disaggregation
+
+    def config(mode: str, **disagg):
+        return build_config({"disagg_config": {"disaggregation_mode": mode, **disagg}})
+
+    with pytest.raises(ConfigError, match="router_port 0 .* the decode leader starts the Router .*PREFILL instance"):
+        check_disaggregation(config("PREFILL", router_port=0, router_prefill_urls=["http://127.0.0.1:1"]))
+    with pytest.raises(ConfigError, match="router_prefill_urls .* needs the prefill instances"):
+        check_disaggregation(config("DECODE", router_port=0))
+    with pytest.raises(ConfigError, match="router_prefill_urls .* '127.0.0.1:1' is not an http:// URL"):
+        check_disaggregation(config("DECODE", router_port=0, router_prefill_urls=["127.0.0.1:1"]))
+    check_disaggregation(config("DECODE", router_port=0, router_prefill_urls=["http://127.0.0.1:1"]))
+
+
+def test_the_router_a_decode_leader_starts_beside_itself_routes_as_the_router_does(pd, prompts):
+    from executor.online.__main__ import router_beside
+
+    router_url, prefill, decode = pd
+    port = free_port()
+    urls = [server.base_url.removesuffix("/v1") for server in (prefill, decode)]
+    with router_beside("127.0.0.1", port, [urls[0]], urls[1]) as process:
+        deadline = time.monotonic() + 60
+        while not health_ok(f"http://127.0.0.1:{port}/health"):
+            assert process.poll() is None and time.monotonic() < deadline, "the Router did not come up"
+            time.sleep(0.2)
+        beside = complete(f"http://127.0.0.1:{port}/v1", prompts[0]).choices[0]
+        assert beside.token_ids == complete(router_url, prompts[0]).choices[0].token_ids
+        assert len(beside.token_ids) == MAX_TOKENS
+    assert process.returncode is not None  # stopped with the leader
+    assert pools_empty(prefill.loop, decode.loop)
 
 
 def test_the_router_refuses_what_it_cannot_route(capsys):

@@ -2,7 +2,8 @@
 [--pd-role prefill|decode] [--set k=v ...]`: the OpenAI-compatible server on the recipe's engine
 (cann-recipes' online entry); `--port 0` picks a free port and logs it. With `--pd-role` it is one
 half of a prefill-decode disaggregated deployment, behind `python -m executor.online.router`
-(docs/online.md).
+(docs/online.md), which a decode leader starts itself with disagg_config.router_port (and a prefill
+leader always starts its Bootstrap server).
 
 Every setting of the YAML that works offline works here; data_config's dataset keys do not apply
 (the prompts come over HTTP) and are said so once. With parallel_config.world_size above 1 it runs
@@ -18,6 +19,7 @@ import contextlib
 import logging
 import signal
 import socket
+import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -40,6 +42,7 @@ from executor.utils.logging_config import setup_logging
 logger = logging.getLogger("executor.online")
 
 DEFAULT_PORT = 8000  # cann-recipes' (and vLLM's)
+ROUTER_STOP_S = 10.0  # how long a Router the decode leader started gets to stop
 DATASET_KEYS = ("dataset", "dataset_path", "num_prompts", "input_truncated_len", "apply_chat_template")
 
 
@@ -86,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         check_disaggregation(checked.config)
         if DistEnv.from_environ().rank == 0:
             args.port = check_port(args.host, args.port)
+            if checked.config.disagg_config.router_port >= 0:  # a busy port found now, 0 picked now
+                args.router_port = check_port(args.host, checked.config.disagg_config.router_port)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return COULD_NOT_START
@@ -102,10 +107,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: the model could not be loaded: {one_line(exc)}", file=sys.stderr)
         return COULD_NOT_START
     disagg = config.disagg_config
-    if disagg.disaggregation_mode == "NONE":
-        loop = EngineLoop(engine, args.max_waiting_requests)
-    else:
-        loop = DisaggEngineLoop(engine, args.max_waiting_requests, disagg)
+    try:
+        if disagg.disaggregation_mode == "NONE":
+            loop = EngineLoop(engine, args.max_waiting_requests)
+        else:
+            loop = DisaggEngineLoop(engine, args.max_waiting_requests, disagg)
+    except ConfigError as exc:  # what the loaded model decides (its cache kinds, lock-step replicas)
+        print(f"error: {exc}", file=sys.stderr)
+        engine.comm.close()
+        return COULD_NOT_START
     try:
         if DistEnv.from_environ().rank != 0:
             loop.run()  # follow rank 0's turns until it says stop
@@ -129,20 +139,42 @@ def check_port(host: str, port: int) -> int:
 
 
 def check_disaggregation(config: InferenceConfig) -> None:
-    """What prefill-decode disaggregation is built for here: a one-rank prefill instance, a decode
-    instance of one rank or of data-parallel replicas, no speculation."""
+    """What prefill-decode disaggregation is built for here: a prefill instance of one attention TP
+    group (one rank, or its ranks each holding a share of the KV heads), a decode instance of one
+    rank or of data-parallel replicas of one, no speculation."""
     mode = config.disagg_config.disaggregation_mode
     if mode == "NONE":
         return
     parallel = config.parallel_config
-    replicas_only = parallel.attn_tp_size == 1 and parallel.cp_size == 1
-    if parallel.world_size != 1 and (mode == "PREFILL" or not replicas_only):
+    if mode == "PREFILL" and (parallel.attn_tp_size != parallel.world_size or parallel.cp_size != 1):
         raise ConfigError(
-            f"disagg_config.disaggregation_mode {mode} in {config.source}: a prefill instance runs one rank here, "
-            f"a decode instance one rank or data-parallel replicas of one (attn_tp_size 1, cp_size 1); got "
-            f"world_size {parallel.world_size}, attn_tp_size {parallel.attn_tp_size}, cp_size {parallel.cp_size}: "
-            "run several instances behind the Router for more"
+            f"disagg_config.disaggregation_mode PREFILL in {config.source}: a prefill instance is one attention "
+            f"tensor-parallel group here (attn_tp_size = world_size, cp_size 1); got world_size "
+            f"{parallel.world_size}, attn_tp_size {parallel.attn_tp_size}, cp_size {parallel.cp_size}: run several "
+            "instances behind the Router for more"
         )
+    if mode == "DECODE" and (parallel.attn_tp_size != 1 or parallel.cp_size != 1):
+        raise ConfigError(
+            f"disagg_config.disaggregation_mode DECODE in {config.source}: a decode instance is one rank or "
+            f"data-parallel replicas of one here (attn_tp_size 1, cp_size 1); got world_size {parallel.world_size}, "
+            f"attn_tp_size {parallel.attn_tp_size}, cp_size {parallel.cp_size}"
+        )
+    disagg = config.disagg_config
+    if disagg.router_port >= 0 and mode != "DECODE":
+        raise ConfigError(
+            f"disagg_config.router_port {disagg.router_port} in {config.source}: the decode leader starts the Router "
+            f"(this is a {mode} instance); set it on the decode instance"
+        )
+    if disagg.router_port >= 0 and not disagg.router_prefill_urls:
+        raise ConfigError(
+            f"disagg_config.router_prefill_urls in {config.source}: the Router that router_port starts needs the "
+            "prefill instances it sends to (http://host:port each)"
+        )
+    for url in disagg.router_prefill_urls:
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(
+                f"disagg_config.router_prefill_urls in {config.source}: {url!r} is not an http:// URL of an instance"
+            )
     if config.speculation[0]:
         raise ConfigError(
             f"disagg_config.disaggregation_mode {mode} in {config.source}: speculative decoding "
@@ -201,15 +233,46 @@ def serve(args: argparse.Namespace, engine: ExecutionEngine, loop: EngineLoop) -
     loop.start()
     names = ", ".join(server.settings.model_names)
     logger.info("serving %s on http://%s:%d/v1 (models: %s)", engine.config.source, args.host, args.port, names)
-    try:
-        uvicorn_server.run()  # returns after a graceful shutdown (SIGTERM, Ctrl-C, /stop)
-    finally:
-        loop.stop(timeout_s=args.graceful_timeout_s)
+    disagg = engine.config.disagg_config
+    with contextlib.ExitStack() as stack:
+        if disagg.router_port >= 0:
+            own_url = f"http://{reachable(args.host)}:{args.port}"
+            stack.enter_context(router_beside(args.host, args.router_port, disagg.router_prefill_urls, own_url))
+        try:
+            uvicorn_server.run()  # returns after a graceful shutdown (SIGTERM, Ctrl-C, /stop)
+        finally:
+            loop.stop(timeout_s=args.graceful_timeout_s)
     if loop.error is not None:
         print(f"error: the engine stopped: {one_line(loop.error)}", file=sys.stderr)
         return 1
     logger.info("stopped")
     return 0
+
+
+def reachable(host: str) -> str:
+    """An address this machine reaches a server listening on `host` at (any address: loopback)."""
+    return "127.0.0.1" if host in ("", "0.0.0.0") else host
+
+
+@contextlib.contextmanager
+def router_beside(host: str, port: int, prefill_urls: list[str], decode_url: str) -> Iterator[subprocess.Popen]:
+    """`python -m executor.online.router` as a process of its own (cann-recipes' sidecar beside the
+    decode leader) on host:port, in front of `prefill_urls` and the leader's `decode_url`; stopped
+    with SIGTERM when the leader stops, killed after ROUTER_STOP_S."""
+    command = [sys.executable, "-m", "executor.online.router", "--host", host, "--port", str(port)]
+    command += [arg for url in prefill_urls for arg in ("--prefill", url)] + ["--decode", decode_url]
+    process = subprocess.Popen(command)
+    logger.info("the Router on http://%s:%d/v1 (pid %d): prefill %s", host, port, process.pid, ", ".join(prefill_urls))
+    try:
+        yield process
+    finally:
+        process.terminate()
+        try:
+            process.wait(ROUTER_STOP_S)
+        except subprocess.TimeoutExpired:
+            logger.warning("the Router (pid %d) did not stop within %g s: killed", process.pid, ROUTER_STOP_S)
+            process.kill()
+            process.wait()
 
 
 if __name__ == "__main__":

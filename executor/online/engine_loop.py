@@ -76,7 +76,10 @@ class EngineLoop:
         self.comm = engine.comm
         self.num_replicas = self.comm.layout.attn_dp_size
         self.max_in_flight = engine.config.scheduler_config.batch_size * self.num_replicas + max_waiting_requests
-        self.stats = EngineStats(kv_blocks_usable=self.core.scheduler.kv_cache_manager.num_usable_blocks)
+        # this replica's figures, and what /metrics reads: the same in one process, their sum over the
+        # replicas on rank 0 under torchrun (kept apart, or rank 0 would send the last sum as its own)
+        self.replica_stats = EngineStats(kv_blocks_usable=self.core.scheduler.kv_cache_manager.num_usable_blocks)
+        self.stats = self.replica_stats
         self.on_step: Callable[[EngineStep], None] | None = None  # rank 0's step hook (metrics)
         self.error: BaseException | None = None  # what stopped the loop, if anything did
         self._sinks: dict[str, Callable[[Update], None]] = {}
@@ -214,7 +217,7 @@ class EngineLoop:
     def _update_stats(self, step: EngineStep) -> None:
         scheduler = self.core.scheduler
         kv = scheduler.kv_cache_manager
-        stats = self.stats
+        stats = self.replica_stats
         stats.num_running, stats.num_waiting = len(scheduler.running), len(scheduler.waiting)
         stats.kv_blocks_used = kv.block_pool.num_used_blocks
         stats.prefix_hit_tokens, stats.prefix_queried_tokens = kv.num_hit_tokens, kv.num_queried_tokens
@@ -223,7 +226,7 @@ class EngineLoop:
 
     def _gather(self, updates: list[Update]) -> list[Update]:
         """Every replica's updates (and stats) on rank 0; an empty list elsewhere."""
-        gathered = self.comm.gather_to_rank0((updates, self.stats if self.comm.is_dp_leader else None))
+        gathered = self.comm.gather_to_rank0((updates, self.replica_stats if self.comm.is_dp_leader else None))
         if gathered is None:
             return []
         replica_stats = [stats for _, stats in gathered if stats is not None]

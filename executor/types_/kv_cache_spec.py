@@ -27,6 +27,15 @@ class AttentionKind(str, enum.Enum):
     RECURRENT = "recurrent"  # a fixed-size state per request (linear attention), no tensor per token
 
 
+class TPSplit(str, enum.Enum):
+    """How attention tensor parallelism splits a cache tensor over a group's ranks, which is what a
+    prefill instance of another layout needs to join its shards (online/disagg/kv_copy.py)."""
+
+    HEADS = "heads"  # the entry's first axis is the KV heads, in equal runs by rank (rank r the r-th)
+    WHOLE = "whole"  # every rank holds all of it (an MLA latent: one for every head)
+    OTHER = "other"  # split another way (a conv state's q/k/v channels, each split apart): not joined
+
+
 @dataclass(frozen=True, slots=True)
 class KVTensorSpec:
     """One named cache tensor: `shape` per entry (K and V: (num_kv_heads, head_dim); an MLA latent:
@@ -40,6 +49,7 @@ class KVTensorSpec:
     shape: tuple[int, ...]
     dtype: torch.dtype
     tokens_per_entry: int = 1
+    tp_split: TPSplit = TPSplit.OTHER
 
     @property
     def bytes_per_entry(self) -> int:
@@ -108,14 +118,16 @@ class KVCacheSpec:
 
 
 def _stored(
-    name: str, shape: tuple[int, ...], dtype: torch.dtype, kv_scheme: KVCacheScheme | None
+    name: str, shape: tuple[int, ...], dtype: torch.dtype, kv_scheme: KVCacheScheme | None, tp_split: TPSplit
 ) -> list[KVTensorSpec]:
     """One cache tensor of `shape` per token in `dtype`, or in int8 with its per-token-head scales
-    (shape[:-1], fp32) where `kv_scheme` is dynamic."""
+    (shape[:-1], fp32, split over the ranks as the values are) where `kv_scheme` is dynamic."""
     if kv_scheme is None:
-        return [KVTensorSpec(name, shape, dtype)]
-    values = KVTensorSpec(name, shape, torch.int8)
-    return [values, KVTensorSpec(f"{name}_scale", shape[:-1], torch.float32)] if kv_scheme.dynamic else [values]
+        return [KVTensorSpec(name, shape, dtype, tp_split=tp_split)]
+    values = KVTensorSpec(name, shape, torch.int8, tp_split=tp_split)
+    if not kv_scheme.dynamic:
+        return [values]
+    return [values, KVTensorSpec(f"{name}_scale", shape[:-1], torch.float32, tp_split=tp_split)]
 
 
 def attention_spec(
@@ -129,7 +141,7 @@ def attention_spec(
     whole sequence or, with `sliding_window`, for the window; int8 with `kv_scheme`."""
     shape = (num_kv_heads, head_dim)
     kind = AttentionKind.FULL if sliding_window is None else AttentionKind.SLIDING_WINDOW
-    tensors = _stored("key", shape, dtype, kv_scheme) + _stored("value", shape, dtype, kv_scheme)
+    tensors = [tensor for name in ("key", "value") for tensor in _stored(name, shape, dtype, kv_scheme, TPSplit.HEADS)]
     return KVCacheSpec(tuple(tensors), kind, sliding_window)
 
 
@@ -139,7 +151,8 @@ def mla_spec(
     """Multi-head latent attention: one compressed latent per token, shared by every head (the
     kv_lora_rank part K and V are decompressed from, then the rotated rope key), kept for the
     whole sequence; int8 with `kv_scheme` (dynamic: one scale per token for the whole latent)."""
-    return KVCacheSpec(tuple(_stored("latent", (kv_lora_rank + qk_rope_head_dim,), dtype, kv_scheme)))
+    latent = _stored("latent", (kv_lora_rank + qk_rope_head_dim,), dtype, kv_scheme, TPSplit.WHOLE)
+    return KVCacheSpec(tuple(latent))
 
 
 def recurrent_spec(*tensors: KVTensorSpec) -> KVCacheSpec:
@@ -163,4 +176,5 @@ def dsa_spec(
     if index_head_dim is None:
         return KVCacheSpec(tensors)
     index_scheme = kv_scheme if kv_scheme is not None and kv_scheme.dynamic else None
-    return KVCacheSpec(tensors + tuple(_stored("index_key", (index_head_dim,), dtype, index_scheme)))
+    index_key = _stored("index_key", (index_head_dim,), dtype, index_scheme, TPSplit.WHOLE)
+    return KVCacheSpec(tensors + tuple(index_key))

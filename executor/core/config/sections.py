@@ -431,6 +431,17 @@ class DisaggConfig:
         help="ours: the torch.distributed backend of the KV data path between the two instances' ranks "
         "(docs/distributed.md)",
     )
+    router_port: int = rule(
+        -1,
+        min=-1,
+        max=65535,
+        help="ours: the decode leader starts the Router beside itself on this port (cann-recipes' sidecar on "
+        "the decode instance's node 0), in front of router_prefill_urls and itself; 0 = a free one, logged; "
+        "-1 = none",
+    )
+    router_prefill_urls: list[str] = rule(
+        default_factory=list, help="ours: the prefill instances (http://host:port) of the Router router_port starts"
+    )
 
 
 SECTIONS: dict[str, type] = {

@@ -8,6 +8,10 @@ group's tensors are indexed by the request's block ids, a recurrent group's by i
 each part; `scatter` checks that description against its own cache and writes the parts into the
 receiving request's rows. Paged parts are written entry by entry, so the two sides' block sizes
 may differ (the receiver takes as many entries as its rows hold).
+
+`assemble` joins the buffers a prefill instance's attention TP ranks sent for one request into the
+buffer one rank holding every head would have sent: each part split by heads is concatenated along
+its heads in rank order, a part every rank holds whole is taken from the first (docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from executor.core.model_worker import ModelWorker
+from executor.types_.kv_cache_spec import TPSplit
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,7 +32,9 @@ class PartMeta:
     key: str  # "<layer>.<tensor name>"
     group_id: int
     dtype: str  # torch dtype name, e.g. "float32" (plain data: it crosses processes)
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # [blocks, entries, *entry] or [state slots, *entry]
+    tp_split: str = TPSplit.OTHER.value  # how the sender's attention TP split it (TPSplit)
+    row_dims: int = 2  # the leading dims that index rows: 2 for blocks and entries, 1 for state slots
 
     @property
     def nbytes(self) -> int:
@@ -42,6 +49,7 @@ class _CacheTensor:
     key: str
     group_id: int
     recurrent: bool
+    tp_split: TPSplit
     tensor: torch.Tensor  # [num_blocks, entries per block, *shape] or [num_state_slots, *shape]
 
 
@@ -55,7 +63,7 @@ class KVCopier:
                 caches = self.worker.kv_cache_layers[layer_name].kv_caches()
                 for spec in group.spec.tensors:
                     key = f"{layer_name}.{spec.name}"
-                    yield _CacheTensor(key, group_id, group.spec.is_recurrent, caches[spec.name])
+                    yield _CacheTensor(key, group_id, group.spec.is_recurrent, spec.tp_split, caches[spec.name])
 
     @torch.inference_mode()
     def gather(self, rows: list[list[int]]) -> tuple[list[PartMeta], torch.Tensor]:
@@ -66,7 +74,9 @@ class KVCopier:
         for cache in self._tensors():
             index = torch.tensor(rows[cache.group_id], dtype=torch.long, device=cache.tensor.device)
             part = cache.tensor.index_select(0, index).contiguous()
-            metas.append(PartMeta(cache.key, cache.group_id, str(part.dtype).removeprefix("torch."), tuple(part.shape)))
+            dtype = str(part.dtype).removeprefix("torch.")
+            row_dims = 1 if cache.recurrent else 2
+            metas.append(PartMeta(cache.key, cache.group_id, dtype, tuple(part.shape), cache.tp_split.value, row_dims))
             parts.append(part.view(torch.uint8).reshape(-1))
         if not parts:
             return metas, torch.empty(0, dtype=torch.uint8)
@@ -79,9 +89,8 @@ class KVCopier:
         caches = list(self._tensors())
         if len(caches) != len(metas):
             raise ValueError(f"the sender has {len(metas)} KV cache tensors, this instance {len(caches)}")
-        buffer = buffer.to(caches[0].tensor.device) if caches else buffer
-        offset = 0
-        for cache, meta in zip(caches, metas, strict=True):
+        parts = _split_parts(metas, buffer.to(caches[0].tensor.device) if caches else buffer)
+        for cache, meta, part in zip(caches, metas, parts, strict=True):
             dtype = str(cache.tensor.dtype).removeprefix("torch.")
             per_row = tuple(cache.tensor.shape[2:] if not cache.recurrent else cache.tensor.shape[1:])
             sent_per_row = meta.shape[2:] if not cache.recurrent else meta.shape[1:]
@@ -90,11 +99,52 @@ class KVCopier:
                     f"KV cache tensor {meta.key} ({meta.dtype} {meta.shape}) does not match this instance's "
                     f"{cache.key} ({dtype} [rows, {', '.join(map(str, cache.tensor.shape[1:]))}])"
                 )
-            part = buffer[offset : offset + meta.nbytes].view(getattr(torch, meta.dtype)).view(meta.shape)
-            offset += meta.nbytes
             _write_rows(cache, part, rows[cache.group_id])
-        if offset != buffer.numel():
-            raise ValueError(f"the KV buffer holds {buffer.numel()} bytes, its parts {offset}")
+
+
+def assemble(shards: list[tuple[list[PartMeta], torch.Tensor]]) -> tuple[list[PartMeta], torch.Tensor]:
+    """One request's KV as one rank holding every head would have gathered it, from the buffers of
+    a prefill instance's attention TP ranks (`shards[r]`: rank r's descriptions and buffer). A part
+    split by heads is joined along its heads in rank order, a whole one taken from rank 0; ValueError,
+    naming the tensor, for a part split another way or shards that do not describe the same parts."""
+    if len(shards) == 1:
+        return shards[0]
+    first_metas = shards[0][0]
+    described = [(meta.key, meta.dtype, meta.tp_split) for meta in first_metas]
+    for rank, (metas, _) in enumerate(shards):
+        if [(meta.key, meta.dtype, meta.tp_split) for meta in metas] != described:
+            raise ValueError(f"prefill rank {rank} sent other KV cache tensors than rank 0")
+    views = [_split_parts(metas, buffer) for metas, buffer in shards]
+    joined_metas: list[PartMeta] = []
+    joined: list[torch.Tensor] = []
+    for index, meta in enumerate(first_metas):
+        rank_parts = [parts[index] for parts in views]
+        if meta.tp_split == TPSplit.WHOLE.value:
+            part = rank_parts[0]
+        elif meta.tp_split == TPSplit.HEADS.value:
+            part = torch.cat(rank_parts, dim=meta.row_dims)
+        else:
+            raise ValueError(
+                f"KV cache tensor {meta.key} is split over the prefill instance's {len(shards)} attention TP ranks "
+                "in a way not joined here (only heads and whole tensors are): run its prefill at attn_tp_size 1"
+            )
+        joined_metas.append(
+            PartMeta(meta.key, meta.group_id, meta.dtype, tuple(part.shape), meta.tp_split, meta.row_dims)
+        )
+        joined.append(part.contiguous().view(torch.uint8).reshape(-1))
+    return joined_metas, torch.cat(joined) if joined else torch.empty(0, dtype=torch.uint8)
+
+
+def _split_parts(metas: list[PartMeta], buffer: torch.Tensor) -> list[torch.Tensor]:
+    """The parts of a gathered buffer, as views of their dtype and shape."""
+    parts = []
+    offset = 0
+    for meta in metas:
+        parts.append(buffer[offset : offset + meta.nbytes].view(getattr(torch, meta.dtype)).view(meta.shape))
+        offset += meta.nbytes
+    if offset != buffer.numel():
+        raise ValueError(f"the KV buffer holds {buffer.numel()} bytes, its parts {offset}")
+    return parts
 
 
 def _write_rows(cache: _CacheTensor, part: torch.Tensor, row: list[int]) -> None:

@@ -3,7 +3,9 @@
 It is the combined server's EngineLoop with the role's scheduler in the engine core and the role's
 half of the KV transfer beside it. Requests come with a ticket (the Router's room and the prefill
 instance's bootstrap server); the loop hands it to the scheduler on the engine's thread. A prefill
-instance also runs the Bootstrap server and the TCPStore its pair groups meet on.
+instance's leader also runs the Bootstrap server and the TCPStore its pair groups meet on; under
+torchrun (attention tensor parallel) every rank prefills every request, gathers its share of the
+request's KV heads and sends it from a transfer socket of its own, registered there.
 
 On a decode instance, before every step the loop takes what arrived (writes each request's KV
 into its blocks, makes it a running request and sends its first token), fails the requests whose
@@ -28,12 +30,13 @@ from executor.core.config import ConfigError
 from executor.core.config.sections import DisaggConfig
 from executor.core.engine import EngineStep, ExecutionEngine, RequestOutput
 from executor.core.scheduler import Scheduler
-from executor.online.disagg.bootstrap import BootstrapServer
+from executor.online.disagg.bootstrap import BootstrapServer, register_rank
 from executor.online.disagg.kv_copy import KVCopier
 from executor.online.disagg.scheduler import DecodeDisaggScheduler, DisaggTicket, PrefillDisaggScheduler
 from executor.online.disagg.transfer import TRANSFER_ERROR, DecodeTransfer, Prefilled, PrefillTransfer
 from executor.online.engine_loop import EngineLoop, Update, update_of
 from executor.types_ import Request
+from executor.types_.kv_cache_spec import TPSplit
 
 logger = logging.getLogger(__name__)
 
@@ -98,38 +101,69 @@ class DisaggEngineLoop(EngineLoop):
     # -- set-up ---------------------------------------------------------------------------
 
     def _start_prefill_side(self) -> PrefillTransfer:
-        """The store the pair groups meet on, this rank's transfer thread, the Bootstrap server."""
+        """The store the pair groups meet on, this rank's transfer thread, and on the leader the
+        Bootstrap server; under torchrun (attention tensor parallel) every rank registers its own
+        transfer socket there, the leader's store and server announced to them over the world."""
         disagg = self.disagg
+        self._check_joinable()
+        host, port, creator = disagg.local_ip, 0, True
         if disagg.store_url:
             url = urlparse(disagg.store_url if "://" in disagg.store_url else f"tcp://{disagg.store_url}")
             host, port, creator = url.hostname or disagg.local_ip, url.port or 0, disagg.is_store_creator_node
-        else:
-            host, port, creator = disagg.local_ip, 0, True
-        store = dist.TCPStore(
-            host, port, is_master=creator, wait_for_workers=False, timeout=timedelta(seconds=disagg.transfer_timeout_s)
-        )
+        timeout = timedelta(seconds=disagg.transfer_timeout_s)
+        leader = self.comm.rank == 0
+        announced = None
+        if leader:
+            store = dist.TCPStore(host, port, is_master=creator, wait_for_workers=False, timeout=timeout)
+            self.bootstrap = BootstrapServer(
+                disagg.bootstrap_host, disagg.bootstrap_port, uuid.uuid4().hex[:12], self.comm.env.world_size
+            )
+            self.bootstrap.start()
+            announced = (host, store.port, self.bootstrap.port)
+        host, port, bootstrap_port = self.comm.broadcast_from_rank0(announced)
+        if not leader:
+            store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
         transfer = PrefillTransfer(
             disagg.local_ip,
             store,
             host,
-            store.port,
+            port,
             backend=disagg.transfer_backend,
             timeout_s=disagg.transfer_timeout_s,
+            rank=self.comm.rank,
         )
         transfer.start()
-        self.bootstrap = BootstrapServer(disagg.bootstrap_host, disagg.bootstrap_port, uuid.uuid4().hex[:12], 1)
-        self.bootstrap.register(transfer.entry)
-        self.bootstrap.start()
+        if self.bootstrap is not None:
+            self.bootstrap.register(transfer.entry)
+        else:
+            register_rank(disagg.bootstrap_host, bootstrap_port, transfer.entry, disagg.transfer_timeout_s)
         logger.info(
-            "prefill role: bootstrap server on %s:%d, KV transfer on %s (%s), store %s:%d",
+            "prefill role, rank %d: bootstrap server %s:%d, KV transfer on %s (%s), store %s:%d",
+            self.comm.rank,
             disagg.bootstrap_host,
-            self.bootstrap.port,
+            bootstrap_port,
             transfer.entry.endpoint,
             disagg.transfer_backend,
             host,
-            store.port,
+            port,
         )
         return transfer
+
+    def _check_joinable(self) -> None:
+        """Under attention tensor parallelism a decode rank joins the prefill ranks' shares of each
+        cache tensor (kv_copy.assemble): refuse, before any request, a tensor it cannot join."""
+        if self.comm.layout.attn_tp_size == 1:
+            return
+        for group in self.engine.worker.kv_cache_groups:
+            for spec in group.spec.tensors:
+                if spec.tp_split is TPSplit.OTHER:
+                    layers = ", ".join(group.layer_names[:2]) + (", ..." if len(group.layer_names) > 2 else "")
+                    raise ConfigError(
+                        f"disagg_config.disaggregation_mode PREFILL in {self.engine.config.source}: at attn_tp_size "
+                        f"{self.comm.layout.attn_tp_size} the KV cache tensor {spec.name!r} (layers {layers}) is "
+                        "split over the ranks in a way a decode instance does not join (only heads and whole "
+                        "tensors are); run the prefill at attn_tp_size 1"
+                    )
 
     # -- the HTTP side ----------------------------------------------------------------------
 

@@ -3,25 +3,29 @@ torch.distributed process group of two made for each (prefill rank, decode rank)
 
 Control (pyzmq, as cann-recipes): each prefill rank binds a ROUTER socket and registers it in the
 bootstrap server; a decode rank meets a prefill instance when a request first names its bootstrap
-server: it reads the rank table, connects a DEALER socket, says `hello`, and both sides make their
-pair group on the prefill rank's TCPStore (a PrefixStore per pair, so pairs never collide). Then,
-per request (a "room", the id the Router gives both sides):
+server: it reads the rank table and, for every rank in it (a tensor-parallel prefill instance's
+ranks each hold a share of every request's KV heads, and a decode rank holds them all), connects a
+DEALER socket, says `hello`, and both sides make their pair group on the prefill leader's TCPStore
+(a PrefixStore per pair, so pairs never collide). Then, per request (a "room", the id the Router
+gives both sides), with every prefill rank:
 
-    decode                                   prefill
+    decode                                   prefill rank
     want(room, its block ids)  ------------>  (the prefill step runs; its KV is gathered, blocks freed)
                                <------------  kv(room, first token, parts)   then the buffer, on the pair group
     or                         <------------  failed(room, why)
     drop(room) (aborted)       ------------>
 
-Data: one flat buffer per request (kv_copy.KVCopier), sent point to point in the order of the
-`kv` headers, so each pair's stream needs no tags. gloo carries it on the CPU (and here, in tests);
-NCCL and HCCL are made against their own process-group classes for device-resident caches
-(make_pair_group; docs/distributed.md says why a group of two and not a transfer engine).
+Data: one flat buffer per request and prefill rank (kv_copy.KVCopier), sent point to point in the
+order of the `kv` headers, so each pair's stream needs no tags; once every rank's share of a room is
+in, the decode rank joins them (kv_copy.assemble) into the buffer its own cache takes. gloo
+carries it on the CPU (and here, in tests); NCCL and HCCL are made against their own process-group
+classes for device-resident caches (make_pair_group; docs/distributed.md says why a group of two
+and not a transfer engine).
 
 Every wait is bounded: meeting a prefill instance and each transfer by
 disagg_config.transfer_timeout_s, each named in the error the request fails with. A prefill rank
-dying mid-transfer breaks its pair: the requests waiting on it fail at once, the next request that
-names it meets it afresh.
+dying mid-transfer breaks the links to its instance: the requests waiting on it fail at once, the
+next request that names it meets it afresh.
 
 Each side runs one thread that owns its sockets and pair groups; the engine's thread talks to it
 through queues only (ZMQ sockets are not thread-safe).
@@ -46,7 +50,7 @@ import torch.distributed as dist
 import zmq
 
 from executor.online.disagg.bootstrap import RankEntry, fetch_route
-from executor.online.disagg.kv_copy import PartMeta
+from executor.online.disagg.kv_copy import PartMeta, assemble
 from executor.platform import npu_runtime
 from executor.types_ import TokenLogprobs
 
@@ -221,7 +225,7 @@ class PrefillTransfer(_Thread):
     def _on_message(self, identity: bytes, message: dict[str, Any]) -> None:
         op = message.get("op")
         if op == "hello":
-            key = f"pd/{message['decode_id']}/{next(self._pair_ids)}"
+            key = f"pd/{message['decode_id']}/{self.entry.rank}/{next(self._pair_ids)}"  # ranks share one store
             self._reply(identity, {"op": "welcome", "pair_key": key})
             try:
                 self._pairs[identity] = make_pair_group(
@@ -305,19 +309,42 @@ class PrefillTransfer(_Thread):
 
 
 @dataclass(slots=True)
-class _Peer:
-    """A prefill instance as a decode rank knows it."""
+class _Link:
+    """One prefill rank as a decode rank talks to it: its control socket and their pair group."""
 
-    instance_id: str
+    rank: int
     socket: zmq.Socket
     pair: Any
-    rooms: set[str] = field(default_factory=set)  # wanted and not arrived
+
+
+@dataclass(slots=True)
+class _Shard:
+    """What one prefill rank sent for a room: its `kv` header and its buffer."""
+
+    header: dict[str, Any]
+    buffer: torch.Tensor
+    transfer_s: float
+
+
+@dataclass(slots=True)
+class _Peer:
+    """A prefill instance as a decode rank knows it: a link to every rank of it, since this rank
+    holds every KV head and each prefill rank of its attention TP group holds a share of them."""
+
+    instance_id: str
+    links: list[_Link]  # in rank order
+    rooms: dict[str, dict[int, _Shard]] = field(default_factory=dict)  # wanted, not complete: shards by rank
     last_heard_s: float = field(default_factory=time.monotonic)
+
+    def close(self) -> None:
+        for link in self.links:
+            link.socket.close(0)
 
 
 class DecodeTransfer(_Thread):
-    """A decode rank's side: meets prefill instances as requests name them, asks for each
-    request's KV, receives it and hands it to the engine's thread (`arrivals`)."""
+    """A decode rank's side: meets prefill instances as requests name them, asks every rank of one
+    for each request's KV, receives their shares, joins them and hands the request's KV to the
+    engine's thread (`arrivals`)."""
 
     def __init__(self, *, backend: str, timeout_s: float, wake: Callable[[], None], device: torch.device) -> None:
         super().__init__("pd-decode-transfer")
@@ -360,26 +387,31 @@ class DecodeTransfer(_Thread):
             time.sleep(POLL_MS / 1e3)
             return
         poller = zmq.Poller()
-        for peer in self._peers.values():
-            poller.register(peer.socket, zmq.POLLIN)
+        links: dict[zmq.Socket, tuple[tuple[str, int], _Link]] = {}
+        for key, peer in self._peers.items():
+            for link in peer.links:
+                poller.register(link.socket, zmq.POLLIN)
+                links[link.socket] = (key, link)
         for sock, _ in poller.poll(POLL_MS):
-            key = next(key for key, peer in self._peers.items() if peer.socket is sock)
-            self._on_message(key, _loads(sock.recv()))
+            key, link = links[sock]
+            if key in self._peers:  # not broken by an earlier message of this poll
+                self._on_message(key, link, _loads(sock.recv()))
 
     def _want(self, room: str, bootstrap: tuple[str, int], block_ids: list[list[int]]) -> None:
+        where = f"{bootstrap[0]}:{bootstrap[1]}"
         try:
             peer = self._peer(bootstrap)
         except (TimeoutError, RuntimeError, zmq.ZMQError) as exc:
-            where = f"{bootstrap[0]}:{bootstrap[1]}"
             self._fail(room, f"could not meet the prefill instance of bootstrap server {where}: {exc}")
             return
-        try:  # never blocks: a prefill instance that stopped reading fills its queue, then this fails
-            peer.socket.send(_dumps({"op": "want", "room": room, "block_ids": block_ids}), zmq.NOBLOCK)
+        try:  # never blocks: a prefill rank that stopped reading fills its queue, then this fails
+            for link in peer.links:
+                link.socket.send(_dumps({"op": "want", "room": room, "block_ids": block_ids}), zmq.NOBLOCK)
         except zmq.Again:
-            self._break(bootstrap, f"the prefill instance at bootstrap {bootstrap[0]}:{bootstrap[1]} takes no more")
-            self._fail(room, f"the prefill instance at bootstrap {bootstrap[0]}:{bootstrap[1]} takes no more requests")
+            self._break(bootstrap, f"the prefill instance at bootstrap {where} takes no more")
+            self._fail(room, f"the prefill instance at bootstrap {where} takes no more requests")
             return
-        peer.rooms.add(room)
+        peer.rooms[room] = {}
         self._room_peer[room] = bootstrap
 
     def _drop(self, room: str, timed_out: bool) -> None:
@@ -387,69 +419,110 @@ class DecodeTransfer(_Thread):
         if key is None or key not in self._peers:
             return
         peer = self._peers[key]
-        peer.rooms.discard(room)
-        with contextlib.suppress(zmq.Again):  # a drop may be lost: the prefill side expires what it holds
-            peer.socket.send(_dumps({"op": "drop", "room": room}), zmq.NOBLOCK)
+        peer.rooms.pop(room, None)
+        for link in peer.links:
+            with contextlib.suppress(zmq.Again):  # a drop may be lost: the prefill side expires what it holds
+                link.socket.send(_dumps({"op": "drop", "room": room}), zmq.NOBLOCK)
         if timed_out and time.monotonic() - peer.last_heard_s > self.timeout_s:
             self._break(key, f"the prefill instance at bootstrap {key[0]}:{key[1]} went silent")
 
     def _peer(self, bootstrap: tuple[str, int]) -> _Peer:
-        """The pair with the prefill instance at `bootstrap`, met now if not yet (bounded)."""
+        """The links to every rank of the prefill instance at `bootstrap`, met now if not yet
+        (bounded: the rank table's read, then each rank's hello, by the timeout)."""
         known = self._peers.get(bootstrap)
         if known is not None:
             return known
         route = fetch_route(*bootstrap, timeout_s=self.timeout_s)
-        entry = route.ranks[0]  # the rank holding the KV: one rank per prefill instance here
-        sock = self.context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(entry.endpoint)
-        sock.send(_dumps({"op": "hello", "decode_id": self.decode_id}), zmq.NOBLOCK)  # a fresh socket queues it
-        if not sock.poll(int(self.timeout_s * 1e3)):
-            sock.close(0)
-            raise TimeoutError(f"the prefill rank at {entry.endpoint} did not answer hello within {self.timeout_s:g} s")
-        welcome = _loads(sock.recv())
-        store = dist.TCPStore(
-            entry.store_host, entry.store_port, is_master=False, timeout=timedelta(seconds=self.timeout_s)
+        peer = _Peer(route.instance_id, [])
+        stores: dict[tuple[str, int], dist.Store] = {}
+        try:
+            for entry in route.ranks:
+                where = (entry.store_host, entry.store_port)
+                if where not in stores:
+                    timeout = timedelta(seconds=self.timeout_s)
+                    stores[where] = dist.TCPStore(*where, is_master=False, timeout=timeout)
+                peer.links.append(self._meet(entry, stores[where]))
+        except BaseException:
+            peer.close()
+            raise
+        logger.info(
+            "met prefill instance %s: %d rank(s) holding each request's KV, joined here",
+            route.instance_id,
+            len(peer.links),
         )
-        pair = make_pair_group(self.backend, dist.PrefixStore(welcome["pair_key"], store), 1, self.timeout_s)
-        key = welcome["pair_key"]
-        logger.info("met prefill instance %s at %s (pair group %s)", route.instance_id, entry.endpoint, key)
-        peer = _Peer(route.instance_id, sock, pair)
         self._peers[bootstrap] = peer
         return peer
 
-    def _on_message(self, key: tuple[str, int], message: dict[str, Any]) -> None:
+    def _meet(self, entry: RankEntry, store: dist.Store) -> _Link:
+        """Say hello to one prefill rank and make the pair group with it."""
+        sock = self.context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(entry.endpoint)
+        try:
+            sock.send(_dumps({"op": "hello", "decode_id": self.decode_id}), zmq.NOBLOCK)  # a fresh socket queues it
+            if not sock.poll(int(self.timeout_s * 1e3)):
+                raise TimeoutError(
+                    f"the prefill rank at {entry.endpoint} did not answer hello within {self.timeout_s:g} s"
+                )
+            key = _loads(sock.recv())["pair_key"]
+            pair = make_pair_group(self.backend, dist.PrefixStore(key, store), 1, self.timeout_s)
+        except BaseException:
+            sock.close(0)
+            raise
+        logger.info("met prefill rank %d at %s (pair group %s)", entry.rank, entry.endpoint, key)
+        return _Link(entry.rank, sock, pair)
+
+    def _on_message(self, key: tuple[str, int], link: _Link, message: dict[str, Any]) -> None:
         peer = self._peers[key]
         peer.last_heard_s = time.monotonic()
         room = message["room"]
-        peer.rooms.discard(room)
-        self._room_peer.pop(room, None)
+        where = f"the prefill instance at bootstrap {key[0]}:{key[1]}"
         if message["op"] == "failed":
-            self._fail(room, f"the prefill instance failed it: {message['error']}")
+            if peer.rooms.pop(room, None) is not None:
+                self._room_peer.pop(room, None)
+                self._fail(room, f"the prefill instance failed it: {message['error']}")
             return
+        # the buffer is received whatever became of the room: the pair's stream follows the headers
         buffer = torch.empty(message["nbytes"], dtype=torch.uint8, device=staging_device(self.backend, self.device))
         start_s = time.perf_counter()
         try:
             if buffer.numel():
-                peer.pair.recv([buffer], 0, 0).wait(timedelta(seconds=self.timeout_s))
+                link.pair.recv([buffer], 0, 0).wait(timedelta(seconds=self.timeout_s))
         except RuntimeError as exc:  # the prefill rank died mid-transfer, or stalled past the timeout
-            self._break(key, f"receiving it from the prefill instance at bootstrap {key[0]}:{key[1]} failed: {exc}")
-            self._fail(room, f"receiving it from the prefill instance at bootstrap {key[0]}:{key[1]} failed: {exc}")
+            self._break(key, f"receiving it from {where} (its rank {link.rank}) failed: {exc}")
             return
         elapsed_s = time.perf_counter() - start_s
         self.stats.num_transfers += 1
         self.stats.bytes_sent += buffer.numel()
         self.stats.transfer_s += elapsed_s
+        shards = peer.rooms.get(room)
+        if shards is None:
+            return  # ended here meanwhile (aborted, timed out, another rank failed it): received, and dropped
+        shards[link.rank] = _Shard(message, buffer, elapsed_s)
+        if len(shards) < len(peer.links):
+            return
+        del peer.rooms[room]
+        self._room_peer.pop(room, None)
+        self._arrived(room, [shards[link.rank] for link in peer.links], where)
+
+    def _arrived(self, room: str, shards: list[_Shard], where: str) -> None:
+        """Every rank's share of the room is here: join them and hand the request's KV over."""
+        try:
+            metas, buffer = assemble([(shard.header["metas"], shard.buffer) for shard in shards])
+        except (ValueError, RuntimeError) as exc:
+            self._fail(room, f"joining the KV shares of {where} failed: {exc}")
+            return
+        first = shards[0].header  # every rank sampled the same first token
         self.arrivals.put(
             Arrival(
                 room,
-                first_token_ids=message["first_token_ids"],
-                logprobs=message["logprobs"],
-                prompt_logprobs=message["prompt_logprobs"],
-                metas=message["metas"],
+                first_token_ids=first["first_token_ids"],
+                logprobs=first["logprobs"],
+                prompt_logprobs=first["prompt_logprobs"],
+                metas=metas,
                 buffer=buffer,
-                nbytes=buffer.numel(),
-                transfer_s=elapsed_s,
+                nbytes=sum(shard.buffer.numel() for shard in shards),
+                transfer_s=sum(shard.transfer_s for shard in shards),
             )
         )
         self.wake()
@@ -457,7 +530,7 @@ class DecodeTransfer(_Thread):
     def _break(self, key: tuple[str, int], why: str) -> None:
         """Forget a prefill instance whose pair broke: what still waits on it fails now."""
         peer = self._peers.pop(key)
-        peer.socket.close(0)
+        peer.close()
         for room in peer.rooms:
             self._room_peer.pop(room, None)
             self._fail(room, why)
@@ -469,7 +542,7 @@ class DecodeTransfer(_Thread):
 
     def close(self) -> None:
         for peer in self._peers.values():
-            peer.socket.close(0)
+            peer.close()
         self.context.term()
 
 
