@@ -222,6 +222,18 @@ def test_blocks_by_default_decode_with_int8_rows_as_transformers_with_the_same_r
         assert (ours_logits - exact).abs().max() > 1e-3
 
 
+@pytest.mark.slow
+def test_ge_graph_on_blocks_gives_eagers_int8_row_tokens(tiny_folders: tuple[Path, Path]) -> None:
+    """The int8-row kernel is one opaque op in the compiled graph, so the graph decodes eager's tokens."""
+    prompts = [[1, *range(40, 52)], [1, *range(60, 70)]]
+    runs = [
+        make_inference(tiny_folders[1], model_config={"exe_mode": mode}, batch_size=2, max_new_tokens=8)
+        for mode in ("eager", "ge_graph")
+    ]
+    eager, graph = ([r.output_token_ids for r in run.generate(token_records(prompts)).requests] for run in runs)
+    assert graph == eager
+
+
 def test_unknown_block_type_is_named_with_its_module() -> None:
     config = {"quant_method": "gguf-blocks", "modules": {"model.layers.0.mlp.up_proj": "q4_k"}}
     with pytest.raises(QuantizationError, match=r"x/config.json: .*modules\.model\.layers\.0\.mlp\.up_proj.*'q4_k'"):
