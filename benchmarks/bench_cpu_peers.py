@@ -31,7 +31,15 @@ import zipfile
 from pathlib import Path
 
 import torch
-from bench_vs_transformers import KERNEL_FLAGS, _cpu_name, build_inference, load_records, run_ours, run_vllm
+from bench_vs_transformers import (
+    KERNEL_FLAGS,
+    _cpu_name,
+    agreement,
+    build_inference,
+    load_records,
+    run_ours,
+    run_vllm,
+)
 
 from executor.model_loader.default_model import (
     DEFAULT_CHECKPOINT,
@@ -163,15 +171,16 @@ def batch1(args: argparse.Namespace) -> None:
     forced = outputs["ours_float"][: args.agreement_prompts]
     exact = teacher_forced_logits(engines["float"], forced_prompts, forced)
     int8 = teacher_forced_logits(engines["int8"], forced_prompts, forced)
-    same = sum(a == b for a, b in zip(outputs["ours_float"], outputs["ours_int8"], strict=True))
     ratios = {
         "int8_over_float_decode": systems["ours_int8"]["decode_output_tokens_per_s"]
         / systems["ours_float"]["decode_output_tokens_per_s"],
-        "greedy_identical_int8_vs_float": f"{same} of {len(records)}",
+        "greedy_int8_vs_float": agreement(outputs["ours_int8"], outputs["ours_float"]),
         "teacher_forced_int8_vs_float": logits_agreement(exact, int8),
     }
     if "ours_int8_ge_graph" in systems:
-        ratios["ge_graph_outputs_equal_eager"] = outputs["ours_int8_ge_graph"] == outputs["ours_int8"]
+        # inductor's fused fp32 norms differ from eager's in the last bit, and a row's int8 rounding can
+        # turn that into a different code: the graph's tokens are compared, not assumed equal
+        ratios["ge_graph_int8_vs_eager_int8"] = agreement(outputs["ours_int8_ge_graph"], outputs["ours_int8"])
     if "llama.cpp" in systems:
         theirs = systems["llama.cpp"]["decode_output_tokens_per_s"]
         for name, figures in systems.items():
