@@ -88,3 +88,13 @@ def ministral_dir(tmp_path_factory) -> Path:
     transformers.MinistralForCausalLM(config).eval().save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def kernels():
+    """The CPU kernels' ops (ops/csrc), built once: where a compiler is present they must build."""
+    from ops import cpu_kernels
+
+    built = cpu_kernels.extension()
+    assert built is not None, "the CPU kernels build where a compiler is present"
+    return built

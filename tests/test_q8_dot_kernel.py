@@ -11,27 +11,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gguf.quants import Q4_1, Q8_0
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from executor.model_loader.gguf_blocks import decode_q4_1
 from executor.types_.quant_scheme import GGUF_BLOCK_SCHEMES, GROUP, LinearScheme, QuantArgs
 from module.linear import ColumnParallelLinear
-from ops import cpu_kernels
 from ops.cpu_quantized import WNA16_ROWS_MAX, Wna16Linear, dequantize_coded
 from ops.linear_method import PLAIN
 from ops.quantized_linear import DequantizedLinear
 from tests.q8_reference import dequantized_rows, q8_blocks
-from tests.test_quantized_kernels import fma_dense, quantized_layer, within_fp32_sum_bound
-
-FAST = settings(max_examples=25, deadline=None)
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    built = cpu_kernels.extension()
-    assert built is not None, "the CPU kernels build where a compiler is present"
-    return built
+from tests.test_quantized_kernels import FAST, fma_dense, quantized_layer, within_fp32_sum_bound
 
 
 @FAST

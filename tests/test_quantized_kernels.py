@@ -40,13 +40,6 @@ HAS_VNNI = VNNI_FLAGS <= cpu_kernels.cpu_flags()
 needs_vnni = pytest.mark.skipif(not HAS_VNNI, reason="int8_linear.cpp needs AVX-512 VNNI, which this CPU lacks")
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    built = cpu_kernels.extension()
-    assert built is not None, "the CPU kernels build where a compiler is present"
-    return built
-
-
 # -- W8A8: per-token quantization and rescale ---------------------------------------------------------
 
 
