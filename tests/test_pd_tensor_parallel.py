@@ -36,9 +36,15 @@ from executor.online.disagg.loop import DisaggEngineLoop
 from executor.online.disagg.transfer import DecodeTransfer, Prefilled, PrefillTransfer
 from executor.types_.kv_cache_spec import AttentionKind, KVCacheSpec, KVTensorSpec, TPSplit, attention_spec, mla_spec
 from executor.types_.quant_scheme import KVCacheScheme
+from models.deepseek_v4.model import DeepseekV4Attention
+from models.kimi_linear.model import KimiLinearDeltaAttention
+from module.linear import LinearBase
+from module.parallel_group import SINGLE, ParallelGroup
+from ops.attention.metadata import ForwardMetaData, RecurrentStateTables
 from tests import deepseek_v3_harness
+from tests.backends import cpu_backend
 from tests.engine_harness import ENGINE_PROMPT_LENS, make_inference
-from tests.factories import deepseek_config, tiny_tokenizer
+from tests.factories import deepseek_config, deepseek_v4_config, kimi_linear_config, tiny_tokenizer
 from tests.online_harness import free_port, health_ok, printed, routed_greedy, routing, server_process
 from tests.paged_harness import random_prompts
 
@@ -117,26 +123,109 @@ def test_one_share_is_passed_through_and_a_tensor_split_otherwise_is_refused_by_
     worker = worker_of(specs_at(1), torch.Generator().manual_seed(1))
     share = KVCopier(worker).gather([[1], [1]])
     assert assemble([share]) is share
-    conv = KVCacheSpec((KVTensorSpec("conv_state", (2, 3), torch.float32),))
-    assert conv.tensors[0].tp_split is TPSplit.OTHER  # the default: nothing joins what it does not know
-    shares = [KVCopier(worker_of({"conv": conv}, torch.Generator().manual_seed(rank))).gather([[2]]) for rank in (0, 1)]
-    with pytest.raises(ValueError, match=r"conv\.conv_state is split over the prefill instance's 2 attention TP"):
+    unknown = KVCacheSpec((KVTensorSpec("state", (2, 3), torch.float32),))  # a cache kind that says nothing
+    assert unknown.tensors[0].tp_split is TPSplit.OTHER  # the default: nothing joins what it does not know
+    workers = [worker_of({"new": unknown}, torch.Generator().manual_seed(rank)) for rank in (0, 1)]
+    shares = [KVCopier(worker).gather([[2]]) for worker in workers]
+    with pytest.raises(ValueError, match=r"new\.state is split over the prefill instance's 2 attention TP"):
         assemble(shares)
     with pytest.raises(ValueError, match="prefill rank 1 sent other KV cache tensors than rank 0"):
         assemble([share, shares[0]])
 
 
 def test_a_prefill_instance_at_tp_2_refuses_at_start_a_cache_tensor_it_cannot_join():
-    conv = KVCacheSpec((KVTensorSpec("conv_state", (2, 3), torch.float32),), AttentionKind.RECURRENT)
+    unknown = KVCacheSpec((KVTensorSpec("state", (2, 3), torch.float32),), AttentionKind.RECURRENT)
     at_tp = {size: SimpleNamespace(layout=SimpleNamespace(attn_tp_size=size)) for size in (1, 2)}
     engine = SimpleNamespace(
-        worker=worker_of(specs_at(2) | {"linear": conv}, None), config=SimpleNamespace(source="x.yaml")
+        worker=worker_of(specs_at(2) | {"linear": unknown}, None), config=SimpleNamespace(source="x.yaml")
     )
     DisaggEngineLoop._check_joinable(SimpleNamespace(comm=at_tp[1], engine=engine))  # one rank sends it whole
-    with pytest.raises(
-        ConfigError, match=r"x\.yaml: at attn_tp_size 2 the KV cache tensor 'conv_state' \(layers linear\)"
-    ):
+    with pytest.raises(ConfigError, match=r"x\.yaml: at attn_tp_size 2 the KV cache tensor 'state' \(layers linear\)"):
         DisaggEngineLoop._check_joinable(SimpleNamespace(comm=at_tp[2], engine=engine))
+
+
+# -- recurrent states and compressed entries, from the real layers --------------------------------
+
+PROMPT_TOKENS = 7
+
+
+def kda_at(rank: int, tp_size: int) -> KimiLinearDeltaAttention:
+    """Kimi-Linear's KDA layer as rank `rank` of attention TP `tp_size` builds it (no process group:
+    the states are written before o_proj's all-reduce, which these tests replace)."""
+    tp = ParallelGroup("attn_tp", rank, tp_size) if tp_size > 1 else SINGLE
+    return KimiLinearDeltaAttention(kimi_linear_config(), tp, backend=cpu_backend())
+
+
+def load_from(shard: KimiLinearDeltaAttention, whole: KimiLinearDeltaAttention) -> None:
+    """`whole`'s weights into `shard`, through each parameter's own TP loader (the conv as the
+    checkpoint's q, k and v convs, shards 0..2)."""
+    full = dict(whole.named_parameters())
+    for name, param in shard.named_parameters():
+        if name == "conv1d.weight":
+            for shard_id, run in enumerate(full[name].chunk(3)):
+                param.weight_loader(param, run, shard_id)
+        elif hasattr(param, "weight_loader"):
+            param.weight_loader(param, full[name])
+        else:  # replicated (the output norm)
+            param.data.copy_(full[name])
+
+
+def prefilled(layer: KimiLinearDeltaAttention, hidden: torch.Tensor) -> _Worker:
+    """`layer` after prefilling `hidden` into state slot 1 of its three, as the worker KVCopier reads."""
+    spec = layer.kv_cache_spec()
+    layer.bind_kv_cache({tensor.name: torch.zeros(3, *tensor.shape, dtype=tensor.dtype) for tensor in spec.tensors}, 0)
+    tables = RecurrentStateTables(torch.tensor([1]), torch.tensor([False]), [hidden.shape[0]])
+    layer(hidden, (), ForwardMetaData(hidden.shape[0], [tables]))
+    return _Worker([KVCacheGroup(spec, ("kda",))], {"kda": _Layer(layer.kv_caches())})
+
+
+def test_two_kda_ranks_states_join_into_the_one_rank_state():
+    """Each rank's conv state holds its share of q, then of k, then of v channels: joined run by
+    run it is the one-rank conv state (joined by plain rank order it is not); the recurrent state
+    is split by heads."""
+    torch.manual_seed(0)
+    whole = kda_at(0, 1)
+    for param in whole.parameters():
+        param.data.copy_(torch.randn_like(param) * 0.3)
+    ranks = [kda_at(rank, 2) for rank in range(2)]
+    for rank in ranks:
+        load_from(rank, whole)
+        rank.o_proj = torch.nn.Identity()  # its all-reduce needs the group; the states are written before it
+    hidden = torch.randn(PROMPT_TOKENS, kimi_linear_config().hidden_size)
+    expected = prefilled(whole, hidden).kv_cache_layers["kda"].caches
+    conv_spec = ranks[0].kv_cache_spec().tensors[0]
+    assert (conv_spec.tp_split, conv_spec.tp_dim, conv_spec.tp_segments) == (TPSplit.SEGMENTS, 1, (32, 32, 32))
+    shares = [KVCopier(prefilled(rank, hidden)).gather([[1]]) for rank in ranks]
+    metas, buffer = assemble(shares)
+    received = worker_of_states(whole.kv_cache_spec(), "kda")
+    KVCopier(received).scatter(metas, buffer, [[2]])
+    got = received.kv_cache_layers["kda"].caches
+    for name in ("conv_state", "recurrent_state"):
+        assert expected[name][1].abs().max() > 0.1, name  # the prompt wrote it
+        torch.testing.assert_close(got[name][2], expected[name][1], rtol=1e-5, atol=1e-6, msg=name)
+    rank_order = torch.cat([rank.state_caches["conv_state"][1] for rank in ranks], dim=1)
+    assert not torch.allclose(rank_order, expected["conv_state"][1])  # the runs matter
+
+
+def worker_of_states(spec: KVCacheSpec, name: str) -> _Worker:
+    """One recurrent layer's three zeroed state slots."""
+    caches = {tensor.name: torch.zeros(3, *tensor.shape, dtype=tensor.dtype) for tensor in spec.tensors}
+    return _Worker([KVCacheGroup(spec, (name,))], {name: _Layer(caches)})
+
+
+def test_deepseek_v4s_cache_tensors_are_whole_on_every_attention_tp_rank():
+    """Its attention's projections (the compressors' and the indexer's too) are not split over
+    attention TP, so every rank holds every tensor whole: taken from rank 0."""
+    config = deepseek_v4_config()
+    names = set()
+    for index, layer_type in enumerate(config.layer_types):
+        attention = DeepseekV4Attention(config, index, backend=cpu_backend())
+        linears = [module for module in attention.modules() if isinstance(module, LinearBase)]
+        assert linears and all(linear.tp.size == 1 for linear in linears), layer_type
+        splits = {tensor.name: tensor.tp_split for tensor in attention.kv_cache_spec().tensors}
+        assert set(splits.values()) == {TPSplit.WHOLE}, (layer_type, splits)
+        names |= set(splits)
+    assert {"kv", "compressor_entries", "indexer_entries"} <= names  # every kind of layer was seen
 
 
 TRANSFER_TIMEOUT_S = 20.0
@@ -198,6 +287,10 @@ def test_a_decode_rank_asks_every_prefill_rank_and_gets_the_joined_kv_or_the_fir
     following = decode.arrivals.get(timeout=TRANSFER_TIMEOUT_S)
     assert (following.room, following.error) == ("next", None)
     assert decode.arrivals.empty() and decode.stats.num_failed == 1
+    # a prefill rank counts a send when the send returns, which may be after the decode rank has the KV
+    deadline = time.monotonic() + TRANSFER_TIMEOUT_S
+    while [rank.stats.num_transfers for rank in ranks] != [3, 2] and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert [rank.stats.num_transfers for rank in ranks] == [3, 2] and [rank.num_held for rank in ranks] == [0, 0]
 
 
