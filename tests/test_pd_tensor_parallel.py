@@ -2,14 +2,16 @@
 sends its share of a request's KV heads, the decode rank joins them (kv_copy.assemble).
 
 Fast: the join, over caches cut as attention TP cuts them (K/V and their C8 scales by heads, an MLA
-latent whole), equals the one-rank cache block for block; a tensor split another way is refused by
-name; the transfer sides of two prefill ranks and a decode rank in one process: the decode rank asks
-both, gets the joined KV, or the first failure with the pair streams still in step.
+latent whole), equals the one-rank cache block for block; the states a prompt leaves in Kimi-Linear's
+KDA layer built at TP 2 (a conv state in q, k and v runs, a recurrent state by heads) join into the
+one-rank layer's; DeepSeek-V4's caches are whole on every rank; a tensor split another way is
+refused by name; the transfer sides of two prefill ranks and a decode rank in one process: the
+decode rank asks both, gets the joined KV, or the first failure with the pair streams still in step.
 
 Slow (torchrun): a prefill instance at TP 2 through the Router, feeding a one-rank decode instance
-and a decode instance of two data-parallel replicas (whose leader starts the Router), and a
-DeepSeek-V3 (MLA) prefill instance at TP 2 feeding a one-rank decode instance: greedy tokens equal
-to offline fp32."""
+and a decode instance of two data-parallel replicas (whose leader starts the Router), and
+DeepSeek-V3 (MLA) and Kimi-Linear (KDA and MLA) prefill instances at TP 2 feeding a one-rank decode
+instance: greedy tokens equal to offline fp32."""
 
 from __future__ import annotations
 
@@ -43,10 +45,11 @@ from module.parallel_group import SINGLE, ParallelGroup
 from ops.attention.metadata import ForwardMetaData, RecurrentStateTables
 from tests import deepseek_v3_harness
 from tests.backends import cpu_backend
-from tests.engine_harness import ENGINE_PROMPT_LENS, make_inference
+from tests.engine_harness import ENGINE_CONFIG, ENGINE_PROMPT_LENS, make_inference
 from tests.factories import deepseek_config, deepseek_v4_config, kimi_linear_config, tiny_tokenizer
 from tests.online_harness import free_port, health_ok, printed, routed_greedy, routing, server_process
 from tests.paged_harness import random_prompts
+from tests.test_kimi_linear_parity import save_checkpoint as save_kimi_linear
 
 NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM, LATENT = 6, 4, 4, 3, 5
 
@@ -387,6 +390,25 @@ def test_an_mla_prefill_at_tp_2_feeds_a_one_rank_decode_instance_as_offline(tmp_
     expected = offline_greedy(model_dir, prompts, deepseek)
     with (
         tp_2_prefill(model_dir, tmp_path, model_config=deepseek) as (prefill_url, _),
+        server_process(tmp_path / "tiny.yaml", "--pd-role", "decode", timeout_s=600) as (decode_url, _),
+        routing([prefill_url.removesuffix("/v1")], [decode_url.removesuffix("/v1")]) as router_url,
+    ):
+        stats = routed_greedy(router_url, decode_url.removesuffix("/v1"), prompts, expected, MAX_TOKENS)
+        check_shares(prefill_url.removesuffix("/v1"), stats, len(prompts), replicas=1)
+
+
+@pytest.mark.slow
+def test_a_recurrent_prefill_at_tp_2_feeds_a_one_rank_decode_instance_as_offline(tmp_path):
+    """Kimi-Linear: its KDA layers' conv states (q, k and v runs) and recurrent states (heads), and
+    its MLA layer's latent, split over the prefill ranks, joined at the decode rank: decoded as offline."""
+    model_dir = tmp_path / "model"
+    save_kimi_linear(model_dir, kimi_linear_config(**ENGINE_CONFIG))
+    tiny_tokenizer().save_pretrained(model_dir)
+    kimi = {"model_name": "kimi_linear"}
+    prompts = random_prompts(ENGINE_PROMPT_LENS, seed=17)
+    expected = offline_greedy(model_dir, prompts, kimi)
+    with (
+        tp_2_prefill(model_dir, tmp_path, model_config=kimi) as (prefill_url, _),
         server_process(tmp_path / "tiny.yaml", "--pd-role", "decode", timeout_s=600) as (decode_url, _),
         routing([prefill_url.removesuffix("/v1")], [decode_url.removesuffix("/v1")]) as router_url,
     ):
