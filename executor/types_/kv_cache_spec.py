@@ -31,7 +31,7 @@ class TPSplit(str, enum.Enum):
     """How attention tensor parallelism splits a cache tensor over a group's ranks, which is what a
     prefill instance of another layout needs to join its shards (online/disagg/kv_copy.py)."""
 
-    HEADS = "heads"  # the entry's first axis is the KV heads, in equal runs by rank (rank r the r-th)
+    HEADS = "heads"  # the entry's first axis is the heads (K/V, a recurrent state's), in equal runs by rank
     WHOLE = "whole"  # every rank holds all of it (an MLA latent: one for every head)
     # one entry axis (tp_dim) holds runs (tp_segments, each rank's sizes) each split by rank apart:
     # a conv state's channels, q, k and v, rank r holding the r-th share of each
