@@ -3,15 +3,16 @@ sends its share of a request's KV heads, the decode rank joins them (kv_copy.ass
 
 Fast: the join, over caches cut as attention TP cuts them (K/V and their C8 scales by heads, an MLA
 latent whole), equals the one-rank cache block for block; the states a prompt leaves in Kimi-Linear's
-KDA layer built at TP 2 (a conv state in q, k and v runs, a recurrent state by heads) join into the
-one-rank layer's; DeepSeek-V4's caches are whole on every rank; a tensor split another way is
-refused by name; the transfer sides of two prefill ranks and a decode rank in one process: the
+KDA layer and Qwen3.5's and Qwen3-Next's Gated DeltaNet built at TP 2 (a conv state in q, k and v
+runs, a recurrent state by heads) join into the one-rank layer's; DeepSeek-V4's caches are whole on
+every rank; a tensor split another way is refused by name, and a quantized DeltaNet q/k/v
+projection above one rank; the transfer sides of two prefill ranks and a decode rank in one process: the
 decode rank asks both, gets the joined KV, or the first failure with the pair streams still in step.
 
 Slow (torchrun): a prefill instance at TP 2 through the Router, feeding a one-rank decode instance
 and a decode instance of two data-parallel replicas (whose leader starts the Router), and
-DeepSeek-V3 (MLA) and Kimi-Linear (KDA and MLA) prefill instances at TP 2 feeding a one-rank decode
-instance: greedy tokens equal to offline fp32."""
+DeepSeek-V3 (MLA), Kimi-Linear (KDA and MLA) and Qwen3.5 (Gated DeltaNet and gated attention)
+prefill instances at TP 2 feeding a one-rank decode instance: greedy tokens equal to offline fp32."""
 
 from __future__ import annotations
 
@@ -36,12 +37,17 @@ from executor.online.disagg.bootstrap import BootstrapServer
 from executor.online.disagg.kv_copy import KVCopier, assemble
 from executor.online.disagg.loop import DisaggEngineLoop
 from executor.online.disagg.transfer import DecodeTransfer, Prefilled, PrefillTransfer
+from executor.types_.errors import WeightLoadError
 from executor.types_.kv_cache_spec import AttentionKind, KVCacheSpec, KVTensorSpec, TPSplit, attention_spec, mla_spec
-from executor.types_.quant_scheme import KVCacheScheme
+from executor.types_.quant_scheme import CHANNEL, KVCacheScheme, LinearScheme, QuantArgs
 from models.deepseek_v4.model import DeepseekV4Attention
 from models.kimi_linear.model import KimiLinearDeltaAttention
+from models.qwen3_next.model import Qwen3NextGatedDeltaNet
+from module.gated_delta_net import GatedDeltaNet
 from module.linear import LinearBase
 from module.parallel_group import SINGLE, ParallelGroup
+from module.quantized import quant_param
+from module.recurrent import RecurrentStateLayer
 from ops.attention.metadata import ForwardMetaData, RecurrentStateTables
 from tests import deepseek_v3_harness
 from tests.backends import cpu_backend
@@ -50,6 +56,8 @@ from tests.factories import deepseek_config, deepseek_v4_config, kimi_linear_con
 from tests.online_harness import free_port, health_ok, printed, routed_greedy, routing, server_process
 from tests.paged_harness import random_prompts
 from tests.test_kimi_linear_parity import save_checkpoint as save_kimi_linear
+from tests.test_qwen3_5_parity import qwen3_5_config
+from tests.test_qwen3_5_parity import save_checkpoint as save_qwen3_5
 
 NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM, LATENT = 6, 4, 4, 3, 5
 
@@ -150,21 +158,27 @@ def test_a_prefill_instance_at_tp_2_refuses_at_start_a_cache_tensor_it_cannot_jo
 # -- recurrent states and compressed entries, from the real layers --------------------------------
 
 PROMPT_TOKENS = 7
+GDN_HEADS = dict(num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=6, conv_width=4, eps=1e-6)
 
 
-def kda_at(rank: int, tp_size: int) -> KimiLinearDeltaAttention:
-    """Kimi-Linear's KDA layer as rank `rank` of attention TP `tp_size` builds it (no process group:
-    the states are written before o_proj's all-reduce, which these tests replace)."""
+def recurrent_layer(kind: str, rank: int, tp_size: int) -> RecurrentStateLayer:
+    """A recurrent layer as rank `rank` of attention TP `tp_size` builds it (no process group: the
+    states are written before the output projection's all-reduce, which these tests replace):
+    Kimi-Linear's KDA, Qwen3.5's Gated DeltaNet or Qwen3-Next's (its projections fused by key head)."""
     tp = ParallelGroup("attn_tp", rank, tp_size) if tp_size > 1 else SINGLE
-    return KimiLinearDeltaAttention(kimi_linear_config(), tp, backend=cpu_backend())
+    hidden = kimi_linear_config().hidden_size
+    if kind == "kda":
+        return KimiLinearDeltaAttention(kimi_linear_config(), tp, backend=cpu_backend())
+    layer_cls = GatedDeltaNet if kind == "gated_delta_net" else Qwen3NextGatedDeltaNet
+    return layer_cls(hidden, **GDN_HEADS, tp=tp, backend=cpu_backend())
 
 
-def load_from(shard: KimiLinearDeltaAttention, whole: KimiLinearDeltaAttention) -> None:
-    """`whole`'s weights into `shard`, through each parameter's own TP loader (the conv as the
-    checkpoint's q, k and v convs, shards 0..2)."""
+def load_from(shard: RecurrentStateLayer, whole: RecurrentStateLayer) -> None:
+    """`whole`'s weights into `shard`, through each parameter's own TP loader (KDA's conv as the
+    checkpoint's q, k and v convs, shards 0..2; Gated DeltaNet's as one tensor)."""
     full = dict(whole.named_parameters())
     for name, param in shard.named_parameters():
-        if name == "conv1d.weight":
+        if name == "conv1d.weight" and isinstance(shard, KimiLinearDeltaAttention):
             for shard_id, run in enumerate(full[name].chunk(3)):
                 param.weight_loader(param, run, shard_id)
         elif hasattr(param, "weight_loader"):
@@ -173,41 +187,62 @@ def load_from(shard: KimiLinearDeltaAttention, whole: KimiLinearDeltaAttention) 
             param.data.copy_(full[name])
 
 
-def prefilled(layer: KimiLinearDeltaAttention, hidden: torch.Tensor) -> _Worker:
+def prefilled(layer: RecurrentStateLayer, hidden: torch.Tensor) -> _Worker:
     """`layer` after prefilling `hidden` into state slot 1 of its three, as the worker KVCopier reads."""
     spec = layer.kv_cache_spec()
     layer.bind_kv_cache({tensor.name: torch.zeros(3, *tensor.shape, dtype=tensor.dtype) for tensor in spec.tensors}, 0)
-    tables = RecurrentStateTables(torch.tensor([1]), torch.tensor([False]), [hidden.shape[0]])
-    layer(hidden, (), ForwardMetaData(hidden.shape[0], [tables]))
-    return _Worker([KVCacheGroup(spec, ("kda",))], {"kda": _Layer(layer.kv_caches())})
+    tokens = hidden.shape[0]
+    metadata = ForwardMetaData(tokens, [RecurrentStateTables(torch.tensor([1]), torch.tensor([False]), [tokens])])
+    if isinstance(layer, KimiLinearDeltaAttention):
+        layer(hidden, (), metadata)  # no rotary: KDA has no positions
+    else:
+        layer(hidden, metadata)
+    return _Worker([KVCacheGroup(spec, ("linear",))], {"linear": _Layer(layer.kv_caches())})
 
 
-def test_two_kda_ranks_states_join_into_the_one_rank_state():
-    """Each rank's conv state holds its share of q, then of k, then of v channels: joined run by
-    run it is the one-rank conv state (joined by plain rank order it is not); the recurrent state
-    is split by heads."""
+@pytest.mark.parametrize(
+    ("kind", "runs"), [("kda", (32, 32, 32)), ("gated_delta_net", (8, 8, 12)), ("qwen3_next", (8, 8, 12))]
+)
+def test_two_ranks_recurrent_states_join_into_the_one_rank_state(kind: str, runs: tuple[int, ...]):
+    """A prompt through the layer at TP 2 leaves each rank a conv state of its share of q, then of
+    k, then of v channels: joined run by run it is the one-rank layer's conv state (joined in plain
+    rank order it is not); the recurrent state is split by (value) heads."""
     torch.manual_seed(0)
-    whole = kda_at(0, 1)
+    whole = recurrent_layer(kind, 0, 1)
     for param in whole.parameters():
         param.data.copy_(torch.randn_like(param) * 0.3)
-    ranks = [kda_at(rank, 2) for rank in range(2)]
+    ranks = [recurrent_layer(kind, rank, 2) for rank in range(2)]
     for rank in ranks:
         load_from(rank, whole)
-        rank.o_proj = torch.nn.Identity()  # its all-reduce needs the group; the states are written before it
+        for projection in ("o_proj", "out_proj"):  # its all-reduce needs the group; the states are written before it
+            if hasattr(rank, projection):
+                setattr(rank, projection, torch.nn.Identity())
     hidden = torch.randn(PROMPT_TOKENS, kimi_linear_config().hidden_size)
-    expected = prefilled(whole, hidden).kv_cache_layers["kda"].caches
+    expected = prefilled(whole, hidden).kv_cache_layers["linear"].caches
     conv_spec = ranks[0].kv_cache_spec().tensors[0]
-    assert (conv_spec.tp_split, conv_spec.tp_dim, conv_spec.tp_segments) == (TPSplit.SEGMENTS, 1, (32, 32, 32))
+    assert (conv_spec.tp_split, conv_spec.tp_dim, conv_spec.tp_segments) == (TPSplit.SEGMENTS, 1, runs)
     shares = [KVCopier(prefilled(rank, hidden)).gather([[1]]) for rank in ranks]
     metas, buffer = assemble(shares)
-    received = worker_of_states(whole.kv_cache_spec(), "kda")
+    received = worker_of_states(whole.kv_cache_spec(), "linear")
     KVCopier(received).scatter(metas, buffer, [[2]])
-    got = received.kv_cache_layers["kda"].caches
+    got = received.kv_cache_layers["linear"].caches
     for name in ("conv_state", "recurrent_state"):
         assert expected[name][1].abs().max() > 0.1, name  # the prompt wrote it
         torch.testing.assert_close(got[name][2], expected[name][1], rtol=1e-5, atol=1e-6, msg=name)
     rank_order = torch.cat([rank.state_caches["conv_state"][1] for rank in ranks], dim=1)
     assert not torch.allclose(rank_order, expected["conv_state"][1])  # the runs matter
+
+
+def test_a_quantized_gated_deltanet_qkv_projection_is_refused_above_one_rank():
+    """Its fused q/k/v runs are cut by output rows, which a quantized checkpoint's tensors are not
+    laid out by: refused in one line rather than loaded wrong."""
+    layer = recurrent_layer("gated_delta_net", 0, 2)
+    projection = layer.in_proj_qkv
+    scheme = LinearScheme(QuantArgs(num_bits=8, strategy=CHANNEL))
+    projection.set_scheme(scheme, cpu_backend().linear_method(scheme.kind), torch.float32, at_load=False)
+    param = next(param for param in projection.parameters() if quant_param(param) is not None)
+    with pytest.raises(WeightLoadError, match="quantized Gated DeltaNet in_proj_qkv is not split over TP ranks"):
+        param.weight_loader(param, torch.zeros(2 * param.shape[0], *param.shape[1:], dtype=param.dtype))
 
 
 def worker_of_states(spec: KVCacheSpec, name: str) -> _Worker:
@@ -409,6 +444,25 @@ def test_a_recurrent_prefill_at_tp_2_feeds_a_one_rank_decode_instance_as_offline
     expected = offline_greedy(model_dir, prompts, kimi)
     with (
         tp_2_prefill(model_dir, tmp_path, model_config=kimi) as (prefill_url, _),
+        server_process(tmp_path / "tiny.yaml", "--pd-role", "decode", timeout_s=600) as (decode_url, _),
+        routing([prefill_url.removesuffix("/v1")], [decode_url.removesuffix("/v1")]) as router_url,
+    ):
+        stats = routed_greedy(router_url, decode_url.removesuffix("/v1"), prompts, expected, MAX_TOKENS)
+        check_shares(prefill_url.removesuffix("/v1"), stats, len(prompts), replicas=1)
+
+
+@pytest.mark.slow
+def test_a_gated_deltanet_prefill_at_tp_2_feeds_a_one_rank_decode_instance_as_offline(tmp_path):
+    """Qwen3.5: its Gated DeltaNet layers' conv states (q, k and v runs) and recurrent states (value
+    heads), and its gated attention's K/V heads, split over the prefill ranks: decoded as offline."""
+    model_dir = tmp_path / "model"
+    save_qwen3_5(model_dir, qwen3_5_config("qwen3_5_text", **ENGINE_CONFIG))
+    tiny_tokenizer().save_pretrained(model_dir)
+    qwen = {"model_name": "qwen3_5"}
+    prompts = random_prompts(ENGINE_PROMPT_LENS, seed=19)
+    expected = offline_greedy(model_dir, prompts, qwen)
+    with (
+        tp_2_prefill(model_dir, tmp_path, model_config=qwen) as (prefill_url, _),
         server_process(tmp_path / "tiny.yaml", "--pd-role", "decode", timeout_s=600) as (decode_url, _),
         routing([prefill_url.removesuffix("/v1")], [decode_url.removesuffix("/v1")]) as router_url,
     ):
