@@ -413,58 +413,41 @@ def test_prefill_at_tp_2_feeding_a_decode_instance_of_two_replicas_equals_offlin
     assert not health_ok(router_base + "/health")  # stopped with the leader
 
 
-@pytest.mark.slow
-def test_an_mla_prefill_at_tp_2_feeds_a_one_rank_decode_instance_as_offline(tmp_path):
-    """DeepSeek-V3's latent (every rank holds it whole) with its heads and experts split over the
-    prefill ranks (EP 2 inside the TP group): taken from rank 0 and decoded as offline."""
-    model_dir = tmp_path / "model"
-    deepseek_v3_harness.save_checkpoint(model_dir, deepseek_config())
+def one_rank_decode_equals_offline(model_dir: Path, folder: Path, model_name: str, seed: int) -> None:
+    """A prefill instance of the checkpoint in `model_dir` at TP 2 feeding a one-rank decode
+    instance through the Router: greedy tokens equal to offline fp32, a share from each prefill rank."""
     tiny_tokenizer().save_pretrained(model_dir)
-    deepseek = {"model_name": "deepseek_v3"}
-    prompts = random_prompts(ENGINE_PROMPT_LENS, seed=13)
-    expected = offline_greedy(model_dir, prompts, deepseek)
+    model_config = {"model_name": model_name}
+    prompts = random_prompts(ENGINE_PROMPT_LENS, seed=seed)
+    expected = offline_greedy(model_dir, prompts, model_config)
     with (
-        tp_2_prefill(model_dir, tmp_path, model_config=deepseek) as (prefill_url, _),
-        server_process(tmp_path / "tiny.yaml", "--pd-role", "decode", timeout_s=600) as (decode_url, _),
+        tp_2_prefill(model_dir, folder, model_config=model_config) as (prefill_url, _),
+        server_process(folder / "tiny.yaml", "--pd-role", "decode", timeout_s=600) as (decode_url, _),
         routing([prefill_url.removesuffix("/v1")], [decode_url.removesuffix("/v1")]) as router_url,
     ):
         stats = routed_greedy(router_url, decode_url.removesuffix("/v1"), prompts, expected, MAX_TOKENS)
         check_shares(prefill_url.removesuffix("/v1"), stats, len(prompts), replicas=1)
+
+
+@pytest.mark.slow
+def test_an_mla_prefill_at_tp_2_feeds_a_one_rank_decode_instance_as_offline(tmp_path):
+    """DeepSeek-V3's latent (every rank holds it whole) with its heads and experts split over the
+    prefill ranks (EP 2 inside the TP group): taken from rank 0 and decoded as offline."""
+    deepseek_v3_harness.save_checkpoint(tmp_path / "model", deepseek_config())
+    one_rank_decode_equals_offline(tmp_path / "model", tmp_path, "deepseek_v3", seed=13)
 
 
 @pytest.mark.slow
 def test_a_recurrent_prefill_at_tp_2_feeds_a_one_rank_decode_instance_as_offline(tmp_path):
     """Kimi-Linear: its KDA layers' conv states (q, k and v runs) and recurrent states (heads), and
     its MLA layer's latent, split over the prefill ranks, joined at the decode rank: decoded as offline."""
-    model_dir = tmp_path / "model"
-    save_kimi_linear(model_dir, kimi_linear_config(**ENGINE_CONFIG))
-    tiny_tokenizer().save_pretrained(model_dir)
-    kimi = {"model_name": "kimi_linear"}
-    prompts = random_prompts(ENGINE_PROMPT_LENS, seed=17)
-    expected = offline_greedy(model_dir, prompts, kimi)
-    with (
-        tp_2_prefill(model_dir, tmp_path, model_config=kimi) as (prefill_url, _),
-        server_process(tmp_path / "tiny.yaml", "--pd-role", "decode", timeout_s=600) as (decode_url, _),
-        routing([prefill_url.removesuffix("/v1")], [decode_url.removesuffix("/v1")]) as router_url,
-    ):
-        stats = routed_greedy(router_url, decode_url.removesuffix("/v1"), prompts, expected, MAX_TOKENS)
-        check_shares(prefill_url.removesuffix("/v1"), stats, len(prompts), replicas=1)
+    save_kimi_linear(tmp_path / "model", kimi_linear_config(**ENGINE_CONFIG))
+    one_rank_decode_equals_offline(tmp_path / "model", tmp_path, "kimi_linear", seed=17)
 
 
 @pytest.mark.slow
 def test_a_gated_deltanet_prefill_at_tp_2_feeds_a_one_rank_decode_instance_as_offline(tmp_path):
     """Qwen3.5: its Gated DeltaNet layers' conv states (q, k and v runs) and recurrent states (value
     heads), and its gated attention's K/V heads, split over the prefill ranks: decoded as offline."""
-    model_dir = tmp_path / "model"
-    save_qwen3_5(model_dir, qwen3_5_config("qwen3_5_text", **ENGINE_CONFIG))
-    tiny_tokenizer().save_pretrained(model_dir)
-    qwen = {"model_name": "qwen3_5"}
-    prompts = random_prompts(ENGINE_PROMPT_LENS, seed=19)
-    expected = offline_greedy(model_dir, prompts, qwen)
-    with (
-        tp_2_prefill(model_dir, tmp_path, model_config=qwen) as (prefill_url, _),
-        server_process(tmp_path / "tiny.yaml", "--pd-role", "decode", timeout_s=600) as (decode_url, _),
-        routing([prefill_url.removesuffix("/v1")], [decode_url.removesuffix("/v1")]) as router_url,
-    ):
-        stats = routed_greedy(router_url, decode_url.removesuffix("/v1"), prompts, expected, MAX_TOKENS)
-        check_shares(prefill_url.removesuffix("/v1"), stats, len(prompts), replicas=1)
+    save_qwen3_5(tmp_path / "model", qwen3_5_config("qwen3_5_text", **ENGINE_CONFIG))
+    one_rank_decode_equals_offline(tmp_path / "model", tmp_path, "qwen3_5", seed=19)
