@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from executor.types_.kv_cache_spec import KVTensorSpec
+from executor.types_.kv_cache_spec import KVTensorSpec, TPSplit
 from module.interleaved_rope import InterleavedRope, apply_interleaved_rope
 from module.linear import ColumnParallelLinear
 from module.norm import RMSNorm
@@ -57,10 +57,12 @@ class Compressor(nn.Module):
         self.norm = RMSNorm(head_dim, norm_eps, backend=backend)
 
     def spec_tensors(self, dtype: torch.dtype) -> list[KVTensorSpec]:
+        """Whole on every attention TP rank: the compressor's projections are not split (SINGLE)."""
+        whole = TPSplit.WHOLE
         return [
-            KVTensorSpec(f"{self.name}_kv", (self.width,), dtype),
-            KVTensorSpec(f"{self.name}_gate", (self.width,), dtype),
-            KVTensorSpec(f"{self.name}_entries", (self.head_dim,), dtype, tokens_per_entry=self.ratio),
+            KVTensorSpec(f"{self.name}_kv", (self.width,), dtype, tp_split=whole),
+            KVTensorSpec(f"{self.name}_gate", (self.width,), dtype, tp_split=whole),
+            KVTensorSpec(f"{self.name}_entries", (self.head_dim,), dtype, tokens_per_entry=self.ratio, tp_split=whole),
         ]
 
     def forward(

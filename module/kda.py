@@ -17,7 +17,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from executor.types_.checkpoint_tensor import LoadedWeight, materialize
-from executor.types_.kv_cache_spec import KVTensorSpec
+from executor.types_.kv_cache_spec import KVTensorSpec, TPSplit
 from module.linear import ColumnParallelLinear, RowParallelLinear, divide
 from module.parallel_group import SINGLE, ParallelGroup
 from module.recurrent import RecurrentStateLayer
@@ -124,10 +124,20 @@ class KimiDeltaAttention(RecurrentStateLayer):
         return (projected.float() + self.dt_bias).view(-1, self.num_heads, self.head_dim)
 
     def state_tensors(self) -> tuple[KVTensorSpec, ...]:
-        channels = 3 * self.num_heads * self.head_dim
+        """The conv state's channels are this rank's q, k and v heads' runs (each split by heads
+        apart), the recurrent state's first axis its heads: how a prefill instance's ranks join."""
+        width = self.num_heads * self.head_dim
+        conv_shape, state_shape = (self.conv_width - 1, 3 * width), (self.num_heads, self.head_dim, self.head_dim)
         return (
-            KVTensorSpec("conv_state", (self.conv_width - 1, channels), self.state_dtype),
-            KVTensorSpec("recurrent_state", (self.num_heads, self.head_dim, self.head_dim), torch.float32),
+            KVTensorSpec(
+                "conv_state",
+                conv_shape,
+                self.state_dtype,
+                tp_split=TPSplit.SEGMENTS,
+                tp_dim=1,
+                tp_segments=(width,) * 3,
+            ),
+            KVTensorSpec("recurrent_state", state_shape, torch.float32, tp_split=TPSplit.HEADS),
         )
 
     def forward(

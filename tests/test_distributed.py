@@ -39,9 +39,12 @@ from tests.dist_harness import (
     start_distributed,
     token_ids,
 )
-from tests.engine_harness import hf_greedy, load_hf_model
+from tests.engine_harness import ENGINE_CONFIG, hf_greedy, load_hf_model
 from tests.factories import TINY_VOCAB, deepseek_config, longcat_flash_config, qwen_config, tiny_tokenizer
 from tests.run_harness import outputs_by_id, run_into, summary, write_run
+from tests.test_qwen3_5_parity import FAMILIES as QWEN3_5_FAMILIES
+from tests.test_qwen3_5_parity import qwen3_5_config
+from tests.test_qwen3_5_parity import save_checkpoint as save_qwen3_5_checkpoint
 from tests.test_qwen_parity import save_checkpoint as save_qwen_checkpoint
 
 NUM_PROMPTS = 6
@@ -162,6 +165,25 @@ def test_expert_parallel_2_gives_one_process_tokens(family, tmp_path):
     assert token_ids(run.outputs()) == token_ids(reference)
     assert max_logprob_difference(run.outputs(), reference) <= FP32_REORDER_BOUND
     assert run.steps()[0]["comm_bytes"]["moe_ep.all_reduce"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_next"])
+def test_gated_deltanet_at_attention_tp_2_gives_one_process_tokens(family, tmp_path):
+    """Gated DeltaNet split over attention TP (each rank a run of key heads and the value heads they
+    serve, q, k and v apart), Qwen3.5's projections and Qwen3-Next's fused by key head: prefill and
+    decode steps give one process's tokens."""
+    model_dir = tmp_path / "model"
+    save_qwen3_5_checkpoint(model_dir, qwen3_5_config(family, **ENGINE_CONFIG))
+    tiny_tokenizer().save_pretrained(model_dir)
+    run_yaml = write_run(tmp_path, model_dir, num_prompts=4)
+    name = f"model_config.model_name={QWEN3_5_FAMILIES[family][3]}"
+    reference = run_one_process(run_yaml, tmp_path / "one_process", name, LOGPROBS)
+    run = run_distributed(run_yaml, tmp_path / "tp2", [name, LOGPROBS, *parallel_overrides(2, attn_tp_size=2)])
+    assert_ran(run)
+    assert token_ids(run.outputs()) == token_ids(reference)
+    assert max_logprob_difference(run.outputs(), reference) <= FP32_REORDER_BOUND
+    assert run.steps()[0]["comm_bytes"]["attn_tp.all_reduce"] > 0
 
 
 # Lock-step data parallelism: 3 prompts over 2 replicas, one request at a time. Replica 0 serves r0

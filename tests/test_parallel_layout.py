@@ -144,6 +144,18 @@ def test_smollm2_splits_over_three_attention_ranks_but_not_two():
     ]
 
 
+def test_linear_attention_heads_must_split_over_attention_tp():
+    """Gated DeltaNet's key and value heads (and KDA's heads) are split by rank as attention's are."""
+    hybrid = SimpleNamespace(
+        num_attention_heads=8, num_key_value_heads=4, vocab_size=256, linear_num_key_heads=2, linear_num_value_heads=6
+    )
+    assert model_fit_problems(ParallelLayout(world_size=2, attn_tp_size=2), hybrid) == []
+    assert model_fit_problems(ParallelLayout(world_size=4, attn_tp_size=4), hybrid) == [
+        "parallel_config.attn_tp_size 4 does not divide the model's linear_num_key_heads 2",
+        "parallel_config.attn_tp_size 4 does not divide the model's linear_num_value_heads 6",
+    ]
+
+
 def test_a_tied_lm_head_needs_the_embeddings_split():
     problems = model_fit_problems(ParallelLayout(world_size=3, attn_tp_size=3, lmhead_tp_size=3), SMOLLM2)
     assert problems == [

@@ -31,9 +31,12 @@ class TPSplit(str, enum.Enum):
     """How attention tensor parallelism splits a cache tensor over a group's ranks, which is what a
     prefill instance of another layout needs to join its shards (online/disagg/kv_copy.py)."""
 
-    HEADS = "heads"  # the entry's first axis is the KV heads, in equal runs by rank (rank r the r-th)
+    HEADS = "heads"  # the entry's first axis is the heads (K/V, a recurrent state's), in equal runs by rank
     WHOLE = "whole"  # every rank holds all of it (an MLA latent: one for every head)
-    OTHER = "other"  # split another way (a conv state's q/k/v channels, each split apart): not joined
+    # one entry axis (tp_dim) holds runs (tp_segments, each rank's sizes) each split by rank apart:
+    # a conv state's channels, q, k and v, rank r holding the r-th share of each
+    SEGMENTS = "segments"
+    OTHER = "other"  # split another way: not joined
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +53,16 @@ class KVTensorSpec:
     dtype: torch.dtype
     tokens_per_entry: int = 1
     tp_split: TPSplit = TPSplit.OTHER
+    tp_dim: int = 0  # SEGMENTS: the entry axis the runs lie along
+    tp_segments: tuple[int, ...] = ()  # SEGMENTS: the runs' sizes on this rank, in order
+
+    def __post_init__(self) -> None:
+        assert (self.tp_split is TPSplit.SEGMENTS) == bool(self.tp_segments), (
+            f"KV cache tensor {self.name!r}: segment sizes go with a SEGMENTS split, and only with it"
+        )
+        assert not self.tp_segments or sum(self.tp_segments) == self.shape[self.tp_dim], (
+            f"KV cache tensor {self.name!r}: segments {self.tp_segments} do not fill axis {self.tp_dim} of {self.shape}"
+        )
 
     @property
     def bytes_per_entry(self) -> int:

@@ -28,7 +28,7 @@ from torch import nn
 from transformers import DeepseekV4Config
 from transformers.activations import ACT2FN
 
-from executor.types_.kv_cache_spec import AttentionKind, KVCacheSpec, KVTensorSpec
+from executor.types_.kv_cache_spec import AttentionKind, KVCacheSpec, KVTensorSpec, TPSplit
 from executor.types_.quant_scheme import KVCacheScheme
 from models.deepseek_v3.model import DeepseekV3ForCausalLM, ShardKey
 from module.attention import KVCacheLayer
@@ -109,8 +109,9 @@ class DeepseekV4Attention(KVCacheLayer):
 
     def kv_cache_spec(self) -> KVCacheSpec:
         """`kv` per token; a compressed layer adds its compressors' projections and entries and keeps
-        everything for the whole sequence (full), a sliding-only layer keeps its window."""
-        tensors = [KVTensorSpec("kv", (self.head_dim,), self.cache_dtype)]
+        everything for the whole sequence (full), a sliding-only layer keeps its window. All of it
+        whole on every attention TP rank: the attention's projections are not split (SINGLE)."""
+        tensors = [KVTensorSpec("kv", (self.head_dim,), self.cache_dtype, tp_split=TPSplit.WHOLE)]
         for compressor in (self.compressor, self.indexer and self.indexer.compressor):
             if compressor is not None:
                 tensors += compressor.spec_tensors(self.cache_dtype)

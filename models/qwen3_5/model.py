@@ -40,7 +40,7 @@ from models.llama.model import LlamaModel, head_dim_of
 from models.qwen3.model import Qwen3Attention, Qwen3DecoderLayer, Qwen3ForCausalLM
 from module.gated_delta_net import GatedDeltaNet
 from module.linear import QKVParallelLinear
-from module.parallel_group import ModelParallel
+from module.parallel_group import SINGLE, ModelParallel, ParallelGroup
 from module.rotary import RotaryEmbedding
 from ops.attention.metadata import ForwardMetaData
 from ops.backend import Backend
@@ -107,7 +107,10 @@ class Qwen3_5Attention(Qwen3Attention):
 
 
 def build_gated_delta_net(
-    config: PretrainedConfig, backend: Backend, layer_cls: type[GatedDeltaNet] = GatedDeltaNet
+    config: PretrainedConfig,
+    backend: Backend,
+    layer_cls: type[GatedDeltaNet] = GatedDeltaNet,
+    tp: ParallelGroup = SINGLE,
 ) -> GatedDeltaNet:
     return layer_cls(
         config.hidden_size,
@@ -118,6 +121,7 @@ def build_gated_delta_net(
         config.linear_conv_kernel_dim,
         config.rms_norm_eps,
         config.hidden_act,
+        tp,
         backend=backend,
     )
 
@@ -132,12 +136,7 @@ class Qwen3_5DecoderLayer(Qwen3DecoderLayer):
         """`linear_attn` (Gated DeltaNet) in linear_attention layers, gated `self_attn` in the others."""
         self.is_linear = config.layer_types[layer_index] == LINEAR_ATTENTION
         if self.is_linear:
-            if parallel.attn_tp.size > 1:
-                raise NotImplementedError(
-                    f"Gated DeltaNet layers are not split over attention TP ranks (attn_tp_size "
-                    f"{parallel.attn_tp.size}); run Qwen3.5 with attn_tp_size 1"
-                )
-            self.linear_attn = build_gated_delta_net(config, backend, self.linear_attention_cls)
+            self.linear_attn = build_gated_delta_net(config, backend, self.linear_attention_cls, parallel.attn_tp)
         else:
             super().build_token_mixer(config, layer_index, parallel, backend)
 

@@ -27,9 +27,11 @@ from ops.linear_method import LinearMethod
 
 class Qwen3NextGatedDeltaNet(GatedDeltaNet):
     def build_projections(self, hidden_size: int, method: LinearMethod) -> None:
-        """The fused projections, grouped by key head."""
-        self.in_proj_qkvz = ColumnParallelLinear(hidden_size, self.conv_dim + self.value_dim, linear_method=method)
-        self.in_proj_ba = ColumnParallelLinear(hidden_size, 2 * self.num_v_heads, linear_method=method)
+        """The fused projections, grouped by key head: a TP rank's run of key heads is a run of rows."""
+        tp, ranks = self.tp, self.tp.size
+        qkvz_rows = ranks * (self.conv_dim + self.value_dim)
+        self.in_proj_qkvz = ColumnParallelLinear(hidden_size, qkvz_rows, tp=tp, linear_method=method)
+        self.in_proj_ba = ColumnParallelLinear(hidden_size, ranks * 2 * self.num_v_heads, tp=tp, linear_method=method)
 
     def project(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         num_tokens = hidden_states.shape[0]

@@ -165,6 +165,10 @@ def model_fit_problems(layout: ParallelLayout, hf_config: Any) -> list[str]:
             {getattr(layer, "num_key_value_heads", None) or layer.num_attention_heads for layer in layers}
         ):
             splits.append(("attn_tp_size", layout.attn_tp_size, "num_key_value_heads", kv_heads))
+    # linear attention's heads (Gated DeltaNet's key and value heads, KDA's), split as attention's
+    for linear_key in ("linear_num_key_heads", "linear_num_value_heads", "linear_num_heads"):
+        if getattr(hf_config, linear_key, None):
+            splits.append(("attn_tp_size", layout.attn_tp_size, linear_key, getattr(hf_config, linear_key)))
     num_experts = num_experts_of(hf_config)
     if num_experts:
         moe_intermediate = getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size

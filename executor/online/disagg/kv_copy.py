@@ -11,21 +11,23 @@ may differ (the receiver takes as many entries as its rows hold).
 
 `assemble` joins the buffers a prefill instance's attention TP ranks sent for one request into the
 buffer one rank holding every head would have sent: each part split by heads is concatenated along
-its heads in rank order, a part every rank holds whole is taken from the first (docs/distributed.md).
+its heads in rank order, a part split in runs (a conv state's q, k and v channels) run by run, each
+run's shares in rank order, and a part every rank holds whole is taken from the first
+(docs/distributed.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 
 from executor.core.model_worker import ModelWorker
-from executor.types_.kv_cache_spec import TPSplit
+from executor.types_.kv_cache_spec import KVTensorSpec, TPSplit
 
 
-@dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class PartMeta:
     """One cache tensor's selected rows in a gathered buffer."""
 
@@ -35,6 +37,8 @@ class PartMeta:
     shape: tuple[int, ...]  # [blocks, entries, *entry] or [state slots, *entry]
     tp_split: str = TPSplit.OTHER.value  # how the sender's attention TP split it (TPSplit)
     row_dims: int = 2  # the leading dims that index rows: 2 for blocks and entries, 1 for state slots
+    tp_dim: int = 0  # a SEGMENTS split's entry axis (KVTensorSpec.tp_dim)
+    tp_segments: tuple[int, ...] = ()  # a SEGMENTS split's run sizes along it, on the sender's rank
 
     @property
     def nbytes(self) -> int:
@@ -44,12 +48,12 @@ class PartMeta:
         return count * getattr(torch, self.dtype).itemsize
 
 
-@dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class _CacheTensor:
     key: str
     group_id: int
     recurrent: bool
-    tp_split: TPSplit
+    spec: KVTensorSpec
     tensor: torch.Tensor  # [num_blocks, entries per block, *shape] or [num_state_slots, *shape]
 
 
@@ -63,7 +67,7 @@ class KVCopier:
                 caches = self.worker.kv_cache_layers[layer_name].kv_caches()
                 for spec in group.spec.tensors:
                     key = f"{layer_name}.{spec.name}"
-                    yield _CacheTensor(key, group_id, group.spec.is_recurrent, spec.tp_split, caches[spec.name])
+                    yield _CacheTensor(key, group_id, group.spec.is_recurrent, spec, caches[spec.name])
 
     @torch.inference_mode()
     def gather(self, rows: list[list[int]]) -> tuple[list[PartMeta], torch.Tensor]:
@@ -76,7 +80,19 @@ class KVCopier:
             part = cache.tensor.index_select(0, index).contiguous()
             dtype = str(part.dtype).removeprefix("torch.")
             row_dims = 1 if cache.recurrent else 2
-            metas.append(PartMeta(cache.key, cache.group_id, dtype, tuple(part.shape), cache.tp_split.value, row_dims))
+            spec = cache.spec
+            metas.append(
+                PartMeta(
+                    cache.key,
+                    cache.group_id,
+                    dtype,
+                    tuple(part.shape),
+                    spec.tp_split.value,
+                    row_dims,
+                    spec.tp_dim,
+                    spec.tp_segments,
+                )
+            )
             parts.append(part.view(torch.uint8).reshape(-1))
         if not parts:
             return metas, torch.empty(0, dtype=torch.uint8)
@@ -105,32 +121,37 @@ class KVCopier:
 def assemble(shards: list[tuple[list[PartMeta], torch.Tensor]]) -> tuple[list[PartMeta], torch.Tensor]:
     """One request's KV as one rank holding every head would have gathered it, from the buffers of
     a prefill instance's attention TP ranks (`shards[r]`: rank r's descriptions and buffer). A part
-    split by heads is joined along its heads in rank order, a whole one taken from rank 0; ValueError,
-    naming the tensor, for a part split another way or shards that do not describe the same parts."""
+    split by heads is joined along its heads in rank order, one split in runs run by run (each run's
+    shares in rank order), a whole one taken from rank 0; ValueError, naming the tensor, for a part
+    split another way or shards that do not describe the same parts."""
     if len(shards) == 1:
         return shards[0]
     first_metas = shards[0][0]
-    described = [(meta.key, meta.dtype, meta.tp_split) for meta in first_metas]
+    described = [(meta.key, meta.dtype, meta.tp_split, meta.tp_dim, meta.tp_segments) for meta in first_metas]
     for rank, (metas, _) in enumerate(shards):
-        if [(meta.key, meta.dtype, meta.tp_split) for meta in metas] != described:
+        if [(meta.key, meta.dtype, meta.tp_split, meta.tp_dim, meta.tp_segments) for meta in metas] != described:
             raise ValueError(f"prefill rank {rank} sent other KV cache tensors than rank 0")
     views = [_split_parts(metas, buffer) for metas, buffer in shards]
     joined_metas: list[PartMeta] = []
     joined: list[torch.Tensor] = []
     for index, meta in enumerate(first_metas):
         rank_parts = [parts[index] for parts in views]
+        segments = meta.tp_segments
         if meta.tp_split == TPSplit.WHOLE.value:
             part = rank_parts[0]
         elif meta.tp_split == TPSplit.HEADS.value:
             part = torch.cat(rank_parts, dim=meta.row_dims)
+        elif meta.tp_split == TPSplit.SEGMENTS.value:
+            dim = meta.row_dims + meta.tp_dim
+            per_run = zip(*(rank_part.split(segments, dim=dim) for rank_part in rank_parts), strict=True)
+            part = torch.cat([torch.cat(shares, dim) for shares in per_run], dim)  # run by run, each in rank order
+            segments = tuple(size * len(shards) for size in segments)
         else:
             raise ValueError(
                 f"KV cache tensor {meta.key} is split over the prefill instance's {len(shards)} attention TP ranks "
-                "in a way not joined here (only heads and whole tensors are): run its prefill at attn_tp_size 1"
+                "in a way not joined here (only heads, runs and whole tensors are): run its prefill at attn_tp_size 1"
             )
-        joined_metas.append(
-            PartMeta(meta.key, meta.group_id, meta.dtype, tuple(part.shape), meta.tp_split, meta.row_dims)
-        )
+        joined_metas.append(dataclasses.replace(meta, shape=tuple(part.shape), tp_segments=segments))
         joined.append(part.contiguous().view(torch.uint8).reshape(-1))
     return joined_metas, torch.cat(joined) if joined else torch.empty(0, dtype=torch.uint8)
 

@@ -161,7 +161,7 @@ class DisaggEngineLoop(EngineLoop):
                     raise ConfigError(
                         f"disagg_config.disaggregation_mode PREFILL in {self.engine.config.source}: at attn_tp_size "
                         f"{self.comm.layout.attn_tp_size} the KV cache tensor {spec.name!r} (layers {layers}) is "
-                        "split over the ranks in a way a decode instance does not join (only heads and whole "
+                        "split over the ranks in a way a decode instance does not join (only heads, runs and whole "
                         "tensors are); run the prefill at attn_tp_size 1"
                     )
 
