@@ -168,6 +168,7 @@ def test_expert_parallel_2_gives_one_process_tokens(family, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 75 s for both; Gated DeltaNet at TP 2 stays in CI through the PD test of a TP-2 prefill
 @pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_next"])
 def test_gated_deltanet_at_attention_tp_2_gives_one_process_tokens(family, tmp_path):
     """Gated DeltaNet split over attention TP (each rank a run of key heads and the value heads they

@@ -438,6 +438,7 @@ def test_an_mla_prefill_at_tp_2_feeds_a_one_rank_decode_instance_as_offline(tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 45 s; the recurrent join stays in CI through Gated DeltaNet's (and the fast KDA join test)
 def test_a_recurrent_prefill_at_tp_2_feeds_a_one_rank_decode_instance_as_offline(tmp_path):
     """Kimi-Linear: its KDA layers' conv states (q, k and v runs) and recurrent states (heads), and
     its MLA layer's latent, split over the prefill ranks, joined at the decode rank: decoded as offline."""
