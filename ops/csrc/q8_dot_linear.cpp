@@ -262,6 +262,52 @@ void panel_all_rows(const Panels& w, int64_t p, const Q8Row* rows, int64_t count
   }
 }
 
+// --- dequantizing a panel (prefill's rows past the few-row limit multiply the dense weight) ---
+
+// Panel p's columns as dense fp32 rows [columns, K] at `target`: fma(code, scale, offset) each.
+void dequantize_panel_scalar(const Panels& w, int64_t p, float* target, int64_t columns) {
+  const uint8_t* panel = w.codes + p * w.panel_bytes();
+  for (int64_t j = 0; j < columns; ++j)
+    for (int64_t kk = 0; kk < w.k; ++kk) {
+      const int64_t at = (p * w.groups() + kk / w.group) * kColumns + j;
+      target[j * w.k + kk] = std::fma(static_cast<float>(code_at(panel, kk, j, w.bits)), w.scale_at(at), w.offset_at(at));
+    }
+}
+
+// The same values eight at a time: a column's four bytes of a 4-bit chunk hold its values 8j..8j+7
+// (low nibbles, then high), two 8-bit chunks' four bytes its values 4j..4j+7.
+__attribute__((target("avx2,fma,f16c"))) void dequantize_panel_avx2(const Panels& w, int64_t p, float* target,
+                                                                     int64_t columns) {
+  const uint8_t* panel = w.codes + p * w.panel_bytes();
+  const int64_t blocks = w.k / kBlock, per_group = w.group / kBlock, block_bytes = kBlock * kColumns * w.bits / 8;
+  const __m128i low_mask = _mm_set1_epi8(0x0F);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = panel + b * block_bytes;
+    for (int64_t j = 0; j < columns; ++j) {
+      const int64_t at = (p * w.groups() + b / per_group) * kColumns + j;
+      const __m256 scale = _mm256_set1_ps(w.scale_at(at)), offset = _mm256_set1_ps(w.offset_at(at));
+      float* out = target + j * w.k + b * kBlock;
+      for (int64_t eight = 0; eight < 4; ++eight) {
+        __m256i codes;
+        if (w.bits == 4) {
+          int32_t quad;
+          std::memcpy(&quad, block + eight * 32 + 4 * j, sizeof(quad));
+          const __m128i bytes = _mm_cvtsi32_si128(quad);
+          const __m128i nibbles = _mm_unpacklo_epi32(_mm_and_si128(bytes, low_mask),
+                                                     _mm_and_si128(_mm_srli_epi16(bytes, 4), low_mask));
+          codes = _mm256_cvtepu8_epi32(nibbles);
+        } else {
+          int32_t quads[2];
+          std::memcpy(&quads[0], block + 2 * eight * 32 + 4 * j, sizeof(int32_t));
+          std::memcpy(&quads[1], block + (2 * eight + 1) * 32 + 4 * j, sizeof(int32_t));
+          codes = _mm256_cvtepi8_epi32(_mm_set_epi32(0, 0, quads[1], quads[0]));
+        }
+        _mm256_storeu_ps(out + 8 * eight, _mm256_fmadd_ps(_mm256_cvtepi32_ps(codes), scale, offset));
+      }
+    }
+  }
+}
+
 void check_layout(const torch::Tensor& packed, const torch::Tensor& scales, const c10::optional<torch::Tensor>& offsets,
                   int64_t k, int64_t bits, int64_t out_features) {
   TORCH_CHECK(bits == 4 || bits == 8, "q8_dot: 4- or 8-bit codes, got ", bits);
@@ -403,15 +449,14 @@ torch::Tensor q8_dot_dequantize(torch::Tensor packed, torch::Tensor scales, torc
   auto dense = torch::empty({out_features, k}, scales.options().dtype(torch::kFloat32));
   const q8_dot::Panels w = q8_dot::panels_of(packed, scales, offset_values, k, bits);
   float* target = dense.data_ptr<float>();
-  at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      const int64_t p = n / q8_dot::kColumns, j = n % q8_dot::kColumns;
-      const uint8_t* panel = w.codes + p * w.panel_bytes();
-      for (int64_t kk = 0; kk < k; ++kk) {
-        const int64_t at = (p * w.groups() + kk / w.group) * q8_dot::kColumns + j;
-        target[n * k + kk] =
-            std::fma(static_cast<float>(q8_dot::code_at(panel, kk, j, bits)), w.scale_at(at), w.offset_at(at));
-      }
+  const bool avx2 = q8_dot::has_avx2();
+  at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t columns = std::min(q8_dot::kColumns, out_features - p * q8_dot::kColumns);
+      if (avx2)
+        q8_dot::dequantize_panel_avx2(w, p, target + p * q8_dot::kColumns * k, columns);
+      else
+        q8_dot::dequantize_panel_scalar(w, p, target + p * q8_dot::kColumns * k, columns);
     }
   });
   return dense;
