@@ -5,9 +5,15 @@ streams the weights when they come cold from memory, as in a real step (a loop o
 The kernels: MKL on the plain weight (`F.linear`, eager with prepack_weights off), MKL's packed GEMM
 (`mkl::_mkl_linear`, what inductor's freezing and autotuning keep in a graph at 2 to 32 rows),
 oneDNN's blocked layout, and this project's panels (ops/csrc/packed_linear.cpp, the CPU's widest).
-Prints JSON: the best ms of --repeats passes over the weights, and GB/s of weights, per row count and kernel.
+With `--quantized`, the same weights rounded as a GGUF holds them (4-bit codes with an fp16 scale and
+minimum per 32 values, the LM head 8-bit with an fp16 scale per 32) through the few-row kernels
+with fp32 rows (wna16_linear.cpp) and with int8 rows (q8_dot_linear.cpp), and rounded to int8 per
+channel through W8A8's AVX2 matmul (int16_madd_mm.cpp, its input int8 already).
+Prints JSON: the best ms of --repeats passes over the weights, and GB/s of the bytes each kernel
+reads, per row count and kernel.
 
     python benchmarks/bench_linear_rows.py --rows 1 2 4 8 16 32
+    python benchmarks/bench_linear_rows.py --rows 1 32 --quantized
 """
 
 from __future__ import annotations
@@ -70,11 +76,58 @@ def kernels(weights: list[torch.Tensor], rows: int) -> dict[str, Callable[[torch
     return found
 
 
+def gguf_like(weight: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(unsigned codes [N, K], fp16-exact scales and offsets [N, K / 32]) as a GGUF rounds `weight`:
+    4-bit with a minimum per 32 values (Q4_1), 8-bit symmetric (Q8_0, as codes + 128)."""
+    blocks = weight.reshape(weight.shape[0], -1, 32)
+    if bits == 4:
+        low, high = blocks.amin(-1), blocks.amax(-1)
+        scale = ((high - low) / 15).clamp(min=1e-8).half().float()
+        offset = low.half().float()
+        codes = ((blocks - offset[..., None]) / scale[..., None]).round().clamp(0, 15)
+    else:
+        scale = (blocks.abs().amax(-1) / 127).clamp(min=1e-8).half().float()
+        offset = -128 * scale
+        codes = (blocks / scale[..., None]).round().clamp(-127, 127) + 128
+    return codes.reshape(weight.shape).to(torch.uint8), scale, offset
+
+
+def quantized_kernels(
+    weights: list[torch.Tensor],
+) -> dict[str, tuple[Callable[[torch.Tensor, int], torch.Tensor], int]]:
+    """Per quantized kernel, a function of (x, weight index) and the bytes one pass reads."""
+    ops = cpu_kernels.extension()
+    coded = [gguf_like(w, 8 if i == len(weights) - 1 else 4) for i, w in enumerate(weights)]
+    bits = [8 if i == len(weights) - 1 else 4 for i in range(len(weights))]
+    wna16 = [ops.pack_wna16_weight(*c, b) for c, b in zip(coded, bits, strict=True)]
+    q8 = [ops.pack_q8_dot_weight(*c, b) for c, b in zip(coded, bits, strict=True)]
+    int8 = [
+        ops.pack_int16_madd_weight((w / (w.abs().amax(1, keepdim=True) / 127)).round().to(torch.int8)) for w in weights
+    ]
+    found = {
+        "gguf_fp32_rows": (
+            lambda x, i: ops.wna16_linear(x, *wna16[i], None, bits[i], weights[i].shape[0]),
+            sum(t.numel() * t.element_size() for packed in wna16 for t in packed),
+        ),
+        "gguf_int8_rows": (
+            lambda x, i: ops.q8_dot_linear(x, *q8[i], None, bits[i], weights[i].shape[0]),
+            sum(t.numel() * t.element_size() for packed in q8 for t in packed),
+        ),
+    }
+    if "avx2" in cpu_kernels.cpu_flags():
+        found["w8a8_int16_madd"] = (
+            lambda x, i: ops.int16_madd_mm(x, int8[i], weights[i].shape[0]),
+            sum(t.numel() * t.element_size() for t in int8),
+        )
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-path", type=Path, default=None, help="default: the default model")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--quantized", action="store_true", help="the quantized few-row and int8 kernels too")
     args = parser.parse_args()
     weights = step_weights(args.model_path or Path(default_model_path()))
     gigabytes = sum(w.numel() * w.element_size() for w in weights) / 1e9
@@ -82,10 +135,15 @@ def main() -> None:
     for rows in args.rows:
         inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
         figures = {}
-        for name, kernel in kernels(weights, rows).items():
-            one_pass = functools.partial(every_weight, kernel, inputs, weights)
+        timed = {name: (kernel, gigabytes * 1e9) for name, kernel in kernels(weights, rows).items()}
+        if args.quantized:
+            timed |= quantized_kernels(weights)
+        int8_inputs = {k: (x * 20).round().clamp(-127, 127).to(torch.int8) for k, x in inputs.items()}
+        for name, (kernel, kernel_bytes) in timed.items():
+            given = int8_inputs if name.startswith("w8a8") else inputs
+            one_pass = functools.partial(every_weight, kernel, given, weights)
             seconds = best_seconds(one_pass, args.repeats)
-            figures[name] = {"ms": round(seconds * 1e3, 2), "gb_per_s": round(gigabytes / seconds, 1)}
+            figures[name] = {"ms": round(seconds * 1e3, 2), "gb_per_s": round(kernel_bytes / 1e9 / seconds, 1)}
         report["by_rows"][rows] = figures
         print(rows, json.dumps(figures), flush=True)
     print(json.dumps(report, indent=2))
