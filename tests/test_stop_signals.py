@@ -33,3 +33,14 @@ def test_a_settled_run_takes_torchruns_sigterm_as_a_request_up_to_its_end():
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop.stop_requested.is_set() and stop.signum == signal.SIGTERM
     assert signal.getsignal(signal.SIGTERM) is before  # the handler it replaced is back
+
+
+def test_a_run_stopping_on_ctrl_c_takes_torchruns_forward_of_it_quietly():
+    # a rank that got the terminal's SIGINT and is stopping: torchrun's forward of the same Ctrl-C is a
+    # second signal, which must not raise in the rank's last words
+    with StopSignals() as stop:
+        with stop.deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+        stop.settle()
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.signum == signal.SIGINT

@@ -236,6 +236,7 @@ def run(args: argparse.Namespace, stop: StopSignals) -> int:
             return 0
         summary = writer.finish("complete")
     except RunInterrupted as exc:
+        stop.settle()  # torchrun forwards the terminal's SIGINT the rank got already: no second stop
         _finish_quietly(writer, "interrupted")
         name = signal.Signals(exc.signum).name
         print(

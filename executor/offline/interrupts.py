@@ -65,9 +65,10 @@ class StopSignals:
             self._deferred = False
 
     def settle(self) -> None:
-        """The run's outcome is decided (its folder written, its exit status known): from here to the
-        process's end the first signal only sets `stop_requested`, so that torchrun's SIGTERM to a rank
-        already stopping because another was lost adds no traceback to the rank's one-line error."""
+        """The run's outcome is decided (it is stopping, its exit status known): from here to the
+        process's end a signal only sets `stop_requested`, so that torchrun's SIGTERM to a rank already
+        stopping because another was lost, or its forward of the terminal's Ctrl-C that the rank got
+        already, adds no traceback to the rank's one line."""
         self._settled = True
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
@@ -75,7 +76,7 @@ class StopSignals:
         if first:
             self.signum = signum
             self.stop_requested.set()
-        if first and self._settled:
+        if self._settled:
             return
         if first and self._deferred:
             logger.warning(
