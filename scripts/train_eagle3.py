@@ -1,22 +1,26 @@
 """Train an EAGLE-3 drafter (models/llama/eagle3.py) for a Llama model on its own greedy outputs, on CPU.
 
     PYTHONPATH=. .venv/bin/python scripts/train_eagle3.py [--model DIR] [--prompts FILE ...] [--steps N]
-        [--draft-vocab N] [--output DIR]
+        [--depth K] [--draft-vocab N] [--output DIR]
 
 1. transformers generates the model's greedy continuations of the prompts (as scripts/train_mtp_head.py
    does: fp32, chat template); one more forward per sequence keeps the residual stream at the three
    layers the drafter reads (vLLM's default: the inputs of layers 2, L // 2 and L - 3).
 2. The draft vocabulary is the `--draft-vocab` tokens most frequent in those sequences (d2t maps
    them back; EAGLE-3's reduced vocabulary, which makes each draft's LM head that much cheaper).
-3. The drafter learns, at each row j, the target's next-token distribution after t_{j+1} (restricted
-   to the draft vocabulary) from (fc(the three hidden states at j), t_{j+1}): the first draft of a
-   step. Its decoder layer starts as a copy of the target's last one (q/k/v read the embedding half
-   and the hidden half alike), fc as the high layer alone, its LM head as the target's rows. Only
-   this one-step objective is trained (EAGLE-3's training-time test, which unrolls the chain, is not).
-4. Held-out sequences give the top-1 accuracy of draft 1 (the expected greedy accept rate at
-   position 1). The output folder is in the layout vLLM's eagle3 method loads: config.json
-   (architectures [LlamaForCausalLMEagle3], draft_vocab_size), model.safetensors (midlayer.*, fc,
-   norm, lm_head, d2t, t2d) and eagle3_training.json with the figures.
+3. The drafter learns with EAGLE-3's training-time test: each sequence is unrolled `--depth` steps
+   of the chain the proposer drafts with. Step 0, row j reads (fc(the three hidden states at j),
+   t_{j+1}); step s, row j reads the hidden state step s - 1 gave at row j and t_{j+1+s} at position
+   j + s, attending to step 0's rows up to j and its own chain's earlier steps; each learns the
+   target's next-token distribution after its token (restricted to the draft vocabulary), step s's
+   loss weighted 0.8^s. The decoder layer starts as a copy of the target's last one (q/k/v read the
+   embedding half and the hidden half alike), fc as the high layer alone, its LM head as the
+   target's rows.
+4. Held-out sequences give the expected greedy accept rate at each draft position (the share of
+   chains whose drafts 1..s are all the model's tokens, as summary.json counts it). The output
+   folder is in the layout vLLM's eagle3 method loads: config.json (architectures
+   [LlamaForCausalLMEagle3], draft_vocab_size), model.safetensors (midlayer.*, fc, norm, lm_head,
+   d2t, t2d) and eagle3_training.json with the figures.
 """
 
 from __future__ import annotations
