@@ -25,13 +25,12 @@ from executor.core.config import ConfigError, InferenceConfig
 from executor.core.config.model_registry import resolve_eagle3_drafter
 from executor.core.model_worker.graph_runner import GraphRunner
 from executor.core.spec_decode.mtp import MTPProposer
-from executor.core.spec_decode.mtp_graphs import RunnerFactory
+from executor.core.spec_decode.mtp_graphs import MTPStep, RunnerFactory
 from executor.core.spec_decode.proposer import ProposalContext
 from executor.model_loader.default_loader import safetensors_weights
-from executor.platform.graph_compilers import GraphOutput
 from module.causal_lm import CausalLM
 from module.parallel_group import ONE_PROCESS, ModelParallel
-from ops.attention.metadata import ForwardMetaData, ModelInputs
+from ops.attention.metadata import ModelInputs
 from ops.backend import Backend
 
 
@@ -164,23 +163,16 @@ class Eagle3Proposer(MTPProposer):
         return [make_runner(step, 1 + self.num_speculative_tokens, ((hidden_size, dtype),), "eagle3-")]
 
 
-class Eagle3Step(nn.Module):
-    """What a drafter bucket's graph holds: the embedding of the step's tokens, the drafter's layer over
-    them and the previous hidden states, and its LM head over every row (over the draft vocabulary;
-    a padding row's logits are never read)."""
+class Eagle3Step(MTPStep):
+    """What a drafter bucket's graph holds: MTPStep's, with the embedding of the step's tokens and the
+    drafter's layer as the pass, its LM head over the draft vocabulary as the logits."""
 
     def __init__(self, drafter: nn.Module, embedding: nn.Module) -> None:
-        super().__init__()
-        self.drafter = drafter
+        super().__init__(drafter, 0)
         self.embedding = embedding
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        previous_hidden_states: torch.Tensor,
-        forward_metadata: ForwardMetaData,
-    ) -> GraphOutput:
-        hidden_states = self.drafter(self.embedding(input_ids), positions, previous_hidden_states, forward_metadata)
-        rows = torch.arange(hidden_states.shape[0], device=hidden_states.device)
-        return hidden_states, self.drafter.compute_logits(hidden_states, rows)
+    def draft_forward(self, input_ids: torch.Tensor, *inputs: Any) -> torch.Tensor:
+        return self.model(self.embedding(input_ids), *inputs)
+
+    def draft_logits(self, hidden_states: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden_states, rows)
