@@ -1,22 +1,26 @@
 """Train an EAGLE-3 drafter (models/llama/eagle3.py) for a Llama model on its own greedy outputs, on CPU.
 
     PYTHONPATH=. .venv/bin/python scripts/train_eagle3.py [--model DIR] [--prompts FILE ...] [--steps N]
-        [--draft-vocab N] [--output DIR]
+        [--depth K] [--draft-vocab N] [--output DIR]
 
 1. transformers generates the model's greedy continuations of the prompts (as scripts/train_mtp_head.py
    does: fp32, chat template); one more forward per sequence keeps the residual stream at the three
    layers the drafter reads (vLLM's default: the inputs of layers 2, L // 2 and L - 3).
 2. The draft vocabulary is the `--draft-vocab` tokens most frequent in those sequences (d2t maps
    them back; EAGLE-3's reduced vocabulary, which makes each draft's LM head that much cheaper).
-3. The drafter learns, at each row j, the target's next-token distribution after t_{j+1} (restricted
-   to the draft vocabulary) from (fc(the three hidden states at j), t_{j+1}): the first draft of a
-   step. Its decoder layer starts as a copy of the target's last one (q/k/v read the embedding half
-   and the hidden half alike), fc as the high layer alone, its LM head as the target's rows. Only
-   this one-step objective is trained (EAGLE-3's training-time test, which unrolls the chain, is not).
-4. Held-out sequences give the top-1 accuracy of draft 1 (the expected greedy accept rate at
-   position 1). The output folder is in the layout vLLM's eagle3 method loads: config.json
-   (architectures [LlamaForCausalLMEagle3], draft_vocab_size), model.safetensors (midlayer.*, fc,
-   norm, lm_head, d2t, t2d) and eagle3_training.json with the figures.
+3. The drafter learns with EAGLE-3's training-time test: each sequence is unrolled `--depth` steps
+   of the chain the proposer drafts with. Step 0, row j reads (fc(the three hidden states at j),
+   t_{j+1}); step s, row j reads the hidden state step s - 1 gave at row j and t_{j+1+s} at position
+   j + s, attending to step 0's rows up to j and its own chain's earlier steps; each learns the
+   target's next-token distribution after its token (restricted to the draft vocabulary), step s's
+   loss weighted 0.8^s. The decoder layer starts as a copy of the target's last one (q/k/v read the
+   embedding half and the hidden half alike), fc as the high layer alone, its LM head as the
+   target's rows.
+4. Held-out sequences give the expected greedy accept rate at each draft position (the share of
+   chains whose drafts 1..s are all the model's tokens, as summary.json counts it). The output
+   folder is in the layout vLLM's eagle3 method loads: config.json (architectures
+   [LlamaForCausalLMEagle3], draft_vocab_size), model.safetensors (midlayer.*, fc, norm, lm_head,
+   d2t, t2d) and eagle3_training.json with the figures.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from safetensors.torch import save_file
 from torch import nn
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
-from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, rotate_half
 
 from executor.model_loader.default_model import default_model_path
 from executor.offline.dataset import DatasetError
@@ -81,21 +85,57 @@ class TrainableEagle3(nn.Module):
             self.lm_head.weight.copy_(model.lm_head.weight[draft_token_ids])
         self.register_buffer("draft_token_ids", draft_token_ids)
 
-    def forward(self, model: nn.Module, token_ids: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
-        """Rows j = 0 .. L-2 (t_{j+1}, fc(aux_j), position j) of one sequence, causal -> logits over
-        the draft vocabulary."""
+    def forward(self, model: nn.Module, token_ids: torch.Tensor, aux: torch.Tensor, depth: int) -> list[torch.Tensor]:
+        """EAGLE-3's training-time test over one sequence, unrolled `depth` steps: step 0 row j (j = 0 ..
+        L-2) reads t_{j+1} and fc(aux_j) at position j; step s row j is draft s + 1 of the chain that
+        starts after row j, as the proposer runs it: t_{j+1+s} at position j + s, the hidden state step
+        s - 1 gave at row j, attending to step 0's rows 0..j and to its own chain's rows of steps 1..s.
+        -> per step, logits [L-1, draft vocab] (rows past the sequence's end read its last token)."""
         layer = self.midlayer
-        hidden = self.fc(aux)[None]
-        embeds = model.model.embed_tokens(token_ids[1:])[None]
-        positions = torch.arange(hidden.shape[1])[None]
-        mixed = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
-        length = hidden.shape[1]
-        causal = torch.full((length, length), float("-inf")).triu(1)[None, None]  # explicit: eager attention too
-        rotary = model.model.rotary_emb(hidden, positions)
-        attention, _ = layer.self_attn(mixed, position_embeddings=rotary, attention_mask=causal)
-        residual = hidden + attention
-        output = layer.mlp(layer.post_attention_layernorm(residual)) + residual
-        return self.lm_head(self.norm(output))[0]
+        rows = torch.arange(aux.shape[0])
+        hidden = self.fc(aux)
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        logits = []
+        for step in range(depth):
+            embeds = model.model.embed_tokens(token_ids[(rows + 1 + step).clamp(max=len(token_ids) - 1)])
+            mixed = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
+            cos, sin = model.model.rotary_emb(hidden[None], (rows + step)[None])
+            query, key, value = self._project(mixed, cos, sin)
+            keys.append(key)
+            values.append(value)
+            residual = hidden + layer.self_attn.o_proj(self._attend(query, keys, values))
+            hidden = layer.mlp(layer.post_attention_layernorm(residual)) + residual
+            logits.append(self.lm_head(self.norm(hidden)))
+        return logits
+
+    def _project(
+        self, mixed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[N, 2 x hidden] -> roped q [heads, N, D], roped k and v [kv heads, N, D]."""
+        attention = self.midlayer.self_attn
+        query, key, value = (
+            projection(mixed).view(mixed.shape[0], -1, attention.head_dim).transpose(0, 1)
+            for projection in (attention.q_proj, attention.k_proj, attention.v_proj)
+        )
+        return query * cos + rotate_half(query) * sin, key * cos + rotate_half(key) * sin, value
+
+    def _attend(self, query: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+        """Row j of the latest step over step 0's rows 0..j (causal) and row j of every later step
+        (its chain's own earlier drafts) -> [N, heads x D]."""
+        groups = query.shape[0] // keys[0].shape[0]
+        keys = [key.repeat_interleave(groups, dim=0) for key in keys]
+        values = [value.repeat_interleave(groups, dim=0) for value in values]
+        scale = self.midlayer.self_attn.scaling
+        num_rows = query.shape[1]
+        causal = torch.full((num_rows, num_rows), float("-inf")).triu(1)
+        scores = [query @ keys[0].transpose(1, 2) * scale + causal]
+        scores += [(query * key).sum(-1, keepdim=True) * scale for key in keys[1:]]
+        probs = torch.cat(scores, dim=-1).softmax(-1)
+        output = probs[..., :num_rows] @ values[0]
+        for index, value in enumerate(values[1:]):
+            output = output + probs[..., num_rows + index, None] * value
+        return output.transpose(0, 1).flatten(1)
 
     def checkpoint_tensors(self, vocab_size: int) -> dict[str, torch.Tensor]:
         """vLLM's eagle3 names: midlayer.*, fc, norm, lm_head, d2t (offsets), t2d (a mask over the target vocab)."""
@@ -123,10 +163,11 @@ def draft_vocabulary(sequences: list[Sequence], size: int, vocab_size: int) -> t
     return torch.tensor(sorted(ranked[:size]))
 
 
-def targets(model: nn.Module, sequence: Sequence, draft_token_ids: torch.Tensor) -> torch.Tensor:
-    """Row j's target: the model's distribution after t_{j+1} over the draft vocabulary, renormalised."""
+def targets(model: nn.Module, sequence: Sequence, draft_token_ids: torch.Tensor, step: int) -> torch.Tensor:
+    """Step s, row j's target: the model's distribution after t_{j+1+s} over the draft vocabulary,
+    renormalised (rows j = 0 .. L-3-s)."""
     with torch.no_grad():
-        logits = model.lm_head(sequence.hidden_states[1:])[:, draft_token_ids]
+        logits = model.lm_head(sequence.hidden_states[1 + step :])[:, draft_token_ids]
     return logits.softmax(-1)
 
 
@@ -134,20 +175,22 @@ def train(
     model: nn.Module,
     drafter: TrainableEagle3,
     data: list[tuple[Sequence, torch.Tensor]],
-    steps: int,
-    lr: float,
-    seed: int,
+    args: argparse.Namespace,
 ) -> None:
-    """AdamW, linear warm-up then cosine decay; each step one sequence in one causal pass; soft targets."""
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=lr, weight_decay=0.0)
-    schedule = warmup_cosine(optimizer, steps)
-    order = random.Random(seed)
+    """AdamW, linear warm-up then cosine decay; each optimizer step one sequence unrolled args.depth
+    steps, soft targets, step s's loss weighted 0.8^s (SpecForge's weights)."""
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=0.0)
+    schedule = warmup_cosine(optimizer, args.steps)
+    order = random.Random(args.seed)
     drafter.train()
-    with tqdm(range(steps), desc="train", unit="step") as progress:
+    with tqdm(range(args.steps), desc="train", unit="step") as progress:
         for _ in progress:
             sequence, aux = order.choice(data)
-            logits = drafter(model, sequence.token_ids, aux)
-            loss = F.cross_entropy(logits[:-1], targets(model, sequence, drafter.draft_token_ids))
+            losses = []
+            for step, logits in enumerate(drafter(model, sequence.token_ids, aux, args.depth)):
+                target = targets(model, sequence, drafter.draft_token_ids, step)
+                losses.append(0.8**step * F.cross_entropy(logits[: len(target)], target))
+            loss = sum(losses)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
@@ -157,19 +200,28 @@ def train(
 
 
 @torch.no_grad()
-def draft_accuracy(
-    model: nn.Module, drafter: TrainableEagle3, data: list[tuple[Sequence, torch.Tensor]]
-) -> tuple[float, int]:
-    """Top-1 accuracy of draft 1 (t_{j+2} from row j) over the generated part of each sequence."""
+def accept_rates(
+    model: nn.Module, drafter: TrainableEagle3, data: list[tuple[Sequence, torch.Tensor]], depth: int
+) -> tuple[list[float], int]:
+    """The expected greedy accept rate at each draft position, as summary.json counts it: the share
+    of the chains started in the generated part (row j predicts t_{j+2} first) whose drafts 1..s are
+    all the model's own tokens; and the number of chains."""
     drafter.eval()
-    correct = total = 0
+    accepted = [0] * depth
+    total = 0
     for sequence, aux in data:
-        rows = slice(max(sequence.num_prompt_tokens - 2, 0), len(sequence.token_ids) - 2)
-        predicted = drafter.draft_token_ids[drafter(model, sequence.token_ids, aux).argmax(-1)][rows]
-        expected = sequence.token_ids[rows.start + 2 : rows.stop + 2]
-        correct += int((predicted == expected).sum())
-        total += expected.numel()
-    return correct / max(total, 1), total
+        num_tokens = len(sequence.token_ids)
+        rows = torch.arange(max(sequence.num_prompt_tokens - 2, 0), num_tokens - 2)
+        all_correct = torch.ones(len(rows), dtype=torch.bool)
+        for step, logits in enumerate(drafter(model, sequence.token_ids, aux, depth)):
+            expected_at = rows + 2 + step
+            in_sequence = expected_at < num_tokens
+            predicted = drafter.draft_token_ids[logits[rows].argmax(-1)]
+            expected = sequence.token_ids[expected_at.clamp(max=num_tokens - 1)]
+            all_correct &= in_sequence & (predicted == expected)
+            accepted[step] += int(all_correct.sum())
+        total += len(rows)
+    return [count / max(total, 1) for count in accepted], total
 
 
 def save_folder(
@@ -204,11 +256,14 @@ def save_folder(
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = training_arguments(__doc__.splitlines()[0], steps=600, output_suffix="-EAGLE3")
+    parser = training_arguments(__doc__.splitlines()[0], steps=900, output_suffix="-EAGLE3")
     parser.add_argument("--draft-vocab", type=int, default=8192, help="tokens of the reduced draft vocabulary")
+    parser.add_argument("--depth", type=int, default=3, help="chain steps unrolled in training (training-time test)")
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.draft_vocab < 1 or args.max_new_tokens < 2 or not 0 < args.held_out < 1:
-        parser.error("--steps and --draft-vocab must be >= 1, --max-new-tokens >= 2 and --held-out between 0 and 1")
+    if min(args.steps, args.draft_vocab, args.depth) < 1 or args.max_new_tokens < 2 or not 0 < args.held_out < 1:
+        parser.error(
+            "--steps, --draft-vocab and --depth must be >= 1, --max-new-tokens >= 2 and --held-out between 0 and 1"
+        )
     return args
 
 
@@ -238,18 +293,19 @@ def main(argv: list[str] | None = None) -> dict:
             [s for s, _ in training], min(args.draft_vocab, model.config.vocab_size), model.config.vocab_size
         )
         drafter = TrainableEagle3(model, vocabulary)
-        accuracy_before, num_rows = draft_accuracy(model, drafter, held_out)
-        train(model, drafter, training, args.steps, args.lr, args.seed)
-        accuracy, _ = draft_accuracy(model, drafter, held_out)
+        rates_before, num_chains = accept_rates(model, drafter, held_out, args.depth)
+        train(model, drafter, training, args)
+        rates, _ = accept_rates(model, drafter, held_out, args.depth)
     record = {
-        "held_out_draft1_top1_accuracy": round(accuracy, 4),
-        "held_out_draft1_top1_accuracy_at_init": round(accuracy_before, 4),
-        "held_out_rows": num_rows,
+        "held_out_accept_rate_by_position": [round(rate, 4) for rate in rates],
+        "held_out_accept_rate_by_position_at_init": [round(rate, 4) for rate in rates_before],
+        "held_out_chains": num_chains,
         "held_out_sequences": len(held_out),
         "training_sequences": len(training),
         "draft_vocab_size": len(vocabulary),
         "aux_hidden_state_layers": list(layers),
         "steps": args.steps,
+        "depth": args.depth,
         "lr": args.lr,
         "seed": args.seed,
         "max_new_tokens": args.max_new_tokens,
@@ -258,8 +314,9 @@ def main(argv: list[str] | None = None) -> dict:
     }
     save_folder(model, drafter, output, layers, record)
     logger.info(
-        "held-out top-1 accuracy of draft 1: %.1f%% over %d rows (%.1f%% before training); saved %s",
-        100 * accuracy, num_rows, 100 * accuracy_before, output,
+        "held-out accept rate by draft position: %s over %d chains (%s before training); saved %s",
+        record["held_out_accept_rate_by_position"], num_chains, record["held_out_accept_rate_by_position_at_init"],
+        output,
     )  # fmt: skip
     return record
 

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 from executor.core.config import build_config
 from executor.core.model_worker.bucket_padding import pad_step, padded_token_rows
 from executor.core.model_worker.graph_runner import NOT_DECODE, GraphRunner
+from executor.offline.dataset import PromptRecord
 from executor.offline.offline_inference import OfflineInference, RunResult
 from executor.platform.graph_compilers import InductorCompiler
 from ops import recurrent_ref
@@ -27,6 +29,8 @@ from ops.attention.metadata import (
     build_step_layout,
 )
 from tests.conftest import save_tiny_llama
+from tests.paged_harness import random_prompts
+from tests.test_eagle3 import save_drafter
 from tests.test_graph_runner import RecordingCompiler
 from tests.test_qwen3_5_mtp import looping_mtp_model  # noqa: F401 (a fixture)
 from tests.test_spec_decode import repetitive_records
@@ -280,13 +284,15 @@ def test_ngram_and_draft_model_verify_steps_in_graphs_give_eager_output(
         check_graph_run(run(tiny_llama_dir, exe_mode, **speculative), run(tiny_llama_dir, "eager", **speculative))
 
 
-def check_mtp_graphs(result: RunResult, first_pass_of_several_rows: bool) -> None:
-    """The MTP layer's passes ran in its graphs: the drafts after the first (and first passes of one
-    valid row, where every draft was rejected) in its decode buckets; a first pass over several valid
-    rows (drafts accepted) in its verify buckets."""
-    mtp = result.summary["graph"]["mtp"]["mtp0"]["graph_steps_per_bucket"]
-    assert sum(n for bucket, n in mtp.items() if "x" not in bucket) > 0
-    assert (sum(n for bucket, n in mtp.items() if "x" in bucket) > 0) == first_pass_of_several_rows
+def check_mtp_graphs(
+    result: RunResult, first_pass_of_several_rows: bool, method: str = "mtp", runner: str = "mtp0"
+) -> None:
+    """The drafting layer's passes (MTP layer 0's, or EAGLE-3's drafter's) ran in its graphs: the
+    drafts after the first (and first passes of one valid row, where every draft was rejected) in its
+    decode buckets; a first pass over several valid rows (drafts accepted) in its verify buckets."""
+    steps = result.summary["graph"][method][runner]["graph_steps_per_bucket"]
+    assert sum(n for bucket, n in steps.items() if "x" not in bucket) > 0
+    assert (sum(n for bucket, n in steps.items() if "x" in bucket) > 0) == first_pass_of_several_rows
 
 
 @pytest.mark.slow
@@ -312,3 +318,21 @@ def test_mtp_on_a_hybrid_recurrent_model_in_graphs_gives_eager_output(looping_mt
     assert result.summary["speculative"]["accepted_tokens"] > 0  # an echoing MTP layer: drafts accepted
     check_mtp_graphs(result, first_pass_of_several_rows=True)
     assert result.summary["graph"]["bucket_origins"][f"2x{1 + K}"] == "compiled"  # its own graph: per-request states
+
+
+@pytest.mark.slow
+@pytest.mark.long  # the target's and the drafter's buckets compiled: EAGLE-3 eager stays in CI (test_eagle3.py)
+def test_eagle3_drafter_passes_in_graphs_give_eager_output_and_drafts(tiny_llama_dir, tmp_path, quick_inductor):
+    target = transformers.LlamaConfig.from_pretrained(tiny_llama_dir)
+    layers = {"eagle_aux_hidden_state_layer_ids": [0, 1, 1]}
+    drafter = save_drafter(tmp_path / "drafter", target, seed=3, eagle_config=layers)
+    speculative = {"method": "eagle3", "num_speculative_tokens": K, "draft_model_path": str(drafter)}
+    records = [PromptRecord(str(i), prompt_token_ids=p) for i, p in enumerate(random_prompts([5, 17, 1, 9], seed=4))]
+    off = run(tiny_llama_dir, "eager", records=records)
+    eager = run(tiny_llama_dir, "eager", records=records, **speculative)
+    result = run(tiny_llama_dir, "ge_graph", records=records, **speculative)
+    assert outputs(result) == outputs(off)
+    check_graph_run(result, eager)
+    accepted = result.summary["speculative"]["accepted_tokens"]
+    assert accepted == eager.summary["speculative"]["accepted_tokens"]
+    check_mtp_graphs(result, first_pass_of_several_rows=accepted > 0, method="eagle3", runner="eagle3")

@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from executor.core.sampler.constraints import ConstraintStats
 from executor.core.sampler.structured_output import (
     GrammarStates,
     StructuredOutputCompiler,
@@ -21,6 +22,8 @@ from executor.core.sampler.structured_output import (
     unpack_bitmask,
 )
 from executor.offline.dataset import PromptRecord, _parse_record
+from executor.offline.metrics import summarize
+from executor.offline.offline_inference import RunResult, merge_replicas, structured_output_summary
 from executor.types_ import Request, SamplingParams
 from executor.types_.structured_output import (
     StructuredOutputSpec,
@@ -28,6 +31,7 @@ from executor.types_.structured_output import (
     response_format_spec,
 )
 from tests.engine_harness import make_inference
+from tests.factories import make_request
 
 PERSON = {
     "type": "object",
@@ -321,3 +325,34 @@ def test_greedy_structured_output_is_the_same_in_ge_graph_with_ngram_drafts(smol
     with_graphs, summary = generate(smollm2_dir, {"method": "ngram", "num_speculative_tokens": 3}, exe_mode="ge_graph")
     assert with_graphs == outputs
     assert sum(summary["graph"]["graph_steps_per_bucket"].values()) > 0
+
+
+def test_the_data_parallel_runs_summary_names_every_replicas_structured_requests_and_adds_their_mask_time():
+    """merge_replicas: summary.json of a run over several DP replicas has `structured_output` as one
+    process's would: the constrained requests in prompt order, every grammar's compile time, the
+    masking time and steps added up over the replicas (a replica without any adds nothing)."""
+    regex = parse_structured_output({"guided_regex": "a|b"})
+
+    def replica(constrained: dict[str, float], plain: list[str], stats: ConstraintStats) -> RunResult:
+        requests = [make_request(i, structured_output=regex) for i in constrained]
+        for request in requests:
+            request.grammar_compile_ms = constrained[request.request_id]
+        requests += [make_request(i, bad_words=("x",)) for i in plain]
+        summary = summarize(requests, [], 0.0, 1.0)
+        if (structured := structured_output_summary(requests, stats)) is not None:
+            summary["structured_output"] = structured
+        return RunResult(requests, [], [], summary)
+
+    replicas = [
+        replica({"c": 2.0, "a": 1.0}, [], ConstraintStats(mask_ms=6.0, masked_steps=3, masked_rows=5, drafts_cut=1)),
+        replica({"b": 4.0}, ["d"], ConstraintStats(mask_ms=2.0, masked_steps=1, masked_rows=1, draft_cut_ms=0.5)),
+        replica({}, ["e"], ConstraintStats()),
+        replica({}, [], ConstraintStats()),
+    ]
+    merged = merge_replicas(replicas, ["a", "b", "c", "d", "e"]).summary["structured_output"]
+    assert merged["requests"] == ["a", "b", "c"] and merged["bad_words_requests"] == ["d", "e"]
+    assert merged["compile_ms"] == {"a": 1.0, "b": 4.0, "c": 2.0} and merged["compile_ms_max"] == 4.0
+    assert (merged["mask_ms"], merged["masked_steps"], merged["masked_rows"]) == (8.0, 4, 6)
+    assert (merged["draft_cut_ms"], merged["drafts_cut"], merged["mask_ms_per_step"]) == (0.5, 1, 2.0)
+    unconstrained = merge_replicas(replicas[3:], []).summary
+    assert "structured_output" not in unconstrained

@@ -29,7 +29,7 @@ from executor.core.config import InferenceConfig
 from executor.core.config.model_registry import model_folder
 from executor.core.engine import EngineStep, ExecutionEngine, StepRecord
 from executor.core.sampler import default_sampling_params, request_seed
-from executor.core.sampler.constraints import LogitsConstraints, prepare_constraints
+from executor.core.sampler.constraints import ConstraintStats, prepare_constraints
 from executor.offline.dataset import DatasetError, PromptRecord, tokenize_record
 from executor.offline.durable_io import write_error
 from executor.offline.metrics import breakdown_lines, cann_closing_lines, step_breakdown, summarize
@@ -233,7 +233,9 @@ class OfflineInference:
         method, num_speculative_tokens = self.config.speculation
         if method and "speculative" in summary:  # the proposer by name beside its accept rates (and per position)
             summary["speculative"].update(method=method, num_speculative_tokens=num_speculative_tokens)
-        if (structured := structured_output_summary(requests, self.engine.runner.constraints)) is not None:
+        constraints = self.engine.runner.constraints
+        stats = constraints.stats if constraints is not None else None
+        if (structured := structured_output_summary(requests, stats)) is not None:
             summary["structured_output"] = structured
         if writer is not None:
             writer.write_summary(summary)
@@ -346,6 +348,9 @@ def merge_replicas(replicas: list[RunResult], prompt_order: list[str]) -> RunRes
     summary = summarize(requests, steps, 0.0, total_s) | {
         "data_parallel_replicas": [replica.summary for replica in replicas]
     }
+    entries = [replica.summary["structured_output"] for replica in replicas if "structured_output" in replica.summary]
+    if (structured := structured_output_summary(requests, ConstraintStats.summed(entries))) is not None:
+        summary["structured_output"] = structured
     return RunResult(requests, results, steps, summary)
 
 
@@ -364,7 +369,7 @@ def log_structured_requests(requests: list[Request]) -> None:
             logger.info("request %s: bad words %s", request.request_id, list(params.bad_words))
 
 
-def structured_output_summary(requests: list[Request], constraints: LogitsConstraints | None) -> dict[str, Any] | None:
+def structured_output_summary(requests: list[Request], stats: ConstraintStats | None) -> dict[str, Any] | None:
     """summary.json's `structured_output`: the constrained requests, their grammars' compile times,
     and the host time masking took (per step with a constrained row); None when no request had one."""
     structured = [r for r in requests if r.sampling_params.structured_output is not None]
@@ -377,5 +382,5 @@ def structured_output_summary(requests: list[Request], constraints: LogitsConstr
         "bad_words_requests": [r.request_id for r in banned],
         "compile_ms": compile_ms,
         "compile_ms_max": max(compile_ms.values(), default=0.0),
-        **(constraints.stats.as_dict() if constraints is not None else {}),
+        **(stats.as_dict() if stats is not None else {}),
     }

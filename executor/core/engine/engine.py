@@ -32,10 +32,9 @@ from executor.core.sampler import Sampler
 from executor.core.sampler.constraints import LogitsConstraints
 from executor.core.sampler.structured_output import StructuredOutputCompiler
 from executor.core.scheduler import Scheduler, SchedulerLimits
-from executor.core.spec_decode.eagle3 import Eagle3Parts, Eagle3Proposer
+from executor.core.spec_decode.eagle3 import Eagle3Parts
 from executor.core.spec_decode.factory import DraftParts, draft_model_config, make_proposer
 from executor.core.spec_decode.mtp import MTPProposer
-from executor.core.spec_decode.mtp_graphs import mtp_graph_runners
 from executor.core.spec_decode.proposer import LockStep, Proposer, drafting_proposer
 from executor.model_loader.default_model import expand_home_vars
 from executor.model_loader.hf_config import load_hf_config
@@ -295,24 +294,23 @@ class ExecutionEngine:
         if proposer is not None:
             logger.info("speculative decoding: proposer %s, %d draft tokens per step", *self.config.speculation)
         mtp = drafting_proposer(proposer)
-        # EAGLE-3's drafter passes run eagerly (its proposer is an MTPProposer with no MTP layer)
-        if isinstance(mtp, MTPProposer) and not isinstance(mtp, Eagle3Proposer) and self.graphs is not None:
-            mtp.graph_runners = mtp_graph_runners(
-                self.worker.model, mtp.num_speculative_tokens, self.hidden_size, self.dtype, self.graphs.mtp_runner
-            )
+        if isinstance(mtp, MTPProposer) and self.graphs is not None:  # MTP's layers or EAGLE-3's drafter
+            mtp.graph_runners = mtp.make_graph_runners(self.hidden_size, self.dtype, self.graphs.mtp_runner)
             with torch.inference_mode():
                 for runner in mtp.graph_runners:
                     runner.warm_up()
         return proposer
 
     def graph_stats(self) -> dict[str, object] | None:
-        """The summary's `graph` entry: the target's graphs, and the MTP layers' under `mtp`; None in eager mode."""
+        """The summary's `graph` entry: the target's graphs, and the drafter's under the method's name
+        (`mtp`: by MTP layer, `eagle3`: the drafter's); None in eager mode."""
         if self.worker.graph_runner is None:
             return None
         stats = self.worker.graph_runner.stats()
         proposer = drafting_proposer(self.runner.proposer)
         if isinstance(proposer, MTPProposer) and proposer.graph_runners:
-            stats["mtp"] = {runner.name.rstrip("-"): runner.stats() for runner in proposer.graph_runners}
+            method = self.config.speculation[0]
+            stats[method] = {runner.name.rstrip("-"): runner.stats() for runner in proposer.graph_runners}
         return stats
 
     def proposer_lock_step(self) -> LockStep | None:

@@ -12,6 +12,7 @@ import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -33,6 +34,13 @@ class ConstraintStats:
     def as_dict(self) -> dict[str, float]:
         mean = self.mask_ms / self.masked_steps if self.masked_steps else 0.0
         return dataclasses.asdict(self) | {"mask_ms_per_step": mean}
+
+    @classmethod
+    def summed(cls, entries: list[dict[str, Any]]) -> ConstraintStats:
+        """The whole run's from its data-parallel replicas' summary entries (as_dict), added up."""
+        return cls(
+            **{field.name: sum(entry.get(field.name, 0) for entry in entries) for field in dataclasses.fields(cls)}
+        )
 
 
 @dataclass(slots=True)

@@ -23,12 +23,14 @@ from transformers import AutoConfig, PretrainedConfig
 
 from executor.core.config import ConfigError, InferenceConfig
 from executor.core.config.model_registry import resolve_eagle3_drafter
+from executor.core.model_worker.graph_runner import GraphRunner
 from executor.core.spec_decode.mtp import MTPProposer
+from executor.core.spec_decode.mtp_graphs import MTPStep, RunnerFactory
 from executor.core.spec_decode.proposer import ProposalContext
 from executor.model_loader.default_loader import safetensors_weights
 from module.causal_lm import CausalLM
 from module.parallel_group import ONE_PROCESS, ModelParallel
-from ops.attention.metadata import ScheduledSequence, build_model_inputs
+from ops.attention.metadata import ModelInputs
 from ops.backend import Backend
 
 
@@ -138,21 +140,39 @@ class Eagle3Proposer(MTPProposer):
         index = torch.tensor(rows, dtype=torch.int64, device=context.hidden_states.device)
         return self.drafter.combine_hidden_states(self.aux.rows(index))
 
-    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        embedding = (
-            self.drafter.embed_tokens if self.drafter.embed_tokens is not None else self.model.model.embed_tokens
+    @property
+    def embedding(self) -> nn.Module:
+        """The drafter's token embedding: its checkpoint's own, else the target's."""
+        return self.drafter.embed_tokens if self.drafter.embed_tokens is not None else self.model.model.embed_tokens
+
+    def eager_pass(
+        self, layer: int, inputs: ModelInputs, previous_hidden: torch.Tensor, with_logits: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        hidden = self.drafter(
+            self.embedding(inputs.input_ids), inputs.positions, previous_hidden, inputs.forward_metadata
         )
-        return embedding(input_ids)
+        return hidden, self.drafter.compute_logits(hidden, inputs.logits_indices) if with_logits else None
 
-    def _run(
-        self, layer: int, sequences: list[ScheduledSequence], previous_hidden: torch.Tensor
-    ) -> tuple[torch.Tensor, list[int]]:
-        inputs = build_model_inputs(self.layout(sequences), self.builder)
-        hidden = self.drafter(self._embed(inputs.input_ids), inputs.positions, previous_hidden, inputs.forward_metadata)
-        draft_ids = self.argmax_rows(self.drafter.compute_logits(hidden, inputs.logits_indices))
-        return hidden[inputs.logits_indices], self.drafter.target_token_ids(draft_ids).tolist()
+    def draft_token_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return self.drafter.target_token_ids(draft_ids)
 
-    def _idle_pass(self, layer: int, hidden_states: torch.Tensor) -> None:
-        """Lock-step: a drafter pass over one padding token whose K/V goes to the null block."""
-        inputs = build_model_inputs(self.idle_layout(), self.builder)
-        self.drafter(self._embed(inputs.input_ids), inputs.positions, hidden_states[:1], inputs.forward_metadata)
+    def make_graph_runners(self, hidden_size: int, dtype: torch.dtype, make_runner: RunnerFactory) -> list[GraphRunner]:
+        """One runner for the drafter: verify buckets of 1 + k tokens per request for its first pass
+        after a verify step, decode buckets for the chain (fc stays outside, on the first pass's rows)."""
+        step = Eagle3Step(self.drafter, self.embedding)
+        return [make_runner(step, 1 + self.num_speculative_tokens, ((hidden_size, dtype),), "eagle3-")]
+
+
+class Eagle3Step(MTPStep):
+    """What a drafter bucket's graph holds: MTPStep's, with the embedding of the step's tokens and the
+    drafter's layer as the pass, its LM head over the draft vocabulary as the logits."""
+
+    def __init__(self, drafter: nn.Module, embedding: nn.Module) -> None:
+        super().__init__(drafter, 0)
+        self.embedding = embedding
+
+    def draft_forward(self, input_ids: torch.Tensor, *inputs: Any) -> torch.Tensor:
+        return self.model(self.embedding(input_ids), *inputs)
+
+    def draft_logits(self, hidden_states: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden_states, rows)

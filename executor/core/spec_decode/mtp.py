@@ -21,10 +21,12 @@ import torch
 from executor.core.config import ConfigError, InferenceConfig
 from executor.core.kv_cache import KVCacheManager
 from executor.core.model_worker.graph_runner import GraphRunner
+from executor.core.spec_decode.mtp_graphs import RunnerFactory, mtp_graph_runners
 from executor.core.spec_decode.proposer import LockStep, ProposalContext
 from module.causal_lm import CausalLM
 from ops.attention.metadata import (
     AttentionMetadataBuilder,
+    ModelInputs,
     ScheduledSequence,
     StepLayout,
     build_model_inputs,
@@ -152,11 +154,27 @@ class MTPProposer:
         if self.graph_runners and self.graph_runners[layer].forward(layout, hidden_states[:1]) is not None:
             return
         inputs = build_model_inputs(layout, self.builder)
+        # no row: the LM head's gathers only, where its group spans the replicas
+        self.eager_pass(layer, inputs, hidden_states[:1], self.lock_step is not None and self.lock_step.joins_lm_head)
+
+    def eager_pass(
+        self, layer: int, inputs: ModelInputs, previous_hidden: torch.Tensor, with_logits: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """MTP module `layer` run eagerly: the hidden states of every row, and (with_logits) the logits
+        of the sampled rows."""
         hidden = self.model.mtp_forward(
-            layer, inputs.input_ids, inputs.positions, hidden_states[:1], inputs.forward_metadata
+            layer, inputs.input_ids, inputs.positions, previous_hidden, inputs.forward_metadata
         )
-        if self.lock_step is not None and self.lock_step.joins_lm_head:
-            self.model.mtp_compute_logits(layer, hidden, inputs.logits_indices)  # no row: the gathers only
+        logits = self.model.mtp_compute_logits(layer, hidden, inputs.logits_indices) if with_logits else None
+        return hidden, logits
+
+    def draft_token_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """The target's ids of the drafter's greedy choices (MTP's LM head is the target's vocabulary)."""
+        return draft_ids
+
+    def make_graph_runners(self, hidden_size: int, dtype: torch.dtype, make_runner: RunnerFactory) -> list[GraphRunner]:
+        """The graph runners of the drafting layers' passes, by layer (mtp_graphs.py), for graph modes."""
+        return mtp_graph_runners(self.model, self.num_speculative_tokens, hidden_size, dtype, make_runner)
 
     def layout(self, sequences: list[ScheduledSequence]) -> StepLayout:
         """A drafting pass's packed inputs over the target's block tables."""
@@ -192,14 +210,13 @@ class MTPProposer:
         # rows of the next pass are the sampled rows, one per drafting request, in order
         if graph_output is None:
             inputs = build_model_inputs(layout, self.builder)
-            hidden = self.model.mtp_forward(
-                layer, inputs.input_ids, inputs.positions, previous_hidden, inputs.forward_metadata
-            )
-            logits = self.model.mtp_compute_logits(layer, hidden, inputs.logits_indices)
-            return hidden[inputs.logits_indices], self.argmax_rows(logits).tolist()
-        hidden, all_logits = graph_output  # the LM head ran on every row inside the graph
-        rows = layout.logits_indices
-        return take_rows(hidden, rows), self.argmax_rows(take_rows(all_logits, rows)).tolist()
+            hidden, logits = self.eager_pass(layer, inputs, previous_hidden)
+            assert logits is not None
+            hidden = hidden[inputs.logits_indices]
+        else:
+            all_hidden, all_logits = graph_output  # the LM head ran on every row inside the graph
+            hidden, logits = take_rows(all_hidden, layout.logits_indices), take_rows(all_logits, layout.logits_indices)
+        return hidden, self.draft_token_ids(self.argmax_rows(logits)).tolist()
 
     def _next_rows(
         self, context: ProposalContext, drafting: list[_Drafting], tokens: list[int]

@@ -11,6 +11,7 @@ and a replica with nothing to draft runs its idle passes through it.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -35,11 +36,16 @@ class MTPStep(torch.nn.Module):
         previous_hidden_states: torch.Tensor,
         forward_metadata: ForwardMetaData,
     ) -> GraphOutput:
-        hidden_states = self.model.mtp_forward(
-            self.layer, input_ids, positions, previous_hidden_states, forward_metadata
-        )
+        hidden_states = self.draft_forward(input_ids, positions, previous_hidden_states, forward_metadata)
         rows = torch.arange(hidden_states.shape[0], device=hidden_states.device)
-        return hidden_states, self.model.mtp_compute_logits(self.layer, hidden_states, rows)
+        return hidden_states, self.draft_logits(hidden_states, rows)
+
+    def draft_forward(self, *inputs: Any) -> torch.Tensor:
+        """The drafting layer's hidden states of every row from forward's inputs (MTP layer `layer`'s)."""
+        return self.model.mtp_forward(self.layer, *inputs)
+
+    def draft_logits(self, hidden_states: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return self.model.mtp_compute_logits(self.layer, hidden_states, rows)
 
 
 # (step module, tokens per verify row, per-token input widths and dtypes, name) -> a runner over the
