@@ -122,7 +122,7 @@ class ModelConfig:
         choices=("auto", "float", "int8"),
         help="ours: on the CPU, how 4/8-bit weight-only layers multiply at decode's few rows (up to 8): float: "
         "each weight dequantized to fp32 (the exact path); int8: each input row quantized to int8 per 32 values "
-        "and multiplied in integers, as llama.cpp does (faster, the row's rounding added; docs/quantization.md); "
+        "and multiplied in integers, as ggml does for GGUF files (faster, the row's rounding added; docs/quantization.md); "
         "auto: int8 for a GGUF's Q4_1 / Q8_0 blocks, float for the rest",
     )
     quantization: str = rule(
