@@ -210,6 +210,7 @@ def batch32(args: argparse.Namespace) -> None:
             block_size=128,
             num_blocks=0,
             graph_buckets=None,
+            vllm_python=args.vllm_python,
         )
         systems[f"ours_{name}"], prompts = run_ours(engine_args, records)
         systems[f"vllm_{name}"] = run_vllm(engine_args, prompts)
