@@ -172,6 +172,7 @@ def test_an_unknown_setting_is_named(kernels):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # a compile; the op in a graph stays in CI through tests/test_gguf_blocks.py's ge_graph test
 def test_a_compiled_graph_calls_the_int8_row_kernel(kernels):
     """The kernel is one opaque op in a graph (its fake: ops/cpu.py): compiled and eager agree exactly."""
     layer = gguf_block_layer(kernels, "q4_1", 128, 50, seed=5)

@@ -174,6 +174,7 @@ def test_int16_madd_method_equals_w8a8_in_plain_torch(kernels, static):
 
 @needs_avx2
 @pytest.mark.slow
+@pytest.mark.long  # a compile; W8A8 in graphs stays in CI through tests/test_quantized_graph_modes.py
 def test_a_compiled_graph_calls_the_int16_madd_matmul(kernels):
     scheme = LinearScheme(QuantArgs(8), QuantArgs(8, strategy="token", dynamic=True))
     layer = quantized_layer(96, 70, scheme, Int16MaddInt8Linear(kernels), seed=3)
