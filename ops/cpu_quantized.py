@@ -63,11 +63,12 @@ class Int16MaddInt8Linear(Int8ScaledLinear):
         self.kernels = kernels
 
     def pack(self, values: torch.Tensor) -> torch.Tensor:
+        """int16 panels of 8 columns (int16_madd_mm.cpp's layout)."""
         return self.kernels.pack_int16_madd_weight(values)
 
     def matmul(self, layer: nn.Module, x_values: torch.Tensor, out_features: int) -> torch.Tensor:
         # one opaque op in a compiled graph too (its fake: ops/cpu.py)
-        return named("int16_madd_mm", self.kernels.int16_madd_mm)(x_values, layer.int8_weight_t, out_features)
+        return named("int16_madd_mm", self.kernels.int16_madd_mm)(x_values, layer.int8_matmul_weight, out_features)
 
 
 # The CPU flags int8_linear.cpp needs (Linux's names).

@@ -123,7 +123,7 @@ class Int8ScaledLinear(LinearMethod):
         out_features = weight.values.shape[0]
         keep_tensors(
             layer,
-            int8_weight_t=self.pack(weight.values.to(torch.int8)),
+            int8_matmul_weight=self.pack(weight.values.to(torch.int8)),
             int8_weight_scale=weight.scale.float().reshape(1, -1).expand(1, out_features).contiguous(),
             int8_input_scale=weight.input_scale,
         )
@@ -134,7 +134,7 @@ class Int8ScaledLinear(LinearMethod):
 
     def matmul(self, layer: nn.Module, x_values: torch.Tensor, out_features: int) -> torch.Tensor:
         """int8 rows [M, K] times the layer's int8 weight: int32 [M, N]."""
-        return self.int_mm(x_values, cast(torch.Tensor, layer.int8_weight_t))
+        return self.int_mm(x_values, cast(torch.Tensor, layer.int8_matmul_weight))
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         input_scale = cast("torch.Tensor | None", layer.int8_input_scale)

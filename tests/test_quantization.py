@@ -156,7 +156,7 @@ def test_int8_accumulation_is_exact_and_activations_quantize_as_compressed_tenso
     method = Int8ScaledLinear()
     method.process_weights(layer)
     x_values, x_scale = quant_math.quantize_int8_per_token(x)
-    accumulated = torch._int_mm(x_values, layer.int8_weight_t)
+    accumulated = torch._int_mm(x_values, layer.int8_matmul_weight)
     assert torch.equal(accumulated.long(), x_values.long() @ values.long().t())
     ct_args = preset_name_to_scheme("W8A8", ["Linear"]).input_activations
     ct_scale, ct_zero = calculate_qparams(x.amin(-1, keepdim=True), x.amax(-1, keepdim=True), ct_args)
