@@ -108,7 +108,7 @@ class RecordingCompiler(GraphCompiler):
         return GraphCallable(run, "recorded")
 
 
-def make_runner(agree_shape=None) -> GraphRunner:
+def make_runner(agree_shape=None, tokens_per_verify_row: int = 1) -> GraphRunner:
     runner = GraphRunner(
         torch.nn.Identity(),
         RecordingCompiler(),
@@ -119,6 +119,7 @@ def make_runner(agree_shape=None) -> GraphRunner:
         max_blocks_per_request=MAX_BLOCKS,
         pin_host_buffers=False,
         agree_shape=agree_shape,
+        tokens_per_verify_row=tokens_per_verify_row,
     )
     runner.warm_up()
     return runner
@@ -162,6 +163,22 @@ def test_a_prefill_runs_eagerly_without_a_warning(runner, caplog):
     with caplog.at_level(logging.WARNING):
         assert runner.forward(prefill) is None
     assert not caplog.records
+
+
+def test_a_verify_step_gives_its_tokens_rows_and_says_where_they_lie_in_the_bucket():
+    """Request 0 feeds 2 of its 1 + 3 tokens, request 1 all 4: the graph ran them at rows 0-1 and
+    4-7, where what a hook inside it kept lies (EAGLE-3's hidden states); None after a decode step,
+    whose tokens lead the rows."""
+    runner = make_runner(tokens_per_verify_row=4)
+    verify = build_step_layout(
+        [ScheduledSequence([10, 11], 2, [[1]]), ScheduledSequence([20, 21, 22, 23], 4, [[2, 3]])],
+        block_size=BLOCK_SIZE,
+        max_blocks_per_request=MAX_BLOCKS,
+    )
+    output = runner.forward(verify)
+    assert output is not None and output[0][:, 0].tolist() == [10, 11, 20, 21, 22, 23]
+    assert runner.token_rows == [0, 1, 4, 5, 6, 7]
+    assert runner.forward(layout_of([3, 5])) is not None and runner.token_rows is None
 
 
 def test_in_lock_step_the_largest_step_of_any_replica_picks_the_bucket_and_a_prefill_keeps_all_eager():

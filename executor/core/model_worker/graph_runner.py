@@ -171,6 +171,10 @@ class GraphRunner:
         self.steps_per_bucket: Counter[Bucket] = Counter()
         self.eager_steps = 0  # prefills and decode steps that fit no bucket
         self.warm_up_s = 0.0
+        # The rows of the latest step's tokens in its graph (a verify bucket's: request i's from row
+        # i x (1 + k)), where what the model kept per token inside it (EAGLE-3's hooked hidden states)
+        # lies; None when they lead the rows (a decode bucket, a step run eagerly).
+        self.token_rows: list[int] | None = None
 
     def graph_shape(self, bucket: Bucket) -> Bucket:
         """The graph a bucket runs: a verify bucket's padded step has the decode step's shapes at its
@@ -252,6 +256,7 @@ class GraphRunner:
         """Hidden states [tokens, hidden] and logits [tokens, vocab] of a decode or verify step (a
         decode bucket's padding rows after the layout's), or None when the step must run eagerly.
         `row_inputs`: one tensor per `row_inputs` width, a row per token of the layout."""
+        self.token_rows = None
         bucket = self._bucket_for(layout)
         if bucket is None:
             self.eager_steps += 1
@@ -272,6 +277,7 @@ class GraphRunner:
         hidden_states, logits = graph.run(graph.buffers)
         if bucket.tokens_per_row == 1:
             return hidden_states, logits
+        self.token_rows = rows
         return take_rows(hidden_states, rows), take_rows(logits, rows)
 
     def _bucket_for(self, layout: StepLayout) -> Bucket | None:

@@ -30,7 +30,7 @@ from executor.core.spec_decode.proposer import ProposalContext
 from executor.model_loader.default_loader import safetensors_weights
 from module.causal_lm import CausalLM
 from module.parallel_group import ONE_PROCESS, ModelParallel
-from ops.attention.metadata import ModelInputs
+from ops.attention.metadata import ModelInputs, take_rows
 from ops.backend import Backend
 
 
@@ -67,10 +67,13 @@ def load_eagle3_drafter(
 
 class AuxHiddenStates:
     """The target's residual stream at the input of three of its layers, kept from its latest
-    forward by pre-hooks on those layers (each row's hidden + residual, as vLLM collects them)."""
+    forward by pre-hooks on those layers (each row's hidden + residual, as vLLM collects them).
+    `token_rows`: where that forward's tokens lie among its rows (a verify graph pads each request to
+    1 + k rows: GraphRunner.token_rows), None when they lead them."""
 
-    def __init__(self, layers: list[nn.Module]) -> None:
+    def __init__(self, layers: list[nn.Module], token_rows: Callable[[], list[int] | None]) -> None:
         self._latest: list[torch.Tensor | None] = [None] * len(layers)
+        self._token_rows = token_rows
         self._handles = [layer.register_forward_pre_hook(self._hook(index)) for index, layer in enumerate(layers)]
 
     def _hook(self, index: int) -> Callable[[nn.Module, tuple[Any, ...]], None]:
@@ -80,10 +83,13 @@ class AuxHiddenStates:
 
         return keep
 
-    def rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """[len(rows), 3 x hidden] of the latest target forward."""
+    def rows(self, rows: list[int]) -> torch.Tensor:
+        """[len(rows), 3 x hidden] at the latest target forward's tokens `rows` (the step layout's)."""
         assert all(t is not None for t in self._latest), "no target forward ran yet"
-        return torch.cat([t[rows] for t in self._latest if t is not None], dim=-1)
+        token_rows = self._token_rows()
+        if token_rows is not None:
+            rows = [token_rows[row] for row in rows]
+        return torch.cat([take_rows(t, rows) for t in self._latest if t is not None], dim=-1)
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -112,7 +118,12 @@ class Eagle3Parts:
 
         drafter = worker.add_draft_module("eagle3", build)
         aux_layers = loaded[0]
-        return cls(drafter, aux_layers, AuxHiddenStates([model.model.layers[index] for index in aux_layers]))
+        layers = [model.model.layers[index] for index in aux_layers]
+
+        def token_rows() -> list[int] | None:  # the target's graphs are made after the drafter
+            return worker.graph_runner.token_rows if worker.graph_runner is not None else None
+
+        return cls(drafter, aux_layers, AuxHiddenStates(layers, token_rows))
 
 
 class Eagle3Proposer(MTPProposer):
@@ -137,8 +148,7 @@ class Eagle3Proposer(MTPProposer):
             )
 
     def first_pass_hidden(self, context: ProposalContext, rows: list[int]) -> torch.Tensor:
-        index = torch.tensor(rows, dtype=torch.int64, device=context.hidden_states.device)
-        return self.drafter.combine_hidden_states(self.aux.rows(index))
+        return self.drafter.combine_hidden_states(self.aux.rows(rows))
 
     @property
     def embedding(self) -> nn.Module:
