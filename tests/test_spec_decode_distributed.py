@@ -3,9 +3,10 @@ one-process run without speculation, and the accept counts of every replica summ
 summary.json, for n-gram and MTP drafts at attention TP 2 (EP 2 inside the TP group) and at DP 2 x
 EP 2 (lock-step: the replicas' verify steps feed different row counts, and a replica whose requests
 are done or draft less runs idle forwards and idle MTP passes), for a draft model at DP 2 x EP 2,
-and for n-gram drafts at TP 3; and for MTP in ge_graph at both layouts, every step but prefills and
-the MTP passes after them in graphs (in lock-step the replicas agree on each forward's bucket), and
-SmolLM2's own layers at TP 3 in ge_graph with and without MTP.
+for n-gram drafts at TP 3, and for an EAGLE-3 drafter at attention TP 2 in eager and ge_graph; and
+for MTP in ge_graph at both layouts, every step but prefills and the MTP passes after them in graphs
+(in lock-step the replicas agree on each forward's bucket), and SmolLM2's own layers at TP 3 in
+ge_graph with and without MTP.
 
 The layouts of one world size run in one torchrun launch (tests/dist_runs_entry.py), so the ranks
 start once. n-gram's counts are exact: the greedy outputs imply them (tests/spec_decode_harness.py).
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig
 
 from executor.core.spec_decode.ngram import NgramProposer
 from executor.types_ import AcceptCounts
@@ -28,10 +30,11 @@ from scripts.train_mtp_head import TrainableMTPLayer, load_frozen_model, save_mo
 from tests.conftest import save_tiny_llama
 from tests.deepseek_v3_harness import save_checkpoint
 from tests.dist_harness import entry_args, parallel_overrides, run_in_one_launch, run_one_process, token_ids
-from tests.factories import deepseek_config, tiny_tokenizer
+from tests.factories import TINY_VOCAB, deepseek_config, tiny_tokenizer
 from tests.run_harness import outputs_by_id, summary, write_run
 from tests.spec_decode_harness import ngram_accept_counts
 from tests.test_distributed import save_moe_folder
+from tests.test_eagle3 import save_drafter
 
 # Replica 0 serves r0 and r2, replica 1 r1 and r3: replica 0 is done first and idles while r1 drafts.
 NEW_TOKENS = {"r0": 5, "r1": 12, "r2": 7, "r3": 4}
@@ -69,6 +72,26 @@ def save_echoing_deepseek(path: Path) -> Path:
         if name.startswith(mtp) and name.endswith(("o_proj.weight", "down_proj.weight")):
             tensors[name] = torch.zeros_like(tensors[name])
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+def save_echoing_eagle3_drafter(path: Path, model_dir: Path, tokens: list[int], echo: float) -> Path:
+    """A random EAGLE-3 drafter (tests/test_eagle3.py) for a tiny Llama that repeats its last token
+    (its LM head tied to the embedding), pulled towards proposing the token of its row: fc adds
+    `echo` x the target's lowest layer's input (that token's embedding), and its head is the target's
+    embedding over a draft vocabulary holding `tokens` (what the target repeats). Its drafts are
+    accepted in part, each decided by fc, the layer, the head and d2t together."""
+    target = LlamaConfig.from_pretrained(model_dir)
+    save_drafter(path, target, seed=3, eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 1]})
+    tensors = load_file(str(path / "model.safetensors"))
+    draft_vocab = tensors["d2t"].shape[0]
+    others = [token for token in range(TINY_VOCAB) if token not in tokens]
+    target_ids = torch.tensor(sorted([*set(tokens), *others][:draft_vocab]))
+    tensors["d2t"] = target_ids - torch.arange(draft_vocab)
+    tensors["lm_head.weight"] = load_file(str(model_dir / "model.safetensors"))["model.embed_tokens.weight"][target_ids]
+    hidden = target.hidden_size
+    tensors["fc.weight"][:, :hidden] += echo * torch.eye(hidden)
+    save_file(tensors, str(path / "model.safetensors"))
     return path
 
 
@@ -299,3 +322,40 @@ def test_ge_graph_at_tp_3_on_smollm2_with_and_without_mtp_gives_one_process_toke
     (mtp,) = graphs["mtp"].values()
     assert verify_steps(graphs) > 0 and verify_steps(mtp) > 0
     assert graphs["eager_steps"] == mtp["eager_steps"] == prefill_steps(out)
+
+
+@pytest.mark.slow
+def test_eagle3_at_attention_tp_2_in_eager_and_ge_graph_drafts_as_one_process_and_keeps_its_tokens(tmp_path):
+    """The tiny Llama with its heads, FFN, embedding and LM head split 2 ways, and an EAGLE-3 drafter
+    whose layer splits with them (fc and its draft-vocabulary head whole on each rank): speculation
+    off's tokens, and one eager process's drafts (its accept counts at every position, which the
+    batching does not change), in eager and with the target's and the drafter's passes in graphs,
+    where a verify bucket pads each request to 1 + k rows and the drafter must read the target's
+    hidden states at the step's own."""
+    model_dir = save_tiny_llama(tmp_path / "llama", tie_word_embeddings=True)
+    run_yaml = write_repetitive_run(tmp_path / "run", model_dir, "")
+    prompts = [json.loads(line)["prompt_token_ids"] for line in (tmp_path / "run" / "prompts.jsonl").open()]
+    drafter = save_echoing_eagle3_drafter(tmp_path / "drafter", model_dir, [p[-1] for p in prompts], echo=30.0)
+    eagle3 = ["speculative_config.method=eagle3", "speculative_config.num_speculative_tokens=3"]
+    eagle3 += [f"speculative_config.draft_model_path={drafter}"]
+    reference = run_one_process(run_yaml, tmp_path / "one_process")
+    eagle3_one_process = run_one_process(run_yaml, tmp_path / "eagle3_one_process", *eagle3)
+    graph = ["model_config.exe_mode=ge_graph", "scheduler_config.graph_buckets=[2]", "scheduler_config.batch_size=2"]
+    sizes = parallel_overrides(2, attn_tp_size=2, dense_tp_size=2, embed_tp_size=2, lmhead_tp_size=2)
+    runs = {tmp_path / "tp2": [], tmp_path / "tp2_ge_graph": graph}
+    launch = run_in_one_launch(
+        [entry_args(run_yaml, out, [*eagle3, *mode, *sizes]) for out, mode in runs.items()],
+        nproc=2,
+        runs_file=tmp_path / "runs.json",
+    )
+    assert launch.returncode == 0, (launch.stdout + launch.stderr)[-4000:]
+    assert "EAGLE-3 drafter from" in launch.stdout + launch.stderr
+    expected = summary(tmp_path / "eagle3_one_process")["speculative"]
+    assert token_ids(eagle3_one_process) == token_ids(reference)
+    assert 0 < expected["accepted_tokens"] < expected["draft_tokens"]
+    for out in runs:
+        assert token_ids(outputs_by_id(out)) == token_ids(reference), out.name
+        assert assert_summed(out)["per_position"] == expected["per_position"], out.name
+        assert summary(out)["parts"][-1]["speculative"]["method"] == "eagle3"
+    graphs = summary(tmp_path / "tp2_ge_graph")["parts"][-1]["graph"]
+    assert verify_steps(graphs) > 0 and sum(graphs["eagle3"]["eagle3"]["graph_steps_per_bucket"].values()) > 0
