@@ -113,6 +113,16 @@ def test_ge_graph_engines_in_one_process_keep_their_own_graphs(tiny_llama_dir, r
     assert counters["stats"]["unique_graphs"] == graphs_before
 
 
+@pytest.mark.slow
+def test_ge_graph_with_the_cpp_wrapper_equals_eager(tiny_llama_dir, records, eager_outputs):
+    """model_config.graph_cpp_wrapper: inductor's C++ wrapper calls the graphs' kernels, the custom
+    ops' optional and list arguments included."""
+    graph = run(tiny_llama_dir, records, exe_mode="ge_graph", graph_cpp_wrapper=True)
+    assert graph.engine.worker.graph_runner.compiler.inductor_options()["cpp_wrapper"] is True
+    assert outputs(graph) == eager_outputs
+    assert sum(graph.result.summary["graph"]["graph_steps_per_bucket"].values()) > 0
+
+
 def test_ge_graph_with_two_cache_groups_equals_eager(ministral_dir, monkeypatch):
     """Sliding-window and full layers: padded rows write the null block of both groups."""
     monkeypatch.setattr(engine_module, "resolve_model", lambda name: (SlidingLlama, transformers.MinistralConfig))

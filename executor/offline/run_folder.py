@@ -49,6 +49,7 @@ OUTPUT_NEUTRAL_KEYS = frozenset(
         "model_config.enable_cache_compile",
         "model_config.enable_static_kernel",
         "model_config.enable_dynamic_graph",
+        "model_config.graph_cpp_wrapper",
         "data_config.dataset",  # which prompts run is matched request by request instead
         "data_config.dataset_path",
         "data_config.num_prompts",

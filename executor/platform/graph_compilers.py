@@ -101,11 +101,13 @@ class InductorCompiler(GraphCompiler):
 
     name = "ge_graph (torch.compile, inductor)"
 
-    def __init__(self, platform: Platform, cache: CompileCache, num_buckets: int) -> None:
-        """`num_buckets`: the graphs compiled, every step module's together."""
+    def __init__(self, platform: Platform, cache: CompileCache, num_buckets: int, cpp_wrapper: bool = False) -> None:
+        """`num_buckets`: the graphs compiled, every step module's together. `cpp_wrapper`: the code
+        that calls a graph's kernels in C++ (model_config.graph_cpp_wrapper)."""
         import torch._dynamo.config
 
         self.platform = platform
+        self.cpp_wrapper = cpp_wrapper
         cache.configure_inductor()
         limit = num_buckets + 1  # + the graph dynamo may build before specialising
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
@@ -134,16 +136,18 @@ class InductorCompiler(GraphCompiler):
         with torch._inductor.config.patch(options):
             run(buffers)  # dynamo compiles this bucket's shapes now
         return GraphCallable(
-            _without_guards(run), _inductor_origin(before, counters["inductor"], autotuning=bool(options))
+            _without_guards(run), _inductor_origin(before, counters["inductor"], autotuning="max_autotune" in options)
         )
 
     def inductor_options(self) -> dict[str, object]:
         """On the CPU: weights frozen into the graph and GEMMs autotuned between aten's (MKL/oneDNN) and
         inductor's own C++ micro-kernels over prepacked weights, which at decode's few rows beat MKL by
-        about 2x here (docs/graph_modes.md); elsewhere inductor's defaults."""
+        about 2x here (docs/graph_modes.md); elsewhere inductor's defaults. With `cpp_wrapper`, the C++
+        wrapper: at batch 1 the Python one's ~180 kernel calls were ~1.2 ms of a decode step."""
+        wrapper = {"cpp_wrapper": True} if self.cpp_wrapper else {}
         if self.platform.device_type != "cpu":
-            return {}
-        return {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+            return wrapper
+        return {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN", **wrapper}
 
     def synchronize(self) -> None:
         self.platform.synchronize()
@@ -379,6 +383,7 @@ class GraphCompilerFactory(Protocol):
         num_buckets: int,
         settings: dict[str, object],
         static_kernel: bool = False,
+        cpp_wrapper: bool = False,
     ) -> GraphCompiler: ...
 
 
@@ -386,8 +391,10 @@ def _cuda_graphs(platform: Platform, cache: CompileCache, **options: object) -> 
     return CudaGraphCompiler(platform)
 
 
-def _inductor(platform: Platform, cache: CompileCache, *, num_buckets: int, **options: object) -> GraphCompiler:
-    return InductorCompiler(platform, cache, num_buckets)
+def _inductor(
+    platform: Platform, cache: CompileCache, *, num_buckets: int, cpp_wrapper: bool = False, **options: object
+) -> GraphCompiler:
+    return InductorCompiler(platform, cache, num_buckets, cpp_wrapper)
 
 
 def _aot_inductor(

@@ -82,6 +82,11 @@ class ModelConfig:
     enable_cache_compile: bool = rule(False, help="keep compiled graphs in compile_cache_dir and load them next run")
     compile_cache_dir: str = rule("", help="ours: the compile cache; empty = $INFER_RECIPES_HOME/compile_cache")
     enable_static_kernel: bool = rule(False, npu_only=True, help="npugraph_ex static kernel compile")
+    graph_cpp_wrapper: bool = rule(
+        False,
+        help="ours: ge_graph on CPU/CUDA calls each graph's kernels from C++ (inductor's cpp_wrapper), not Python: "
+        "a shorter decode step at few rows, a longer compile per bucket",
+    )
     enable_dynamic_graph: bool = not_applicable(
         True,
         "graph modes here capture one static graph per decode bucket (cann-recipes ignores it under ge_graph too)",
@@ -122,7 +127,8 @@ class ModelConfig:
         choices=("auto", "float", "int8"),
         help="ours: on the CPU, how 4/8-bit weight-only layers multiply at decode's few rows (up to 8): float: "
         "each weight dequantized to fp32 (the exact path); int8: each input row quantized to int8 per 32 values "
-        "and multiplied in integers, as ggml does for GGUF files (faster, the row's rounding added; docs/quantization.md); "
+        "and multiplied in integers, as ggml does for GGUF files (faster, the row's rounding added; "
+        "docs/quantization.md); "
         "auto: int8 for a GGUF's Q4_1 / Q8_0 blocks, float for the rest",
     )
     quantization: str = rule(

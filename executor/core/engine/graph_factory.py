@@ -67,6 +67,7 @@ class GraphFactory:
                 **comm.graph_key_settings(),
             },
             static_kernel=model_config.enable_static_kernel,
+            cpp_wrapper=model_config.graph_cpp_wrapper,
         )
 
     def runner(
