@@ -1,7 +1,7 @@
 """Train an EAGLE-3 drafter (models/llama/eagle3.py) for a Llama model on its own greedy outputs, on CPU.
 
     PYTHONPATH=. .venv/bin/python scripts/train_eagle3.py [--model DIR] [--prompts FILE ...] [--steps N]
-        [--depth K] [--draft-vocab N] [--output DIR]
+        [--depth K] [--draft-vocab N] [--output DIR] [--sequences FILE]
 
 1. transformers generates the model's greedy continuations of the prompts (as scripts/train_mtp_head.py
    does: fp32, chat template); one more forward per sequence keeps the residual stream at the three
@@ -48,7 +48,7 @@ from executor.utils.logging_config import setup_logging
 from models.llama.eagle3 import aux_hidden_state_layers
 from scripts.train_mtp_head import (
     Sequence,
-    generate_sequences,
+    cached_sequences,
     load_frozen_model,
     training_arguments,
     warmup_cosine,
@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> dict:
     with logging_redirect_tqdm():
         model = load_frozen_model(model_dir)
         try:
-            sequences = generate_sequences(model, model_dir, args.prompts, args.max_new_tokens)
+            sequences = cached_sequences(model, model_dir, args.prompts, args.max_new_tokens, args.sequences)
         except DatasetError as error:
             raise SystemExit(f"train_eagle3: {error}") from None
         sequences = [s for s in sequences if len(s.token_ids) - s.num_prompt_tokens >= 2]
