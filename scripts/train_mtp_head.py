@@ -1,7 +1,7 @@
 """Train one MTP layer (module/mtp.py) for a Llama model on its own greedy outputs, on CPU, in minutes.
 
     PYTHONPATH=. .venv/bin/python scripts/train_mtp_head.py [--model DIR] [--prompts FILE ...] [--steps N]
-        [--output DIR]
+        [--output DIR] [--sequences FILE]
 
 1. transformers generates the model's greedy continuations of the prompts (fp32, chat template, as the engine
    tokenizes them); a hook on the final norm keeps every token's final hidden state h_i on the way, which is what
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import json
 import logging
 import math
@@ -175,6 +176,36 @@ def generate_sequences(
     return sequences
 
 
+def cached_sequences(
+    model: nn.Module, model_dir: Path, prompt_files: list[Path], max_new_tokens: int, cache: Path | None
+) -> list[Sequence]:
+    """generate_sequences, read from `cache` when it was written for the same model, prompt files and
+    max_new_tokens, else generated and written there: generation is most of a run on a busy CPU, and the
+    MTP head and the EAGLE-3 drafter (train_eagle3.py) train on the same sequences."""
+    key = {
+        "model": str(model_dir),
+        "prompts": [hashlib.sha256(path.read_bytes()).hexdigest() for path in prompt_files],
+        "max_new_tokens": max_new_tokens,
+    }
+    if cache is not None and cache.is_file():
+        saved = torch.load(cache, weights_only=True)
+        if saved["key"] != key:
+            raise SystemExit(
+                f"{cache} holds sequences of another model, prompt files or --max-new-tokens ({saved['key']}); "
+                "give another --sequences file or remove it"
+            )
+        logger.info("read %d generated sequences from %s", len(saved["sequences"]), cache)
+        return [Sequence(*fields) for fields in saved["sequences"]]
+    sequences = generate_sequences(model, model_dir, prompt_files, max_new_tokens)
+    if cache is not None:
+        # clone(): each sequence's hidden states are a view of its whole generation batch, padding included.
+        fields = [(s.token_ids, s.num_prompt_tokens, s.hidden_states.clone()) for s in sequences]
+        partial = cache.with_name(cache.name + ".partial")
+        torch.save({"key": key, "sequences": fields}, partial)
+        partial.rename(cache)
+    return sequences
+
+
 def warmup_cosine(optimizer: torch.optim.Optimizer, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warm-up over a tenth of the steps, then cosine decay to 0 (train_eagle3.py uses it too)."""
     warmup = max(1, steps // 10)
@@ -288,6 +319,13 @@ def training_arguments(description: str, steps: int, output_suffix: str) -> argp
         "--output", type=Path, default=None, help=f"default: <model folder>{output_suffix} beside the model"
     )
     parser.add_argument("--max-new-tokens", type=int, default=160, help="greedy tokens generated per prompt")
+    parser.add_argument(
+        "--sequences",
+        type=Path,
+        default=None,
+        help="file caching the generated sequences: read when written for the same model, prompts and "
+        "--max-new-tokens (by either training script), else written",
+    )
     parser.add_argument("--held-out", type=float, default=0.2, help="share of sequences kept for the accuracy")
     parser.add_argument("--lr", type=float, default=1e-3, help="of the new parts (MTP: the decoder layer's is a tenth)")
     parser.add_argument("--seed", type=int, default=0)
@@ -331,7 +369,7 @@ def main(argv: list[str] | None = None) -> dict:
         logger.info("generating greedy continuations of %s with %s", ", ".join(p.name for p in args.prompts), model_dir)
         model = load_frozen_model(model_dir)
         try:
-            sequences = generate_sequences(model, model_dir, args.prompts, args.max_new_tokens)
+            sequences = cached_sequences(model, model_dir, args.prompts, args.max_new_tokens, args.sequences)
         except DatasetError as error:
             raise SystemExit(f"train_mtp_head: {error}") from None
         sequences = [s for s in sequences if s.draft_rows.stop > s.draft_rows.start]  # at least one draft row

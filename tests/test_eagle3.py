@@ -260,6 +260,21 @@ def test_the_training_time_test_unrolls_the_chain_the_proposer_runs(setup):
             hidden = torch.cat([hidden, output[-1:]])
 
 
+@torch.no_grad()
+def test_the_training_targets_are_the_target_models_logits_over_the_draft_vocabulary(setup):
+    """scripts/train_eagle3.py's teacher logits, from only the LM head's draft-vocabulary rows, equal the
+    full head's logits at those tokens, row j + 1's hidden state giving row j's."""
+    from scripts.train_eagle3 import target_logits
+    from scripts.train_mtp_head import Sequence
+
+    hf_target = setup[0]
+    draft_token_ids = torch.arange(DRAFT_VOCAB) * 3
+    hidden_states = torch.randn(11, hf_target.config.hidden_size, generator=torch.Generator().manual_seed(7))
+    sequence = Sequence(torch.tensor(random_prompts([12], seed=5)[0]), 4, hidden_states)
+    logits = target_logits(hf_target.lm_head.weight[draft_token_ids], sequence)
+    torch.testing.assert_close(logits, hf_target.lm_head(hidden_states[1:])[:, draft_token_ids])
+
+
 # -- in the engine ----------------------------------------------------------------------------------
 
 

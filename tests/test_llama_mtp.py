@@ -27,6 +27,7 @@ from ops.attention.metadata import ScheduledSequence, TorchMetadataBuilder, buil
 from scripts import train_mtp_head
 from scripts.train_mtp_head import Sequence, TrainableMTPLayer, generate_sequences, load_frozen_model, mtp_hidden_states
 from tests.backends import cpu_backend
+from tests.conftest import save_tiny_llama
 from tests.engine_harness import run_engine
 from tests.factories import TINY_VOCAB, llama_config, mtp_config
 from tests.paged_harness import random_prompts, single_thread  # noqa: F401 (single_thread: an autouse fixture)
@@ -279,6 +280,28 @@ def test_script_saves_a_model_folder_that_loads_and_runs_as_before(tiny_llama_di
     records = load_prompts(prompt_file)[:4]
     with_mtp = [request.output_token_ids for request in run_engine(output, records).requests]
     assert with_mtp == [request.output_token_ids for request in run_engine(tiny_llama_dir, records).requests]
+
+
+def test_both_training_scripts_read_the_sequences_either_one_generated(prompt_file, tmp_path, monkeypatch):
+    from scripts import train_eagle3
+
+    model_dir = save_tiny_llama(tmp_path / "tiny", num_hidden_layers=6)  # EAGLE-3 reads three layers
+    cache = tmp_path / "sequences.pt"
+    args = ["--model", str(model_dir), "--prompts", str(prompt_file), "--sequences", str(cache), "--steps", "2"]
+    first = train_mtp_head.main([*args, "--max-new-tokens", "8", "--output", str(tmp_path / "mtp")])
+    assert cache.is_file()
+
+    def generate_again(*_args: object) -> None:
+        raise AssertionError("generated again despite --sequences")
+
+    monkeypatch.setattr(train_mtp_head, "generate_sequences", generate_again)
+    again = train_mtp_head.main([*args, "--max-new-tokens", "8", "--output", str(tmp_path / "mtp")])
+    times = ("generate_s", "total_s")
+    assert {k: v for k, v in again.items() if k not in times} == {k: v for k, v in first.items() if k not in times}
+    eagle3 = train_eagle3.main([*args, "--max-new-tokens", "8", "--output", str(tmp_path / "eagle3")])
+    assert eagle3["training_sequences"] + eagle3["held_out_sequences"] == 5 and eagle3["held_out_chains"] > 0
+    with pytest.raises(SystemExit, match="holds sequences of another model, prompt files or --max-new-tokens"):
+        train_mtp_head.main([*args, "--max-new-tokens", "9", "--output", str(tmp_path / "mtp")])
 
 
 def test_script_refuses_to_replace_a_folder_it_did_not_write(tiny_llama_dir, prompt_file):
