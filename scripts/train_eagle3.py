@@ -260,7 +260,7 @@ def save_folder(
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = training_arguments(__doc__.splitlines()[0], steps=900, output_suffix="-EAGLE3")
+    parser = training_arguments(__doc__.splitlines()[0], steps=1800, output_suffix="-EAGLE3")
     parser.add_argument("--draft-vocab", type=int, default=8192, help="tokens of the reduced draft vocabulary")
     parser.add_argument("--depth", type=int, default=3, help="chain steps unrolled in training (training-time test)")
     args = parser.parse_args(argv)

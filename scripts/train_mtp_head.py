@@ -48,7 +48,7 @@ logger = logging.getLogger("train_mtp_head")
 MTP_WEIGHTS_FILE = "mtp.safetensors"
 TRAINING_RECORD_FILE = "mtp_training.json"
 # Disjoint from default.jsonl, so that the benchmarks, which run that, measure prompts the head never saw.
-DEFAULT_PROMPT_FILES = (DATASET_DIR / "mtp_train.jsonl",)
+DEFAULT_PROMPT_FILES = (DATASET_DIR / "spec_train.jsonl",)  # chat-like, as default.jsonl (models/llama/README.md)
 GENERATE_BATCH_SIZE = 32
 
 
@@ -335,7 +335,7 @@ def training_arguments(description: str, steps: int, output_suffix: str) -> argp
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = training_arguments(__doc__.splitlines()[0], steps=800, output_suffix="-MTP")
+    parser = training_arguments(__doc__.splitlines()[0], steps=2000, output_suffix="-MTP")
     parser.add_argument("--rows-per-step", type=int, default=64, help="rows of a sequence the loss reads a step")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.rows_per_step < 1 or args.max_new_tokens < 2 or not 0 < args.held_out < 1:
