@@ -14,7 +14,8 @@ figures.
         --exe-mode ge_graph --graph-buckets 1 --rounds 3
 
 In a graph mode each engine is built once per batch size and run again in every round (its graphs,
-verify buckets included, compiled once); `graph` in the output says which steps ran in them.
+verify buckets included, compiled once), with the one graph bucket of its batch size unless
+--graph-buckets says others; `graph` in the output says which steps ran in them.
 """
 
 from __future__ import annotations
@@ -95,8 +96,10 @@ def main() -> None:
         "exe_mode": args.exe_mode,
         "by_batch_size": {},
     }
+    buckets = args.graph_buckets
     for batch_size in args.batch_sizes:
         args.batch_size = batch_size
+        args.graph_buckets = buckets or [batch_size]  # graph modes: the batch's own bucket unless told
         runs: dict[str, list[dict]] = {}
         outputs: dict[str, list[list[int]]] = {}  # each method's first run's tokens, per request
         engines: dict = {}  # graph modes: one engine per method, run in every round

@@ -14,10 +14,11 @@ engine. Everything device-specific is imported lazily.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import tempfile
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -63,7 +64,7 @@ def _forward(step: Callable[..., GraphOutput]) -> Callable[[GraphInputs], GraphO
     return lambda inputs: step(*inputs.forward_args())
 
 
-def _with_own_code(step: torch.nn.Module) -> Callable[..., GraphOutput]:
+def _with_own_code(step: torch.nn.Module) -> types.FunctionType:
     """`step` called through a function whose code object is its alone. Dynamo keeps its graphs on
     the code object of the frame it compiles, so each engine's graphs (weights frozen in) stay apart
     from every other engine's in the process: guards that match a module by id could pass for a new
@@ -114,7 +115,7 @@ class InductorCompiler(GraphCompiler):
         torch._dynamo.config.accumulated_recompile_limit = max(
             torch._dynamo.config.accumulated_recompile_limit, 8 * limit
         )
-        self._compiled: dict[torch.nn.Module, Callable[..., GraphOutput]] = {}  # by step module
+        self._compiled: dict[torch.nn.Module, _Compiled] = {}  # by step module
 
     def compile(self, step: torch.nn.Module, buffers: GraphInputs, bucket: str) -> GraphCallable:
         import torch._inductor.config
@@ -122,22 +123,23 @@ class InductorCompiler(GraphCompiler):
 
         if step not in self._compiled:
             own = _with_own_code(step)
-            self._compiled[step] = torch.compile(own, backend="inductor", dynamic=False, fullgraph=True)
+            self._compiled[step] = _Compiled(own, torch.compile(own, backend="inductor", dynamic=False, fullgraph=True))
+        entry = self._compiled[step]
         for layer in kv_cache_layers(step):
             for cache in layer.kv_caches().values():
                 # The block count follows free memory from run to run; code generic in it keeps the
                 # compile cache valid across runs (only the cache write and attention index it).
                 torch._dynamo.mark_dynamic(cache, 0)
         before = dict(counters["inductor"])
-        run = _forward(self._compiled[step])
         # Set around the compiling call rather than passed as torch.compile(options=...): measured
         # here, freezing and the GEMM autotuning did not take effect through `options`.
         options = self.inductor_options()
-        with torch._inductor.config.patch(options):
-            run(buffers)  # dynamo compiles this bucket's shapes now
-        return GraphCallable(
-            _without_guards(run), _inductor_origin(before, counters["inductor"], autotuning="max_autotune" in options)
-        )
+        with torch._inductor.config.patch(options), _bytecode_made_of(entry.own) as made:
+            entry.compiled(*buffers.forward_args())  # dynamo compiles this bucket's shapes now
+        # this bucket's bytecode, called directly; dynamo's guarded lookup where it made none (a
+        # bucket of shapes compiled before)
+        run = _forward(_with_code(entry.own, made[-1]) if made else entry.compiled)
+        return GraphCallable(run, _inductor_origin(before, counters["inductor"], autotuning="max_autotune" in options))
 
     def inductor_options(self) -> dict[str, object]:
         """On the CPU: weights frozen into the graph and GEMMs autotuned between aten's (MKL/oneDNN) and
@@ -153,18 +155,43 @@ class InductorCompiler(GraphCompiler):
         self.platform.synchronize()
 
 
-def _without_guards(run: Callable[[GraphInputs], GraphOutput]) -> Callable[[GraphInputs], GraphOutput]:
-    """`run` with dynamo checking only the guards that tell its compiled graphs apart (the buckets'
-    shapes): the rest hold by construction once every bucket is compiled (the step module, its
-    hooks and its frozen weights never change after warm-up; each bucket runs on its own buffers and
-    the engine's KV caches), and checking them all cost about 1.1 ms of a 10 ms batch-1 decode step
-    (docs/graph_modes.md). What dynamo replays after the graph (an EAGLE-3 hook keeping hidden states) still runs."""
+@dataclass(frozen=True, slots=True)
+class _Compiled:
+    """A step module's call with a code object of its own (`_with_own_code`) and its torch.compile."""
 
-    def unguarded(inputs: GraphInputs) -> GraphOutput:
-        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-            return run(inputs)
+    own: types.FunctionType
+    compiled: Callable[..., GraphOutput]
 
-    return unguarded
+
+@contextlib.contextmanager
+def _bytecode_made_of(function: types.FunctionType) -> Iterator[list[types.CodeType]]:
+    """The bytecode dynamo makes of `function`'s frame while the block runs, one per compile.
+
+    That bytecode calls the compiled graph and replays what the frame did besides (an EAGLE-3 hook
+    keeping hidden states); called directly, as vLLM calls it, it skips dynamo's cache lookup, whose
+    guards hold by construction once a bucket is compiled (the step module, its hooks and frozen
+    weights never change after warm-up; each bucket runs on its own buffers and the engine's KV
+    caches) and whose check cost about 1.7 ms of a batch-1 decode step (docs/graph_modes.md)."""
+    from torch._dynamo.convert_frame import register_bytecode_hook
+
+    made: list[types.CodeType] = []
+
+    def keep(original: types.CodeType, transformed: types.CodeType) -> None:
+        if original is function.__code__:
+            made.append(transformed)
+
+    handle = register_bytecode_hook(keep)
+    try:
+        yield made
+    finally:
+        handle.remove()
+
+
+def _with_code(function: types.FunctionType, code: types.CodeType) -> types.FunctionType:
+    """`function` running `code` (dynamo's bytecode of it: the globals it installs are `function`'s)."""
+    return types.FunctionType(
+        code, function.__globals__, function.__name__, function.__defaults__, function.__closure__
+    )
 
 
 def _inductor_origin(before: dict[str, int], after: dict[str, int], *, autotuning: bool) -> str:
@@ -319,7 +346,7 @@ class TorchairGeCompiler(GraphCompiler):
         config.experimental_config.topology_sorting_strategy = "StableRDFS"
         self.config = config
         self.cache_dir = cache.folder("torchair")
-        self._compiled: dict[torch.nn.Module, Callable[..., GraphOutput]] = {}  # by step module
+        self._compiled: dict[torch.nn.Module, _Compiled] = {}  # by step module
 
     def compile(self, step: torch.nn.Module, buffers: GraphInputs, bucket: str) -> GraphCallable:
         if step not in self._compiled:
@@ -356,7 +383,7 @@ class NpuGraphExCompiler(GraphCompiler):
             "clone_input": False,  # the buffers are persistent already
         }
         self.cache_dir = cache.folder("npugraph_ex")
-        self._compiled: dict[torch.nn.Module, Callable[..., GraphOutput]] = {}  # by step module
+        self._compiled: dict[torch.nn.Module, _Compiled] = {}  # by step module
 
     def compile(self, step: torch.nn.Module, buffers: GraphInputs, bucket: str) -> GraphCallable:
         if step not in self._compiled:
