@@ -305,6 +305,14 @@ def test_method_eagle3_needs_a_drafter_folder():
             },
             source="t.yaml",
         )
+    with pytest.raises(ConfigError, match="eagle3 in t.yaml does not run with parallel_config.cp_size 2"):
+        build_config(
+            {
+                "parallel_config": {"world_size": 2, "cp_size": 2},
+                "speculative_config": {"method": "eagle3", "num_speculative_tokens": 2, "draft_model_path": "x"},
+            },
+            source="t.yaml",
+        )
 
 
 def test_a_folder_that_holds_no_eagle3_drafter_is_refused_naming_it(tiny_llama_dir):

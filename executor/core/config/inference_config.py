@@ -435,6 +435,12 @@ def _check_speculation(config: InferenceConfig) -> None:
             f"speculative_config.method eagle3 in {where} runs in eager and ge_graph: its hidden states come from "
             "hooks on the target's layers, which an ahead-of-time compiled graph (npugraph_ex) does not run"
         )
+    if spec.method == "eagle3" and config.parallel_config.cp_size > 1:
+        raise ConfigError(
+            f"speculative_config.method eagle3 in {where} does not run with parallel_config.cp_size "
+            f"{config.parallel_config.cp_size}: a prefill split over the ranks leaves each rank's layer hooks only "
+            "its share of the hidden states the drafter reads (MTP gathers them; EAGLE-3 does not yet)"
+        )
     if spec.prompt_lookup_min > spec.prompt_lookup_max:
         raise ConfigError(
             f"speculative_config.prompt_lookup_min {spec.prompt_lookup_min} in {where} exceeds "
