@@ -183,8 +183,10 @@ def test_speculation_stats_add_each_position_over_steps_replicas_and_parts():
 
 def test_the_run_summary_counts_speculation_over_every_replicas_step_log():
     replica_0, replica_1 = [spec_step(1, [2, 1], [1, 0], 2)], [spec_step(1, [1, 1], [1, 1], 1)]
-    summary = run_summary("complete", [], replica_0, [], 0, replica_1)
+    part = {"device": "cpu", "speculative": {"method": "eagle3", "num_speculative_tokens": 2, "accept_rate": 0.5}}
+    summary = run_summary("complete", [], replica_0, [part], 0, replica_1)
     assert [entry["accepted_tokens"] for entry in summary["speculative"]["per_position"]] == [2, 1]
+    assert (summary["speculative"]["method"], summary["speculative"]["num_speculative_tokens"]) == ("eagle3", 2)
     assert summary["decode"]["steps"] == 1  # step times stay replica 0's
     assert "accept by draft  1: 0.667 (2/3), 2: 0.500 (1/2)" in summary_lines(summary)
 

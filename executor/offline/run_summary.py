@@ -29,6 +29,14 @@ def run_summary(
     total_s = sum(part["total_s"] for part in timed)
     part_output_tokens = sum(part.get("output_tokens", 0) for part in timed)
     latest = next((part for part in reversed(parts) if part.get("device")), {})
+    speculation = speculation_stats([*step_lines, *replica_step_lines])
+    if "speculative" in speculation:  # the proposer by name, as the latest part's summary gives it
+        named = {
+            key: latest["speculative"][key]
+            for key in ("method", "num_speculative_tokens")
+            if key in latest.get("speculative", {})
+        }
+        speculation["speculative"] |= named
     return {
         "status": status,
         "requests": len(output_lines),
@@ -44,7 +52,7 @@ def run_summary(
         **_latencies(timed, "tpot"),
         "output_tokens_per_s": part_output_tokens / total_s if total_s > 0 else 0.0,
         **_cache_stats(parts),
-        **speculation_stats([*step_lines, *replica_step_lines]),
+        **speculation,
         "device": latest.get("device"),
         "dtype": latest.get("dtype"),
         "linear_layers": latest.get("linear_layers"),
