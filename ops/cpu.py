@@ -171,9 +171,10 @@ class CpuOps:
 # plain one per step's weights, cold, on an AMX Xeon), 24 on one with AVX2 and FMA only (1.3x
 # oneDNN's blocked kernel per decode step's linears and 2x at one row on a Zen 3 EPYC;
 # docs/benchmarks.md). Past `PANEL_ROWS_MAX` rows (a prefill) MKL's own blocking wins and the plain
-# weight serves. Inside a compiled graph the panels serve from 2 rows: at one row inductor's own
-# micro-GEMM over the frozen weight is as fast, and at 2 to 32 rows (speculative verify steps) inductor
-# picks MKL's packed GEMM, which reads the weight at two thirds of the speed. bf16 weights take AMX
+# weight serves. Inside a compiled graph the panels serve from 2 rows, where inductor would pick MKL's
+# packed GEMM (speculative verify steps), which reads the weight at two thirds of the speed; at one row
+# too on a CPU without AVX-512, where inductor's own micro-GEMM over the frozen weight made SmolLM2's
+# decode step 1.54x slower than the panels (Zen 2; it is as fast as them with AVX-512, Xeon). bf16 weights take AMX
 # tiles where the CPU has AMX bf16 (ops/csrc/amx_linear.cpp: a step's weights stream once for up to
 # 32 rows, where oneDNN's AMX kernel slows by a fifth from 8 rows to 32), else oneDNN's blocked
 # layout where oneDNN can reorder them; elsewhere none is kept. Which layout is
@@ -209,14 +210,17 @@ class PackedWeight:
 
 class KernelLinear(LinearMethod):
     """A weight laid out once for one of this project's registered linear ops (`op(x, packed, bias,
-    out_features)`), which serves up to `rows_max` rows, F.linear past them; in a compiled graph,
-    inductor's own GEMM at one row."""
+    out_features)`), which serves up to `rows_max` rows, F.linear past them; in a compiled graph from
+    `graph_rows_min` rows, inductor's own GEMM below them."""
 
-    def __init__(self, layout: str, pack: Callable[[torch.Tensor], torch.Tensor], op: Any, rows_max: int) -> None:
+    def __init__(
+        self, layout: str, pack: Callable[[torch.Tensor], torch.Tensor], op: Any, rows_max: int, graph_rows_min: int = 2
+    ) -> None:
         self.layout = layout
         self.pack = pack
         self.op = op
         self.rows_max = rows_max
+        self.graph_rows_min = graph_rows_min
 
     def process_weights(self, layer: nn.Module) -> None:
         weight = cast(torch.Tensor, layer.weight).detach()
@@ -225,18 +229,28 @@ class KernelLinear(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         packed = cast("PackedWeight | None", layer.packed_weight)
         rows = x.numel() // x.shape[-1]
-        if packed is None or rows > self.rows_max or (torch.compiler.is_compiling() and not _kernel_in_graph(rows)):
+        if packed is None or rows > self.rows_max or (torch.compiler.is_compiling() and not self.in_graph(rows)):
             return F.linear(x, cast(torch.Tensor, layer.weight), bias)
         out = self.op(x.reshape(rows, x.shape[-1]), packed.data, bias, packed.out_features)
         return out.view(*x.shape[:-1], packed.out_features)
+
+    def in_graph(self, rows: int) -> bool:
+        """Whether a graph being compiled calls the op at `rows`: from `graph_rows_min`, and not in an
+        exported program (AOTInductor packages hold no weights, and a packed copy is no parameter it
+        could bind)."""
+        return rows >= self.graph_rows_min and not torch.compiler.is_exporting()
 
 
 class PanelLinear(KernelLinear):
     """fp32 panels of `width` columns (ops/csrc/packed_linear.cpp) up to PANEL_ROWS_MAX rows, MKL past them."""
 
-    def __init__(self, pack: Callable[[torch.Tensor, int], torch.Tensor], width: int) -> None:
+    def __init__(self, pack: Callable[[torch.Tensor, int], torch.Tensor], width: int, graph_rows_min: int) -> None:
         super().__init__(
-            "panels", lambda weight: pack(weight, width), torch.ops.infer_recipes.packed_linear, PANEL_ROWS_MAX
+            "panels",
+            lambda weight: pack(weight, width),
+            torch.ops.infer_recipes.packed_linear,
+            PANEL_ROWS_MAX,
+            graph_rows_min,
         )
         self.width = width
 
@@ -246,13 +260,6 @@ class AmxLinear(KernelLinear):
 
     def __init__(self, pack: Callable[[torch.Tensor], torch.Tensor]) -> None:
         super().__init__("amx", pack, torch.ops.infer_recipes.amx_linear, AMX_ROWS_MAX)
-
-
-def _kernel_in_graph(rows: int) -> bool:
-    """Whether a graph being compiled calls a KernelLinear's op at `rows`: from two rows, and not in an
-    exported program (AOTInductor packages hold no weights, and a packed copy is no parameter it could
-    bind)."""
-    return rows >= 2 and not torch.compiler.is_exporting()
 
 
 class OneDnnLinear(LinearMethod):
@@ -282,7 +289,9 @@ def cpu_linear_method(dtype: torch.dtype, extension: Any | None, flags: frozense
     """The packed method for weights of `dtype` on a CPU with `flags` and the built `extension` (or
     None), or None where only the plain layout serves."""
     if dtype == torch.float32 and extension is not None and {"avx2", "fma"} <= flags:
-        return PanelLinear(extension.pack_linear_weight, AVX512_PANEL_WIDTH if "avx512f" in flags else AVX2_PANEL_WIDTH)
+        if "avx512f" in flags:
+            return PanelLinear(extension.pack_linear_weight, AVX512_PANEL_WIDTH, graph_rows_min=2)
+        return PanelLinear(extension.pack_linear_weight, AVX2_PANEL_WIDTH, graph_rows_min=1)
     if dtype == torch.bfloat16 and extension is not None and AMX_FLAGS <= flags and extension.amx_available():
         return AmxLinear(extension.pack_amx_weight)
     if torch.backends.mkldnn.is_available():
