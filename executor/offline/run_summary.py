@@ -28,7 +28,7 @@ def run_summary(
     timed = [part for part in parts if part.get("total_s")]
     total_s = sum(part["total_s"] for part in timed)
     part_output_tokens = sum(part.get("output_tokens", 0) for part in timed)
-    latest = next((part for part in reversed(parts) if part.get("device")), {})
+    latest: dict[str, Any] = next((part for part in reversed(parts) if part.get("device")), {})
     speculation = speculation_stats([*step_lines, *replica_step_lines])
     if "speculative" in speculation:  # the proposer by name, as the latest part's summary gives it
         named = {

@@ -146,7 +146,7 @@ class InductorCompiler(GraphCompiler):
         inductor's own C++ micro-kernels over prepacked weights, which at decode's few rows beat MKL by
         about 2x here (docs/graph_modes.md); elsewhere inductor's defaults. With `cpp_wrapper`, the C++
         wrapper: at batch 1 the Python one's ~180 kernel calls were ~1.2 ms of a decode step."""
-        wrapper = {"cpp_wrapper": True} if self.cpp_wrapper else {}
+        wrapper: dict[str, object] = {"cpp_wrapper": True} if self.cpp_wrapper else {}
         if self.platform.device_type != "cpu":
             return wrapper
         return {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN", **wrapper}
@@ -176,9 +176,10 @@ def _bytecode_made_of(function: types.FunctionType) -> Iterator[list[types.CodeT
 
     made: list[types.CodeType] = []
 
-    def keep(original: types.CodeType, transformed: types.CodeType) -> None:
-        if original is function.__code__:
-            made.append(transformed)
+    def keep(code: types.CodeType, new_code: types.CodeType) -> types.CodeType | None:
+        if code is function.__code__:
+            made.append(new_code)
+        return None  # dynamo's bytecode, unchanged
 
     handle = register_bytecode_hook(keep)
     try:
@@ -346,7 +347,7 @@ class TorchairGeCompiler(GraphCompiler):
         config.experimental_config.topology_sorting_strategy = "StableRDFS"
         self.config = config
         self.cache_dir = cache.folder("torchair")
-        self._compiled: dict[torch.nn.Module, _Compiled] = {}  # by step module
+        self._compiled: dict[torch.nn.Module, Callable[..., GraphOutput]] = {}  # by step module
 
     def compile(self, step: torch.nn.Module, buffers: GraphInputs, bucket: str) -> GraphCallable:
         if step not in self._compiled:
@@ -383,7 +384,7 @@ class NpuGraphExCompiler(GraphCompiler):
             "clone_input": False,  # the buffers are persistent already
         }
         self.cache_dir = cache.folder("npugraph_ex")
-        self._compiled: dict[torch.nn.Module, _Compiled] = {}  # by step module
+        self._compiled: dict[torch.nn.Module, Callable[..., GraphOutput]] = {}  # by step module
 
     def compile(self, step: torch.nn.Module, buffers: GraphInputs, bucket: str) -> GraphCallable:
         if step not in self._compiled:
