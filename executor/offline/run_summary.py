@@ -13,6 +13,8 @@ from typing import Any
 
 from executor.offline.metrics import speculation_stats, step_breakdown, step_stats
 
+PROPOSER_KEYS = ("method", "num_speculative_tokens")  # a part's summary names its proposer by these
+
 
 def run_summary(
     status: str,
@@ -31,12 +33,8 @@ def run_summary(
     latest: dict[str, Any] = next((part for part in reversed(parts) if part.get("device")), {})
     speculation = speculation_stats([*step_lines, *replica_step_lines])
     if "speculative" in speculation:  # the proposer by name, as the latest part's summary gives it
-        named = {
-            key: latest["speculative"][key]
-            for key in ("method", "num_speculative_tokens")
-            if key in latest.get("speculative", {})
-        }
-        speculation["speculative"] |= named
+        latest_spec = latest.get("speculative", {})
+        speculation["speculative"] |= {key: latest_spec[key] for key in PROPOSER_KEYS if key in latest_spec}
     return {
         "status": status,
         "requests": len(output_lines),
