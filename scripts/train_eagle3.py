@@ -3,9 +3,10 @@
     PYTHONPATH=. .venv/bin/python scripts/train_eagle3.py [--model DIR] [--prompts FILE ...] [--steps N]
         [--depth K] [--draft-vocab N] [--output DIR] [--sequences FILE]
 
-1. transformers generates the model's greedy continuations of the prompts (as scripts/train_mtp_head.py
-   does: fp32, chat template); one more forward per sequence keeps the residual stream at the three
-   layers the drafter reads (vLLM's default: the inputs of layers 2, L // 2 and L - 3).
+1. The engine generates the model's greedy continuations of the prompts (as scripts/train_mtp_head.py
+   does: fp32, chat template); one batched transformers forward over them keeps the final hidden
+   states and the residual stream at the three layers the drafter reads (vLLM's default: the inputs
+   of layers 2, L // 2 and L - 3).
 2. The draft vocabulary is the `--draft-vocab` tokens most frequent in those sequences (d2t maps
    them back; EAGLE-3's reduced vocabulary, which makes each draft's LM head that much cheaper).
 3. The drafter learns with EAGLE-3's training-time test: each sequence is unrolled `--depth` steps
@@ -36,7 +37,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
@@ -137,6 +138,16 @@ class TrainableEagle3(nn.Module):
             output = output + probs[..., num_rows + index, None] * value
         return output.transpose(0, 1).flatten(1)
 
+    def load_checkpoint(self, folder: Path) -> None:
+        """Continue from a drafter this script wrote: its weights, and its draft vocabulary (d2t)."""
+        tensors = load_file(str(folder / "model.safetensors"))
+        d2t = tensors.pop("d2t")
+        tensors.pop("t2d")
+        self.lm_head = nn.Linear(self.lm_head.in_features, len(d2t), bias=False)
+        self.draft_token_ids = d2t + torch.arange(len(d2t))
+        tensors["draft_token_ids"] = self.draft_token_ids
+        self.load_state_dict(tensors)
+
     def checkpoint_tensors(self, vocab_size: int) -> dict[str, torch.Tensor]:
         """vLLM's eagle3 names: midlayer.*, fc, norm, lm_head, d2t (offsets), t2d (a mask over the target vocab)."""
         tensors = {name: tensor.detach().clone().contiguous() for name, tensor in self.state_dict().items()}
@@ -147,14 +158,6 @@ class TrainableEagle3(nn.Module):
         t2d[draft_token_ids] = True
         tensors["t2d"] = t2d
         return tensors
-
-
-@torch.no_grad()
-def aux_hidden_states(model: nn.Module, sequence: Sequence, layers: tuple[int, int, int]) -> torch.Tensor:
-    """[L - 1, 3 x hidden]: the inputs of `layers` at every token but the last (HF's hidden_states[i]).
-    The base model alone: the LM head's logits, unused here, are a fifth of the whole model's FLOPs."""
-    states = model.model(sequence.token_ids[None, :-1], output_hidden_states=True).hidden_states
-    return torch.cat([states[layer][0] for layer in layers], dim=-1)
 
 
 def draft_vocabulary(sequences: list[Sequence], size: int, vocab_size: int) -> torch.Tensor:
@@ -260,9 +263,16 @@ def save_folder(
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = training_arguments(__doc__.splitlines()[0], steps=1800, output_suffix="-EAGLE3")
+    parser = training_arguments(__doc__.splitlines()[0], steps=4000, output_suffix="-EAGLE3")
     parser.add_argument("--draft-vocab", type=int, default=8192, help="tokens of the reduced draft vocabulary")
     parser.add_argument("--depth", type=int, default=3, help="chain steps unrolled in training (training-time test)")
+    parser.add_argument(
+        "--init",
+        type=Path,
+        default=None,
+        help="a drafter folder this script wrote: train on from its weights and "
+        "draft vocabulary (--draft-vocab is then its size)",
+    )
     args = parser.parse_args(argv)
     if min(args.steps, args.draft_vocab, args.depth) < 1 or args.max_new_tokens < 2 or not 0 < args.held_out < 1:
         parser.error(
@@ -283,13 +293,12 @@ def main(argv: list[str] | None = None) -> dict:
     start_s = time.perf_counter()
     with logging_redirect_tqdm():
         model = load_frozen_model(model_dir)
+        layers = aux_hidden_state_layers(model.config, model.config.num_hidden_layers)
         try:
-            sequences = cached_sequences(model, model_dir, args.prompts, args.max_new_tokens, args.sequences)
+            sequences = cached_sequences(model, model_dir, args.prompts, args.max_new_tokens, args.sequences, layers)
         except DatasetError as error:
             raise SystemExit(f"train_eagle3: {error}") from None
-        sequences = [s for s in sequences if len(s.token_ids) - s.num_prompt_tokens >= 2]
-        layers = aux_hidden_state_layers(model.config, model.config.num_hidden_layers)
-        data = [(sequence, aux_hidden_states(model, sequence, layers)) for sequence in sequences]
+        data = [(s, s.aux_hidden_states) for s in sequences if len(s.token_ids) - s.num_prompt_tokens >= 2]
         random.Random(args.seed).shuffle(data)
         num_held_out = max(1, round(len(data) * args.held_out))
         held_out, training = data[:num_held_out], data[num_held_out:]
@@ -297,6 +306,8 @@ def main(argv: list[str] | None = None) -> dict:
             [s for s, _ in training], min(args.draft_vocab, model.config.vocab_size), model.config.vocab_size
         )
         drafter = TrainableEagle3(model, vocabulary)
+        if args.init is not None:
+            drafter.load_checkpoint(args.init.expanduser().resolve())
         rates_before, num_chains = accept_rates(model, drafter, held_out, args.depth)
         train(model, drafter, training, args)
         rates, _ = accept_rates(model, drafter, held_out, args.depth)
@@ -306,10 +317,11 @@ def main(argv: list[str] | None = None) -> dict:
         "held_out_chains": num_chains,
         "held_out_sequences": len(held_out),
         "training_sequences": len(training),
-        "draft_vocab_size": len(vocabulary),
+        "draft_vocab_size": len(drafter.draft_token_ids),
         "aux_hidden_state_layers": list(layers),
         "steps": args.steps,
         "depth": args.depth,
+        "init": None if args.init is None else json.loads((args.init / TRAINING_RECORD_FILE).read_text()),
         "lr": args.lr,
         "seed": args.seed,
         "max_new_tokens": args.max_new_tokens,

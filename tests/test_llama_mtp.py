@@ -25,7 +25,14 @@ from models.llama import LlamaForCausalLM
 from module.attention import Attention
 from ops.attention.metadata import ScheduledSequence, TorchMetadataBuilder, build_model_inputs, build_step_layout
 from scripts import train_mtp_head
-from scripts.train_mtp_head import Sequence, TrainableMTPLayer, generate_sequences, load_frozen_model, mtp_hidden_states
+from scripts.train_mtp_head import (
+    Sequence,
+    TrainableMTPLayer,
+    generate_token_ids,
+    load_frozen_model,
+    mtp_hidden_states,
+    with_hidden_states,
+)
 from tests.backends import cpu_backend
 from tests.conftest import save_tiny_llama
 from tests.engine_harness import run_engine
@@ -248,17 +255,23 @@ def prompt_file(tmp_path_factory) -> Path:
     return path
 
 
-def test_generation_keeps_the_greedy_tokens_and_each_tokens_final_hidden_state(tiny_llama_dir, prompt_file):
+def test_generation_keeps_the_greedy_tokens_and_each_tokens_hidden_states(tiny_llama_dir, prompt_file):
+    """The engine's greedy tokens are transformers' on each prompt alone; the padded batched forward gives
+    each sequence's own final hidden states and the chosen layers' inputs, as one forward over it alone."""
     model = load_frozen_model(tiny_llama_dir)
-    sequences = generate_sequences(model, tiny_llama_dir, [prompt_file], max_new_tokens=12)
-    assert len(sequences) == 5
+    sequences = with_hidden_states(
+        model, generate_token_ids(tiny_llama_dir, [prompt_file], max_new_tokens=12), aux_layers=(0, 1)
+    )
+    assert len(sequences) == 5 and len({len(s.token_ids) for s in sequences}) > 1  # batches are padded
     with torch.no_grad():
         for sequence in sequences:
             prompt = sequence.token_ids[: sequence.num_prompt_tokens]
             alone = model.generate(prompt[None], do_sample=False, max_new_tokens=12)[0, len(prompt) :]
             assert sequence.token_ids[len(prompt) :].tolist() == alone.tolist()
-            hidden_states = model.model(sequence.token_ids[None, :-1]).last_hidden_state[0]
-            assert (sequence.hidden_states - hidden_states).abs().max() <= 1e-4
+            output = model.model(sequence.token_ids[None, :-1], output_hidden_states=True)
+            assert (sequence.hidden_states - output.last_hidden_state[0]).abs().max() <= 1e-4
+            aux = torch.cat([output.hidden_states[0][0], output.hidden_states[1][0]], dim=-1)
+            assert (sequence.aux_hidden_states - aux).abs().max() <= 1e-4
 
 
 def test_script_saves_a_model_folder_that_loads_and_runs_as_before(tiny_llama_dir, prompt_file, tmp_path):
@@ -294,12 +307,18 @@ def test_both_training_scripts_read_the_sequences_either_one_generated(prompt_fi
     def generate_again(*_args: object) -> None:
         raise AssertionError("generated again despite --sequences")
 
-    monkeypatch.setattr(train_mtp_head, "generate_sequences", generate_again)
+    monkeypatch.setattr(train_mtp_head, "generate_token_ids", generate_again)
     again = train_mtp_head.main([*args, "--max-new-tokens", "8", "--output", str(tmp_path / "mtp")])
     times = ("generate_s", "total_s")
     assert {k: v for k, v in again.items() if k not in times} == {k: v for k, v in first.items() if k not in times}
     eagle3 = train_eagle3.main([*args, "--max-new-tokens", "8", "--output", str(tmp_path / "eagle3")])
     assert eagle3["training_sequences"] + eagle3["held_out_sequences"] == 5 and eagle3["held_out_chains"] > 0
+    # --init trains on from that drafter: before its first step it accepts what the drafter accepted
+    # (its weights and its draft vocabulary, not one the new run would choose: --draft-vocab 16 here)
+    more = ["--max-new-tokens", "8", "--draft-vocab", "16", "--output", str(tmp_path / "eagle3-more")]
+    again = train_eagle3.main([*args, *more, "--init", str(tmp_path / "eagle3")])
+    assert again["held_out_accept_rate_by_position_at_init"] == eagle3["held_out_accept_rate_by_position"]
+    assert again["draft_vocab_size"] == eagle3["draft_vocab_size"] != 16 and again["init"] == eagle3
     with pytest.raises(SystemExit, match="holds sequences of another model, prompt files or --max-new-tokens"):
         train_mtp_head.main([*args, "--max-new-tokens", "9", "--output", str(tmp_path / "mtp")])
 
