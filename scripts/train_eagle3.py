@@ -138,15 +138,16 @@ class TrainableEagle3(nn.Module):
             output = output + probs[..., num_rows + index, None] * value
         return output.transpose(0, 1).flatten(1)
 
-    def load_checkpoint(self, folder: Path) -> None:
-        """Continue from a drafter this script wrote: its weights, and its draft vocabulary (d2t)."""
+    @classmethod
+    def from_folder(cls, model: nn.Module, folder: Path) -> TrainableEagle3:
+        """A drafter this script wrote, to train on: its weights and its draft vocabulary (d2t)."""
         tensors = load_file(str(folder / "model.safetensors"))
         d2t = tensors.pop("d2t")
         tensors.pop("t2d")
-        self.lm_head = nn.Linear(self.lm_head.in_features, len(d2t), bias=False)
-        self.draft_token_ids = d2t + torch.arange(len(d2t))
-        tensors["draft_token_ids"] = self.draft_token_ids
-        self.load_state_dict(tensors)
+        tensors["draft_token_ids"] = d2t + torch.arange(len(d2t))
+        drafter = cls(model, tensors["draft_token_ids"])
+        drafter.load_state_dict(tensors)
+        return drafter
 
     def checkpoint_tensors(self, vocab_size: int) -> dict[str, torch.Tensor]:
         """vLLM's eagle3 names: midlayer.*, fc, norm, lm_head, d2t (offsets), t2d (a mask over the target vocab)."""
@@ -302,12 +303,13 @@ def main(argv: list[str] | None = None) -> dict:
         random.Random(args.seed).shuffle(data)
         num_held_out = max(1, round(len(data) * args.held_out))
         held_out, training = data[:num_held_out], data[num_held_out:]
-        vocabulary = draft_vocabulary(
-            [s for s, _ in training], min(args.draft_vocab, model.config.vocab_size), model.config.vocab_size
-        )
-        drafter = TrainableEagle3(model, vocabulary)
         if args.init is not None:
-            drafter.load_checkpoint(args.init.expanduser().resolve())
+            drafter = TrainableEagle3.from_folder(model, args.init.expanduser().resolve())
+        else:
+            vocabulary = draft_vocabulary(
+                [s for s, _ in training], min(args.draft_vocab, model.config.vocab_size), model.config.vocab_size
+            )
+            drafter = TrainableEagle3(model, vocabulary)
         rates_before, num_chains = accept_rates(model, drafter, held_out, args.depth)
         train(model, drafter, training, args)
         rates, _ = accept_rates(model, drafter, held_out, args.depth)
