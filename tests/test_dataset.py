@@ -383,3 +383,19 @@ def test_chat64_is_the_throughput_workload_of_64_chat_prompts_of_20_to_220_token
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     lengths = [len(tokenize_record(record, tokenizer, apply_chat_template=True)) for record in records]
     assert 20 <= min(lengths) and max(lengths) <= 220
+
+
+def test_the_drafters_training_prompts_are_disjoint_from_the_benchmarked_ones() -> None:
+    """spec_train.jsonl trains the SmolLM2 drafters; the speculation benchmarks run default.jsonl and
+    chat64.jsonl, so no prompt (user turn) of theirs may be one the drafters saw, nor may one repeat."""
+
+    def user_texts(name: str) -> list[str]:
+        texts = []
+        for record in load_prompts(DATASET_DIR / name):
+            turns = [m["content"] for m in record.messages or [] if m["role"] == "user"]
+            texts += [" ".join(text.lower().split()) for text in [record.prompt or "", *turns] if text]
+        return texts
+
+    training = user_texts("spec_train.jsonl")
+    assert len(training) == len(set(training)) == 2391
+    assert not set(training) & set(user_texts("default.jsonl") + user_texts("chat64.jsonl"))
