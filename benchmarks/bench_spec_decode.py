@@ -35,10 +35,13 @@ from executor.model_loader.default_model import default_model_path
 METHODS = ("ngram", "mtp", "draft_model", "eagle3")
 
 
-def sections_for(method: str, args: argparse.Namespace) -> dict:
-    if method == "off":
+def sections_for(run: str, args: argparse.Namespace) -> dict:
+    """The YAML sections of one run: "off", a method, or METHOD:SCHEMES (its drafter quantized at load
+    by speculative_config.quantization, e.g. eagle3:w8a16_g32+lm_head)."""
+    if run == "off":
         return {}
-    spec = {"method": method, "num_speculative_tokens": args.num_speculative_tokens}
+    method, _, quantization = run.partition(":")
+    spec = {"method": method, "num_speculative_tokens": args.num_speculative_tokens, "quantization": quantization}
     if method == "draft_model":
         spec["draft_model_path"] = str(args.draft_model_path)
     if method == "eagle3":
@@ -65,7 +68,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(parser, num_prompts=16, batch_size=8, block_size=16, max_new_tokens=64, num_blocks=0)
     parser.add_argument("--dataset", default="default")
-    parser.add_argument("--methods", nargs="+", default=["ngram"], choices=METHODS)
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=["ngram"],
+        help=f"each one of {', '.join(METHODS)}, or METHOD:SCHEMES for a drafter quantized at load (eagle3, "
+        "draft_model: speculative_config.quantization, e.g. eagle3:w8a16_g32+lm_head)",
+    )
     parser.add_argument("--num-speculative-tokens", type=int, default=3)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--draft-model-path", type=Path, default=None, help="default: <model>-draft8 beside it")
@@ -79,6 +88,8 @@ def main() -> None:
         "method decodes the same token count; what a model writes past its EOS is no part of the task)",
     )
     args = parser.parse_args()
+    if unknown := [run for run in args.methods if run.partition(":")[0] not in METHODS]:
+        parser.error(f"--methods: {', '.join(unknown)} names no method of {', '.join(METHODS)}")
     logging.basicConfig(level=logging.WARNING)
     base_model = Path(args.model_path or default_model_path())
     args.draft_model_path = args.draft_model_path or base_model.with_name(f"{base_model.name}-draft8")
@@ -107,7 +118,7 @@ def main() -> None:
             # MTP needs the model folder that holds the trained MTP head (scripts/train_mtp_head.py)
             args.model_path = (
                 (args.mtp_model_path or base_model.with_name(f"{base_model.name}-MTP"))
-                if method == "mtp"
+                if method.partition(":")[0] == "mtp"
                 else base_model
             )
             sections = sections_for(method, args)

@@ -18,9 +18,11 @@ from safetensors.torch import save_file
 from executor.core.config import ConfigError, build_config
 from executor.core.spec_decode.eagle3 import Eagle3Proposer, load_eagle3_drafter
 from executor.core.spec_decode.proposer import ProposalContext
+from executor.model_loader.quantization_config import online_scheme
 from executor.offline.dataset import DATASET_DIR, PromptRecord, load_prompts
 from models.llama.eagle3 import aux_hidden_state_layers
 from module.attention import Attention
+from ops import quant_math
 from ops.attention.metadata import ScheduledSequence, TorchMetadataBuilder, build_model_inputs, build_step_layout
 from tests.backends import cpu_backend
 from tests.engine_harness import load_hf_model, make_inference
@@ -142,7 +144,8 @@ def setup(tmp_path_factory):
     folder = tmp_path_factory.mktemp("eagle3")
     (folder / "config.json").write_text(json.dumps(draft_config(target_config)))
     save_file(weights, str(folder / "model.safetensors"))
-    drafter, layers = load_eagle3_drafter(str(folder), target_config, "llama", backend=cpu_backend())
+    loaded = load_eagle3_drafter(str(folder), target_config, "llama", backend=cpu_backend())
+    drafter, layers = loaded.module, loaded.aux_layers
     for attention in (m for m in drafter.modules() if isinstance(m, Attention)):
         shape = (NUM_BLOCKS, BLOCK_SIZE, 2, target_config.hidden_size // 4)
         attention.bind_kv_cache({"key": torch.full(shape, float("nan")), "value": torch.full(shape, float("nan"))}, 0)
@@ -335,6 +338,10 @@ def test_greedy_output_with_a_random_drafter_equals_speculation_off(tiny_llama_d
     assert on == off
     assert summary["speculative"]["method"] == "eagle3" and summary["speculative"]["draft_tokens"] > 0
     assert len(summary["speculative"]["per_position"]) == 3
+    # quantized at load, Q8_0's blocks: int8 rows at the drafter's few rows (q8_dot_linear.cpp)
+    on, summary = engine_outputs(tiny_llama_dir, records, spec | {"quantization": "w8a16_g32+lm_head"})
+    assert on == off
+    assert summary["speculative"]["quantization"] == "w8a16_g32+lm_head"
 
 
 @torch.no_grad()
@@ -358,18 +365,40 @@ def reference_chain(
     return drafts
 
 
-def test_the_proposers_chain_equals_the_drafter_unrolled_in_plain_torch(tiny_llama_dir, tmp_path, monkeypatch):
+def rounded_like(weights: dict[str, torch.Tensor], schemes: str) -> dict[str, torch.Tensor]:
+    """The drafter's tensors with every linear weight that `schemes` (speculative_config.quantization)
+    quantizes rounded to nearest and dequantized in plain torch (ops/quant_math.py): the scheme computed
+    plainly. The LM head only with "+lm_head", as model_config.quantization leaves it otherwise."""
+    tokens = schemes.split("+")
+    args = online_scheme(tokens[0], "test").weights
+    linear = [name for name in weights if name.endswith("proj.weight") or name == "fc.weight"]
+    rounded = dict(weights)
+    for name in linear + (["lm_head.weight"] if "lm_head" in tokens else []):
+        rounded[name] = quant_math.dequantize_weight(
+            *quant_math.quantize_weight(weights[name], args), args, torch.float32
+        )
+    return rounded
+
+
+@pytest.mark.parametrize("quantization", ["", "w8a16_g16+lm_head"])  # exact rows (not a GGUF block scheme)
+def test_the_proposers_chain_equals_the_drafter_unrolled_in_plain_torch(
+    tiny_llama_dir, tmp_path, monkeypatch, quantization
+):
     """Every step's k drafts of every request (after prefill and after each verify, whatever was
     accepted) are those of the reference unrolled k steps over the request's tokens so far: the chain
     feeds the drafter's own prenorm hidden state and the previous draft at the right positions, and
     its K/V (the first pass's over the target's rows, the lookahead slots' over the chain's) is read
-    and overwritten where it should be."""
+    and overwritten where it should be. A drafter quantized at load (speculative_config.quantization)
+    drafts what the reference does over its weights rounded by the same scheme in plain torch."""
     target = transformers.LlamaConfig.from_pretrained(tiny_llama_dir)
     layers = (0, 1, 1)
     folder = save_drafter(
         tmp_path / "drafter", target, seed=3, eagle_config={"eagle_aux_hidden_state_layer_ids": layers}
     )
     weights = random_drafter_tensors(target, seed=3)
+    if quantization:
+        weights = rounded_like(weights, quantization)
+        assert not torch.equal(weights["fc.weight"], random_drafter_tensors(target, seed=3)["fc.weight"])
     records = [PromptRecord(str(i), prompt_token_ids=p) for i, p in enumerate(random_prompts([5, 17, 1, 9], seed=4))]
     proposed: list[tuple[list[int], list[int]]] = []
     propose = Eagle3Proposer.propose
@@ -383,7 +412,7 @@ def test_the_proposers_chain_equals_the_drafter_unrolled_in_plain_torch(tiny_lla
 
     monkeypatch.setattr(Eagle3Proposer, "propose", recording)
     spec = {"method": "eagle3", "num_speculative_tokens": 3, "draft_model_path": str(folder)}
-    _, summary = engine_outputs(tiny_llama_dir, records, spec)
+    _, summary = engine_outputs(tiny_llama_dir, records, spec | {"quantization": quantization})
     hf_target = load_hf_model(tiny_llama_dir)
     full_chains = [(tokens, drafts) for tokens, drafts in proposed if len(drafts) == 3]
     assert len(full_chains) > 10 and summary["speculative"]["accepted_tokens"] > 0

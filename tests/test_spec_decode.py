@@ -12,6 +12,7 @@ import torch
 
 from executor.core.config import ConfigError, build_config
 from executor.core.spec_decode.draft_model import DraftModelProposer
+from executor.core.spec_decode.factory import draft_model_config
 from executor.core.spec_decode.ngram import NgramProposer
 from executor.core.spec_decode.proposer import ProposalContext
 from executor.core.spec_decode.verify import accept_greedy, rejection_sample
@@ -151,6 +152,31 @@ def test_draft_model_speculation_gives_greedy_output(draft, tiny_llama_dir, othe
         assert stats["accept_rate"] == 1.0 and stats["mean_accept_length"] > 3
     else:
         assert stats["accept_rate"] < 0.5
+
+
+def test_speculative_config_quantization_quantizes_the_draft_model_alone(tiny_llama_dir, greedy):
+    """The target as its own draft accepts every draft (above); rounded to 4 bits at load by
+    speculative_config.quantization, it drafts some tokens the target does not emit, and the
+    output stays the target's. Without the key the draft takes model_config.quantization."""
+    result = run(
+        tiny_llama_dir,
+        repetitive_records(),
+        method="draft_model",
+        num_speculative_tokens=3,
+        draft_model_path=str(tiny_llama_dir),
+        quantization="w4a16_g16",
+    )
+    assert outputs(result) == greedy
+    assert result.summary["speculative"]["quantization"] == "w4a16_g16"
+    assert 0 < result.summary["speculative"]["accept_rate"] < 1
+    spec = {"method": "draft_model", "num_speculative_tokens": 2, "draft_model_path": "d"}
+    config = build_config({"model_config": {"quantization": "w8a8"}, "speculative_config": spec})
+    assert draft_model_config(config).model_config.quantization == "w8a8"
+    config = build_config(
+        {"model_config": {"quantization": "w8a8"}, "speculative_config": spec | {"quantization": "w8a16"}}
+    )
+    assert draft_model_config(config).model_config.quantization == "w8a16"
+    assert draft_model_config(config).speculative_config.quantization == ""
 
 
 def test_a_stop_token_inside_an_accepted_draft_ends_the_request_there(tiny_llama_dir, greedy):

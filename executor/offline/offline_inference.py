@@ -233,6 +233,8 @@ class OfflineInference:
         method, num_speculative_tokens = self.config.speculation
         if method and "speculative" in summary:  # the proposer by name beside its accept rates (and per position)
             summary["speculative"].update(method=method, num_speculative_tokens=num_speculative_tokens)
+            if draft_quantization := self.config.speculative_config.quantization:
+                summary["speculative"]["quantization"] = draft_quantization
         constraints = self.engine.runner.constraints
         stats = constraints.stats if constraints is not None else None
         if (structured := structured_output_summary(requests, stats)) is not None:

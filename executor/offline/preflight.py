@@ -15,10 +15,12 @@ from executor.core.config import ConfigError, InferenceConfig
 from executor.core.config.comm_manager import DistEnv, launch_problem
 from executor.core.config.parallel_layout import ParallelLayout, model_fit_problems, num_experts_of
 from executor.core.engine.kv_cache_sizing import check_room_for_one_request
+from executor.core.spec_decode.eagle3 import DrafterFolder
 from executor.core.spec_decode.factory import draft_model_config
 from executor.core.spec_decode.mtp import check_mtp_layers
 from executor.model_loader.default_loader import INDEX_FILE, checkpoint_shards
-from executor.model_loader.quantization_config import quantization_request, read_quantization
+from executor.model_loader.default_model import expand_home_vars
+from executor.model_loader.quantization_config import QuantizationRequest, quantization_request, read_quantization
 from executor.platform.platform import detect_device_type
 from executor.types_.errors import WeightLoadError
 
@@ -158,6 +160,18 @@ def check_speculation(config: InferenceConfig, model_cls: Any, hf_config: Any, m
         check_mtp_layers(model_cls, hf_config, config, str(model_path / "config.json"))
     if config.speculation[0] == "draft_model":
         check_draft_model_folder(config, type(hf_config))
+    if config.speculation[0] == "eagle3":
+        check_eagle3_drafter_folder(config, hf_config)
+
+
+def check_eagle3_drafter_folder(config: InferenceConfig, hf_config: Any) -> None:
+    """speculative_config.draft_model_path holds an EAGLE-3 drafter for this target, which
+    speculative_config.quantization's schemes can quantize (checked before the target loads)."""
+    path = str(Path(expand_home_vars(config.speculative_config.draft_model_path)).expanduser())
+    try:
+        DrafterFolder.read(path, hf_config, config.model_config.model_name, config.speculative_config.quantization)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"speculative_config.draft_model_path in {config.source}: {one_line(exc)}") from None
 
 
 def check_draft_model_folder(config: InferenceConfig, config_cls: Any) -> Any:
@@ -169,7 +183,18 @@ def check_draft_model_folder(config: InferenceConfig, config_cls: Any) -> Any:
             f"speculative_config.draft_model_path {str(draft_path)!r} in {config.source} is not a model folder "
             "(no config.json)"
         )
-    return check_model_folder(draft_path, config_cls, config.model_config.with_ckpt)
+    draft_hf_config = check_model_folder(draft_path, config_cls, config.model_config.with_ckpt)
+    own = config.speculative_config.quantization
+    request = (
+        QuantizationRequest(own, "speculative_config.quantization")
+        if own
+        else quantization_request(draft_model_config(config).model_config)
+    )
+    try:
+        read_quantization(draft_hf_config, request, f"{draft_path / 'config.json'}")
+    except WeightLoadError as exc:
+        raise ConfigError(f"{exc} ({config.source})") from None
+    return draft_hf_config
 
 
 def check_parallel_layout(config: InferenceConfig, hf_config: Any) -> None:

@@ -428,6 +428,12 @@ def _check_speculation(config: InferenceConfig) -> None:
         raise ConfigError(
             f"speculative_config.num_speculative_tokens in {where} must be >= 1 with method {spec.method!r}"
         )
+    if spec.quantization and config.speculation[0] not in ("draft_model", "eagle3"):
+        raise ConfigError(
+            f"speculative_config.quantization in {where} quantizes a drafter's own weights (methods eagle3 and "
+            f"draft_model); method {config.speculation[0] or 'off'!r} has none (MTP layers are the model's: "
+            "model_config.quantization quantizes them)"
+        )
     if spec.method in ("draft_model", "eagle3") and not spec.draft_model_path:
         raise ConfigError(f"speculative_config.draft_model_path in {where} is required with method {spec.method}")
     if spec.method == "eagle3" and config.model_config.exe_mode == "npugraph_ex":

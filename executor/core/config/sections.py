@@ -397,6 +397,13 @@ class SpeculativeConfig:
         help="ours: method draft_model: a model folder with the target's tokenizer; method eagle3: an EAGLE-3 "
         "drafter folder in vLLM's layout (docs/speculative_decoding.md)",
     )
+    quantization: str = rule(
+        "",
+        help="ours: quantize the drafter at load, as model_config.quantization names schemes (w8a16_g64+lm_head, "
+        "...): method eagle3's drafter (unquantized when empty), method draft_model's model (the target's "
+        "model_config.quantization when empty); a drafter's weights are read every draft pass, so fewer bytes "
+        "make each cheaper (docs/speculative_decoding.md)",
+    )
     prompt_lookup_min: int = rule(2, min=1, help="ours: method ngram: shortest n-gram matched")
     prompt_lookup_max: int = rule(4, min=1, help="ours: method ngram: longest n-gram matched (tried first)")
 

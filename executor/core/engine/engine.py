@@ -265,7 +265,13 @@ class ExecutionEngine:
         assert self.worker.model is not None
         path = str(Path(expand_home_vars(self.config.speculative_config.draft_model_path)).expanduser())
         try:
-            parts = Eagle3Parts.attach(path, self.worker.model, self.worker, self.config.model_config.model_name)
+            parts = Eagle3Parts.attach(
+                path,
+                self.worker.model,
+                self.worker,
+                self.config.model_config.model_name,
+                self.config.speculative_config.quantization,
+            )
         except (OSError, ValueError) as exc:
             raise ConfigError(f"speculative_config.draft_model_path in {self.config.source}: {exc}") from None
         logger.info(
@@ -274,6 +280,8 @@ class ExecutionEngine:
             parts.drafter.draft_vocab_size,
             list(parts.aux_layers),
         )
+        for line in parts.quantized_kinds:
+            logger.info("quantized drafter linears %s", line)
         return parts
 
     def _make_proposer(self, draft: DraftParts | None) -> Proposer | None:

@@ -28,10 +28,72 @@ from executor.core.spec_decode.mtp import MTPProposer
 from executor.core.spec_decode.mtp_graphs import MTPStep, RunnerFactory
 from executor.core.spec_decode.proposer import ProposalContext
 from executor.model_loader.default_loader import safetensors_weights
+from executor.model_loader.quantization_config import QuantizationRequest, read_quantization
+from executor.types_.quant_scheme import QuantizationPlan
 from module.causal_lm import CausalLM
 from module.parallel_group import ONE_PROCESS, ModelParallel
+from module.quantization_pass import QuantizedLayer, describe_quantized_layers, quantize_model
 from ops.attention.metadata import ModelInputs, take_rows
 from ops.backend import Backend
+
+DRAFTER_QUANTIZATION_KEY = "speculative_config.quantization"
+
+
+def drafter_quantization(path: str, draft_config: PretrainedConfig, schemes: str) -> QuantizationPlan | None:
+    """The plan `schemes` (speculative_config.quantization) gives the drafter at `path`, quantized at
+    load; None when empty. A drafter whose checkpoint is quantized already, and a KV cache scheme (the
+    drafter's K/V lies in the target's pool, whose scheme is model_config.quantization's), are
+    refused: ValueError naming the folder or the key."""
+    if getattr(draft_config, "quantization_config", None) is not None:
+        raise ValueError(
+            f"{path}/config.json has a quantization_config: a drafter quantized in its checkpoint is not read "
+            f"here; quantize an unquantized one at load with {DRAFTER_QUANTIZATION_KEY}"
+        )
+    request = QuantizationRequest(schemes, DRAFTER_QUANTIZATION_KEY)
+    plan = read_quantization(draft_config, request, f"{path}/config.json")
+    if plan is not None and plan.kv_cache is not None:
+        raise ValueError(
+            f"{DRAFTER_QUANTIZATION_KEY}: {schemes!r}: the drafter's K/V lies in the target's KV pool; "
+            "model_config.quantization's c8 sets that pool's scheme"
+        )
+    return plan
+
+
+@dataclass(frozen=True, slots=True)
+class DrafterFolder:
+    """A drafter folder's config.json, read and checked against the target before anything loads."""
+
+    path: str
+    drafter_cls: type  # the family's drafter class: its package's eagle3_drafter_cls
+    config: PretrainedConfig
+    target_hidden_size: int
+    quantization: QuantizationPlan | None
+
+    @classmethod
+    def read(cls, path: str, target_config: PretrainedConfig, model_name: str, quantization: str = "") -> DrafterFolder:
+        """ValueError (OSError without a config.json) naming the folder when it holds no drafter of
+        model_name's family for this target, or `quantization` (speculative_config.quantization's
+        schemes) cannot quantize it."""
+        drafter_cls = resolve_eagle3_drafter(model_name)
+        config = AutoConfig.from_pretrained(path)
+        if (problem := drafter_cls.config_problem(config)) is not None:
+            raise ValueError(f"{path}/config.json: {problem}")
+        if config.hidden_size != target_config.hidden_size:
+            raise ValueError(
+                f"{path}/config.json: hidden_size {config.hidden_size} differs from the target's "
+                f"{target_config.hidden_size}; the drafter embeds through the target's embedding"
+            )
+        target_hidden = getattr(config, "target_hidden_size", None) or target_config.hidden_size
+        return cls(path, drafter_cls, config, target_hidden, drafter_quantization(path, config, quantization))
+
+
+@dataclass(slots=True)
+class LoadedDrafter:
+    """A drafter folder built and loaded: the module, the target layers it reads, the layers its plan quantized."""
+
+    module: Any  # the family's drafter class: its package's eagle3_drafter_cls
+    aux_layers: tuple[int, int, int]
+    quantized_layers: list[QuantizedLayer]
 
 
 def load_eagle3_drafter(
@@ -41,28 +103,24 @@ def load_eagle3_drafter(
     *,
     parallel: ModelParallel = ONE_PROCESS,
     backend: Backend,
-) -> tuple[Any, tuple[int, int, int]]:
+    quantization: str = "",
+    compute_dtype: torch.dtype = torch.float32,
+) -> LoadedDrafter:
     """A published EAGLE-3 drafter folder (config.json + safetensors) as it is, built by the drafter
-    class of model_name's family, and the target layers it reads; ValueError naming the folder when it
-    is not one, or a tensor is missing."""
-    drafter_cls = resolve_eagle3_drafter(model_name)
-    config = AutoConfig.from_pretrained(path)
-    if (problem := drafter_cls.config_problem(config)) is not None:
-        raise ValueError(f"{path}/config.json: {problem}")
-    target_hidden = getattr(config, "target_hidden_size", None) or target_config.hidden_size
-    if config.hidden_size != target_config.hidden_size:
-        raise ValueError(
-            f"{path}/config.json: hidden_size {config.hidden_size} differs from the target's "
-            f"{target_config.hidden_size}; the drafter embeds through the target's embedding"
-        )
-    drafter = drafter_cls(config, target_hidden, parallel=parallel, backend=backend)
+    class of model_name's family, its linear layers given `quantization`'s schemes (quantized as their
+    weights load); ValueError naming the folder when it is not one, or a tensor is missing."""
+    folder = DrafterFolder.read(path, target_config, model_name, quantization)
+    drafter = folder.drafter_cls(folder.config, folder.target_hidden_size, parallel=parallel, backend=backend)
+    plan = folder.quantization
+    quantized = [] if plan is None else quantize_model(drafter, plan, backend, compute_dtype)
     filled = drafter.load_weights(safetensors_weights(path))
     missing = sorted({name for name, _ in drafter.named_parameters()} - filled)
     if "d2t" not in filled and drafter.draft_vocab_size != target_config.vocab_size:
         missing.append("d2t")
     if missing:
         raise ValueError(f"{path}: the checkpoint lacks {missing}")
-    return drafter, drafter_cls.aux_layers(config, target_config.num_hidden_layers)
+    aux_layers = folder.drafter_cls.aux_layers(folder.config, target_config.num_hidden_layers)
+    return LoadedDrafter(drafter, aux_layers, quantized)
 
 
 class AuxHiddenStates:
@@ -99,31 +157,43 @@ class AuxHiddenStates:
 @dataclass(slots=True)
 class Eagle3Parts:
     """What the engine builds for method eagle3 before the KV cache is sized and the graphs are
-    compiled: the drafter (its layers in the worker's cache), the target layers it reads, and the
-    hooks that keep their hidden states (on the target before any graph traces it)."""
+    compiled: the drafter (its layers in the worker's cache), the target layers it reads, the hooks
+    that keep their hidden states (on the target before any graph traces it), and one line per
+    quantized layer kind of the drafter (describe_quantized_layers; none unquantized)."""
 
     drafter: Any  # the family's drafter class: its package's eagle3_drafter_cls
     aux_layers: tuple[int, int, int]
     aux: AuxHiddenStates
+    quantized_kinds: list[str]
 
     @classmethod
-    def attach(cls, path: str, model: CausalLM, worker: Any, model_name: str) -> Eagle3Parts:
-        """Load the drafter at `path` into `worker` (ModelWorker.add_draft_module) beside `model`."""
-        loaded: list[tuple[int, int, int]] = []
+    def attach(cls, path: str, model: CausalLM, worker: Any, model_name: str, quantization: str = "") -> Eagle3Parts:
+        """Load the drafter at `path` into `worker` (ModelWorker.add_draft_module) beside `model`,
+        quantized at load by `quantization` (speculative_config.quantization's schemes)."""
+        loaded: list[LoadedDrafter] = []
 
         def build(parallel: ModelParallel, backend: Backend) -> nn.Module:
-            drafter, layers = load_eagle3_drafter(path, model.config, model_name, parallel=parallel, backend=backend)
-            loaded.append(layers)
-            return drafter
+            drafter = load_eagle3_drafter(
+                path,
+                model.config,
+                model_name,
+                parallel=parallel,
+                backend=backend,
+                quantization=quantization,
+                compute_dtype=worker.dtype,
+            )
+            loaded.append(drafter)
+            return drafter.module
 
         drafter = worker.add_draft_module("eagle3", build)
-        aux_layers = loaded[0]
+        aux_layers = loaded[0].aux_layers
         layers = [model.model.layers[index] for index in aux_layers]
 
         def token_rows() -> list[int] | None:  # the target's graphs are made after the drafter
             return worker.graph_runner.token_rows if worker.graph_runner is not None else None
 
-        return cls(drafter, aux_layers, AuxHiddenStates(layers, token_rows))
+        kinds = describe_quantized_layers(drafter, loaded[0].quantized_layers)
+        return cls(drafter, aux_layers, AuxHiddenStates(layers, token_rows), kinds)
 
 
 class Eagle3Proposer(MTPProposer):

@@ -79,12 +79,17 @@ def make_proposer(
 
 def draft_model_config(config: InferenceConfig) -> InferenceConfig:
     """The draft model's config: the target's limits and exe_mode (one ops table per process), no
-    prefix caching (its shadow requests are rewritten each step), no speculation of its own, and
-    none of the target's custom_params (a num_hidden_layers there cuts the target, not the draft)."""
-    draft_path = str(Path(expand_home_vars(config.speculative_config.draft_model_path)).expanduser())
+    prefix caching (its shadow requests are rewritten each step), no speculation of its own, none
+    of the target's custom_params (a num_hidden_layers there cuts the target, not the draft), and
+    the target's model_config.quantization unless speculative_config.quantization names the draft's."""
+    spec = config.speculative_config
+    draft_path = str(Path(expand_home_vars(spec.draft_model_path)).expanduser())
+    quantization = spec.quantization or config.model_config.quantization
     return dataclasses.replace(
         config,
-        model_config=dataclasses.replace(config.model_config, model_path=draft_path, next_n=0, custom_params={}),
+        model_config=dataclasses.replace(
+            config.model_config, model_path=draft_path, next_n=0, custom_params={}, quantization=quantization
+        ),
         scheduler_config=dataclasses.replace(config.scheduler_config, enable_prefix_caching=False),
-        speculative_config=dataclasses.replace(config.speculative_config, method="", num_speculative_tokens=0),
+        speculative_config=dataclasses.replace(spec, method="", num_speculative_tokens=0, quantization=""),
     )
