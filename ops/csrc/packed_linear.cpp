@@ -3,7 +3,10 @@
 // of x, whose outputs stay in registers for the whole K loop; threads split the panels, so each reads
 // its share of the weight once. Two widths, chosen by the CPU (ops/cpu.py):
 // - 24 columns (three 8-float vectors, four rows a pass) on AVX2/FMA CPUs: at decode's few rows 1.3x
-//   oneDNN's blocked kernel and up to 2x at one row on a Zen 3 EPYC (docs/benchmarks.md);
+//   oneDNN's blocked kernel and up to 2x at one row on a Zen 3 EPYC (docs/benchmarks.md); under four
+//   rows (decode, a verify of up to 2 drafts) the one pass pulls a third of the next panel into L2,
+//   32 bytes a K step: 1.08x at one row and 1.13x at three per step's weights on a Zen 2 EPYC (16, a
+//   sixth, and 48, a half, ran slower; the whole panel slower than none);
 // - 32 columns (two 16-float vectors, twelve rows a pass, the next K steps and the next panel
 //   prefetched) on AVX-512 CPUs: at 4 rows a step's weights stream at 28 GB/s on an AMX Xeon, against
 //   MKL's 15 (plain) and 22 (packed), which is what a speculative verify step needs (docs/benchmarks.md).
@@ -24,9 +27,9 @@ constexpr int64_t kPanelWidth = 24;  // three 8-float AVX2 vectors: the AVX2 lay
 constexpr int64_t kRowsPerPass = 4;  // 4 x 3 accumulators + 3 weight vectors + 1 broadcast: 16 registers
 
 // kRows rows of x (row stride k) times one panel, written to out (row stride ldo), columns
-// [0, columns) of the panel's 24; `prefetch` (nullable) is pulled into L2 meanwhile, a line per four
-// steps of K.
-template <int kRows>
+// [0, columns) of the panel's 24; `prefetch` (nullable) is pulled into L2 meanwhile,
+// kPrefetchBytes of it per step of K (a panel is 96 bytes a step: 16 pulls a sixth of one).
+template <int kRows, int kPrefetchBytes = 16>
 inline void panel_product(const float* x, int64_t k, const float* panel, const float* bias, float* out, int64_t ldo,
                           int64_t columns, const char* prefetch) {
   __m256 acc[kRows][3];
@@ -34,7 +37,11 @@ inline void panel_product(const float* x, int64_t k, const float* panel, const f
   for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = acc[r][2] = _mm256_setzero_ps();
   for (int64_t kk = 0; kk < k; ++kk) {
     const float* w = panel + kk * kPanelWidth;
-    if (prefetch && (kk & 3) == 0) _mm_prefetch(prefetch + kk * 16, _MM_HINT_T1);
+    if (prefetch) {
+      for (int64_t line = kk * kPrefetchBytes / 64; line < (kk + 1) * kPrefetchBytes / 64; ++line) {
+        _mm_prefetch(prefetch + line * 64, _MM_HINT_T1);
+      }
+    }
     const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8), w2 = _mm256_loadu_ps(w + 16);
     // Unrolled by the compiler (kRows is a constant), so the accumulators stay in registers.
 #pragma GCC unroll 4
@@ -77,10 +84,12 @@ void panel_rows(const float* x, int64_t rows, int64_t k, const float* panel, con
   }
   const float* x_rest = x + r * k;
   float* out_rest = out + r * ldo;
+  // under four rows this is the panel's only pass: it pulls a third of the next panel
+  const char* next = r == 0 ? reinterpret_cast<const char*>(next_panel) : nullptr;
   switch (rows - r) {
-    case 3: panel_product<3>(x_rest, k, panel, bias, out_rest, ldo, columns, nullptr); break;
-    case 2: panel_product<2>(x_rest, k, panel, bias, out_rest, ldo, columns, nullptr); break;
-    case 1: panel_product<1>(x_rest, k, panel, bias, out_rest, ldo, columns, nullptr); break;
+    case 3: panel_product<3, 32>(x_rest, k, panel, bias, out_rest, ldo, columns, next); break;
+    case 2: panel_product<2, 32>(x_rest, k, panel, bias, out_rest, ldo, columns, next); break;
+    case 1: panel_product<1, 32>(x_rest, k, panel, bias, out_rest, ldo, columns, next); break;
     default: break;
   }
 }
