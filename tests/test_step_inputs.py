@@ -2,12 +2,16 @@
 cumulative and per-request lengths, sampled rows, padding to a graph bucket, and the torch
 backend's metadata, whose decode shapes depend only on the number of rows."""
 
+import dataclasses
+
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from executor.core.model_worker.bucket_padding import pad_step
+from executor.utils.tensor_tree import same_structure
 from ops.attention.metadata import (
+    SMALL_BLOCK_TABLE,
     ScheduledSequence,
     TorchMetadataBuilder,
     block_table_tensor,
@@ -110,6 +114,11 @@ def test_padding_a_decode_step_adds_rows_that_touch_only_the_null_block():
 def test_block_table_tensor_pads_each_row_with_the_null_block():
     table = block_table_tensor([[7, 3], [], [5]], width=4, device=CPU)
     assert table.tolist() == [[7, 3, 0, 0], [0, 0, 0, 0], [5, 0, 0, 0]]
+    assert block_table_tensor([], width=4, device=CPU).shape == (0, 4)
+    # past SMALL_BLOCK_TABLE entries the table is scattered, not padded as lists: the same values
+    block_ids = [list(range(1 + row % 7, 1 + row % 7 + row % 50)) for row in range(SMALL_BLOCK_TABLE // 64 + 8)]
+    table = block_table_tensor(block_ids, width=64, device=CPU)
+    assert table.dtype == torch.int32 and table.tolist() == [ids + [0] * (64 - len(ids)) for ids in block_ids]
 
 
 @given(st.lists(st.integers(0, 7), min_size=1, max_size=8, unique=True))
@@ -126,3 +135,19 @@ def test_rows_taken_and_put_as_indexing_would_a_consecutive_run_through_a_view(r
     expected[rows] = values
     put_rows(tensor, rows, values)
     assert torch.equal(tensor, expected)
+
+
+def test_steps_of_one_structure_differ_in_tensor_values_only():
+    """A graph bucket's buffers take a step's inputs only where same_structure holds (copy_step):
+    other token ids and blocks pass; another shape, or another value that is no tensor, do not."""
+
+    def inputs(tokens: list[list[int]], blocks: list[list[int]]):
+        sequences = [ScheduledSequence(t, 3, [b], num_sampled_rows=1) for t, b in zip(tokens, blocks, strict=True)]
+        return build_model_inputs(build_step_layout(sequences, block_size=4, max_blocks_per_request=3), BUILDER)
+
+    step = inputs([[5], [6]], [[1], [2]]).forward_args()
+    assert same_structure(step, inputs([[9], [8]], [[4], [3]]).forward_args())
+    assert not same_structure(step, inputs([[5], [6], [7]], [[1], [2], [3]]).forward_args())  # three rows
+    assert not same_structure(step, inputs([[5, 6], [6, 7]], [[1, 5], [2, 6]]).forward_args())  # 2 tokens a row
+    input_ids, positions, metadata = step
+    assert not same_structure(step, (input_ids, positions, dataclasses.replace(metadata, max_query_len=2)))

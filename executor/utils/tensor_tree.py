@@ -52,8 +52,18 @@ def with_tensors(tree: T, tensors: list[torch.Tensor]) -> T:
     return rebuilt
 
 
+def structure(tree: object) -> object:
+    """What of `tree` is not its tensors' values, in one walk: its dataclasses' and containers' types,
+    its other values, each tensor's shape and dtype."""
+    if isinstance(tree, torch.Tensor):
+        return (tree.shape, tree.dtype)
+    if dataclasses.is_dataclass(tree):
+        return (type(tree), tuple(structure(getattr(tree, f.name)) for f in dataclasses.fields(tree)))
+    if _is_container(tree):
+        return (type(tree), tuple(structure(item) for item in tree))  # type: ignore[attr-defined]
+    return tree
+
+
 def same_structure(a: object, b: object) -> bool:
     """True when a and b differ at most in their tensors' values (same fields, same shapes)."""
-    shapes_a = [(t.shape, t.dtype) for t in tensor_leaves(a)]
-    shapes_b = [(t.shape, t.dtype) for t in tensor_leaves(b)]
-    return shapes_a == shapes_b and map_tensors(a, lambda _: None) == map_tensors(b, lambda _: None)
+    return structure(a) == structure(b)
