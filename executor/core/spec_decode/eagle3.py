@@ -64,7 +64,7 @@ class DrafterFolder:
     """A drafter folder's config.json, read and checked against the target before anything loads."""
 
     path: str
-    drafter_cls: type  # the family's drafter class: its package's eagle3_drafter_cls
+    drafter_cls: Any  # the family's drafter class: its package's eagle3_drafter_cls
     config: PretrainedConfig
     target_hidden_size: int
     quantization: QuantizationPlan | None
