@@ -15,7 +15,7 @@ from executor.core.config import ConfigError, InferenceConfig
 from executor.core.config.comm_manager import DistEnv, launch_problem
 from executor.core.config.parallel_layout import ParallelLayout, model_fit_problems, num_experts_of
 from executor.core.engine.kv_cache_sizing import check_room_for_one_request
-from executor.core.spec_decode.eagle3 import DrafterFolder
+from executor.core.spec_decode.eagle3 import DRAFTER_QUANTIZATION_KEY, DrafterFolder
 from executor.core.spec_decode.factory import draft_model_config
 from executor.core.spec_decode.mtp import check_mtp_layers
 from executor.model_loader.default_loader import INDEX_FILE, checkpoint_shards
@@ -184,12 +184,9 @@ def check_draft_model_folder(config: InferenceConfig, config_cls: Any) -> Any:
             "(no config.json)"
         )
     draft_hf_config = check_model_folder(draft_path, config_cls, config.model_config.with_ckpt)
-    own = config.speculative_config.quantization
-    request = (
-        QuantizationRequest(own, "speculative_config.quantization")
-        if own
-        else quantization_request(draft_model_config(config).model_config)
-    )
+    # draft_model_config decides the draft's schemes; the message names the key they came from
+    key = DRAFTER_QUANTIZATION_KEY if config.speculative_config.quantization else "model_config.quantization"
+    request = QuantizationRequest(draft_model_config(config).model_config.quantization, key)
     try:
         read_quantization(draft_hf_config, request, f"{draft_path / 'config.json'}")
     except WeightLoadError as exc:
