@@ -10,6 +10,8 @@ figures.
     python benchmarks/bench_spec_decode.py --methods ngram --dataset repeat_input --batch-sizes 1 8
     python benchmarks/bench_spec_decode.py --methods mtp draft_model --batch-sizes 1 8
     python benchmarks/bench_spec_decode.py --methods eagle3 mtp ngram --batch-sizes 1 8 --exe-mode ge_graph
+    python benchmarks/bench_spec_decode.py --methods eagle3:w8a16_g32+lm_head eagle3+lookup:w8a16_g32+lm_head \
+        --batch-sizes 1 --num-prompts 0 --exe-mode ge_graph --num-speculative-tokens 2
     python benchmarks/bench_spec_decode.py --methods ngram --dataset repeat_input --batch-sizes 1 \
         --exe-mode ge_graph --graph-buckets 1 --rounds 3
 
@@ -35,18 +37,33 @@ from executor.model_loader.default_model import default_model_path
 METHODS = ("ngram", "mtp", "draft_model", "eagle3")
 
 
+def parse_run(run: str) -> tuple[str, bool, str]:
+    """A --methods entry, METHOD[+lookup][:SCHEMES] -> (method, prompt lookup in front, drafter schemes)."""
+    name, _, quantization = run.partition(":")
+    method, plus, suffix = name.partition("+")
+    if method not in METHODS or (plus and suffix != "lookup"):
+        raise ValueError(f"--methods: {run} is not METHOD[+lookup][:SCHEMES] with a method of {', '.join(METHODS)}")
+    return method, bool(plus), quantization
+
+
 def sections_for(run: str, args: argparse.Namespace) -> dict:
-    """The YAML sections of one run: "off", a method, or METHOD:SCHEMES (its drafter quantized at load
-    by speculative_config.quantization, e.g. eagle3:w8a16_g32+lm_head)."""
+    """The YAML sections of one run: "off", a method, METHOD:SCHEMES (its drafter quantized at load
+    by speculative_config.quantization, e.g. eagle3:w8a16_g32+lm_head), METHOD+lookup (prompt lookup
+    in front of its drafter: speculative_config.prompt_lookup) or both (eagle3+lookup:w8a16_g32+lm_head)."""
     if run == "off":
         return {}
-    method, _, quantization = run.partition(":")
-    spec = {"method": method, "num_speculative_tokens": args.num_speculative_tokens, "quantization": quantization}
+    method, lookup, quantization = parse_run(run)
+    spec = {
+        "method": method,
+        "num_speculative_tokens": args.num_speculative_tokens,
+        "quantization": quantization,
+        "prompt_lookup": lookup,
+    }
     if method == "draft_model":
         spec["draft_model_path"] = str(args.draft_model_path)
     if method == "eagle3":
         spec["draft_model_path"] = str(args.eagle3_path)
-    if method == "ngram":
+    if method == "ngram" or lookup:
         spec |= {"prompt_lookup_min": 2, "prompt_lookup_max": 4}
     return {"speculative_config": spec}
 
@@ -72,8 +89,10 @@ def main() -> None:
         "--methods",
         nargs="+",
         default=["ngram"],
-        help=f"each one of {', '.join(METHODS)}, or METHOD:SCHEMES for a drafter quantized at load (eagle3, "
-        "draft_model: speculative_config.quantization, e.g. eagle3:w8a16_g32+lm_head)",
+        help=f"each one of {', '.join(METHODS)}; METHOD:SCHEMES for a drafter quantized at load (eagle3, "
+        "draft_model: speculative_config.quantization, e.g. eagle3:w8a16_g32+lm_head); METHOD+lookup for prompt "
+        "lookup in front of its drafter (mtp, eagle3: speculative_config.prompt_lookup), e.g. "
+        "eagle3+lookup:w8a16_g32+lm_head",
     )
     parser.add_argument("--num-speculative-tokens", type=int, default=3)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
@@ -88,8 +107,11 @@ def main() -> None:
         "method decodes the same token count; what a model writes past its EOS is no part of the task)",
     )
     args = parser.parse_args()
-    if unknown := [run for run in args.methods if run.partition(":")[0] not in METHODS]:
-        parser.error(f"--methods: {', '.join(unknown)} names no method of {', '.join(METHODS)}")
+    for run in args.methods:
+        try:
+            parse_run(run)
+        except ValueError as error:
+            parser.error(str(error))
     logging.basicConfig(level=logging.WARNING)
     base_model = Path(args.model_path or default_model_path())
     args.draft_model_path = args.draft_model_path or base_model.with_name(f"{base_model.name}-draft8")
@@ -118,7 +140,7 @@ def main() -> None:
             # MTP needs the model folder that holds the trained MTP head (scripts/train_mtp_head.py)
             args.model_path = (
                 (args.mtp_model_path or base_model.with_name(f"{base_model.name}-MTP"))
-                if method.partition(":")[0] == "mtp"
+                if method != "off" and parse_run(method)[0] == "mtp"
                 else base_model
             )
             sections = sections_for(method, args)

@@ -344,6 +344,29 @@ def test_greedy_output_with_a_random_drafter_equals_speculation_off(tiny_llama_d
     assert summary["speculative"]["quantization"] == "w8a16_g32+lm_head"
 
 
+@pytest.mark.parametrize("exe_mode", ["eager", "ge_graph"])
+def test_prompt_lookup_in_front_of_the_drafter_keeps_greedy_output(tiny_llama_dir, tmp_path, exe_mode):
+    """speculative_config.prompt_lookup with EAGLE-3: prompts that repeat themselves give lookups, the
+    rest the drafter's chain; every token is still greedy decoding's, in the graph mode too, and
+    summary.json counts the looked-up verifies apart."""
+    target = transformers.LlamaConfig.from_pretrained(tiny_llama_dir)
+    drafter = save_drafter(
+        tmp_path / "drafter", target, seed=3, eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 1]}
+    )
+    phrases = random_prompts([6, 5, 7], seed=8)
+    prompts = [phrases[0] * 3, phrases[1] + phrases[2] * 2, *random_prompts([9], seed=9)]
+    records = [PromptRecord(str(i), prompt_token_ids=p) for i, p in enumerate(prompts)]
+    off, _ = engine_outputs(tiny_llama_dir, records, exe_mode=exe_mode)
+    spec = {"method": "eagle3", "num_speculative_tokens": 2, "draft_model_path": str(drafter), "prompt_lookup": True}
+    on, summary = engine_outputs(tiny_llama_dir, records, spec, exe_mode=exe_mode)
+    assert on == off
+    speculative = summary["speculative"]
+    assert speculative["prompt_lookup"] is True and speculative["looked_up"]["verifies"] > 0
+    assert speculative["looked_up"]["share_of_verifies"] < 1  # the drafter drafted too
+    if exe_mode == "ge_graph":
+        assert sum(summary["graph"]["graph_steps_per_bucket"].values()) > 0
+
+
 @torch.no_grad()
 def reference_chain(
     weights: dict[str, torch.Tensor], hf_target, tokens: list[int], layers: tuple[int, int, int], k: int

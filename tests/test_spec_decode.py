@@ -13,12 +13,12 @@ import torch
 from executor.core.config import ConfigError, build_config
 from executor.core.spec_decode.draft_model import DraftModelProposer
 from executor.core.spec_decode.factory import draft_model_config
-from executor.core.spec_decode.ngram import NgramProposer
+from executor.core.spec_decode.ngram import NgramProposer, PromptLookup
 from executor.core.spec_decode.proposer import ProposalContext
 from executor.core.spec_decode.verify import accept_greedy, rejection_sample
 from executor.offline.dataset import PromptRecord
 from executor.offline.offline_inference import OfflineInference, RunResult
-from executor.types_ import Batch, StepResult
+from executor.types_ import Batch, RequestStatus, StepResult
 from tests.conftest import save_tiny_llama
 from tests.engine_harness import token_records
 from tests.factories import make_request
@@ -67,6 +67,30 @@ def test_ngram_proposes_what_followed_the_latest_longest_match():
     assert NgramProposer(2, 2, 3).propose_for([4, 5, 6, 4]) == []  # min_n 2: the 1-gram does not count
 
 
+def test_prompt_lookup_counts_the_verifies_of_the_drafts_it_gave_and_forgets_finished_requests():
+    lookup = PromptLookup(NgramProposer(num_speculative_tokens=2, min_n=2, max_n=2))
+    repeating = make_request("a", prompt=[1, 2, 3, 1, 2])
+    fresh = make_request("b", prompt=[7, 8, 9])
+
+    def context(new_tokens, verified=(), accepted=()) -> ProposalContext:
+        return ProposalContext(
+            [repeating, fresh], [], new_tokens, [0, 0], torch.empty(0), [0, 0], list(verified), list(accepted)
+        )
+
+    first = context([[3], [10]])
+    assert lookup.lookups(first, [0, 1]) == {0: [1, 2]}  # "2 3" recurs in a's tokens: what followed it
+    assert first.looked_up.verifies == 0
+    # a's looked-up drafts verified (cut to one by the scheduler: a prefix), b's were a drafter's
+    second = context([[1, 5], [11]], verified=[[1], [12, 13]], accepted=[1, 0])
+    lookup.lookups(second, [0, 1])
+    assert (second.looked_up.verifies, second.looked_up.num_drafted, second.looked_up.num_accepted) == (1, 1, 1)
+    repeating.output_token_ids.extend([3, 1, 2])  # a's next lookup: the latest "2 3", then it finishes
+    assert lookup.lookups(context([[3], []]), [0]) == {0: [1, 2]}
+    repeating.status = RequestStatus.FINISHED
+    lookup.lookups(context([[], []]), [])
+    assert "a" not in lookup._given
+
+
 def test_speculative_config_rules():
     assert build_config({"model_config": {"next_n": 2}}).speculation == ("mtp", 2)
     assert build_config({"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}).speculation == (
@@ -79,6 +103,13 @@ def test_speculative_config_rules():
         build_config({"speculative_config": {"method": "draft_model", "num_speculative_tokens": 2}}, source="t.yaml")
     with pytest.raises(ConfigError, match="next_n 1 means speculative_config.method mtp"):
         build_config({"model_config": {"next_n": 1}, "speculative_config": {"method": "ngram"}}, source="t.yaml")
+    lookup = {"num_speculative_tokens": 2, "draft_model_path": "d", "prompt_lookup": True}
+    assert build_config({"speculative_config": lookup | {"method": "eagle3"}}).speculative_config.prompt_lookup
+    assert build_config({"model_config": {"next_n": 2}, "speculative_config": {"prompt_lookup": True}})
+    with pytest.raises(ConfigError, match="prompt_lookup in t.yaml .* method 'draft_model' has none"):
+        build_config({"speculative_config": lookup | {"method": "draft_model"}}, source="t.yaml")
+    with pytest.raises(ConfigError, match="prompt_lookup in t.yaml .* method 'off' has none"):
+        build_config({"speculative_config": {"prompt_lookup": True}}, source="t.yaml")
 
 
 def repetitive_records(count: int = 6, seed: int = 0) -> list[PromptRecord]:

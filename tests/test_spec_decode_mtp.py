@@ -9,6 +9,7 @@ import pytest
 from executor.core.engine import ExecutionEngine
 from executor.core.kv_cache import KVCacheManager
 from executor.core.spec_decode.mtp import MTPProposer
+from executor.core.spec_decode.ngram import PromptLookup
 from executor.core.spec_decode.proposer import drafting_proposer
 from ops import torch_ref
 from tests.deepseek_v3_harness import save_checkpoint
@@ -28,16 +29,19 @@ def deepseek_dir(tmp_path_factory):
     return path
 
 
-def greedy(path, next_n: int) -> tuple[list[list[int]], dict, ExecutionEngine]:
+def greedy(
+    path, next_n: int, speculative_config: dict | None = None, batch_size: int = 4
+) -> tuple[list[list[int]], dict, ExecutionEngine]:
     records = token_records(random_prompts([1, 5, 17, 33, 8, 40, 3], seed=5))
     for index, record in enumerate(records):
         record.sampling_overrides["max_new_tokens"] = 6 + 4 * index
     inference = make_inference(
         path,
         model_config={"model_name": "deepseek_v3", "next_n": next_n},
-        batch_size=4,
+        batch_size=batch_size,
         max_prefill_tokens=24,  # prompts of 33 and 40 tokens are prefilled in chunks
         max_new_tokens=40,
+        speculative_config=speculative_config,
     )
     result = inference.generate(records)
     return [r.output_token_ids for r in result.requests], result.summary, inference.engine
@@ -104,3 +108,39 @@ def test_mtp_writes_its_kv_for_prompt_chunks_that_sample_no_row(deepseek_dir, mo
     )
     inference.generate(token_records(random_prompts([40], seed=7)))
     assert set(range(40)) <= set(covered)
+
+
+def test_prompt_lookup_in_front_of_mtp_gives_greedy_output_and_stops_the_chain_where_it_found_drafts(
+    deepseek_dir, monkeypatch
+):
+    """speculative_config.prompt_lookup: requests whose last n-gram recurs take the lookup's drafts,
+    the others the MTP chain; a proposal whose drafting requests all found one runs the first pass
+    alone (it writes the MTP layer's K/V), and summary.json counts the looked-up verifies apart."""
+    proposals: list[tuple[int, int, int]] = []  # (drafting requests, of them looked up, passes) per proposal
+    run, lookups = MTPProposer._run, PromptLookup.lookups
+
+    def recording_lookups(self, context, indices):
+        found = lookups(self, context, indices)
+        proposals.append((len(indices), len(found), 0))
+        return found
+
+    def recording_run(self, layer, sequences, previous_hidden):
+        drafting, looked_up, passes = proposals[-1]
+        proposals[-1] = (drafting, looked_up, passes + 1)
+        return run(self, layer, sequences, previous_hidden)
+
+    monkeypatch.setattr(MTPProposer, "_run", recording_run)
+    monkeypatch.setattr(PromptLookup, "lookups", recording_lookups)
+    expected, _, _ = greedy(deepseek_dir, 0)
+    outputs, summary, _ = greedy(deepseek_dir, 2, {"prompt_lookup": True, "prompt_lookup_min": 1})
+    assert outputs == expected
+    alone, _, _ = greedy(deepseek_dir, 2, {"prompt_lookup": True, "prompt_lookup_min": 1}, batch_size=1)
+    assert alone == expected
+    looked_up = summary["speculative"]["looked_up"]
+    assert summary["speculative"]["prompt_lookup"] is True
+    assert looked_up["verifies"] > 0 and 0 < looked_up["share_of_verifies"] < 1
+    assert 0 <= looked_up["accepted_tokens"] <= looked_up["draft_tokens"] <= 2 * looked_up["verifies"]
+    all_looked_up = [passes for drafting, found, passes in proposals if drafting and found == drafting]
+    some_chained = [passes for drafting, found, passes in proposals if found < drafting]
+    assert all_looked_up and set(all_looked_up) == {1}
+    assert some_chained and max(some_chained) == 2

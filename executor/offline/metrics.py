@@ -76,16 +76,36 @@ def speculation_stats(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         return {}
     accept_length = 1 + counts.num_accepted / counts.verifies
     decode_ms = [s["step_time_ms"] for s in steps if s.get("phase") == "decode"]
+    speculative = {
+        "verify_steps": sum(1 for s in steps if s.get("num_draft_tokens")),
+        "draft_tokens": counts.num_drafted,
+        "accepted_tokens": counts.num_accepted,
+        "accept_rate": counts.num_accepted / counts.num_drafted,
+        "mean_accept_length": accept_length,
+        "equivalent_decode_ms_per_token": statistics.fmean(decode_ms) / accept_length,
+        "per_position": counts.per_position(),
+    }
+    if looked_up := looked_up_stats(steps, counts.verifies):
+        speculative["looked_up"] = looked_up
+    return {"speculative": speculative}
+
+
+def looked_up_stats(steps: Sequence[Mapping[str, Any]], num_verifies: int) -> dict[str, Any]:
+    """The verifies of drafts that prompt lookup gave in front of a drafter (speculative_config.prompt_lookup):
+    their share of all verifies, their accept rate and accept length (the drafter's are the rest's).
+    Empty when none was looked up."""
+    verifies = sum(s.get("looked_up_verified_requests", 0) for s in steps)
+    if not verifies:
+        return {}
+    drafted = sum(s.get("looked_up_draft_tokens", 0) for s in steps)
+    accepted = sum(s.get("looked_up_accepted_tokens", 0) for s in steps)
     return {
-        "speculative": {
-            "verify_steps": sum(1 for s in steps if s.get("num_draft_tokens")),
-            "draft_tokens": counts.num_drafted,
-            "accepted_tokens": counts.num_accepted,
-            "accept_rate": counts.num_accepted / counts.num_drafted,
-            "mean_accept_length": accept_length,
-            "equivalent_decode_ms_per_token": statistics.fmean(decode_ms) / accept_length,
-            "per_position": counts.per_position(),
-        }
+        "verifies": verifies,
+        "share_of_verifies": verifies / num_verifies,
+        "draft_tokens": drafted,
+        "accepted_tokens": accepted,
+        "accept_rate": accepted / drafted,
+        "mean_accept_length": 1 + accepted / verifies,
     }
 
 

@@ -235,6 +235,8 @@ class OfflineInference:
             summary["speculative"].update(method=method, num_speculative_tokens=num_speculative_tokens)
             if draft_quantization := self.config.speculative_config.quantization:
                 summary["speculative"]["quantization"] = draft_quantization
+            if self.config.speculative_config.prompt_lookup:
+                summary["speculative"]["prompt_lookup"] = True
         constraints = self.engine.runner.constraints
         stats = constraints.stats if constraints is not None else None
         if (structured := structured_output_summary(requests, stats)) is not None:

@@ -13,7 +13,8 @@ from typing import Any
 
 from executor.offline.metrics import speculation_stats, step_breakdown, step_stats
 
-PROPOSER_KEYS = ("method", "num_speculative_tokens", "quantization")  # a part's summary names its proposer by these
+# a part's summary names its proposer by these
+PROPOSER_KEYS = ("method", "num_speculative_tokens", "quantization", "prompt_lookup")
 
 
 def run_summary(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from executor.types_.accept_counts import AcceptCounts
 from executor.types_.request import Request, TokenLogprobs
 
 
@@ -40,6 +41,8 @@ class StepResult:
     # Prompt tokens each request's step scored (SamplingParams.prompt_logprobs), in order, to append
     # to Request.prompt_logprobs; None when no request of the step asked for them.
     prompt_logprobs: list[list[TokenLogprobs]] | None = None
+    # Of this step's verifies, those of drafts that prompt lookup gave (speculative_config.prompt_lookup).
+    looked_up: AcceptCounts | None = None
 
     @classmethod
     def empty(cls, num_requests: int) -> StepResult:

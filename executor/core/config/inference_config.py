@@ -447,6 +447,11 @@ def _check_speculation(config: InferenceConfig) -> None:
             f"{config.parallel_config.cp_size}: a prefill split over the ranks leaves each rank's layer hooks only "
             "its share of the hidden states the drafter reads (MTP gathers them; EAGLE-3 does not yet)"
         )
+    if spec.prompt_lookup and config.speculation[0] not in ("mtp", "eagle3"):
+        raise ConfigError(
+            f"speculative_config.prompt_lookup in {where} puts prompt lookup in front of a drafter of methods mtp "
+            f"and eagle3; method {config.speculation[0] or 'off'!r} has none (method ngram is prompt lookup alone)"
+        )
     if spec.prompt_lookup_min > spec.prompt_lookup_max:
         raise ConfigError(
             f"speculative_config.prompt_lookup_min {spec.prompt_lookup_min} in {where} exceeds "

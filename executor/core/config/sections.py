@@ -404,8 +404,17 @@ class SpeculativeConfig:
         "model_config.quantization when empty); a drafter's weights are read every draft pass, so fewer bytes "
         "make each cheaper (docs/speculative_decoding.md)",
     )
-    prompt_lookup_min: int = rule(2, min=1, help="ours: method ngram: shortest n-gram matched")
-    prompt_lookup_max: int = rule(4, min=1, help="ours: method ngram: longest n-gram matched (tried first)")
+    prompt_lookup_min: int = rule(2, min=1, help="ours: method ngram and prompt_lookup: shortest n-gram matched")
+    prompt_lookup_max: int = rule(
+        4, min=1, help="ours: method ngram and prompt_lookup: longest n-gram matched (tried first)"
+    )
+    prompt_lookup: bool = rule(
+        False,
+        help="ours: methods mtp and eagle3: a request whose last n-gram recurs in its own tokens takes the tokens "
+        "that followed it as its drafts (method ngram's lookup), the drafter's chain elsewhere, which then stops "
+        "after its first pass for that request (Arctic Inference's suffix-then-model fallback; "
+        "docs/speculative_decoding.md)",
+    )
 
 
 @dataclass(slots=True)

@@ -92,6 +92,10 @@ class StepRecord:
     num_verified_requests: int = 0
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
+    # of them, the verifies of drafts that prompt lookup gave (speculative_config.prompt_lookup)
+    looked_up_verified_requests: int = 0
+    looked_up_draft_tokens: int = 0
+    looked_up_accepted_tokens: int = 0
     parts_ms: dict[str, float] | None = None  # step_time_ms split into step_timer.PARTS; None: breakdown off
     profiled: bool = False  # ran under the profiler, so its times are not the run's
     # bytes this rank handed to each collective this step ("<group>.<op>"); empty in one process
@@ -110,6 +114,8 @@ class StepRecord:
                 f"(by position {' '.join(f'{a}/{d}' for a, d in by_position)}), accept length "
                 f"{1 + self.num_accepted_tokens / self.num_verified_requests:.2f}"
             )
+            if self.looked_up_verified_requests:
+                line += f" ({self.looked_up_verified_requests} looked up)"
         if self.parts_ms:
             line += " | " + " ".join(f"{part} {ms:.2f}" for part, ms in self.parts_ms.items()) + " ms"
         return line
@@ -241,17 +247,21 @@ class EngineCore:
 
 def _speculation_counts(batch: Batch, result: StepResult) -> dict[str, Any]:
     """StepRecord's speculation fields: the step's AcceptCounts (drafts verified and accepted, per
-    position and in all, and by how many requests)."""
+    position and in all, and by how many requests), and those of the drafts prompt lookup gave."""
     if not batch.draft_token_ids:
         return {}
     counts = AcceptCounts()
     for drafts, accepted in zip(batch.draft_token_ids, result.num_accepted_drafts, strict=False):
         if drafts:
             counts.add_verify(len(drafts), accepted)
+    looked_up = result.looked_up or AcceptCounts()
     return {
         "num_draft_tokens": counts.num_drafted,
         "num_accepted_tokens": counts.num_accepted,
         "num_verified_requests": counts.verifies,
         "drafted_per_position": counts.drafted,
         "accepted_per_position": counts.accepted,
+        "looked_up_verified_requests": looked_up.verifies,
+        "looked_up_draft_tokens": looked_up.num_drafted,
+        "looked_up_accepted_tokens": looked_up.num_accepted,
     }

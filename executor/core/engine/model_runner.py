@@ -260,8 +260,11 @@ class ModelRunner:
             ],
             hidden_states=hidden_states,
             row_starts=[0, *layout.query_ends[:-1]],
+            verified_drafts=drafts,
+            num_accepted_drafts=result.num_accepted_drafts,
         )
         next_drafts = self.proposer.propose(context)
+        result.looked_up = context.looked_up
         if self.constraints is not None:  # drafts the grammar refuses are cut, as vLLM does
             next_drafts = self.constraints.cut_drafts(requests, result.new_token_ids, next_drafts)
         return next_drafts

@@ -19,7 +19,7 @@ from executor.core.kv_cache import KVCacheManager
 from executor.core.spec_decode.draft_model import DraftModelProposer, DraftRunner
 from executor.core.spec_decode.eagle3 import Eagle3Parts, Eagle3Proposer
 from executor.core.spec_decode.mtp import MTPProposer
-from executor.core.spec_decode.ngram import NgramProposer, NgramStepProposer
+from executor.core.spec_decode.ngram import NgramProposer, NgramStepProposer, PromptLookup
 from executor.core.spec_decode.proposer import LockStep, Proposer, ReplicaSharedDrafts
 from executor.model_loader.default_model import expand_home_vars
 from ops.attention.metadata import AttentionMetadataBuilder
@@ -65,6 +65,9 @@ def make_proposer(
             config=config,
             lock_step=lock_step,
             argmax_rows=argmax_rows,
+            prompt_lookup=PromptLookup(NgramProposer(num_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max))
+            if spec.prompt_lookup
+            else None,
         )
         if method == "mtp":
             proposer = MTPProposer(model, kv_cache_manager, metadata_builder, **passes)

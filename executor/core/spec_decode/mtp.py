@@ -22,6 +22,7 @@ from executor.core.config import ConfigError, InferenceConfig
 from executor.core.kv_cache import KVCacheManager
 from executor.core.model_worker.graph_runner import GraphRunner
 from executor.core.spec_decode.mtp_graphs import RunnerFactory, mtp_graph_runners
+from executor.core.spec_decode.ngram import PromptLookup
 from executor.core.spec_decode.proposer import LockStep, ProposalContext
 from module.causal_lm import CausalLM
 from ops.attention.metadata import (
@@ -72,6 +73,7 @@ class MTPProposer:
         config: InferenceConfig,
         argmax_rows: Callable[[torch.Tensor], torch.Tensor],
         lock_step: LockStep | None = None,
+        prompt_lookup: PromptLookup | None = None,
     ) -> None:
         self.check_drafter(model, config)
         self.model = model
@@ -82,6 +84,7 @@ class MTPProposer:
         self.max_blocks_per_request = max_blocks_per_request
         self.lock_step = lock_step
         self.argmax_rows = argmax_rows  # each draft's greedy choice: the backend's
+        self.prompt_lookup = prompt_lookup  # drafts looked up first, where the request's last n-gram recurs
         self.graph_runners: list[GraphRunner] = []  # by MTP layer, in graph modes (the engine sets them)
 
     @property
@@ -117,10 +120,14 @@ class MTPProposer:
             hidden_rows.extend(range(row, row + num_valid))
             if new_tokens:
                 drafting.append(_Drafting(index, end - 1))
+        looked_up = self.prompt_lookup.lookups(context, [item.index for item in drafting]) if self.prompt_lookup else {}
+        for index, found in looked_up.items():
+            drafts[index] = found[: self.num_speculative_tokens]
         # each request drafts at every depth whose row has a slot, up to num_speculative_tokens; a step
-        # that drafts for none (prompt chunks short of their end) still runs the first pass, which
-        # writes the MTP layer's K/V for its rows
-        num_passes = max((self._depths(context, item) for item in drafting), default=1 if sequences else 0)
+        # that drafts for none (prompt chunks short of their end, drafts looked up) still runs the first
+        # pass, which writes the MTP layer's K/V for its rows
+        chained = [item for item in drafting if item.index not in looked_up]
+        num_passes = max((self._depths(context, item) for item in chained), default=1 if sequences else 0)
         num_passes = self.lock_step.max_over_world(num_passes) if self.lock_step else num_passes
         hidden = self.first_pass_hidden(context, hidden_rows)
         for depth in range(num_passes):
@@ -129,6 +136,10 @@ class MTPProposer:
                 self._idle_pass(layer, context.hidden_states)
                 continue
             hidden, tokens = self._run(layer, sequences, hidden)
+            if looked_up and depth == 0:  # the chain goes on for the requests without a lookup only
+                kept = [position for position, item in enumerate(drafting) if item.index not in looked_up]
+                hidden = hidden[torch.tensor(kept, device=hidden.device, dtype=torch.int64)]
+                tokens, drafting = [tokens[i] for i in kept], chained
             for item, token in zip(drafting, tokens, strict=True):
                 drafts[item.index].append(token)
             if depth + 1 < self.num_speculative_tokens:

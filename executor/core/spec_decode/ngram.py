@@ -2,17 +2,19 @@
 
 Model-free and fit for any model: when the request's last n tokens occurred before in its prompt
 or output, the tokens that followed that occurrence are proposed. Longer n-grams are tried first,
-and the latest occurrence wins, as vLLM's prompt-lookup decoding does.
+and the latest occurrence wins, as vLLM's prompt-lookup decoding does. PromptLookup puts the same
+lookup in front of a model drafter (speculative_config.prompt_lookup).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from executor.core.spec_decode.proposer import ProposalContext
+from executor.types_ import Request
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +34,44 @@ class NgramProposer:
                 return tokens[start : start + self.num_speculative_tokens].tolist()
         return []
 
+    def propose_after(self, request: Request, new_token_ids: list[int]) -> list[int]:
+        """Drafts to follow the request's tokens and the ones it emits this step."""
+        return self.propose_for([*request.prompt_token_ids, *request.output_token_ids, *new_token_ids])
+
+
+@dataclass(slots=True)
+class PromptLookup:
+    """Prompt lookup in front of a model drafter (speculative_config.prompt_lookup): a request whose
+    last n-gram recurs takes the lookup's drafts, the drafter's elsewhere. Where a model repeats
+    its prompt or itself (edits, summaries, code, lists), a lookup's drafts are accepted more often than
+    a small drafter's and cost no pass; Arctic Inference's suffix decoding falls back to its model
+    drafters the same way. It keeps which drafts it gave, to count their verifies apart."""
+
+    ngram: NgramProposer
+    # request id -> the request and the drafts last looked up for it, while it runs (a step may leave
+    # a request out: a prefill step's does the running ones)
+    _given: dict[str, tuple[Request, list[int]]] = field(default_factory=dict)
+
+    def lookups(self, context: ProposalContext, indices: list[int]) -> dict[int, list[int]]:
+        """The drafts looked up for the step's requests at `indices` that found a recurring n-gram,
+        by index; and the step's verifies of the drafts given last step, counted into
+        context.looked_up (a drafter's drafts are the step's others)."""
+        verified = zip(context.requests, context.verified_drafts, context.num_accepted_drafts, strict=True)
+        for request, drafts, accepted in verified if context.verified_drafts else ():
+            _, given = self._given.pop(request.request_id, (request, None))
+            if drafts and given is not None and given[: len(drafts)] == drafts:  # cut drafts are a prefix
+                context.looked_up.add_verify(len(drafts), accepted)
+        self._given = {key: entry for key, entry in self._given.items() if not entry[0].is_finished}
+        found = {}
+        for index in indices:
+            request = context.requests[index]
+            if drafts := self.ngram.propose_after(request, context.new_token_ids[index]):
+                found[index] = drafts
+                self._given[request.request_id] = (request, drafts)
+            else:
+                self._given.pop(request.request_id, None)
+        return found
+
 
 class NgramStepProposer:
     """Prompt lookup over each request's tokens, this step's included."""
@@ -43,7 +83,7 @@ class NgramStepProposer:
 
     def propose(self, context: ProposalContext) -> list[list[int]]:
         return [
-            self.ngram.propose_for([*request.prompt_token_ids, *request.output_token_ids, *new]) if new else []
+            self.ngram.propose_after(request, new) if new else []
             for request, new in zip(context.requests, context.new_token_ids, strict=True)
         ]
 

@@ -9,14 +9,14 @@ no draft probabilities.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from executor.core.config.comm_manager import CommManager
 from executor.core.sampler.sampler import without_nan_marks
-from executor.types_ import Request
+from executor.types_ import AcceptCounts, Request
 from ops.attention.metadata import ScheduledSequence
 
 
@@ -30,6 +30,10 @@ class ProposalContext:
     num_valid_tokens: list[int]  # leading fed tokens whose K/V stands (all but rejected drafts)
     hidden_states: torch.Tensor  # the target's [rows, hidden] of this step (graph padding rows after)
     row_starts: list[int]  # first row of each request's sequence
+    verified_drafts: list[list[int]] = field(default_factory=list)  # the drafts each request fed this step
+    num_accepted_drafts: list[int] = field(default_factory=list)  # of them, how many were accepted
+    # filled by a proposer with prompt lookup: this step's verifies of the drafts it looked up
+    looked_up: AcceptCounts = field(default_factory=AcceptCounts)
 
     def __post_init__(self) -> None:
         # A request whose logits held NaN emits the sampler's mark and fails in this step, its drafts unused.
