@@ -191,6 +191,25 @@ def test_the_run_summary_counts_speculation_over_every_replicas_step_log():
     assert "accept by draft  1: 0.667 (2/3), 2: 0.500 (1/2)" in summary_lines(summary)
 
 
+def test_the_looked_up_verifies_add_up_over_parts_and_show_in_the_summary():
+    """speculative_config.prompt_lookup: the verifies of looked-up drafts, counted apart per step."""
+    looked_up = {"looked_up_verified_requests": 1, "looked_up_draft_tokens": 2, "looked_up_accepted_tokens": 2}
+    steps = [spec_step(1, [2, 2], [2, 1], 2) | looked_up, spec_step(1, [2, 2], [0, 0], 2, part=2)]
+    part = {"device": "cpu", "speculative": {"method": "eagle3", "num_speculative_tokens": 2, "prompt_lookup": True}}
+    summary = run_summary("complete", [], steps, [part], 0)
+    assert summary["speculative"]["prompt_lookup"] is True
+    assert summary["speculative"]["looked_up"] == {
+        "verifies": 1,
+        "share_of_verifies": 1 / 4,
+        "draft_tokens": 2,
+        "accepted_tokens": 2,
+        "accept_rate": 1.0,
+        "mean_accept_length": 3.0,
+    }
+    assert "looked up        25.0% of verifies, accept length 3.00" in summary_lines(summary)
+    assert "looked_up" not in speculation_stats(steps[1:])["speculative"]
+
+
 def test_a_step_record_logs_and_records_its_drafts_by_position():
     record = StepRecord(4, "decode", 2, 6, 10.0, 0.1, 2, 0.0, 0, 0, 4, 3, 2, [2, 2], [2, 1])
     assert "accepted 3/4 drafts (by position 2/2 1/2), accept length 2.50" in record.log_line()

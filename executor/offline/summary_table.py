@@ -55,6 +55,14 @@ def summary_lines(summary: Mapping[str, Any], summary_path: Path | None = None) 
         ]
         if by_position:
             rows.append(("accept by draft", ", ".join(by_position)))
+        if looked_up := spec.get("looked_up"):
+            rows.append(
+                (
+                    "looked up",
+                    f"{looked_up['share_of_verifies']:.1%} of verifies, "
+                    f"accept length {looked_up['mean_accept_length']:.2f}",
+                )
+            )
     if summary_path is not None:
         rows.append(("summary", str(summary_path)))
     return [f"=== run {summary.get('status', '')}".rstrip(), *(f"{label:16s} {value}" for label, value in rows)]
