@@ -338,11 +338,13 @@ def test_eagle3_at_attention_tp_2_in_eager_and_ge_graph_drafts_as_one_process_an
     drafter = save_echoing_eagle3_drafter(tmp_path / "drafter", model_dir, [p[-1] for p in prompts], echo=30.0)
     eagle3 = ["speculative_config.method=eagle3", "speculative_config.num_speculative_tokens=3"]
     eagle3 += [f"speculative_config.draft_model_path={drafter}"]
+    lookup = ["speculative_config.prompt_lookup=true"]  # the lookup's drafts where an n-gram recurs
     reference = run_one_process(run_yaml, tmp_path / "one_process")
     eagle3_one_process = run_one_process(run_yaml, tmp_path / "eagle3_one_process", *eagle3)
+    lookup_one_process = run_one_process(run_yaml, tmp_path / "lookup_one_process", *eagle3, *lookup)
     graph = ["model_config.exe_mode=ge_graph", "scheduler_config.graph_buckets=[2]", "scheduler_config.batch_size=2"]
     sizes = parallel_overrides(2, attn_tp_size=2, dense_tp_size=2, embed_tp_size=2, lmhead_tp_size=2)
-    runs = {tmp_path / "tp2": [], tmp_path / "tp2_ge_graph": graph}
+    runs = {tmp_path / "tp2": [], tmp_path / "tp2_ge_graph": graph, tmp_path / "tp2_lookup": lookup}
     launch = run_in_one_launch(
         [entry_args(run_yaml, out, [*eagle3, *mode, *sizes]) for out, mode in runs.items()],
         nproc=2,
@@ -351,11 +353,15 @@ def test_eagle3_at_attention_tp_2_in_eager_and_ge_graph_drafts_as_one_process_an
     assert launch.returncode == 0, (launch.stdout + launch.stderr)[-4000:]
     assert "EAGLE-3 drafter from" in launch.stdout + launch.stderr
     expected = summary(tmp_path / "eagle3_one_process")["speculative"]
-    assert token_ids(eagle3_one_process) == token_ids(reference)
+    expected_with_lookup = summary(tmp_path / "lookup_one_process")["speculative"]
+    assert token_ids(eagle3_one_process) == token_ids(lookup_one_process) == token_ids(reference)
     assert 0 < expected["accepted_tokens"] < expected["draft_tokens"]
+    assert expected_with_lookup["looked_up"]["verifies"] > 0
     for out in runs:
         assert token_ids(outputs_by_id(out)) == token_ids(reference), out.name
-        assert assert_summed(out)["per_position"] == expected["per_position"], out.name
+        one_process = expected_with_lookup if out.name == "tp2_lookup" else expected
+        assert assert_summed(out)["per_position"] == one_process["per_position"], out.name
         assert summary(out)["parts"][-1]["speculative"]["method"] == "eagle3"
+    assert summary(tmp_path / "tp2_lookup")["speculative"]["looked_up"] == expected_with_lookup["looked_up"]
     graphs = summary(tmp_path / "tp2_ge_graph")["parts"][-1]["graph"]
     assert verify_steps(graphs) > 0 and sum(graphs["eagle3"]["eagle3"]["graph_steps_per_bucket"].values()) > 0
