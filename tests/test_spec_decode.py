@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from executor.core.config import ConfigError, build_config
 from executor.core.spec_decode.draft_model import DraftModelProposer
@@ -65,6 +67,27 @@ def test_ngram_proposes_what_followed_the_latest_longest_match():
     assert ngram.propose_for([7, 8, 9]) == []  # nothing recurs
     assert ngram.propose_for([4, 5, 6, 4]) == [5, 6, 4]  # a 1-gram when no longer one matches
     assert NgramProposer(2, 2, 3).propose_for([4, 5, 6, 4]) == []  # min_n 2: the 1-gram does not count
+
+
+def windowed_lookup(ngram: NgramProposer, tokens: list[int]) -> list[int]:
+    """The lookup as its definition reads: every earlier n-gram compared, longest n first, latest wins."""
+    for n in range(min(ngram.max_n, len(tokens) - 1), ngram.min_n - 1, -1):
+        matches = [i for i in range(len(tokens) - n) if tokens[i : i + n] == tokens[-n:]]
+        if matches:
+            return tokens[matches[-1] + n : matches[-1] + n + ngram.num_speculative_tokens]
+    return []
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 4), min_size=1, max_size=40),
+    k=st.integers(1, 4),
+    min_n=st.integers(1, 3),
+    extra=st.integers(0, 3),
+)
+def test_ngram_lookup_equals_comparing_every_earlier_ngram(tokens, k, min_n, extra):
+    ngram = NgramProposer(num_speculative_tokens=k, min_n=min_n, max_n=min_n + extra)
+    assert ngram.propose_for(tokens) == windowed_lookup(ngram, tokens)
 
 
 def test_prompt_lookup_counts_the_verifies_of_the_drafts_it_gave_and_forgets_finished_requests():

@@ -24,15 +24,24 @@ class NgramProposer:
     max_n: int
 
     def propose_for(self, token_ids: list[int]) -> list[int]:
-        """Up to num_speculative_tokens drafts to follow `token_ids`; none when no n-gram recurs."""
+        """Up to num_speculative_tokens drafts to follow `token_ids`; none when no n-gram recurs.
+        Only the earlier occurrences of the last token can end a match, so they alone are extended
+        backwards (a request's tokens are compared once, not once per n: this runs for every request
+        after every step)."""
         tokens = np.asarray(token_ids, dtype=np.int64)
-        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
-            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)  # every earlier n-gram
-            matches = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
-            if matches.size:
-                start = int(matches[-1]) + n  # what followed the latest earlier occurrence
-                return tokens[start : start + self.num_speculative_tokens].tolist()
-        return []
+        ends = np.flatnonzero(tokens[:-1] == tokens[-1])  # where an earlier match would end
+        lengths = np.ones(len(ends), dtype=np.int64)  # of the match ending there, up to max_n
+        alive = np.ones(len(ends), dtype=bool)
+        for back in range(1, min(self.max_n, len(tokens) - 1)):
+            before = ends - back
+            alive &= before >= 0
+            alive[alive] = tokens[before[alive]] == tokens[-1 - back]
+            lengths += alive
+        n = int(lengths.max(initial=0))
+        if n < self.min_n:
+            return []
+        start = int(ends[np.flatnonzero(lengths >= n)[-1]]) + 1  # what followed the latest longest one
+        return tokens[start : start + self.num_speculative_tokens].tolist()
 
     def propose_after(self, request: Request, new_token_ids: list[int]) -> list[int]:
         """Drafts to follow the request's tokens and the ones it emits this step."""
