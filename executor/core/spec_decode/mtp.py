@@ -7,7 +7,8 @@ KV cache complete (prefill chunks included), and its last row's prediction is dr
 feeds draft j - 1 back through the module (the last one, when the model has fewer modules than
 drafts, as vLLM does for a model with a single MTP module), writing its K/V one position further on.
 In graph modes the decode-shaped passes run through the engine's MTP graph runners (mtp_graphs.py),
-in lock-step the idle passes too.
+in lock-step the idle passes too. With a PromptLookup (speculative_config.prompt_lookup) a request
+whose last n-gram recurs takes the lookup's drafts and its chain stops after the first pass.
 """
 
 from __future__ import annotations
@@ -121,8 +122,8 @@ class MTPProposer:
             if new_tokens:
                 drafting.append(_Drafting(index, end - 1))
         looked_up = self.prompt_lookup.lookups(context, [item.index for item in drafting]) if self.prompt_lookup else {}
-        for index, found in looked_up.items():
-            drafts[index] = found[: self.num_speculative_tokens]
+        for index, found in looked_up.items():  # the lookup drafts num_speculative_tokens at most
+            drafts[index] = found
         # each request drafts at every depth whose row has a slot, up to num_speculative_tokens; a step
         # that drafts for none (prompt chunks short of their end, drafts looked up) still runs the first
         # pass, which writes the MTP layer's K/V for its rows
