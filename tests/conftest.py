@@ -37,6 +37,15 @@ def save_tiny_llama(path: Path, seed: int = 0, **overrides: object) -> Path:
     return path
 
 
+@pytest.fixture(autouse=True)
+def torch_threads():
+    """Each test starts with the thread count the session began with: a script's main() sets its
+    --threads for the process, and kernels sum in another order on fewer threads."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
