@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from executor.core.config import ConfigError, build_config
 from executor.core.spec_decode.draft_model import DraftModelProposer
 from executor.core.spec_decode.factory import draft_model_config
-from executor.core.spec_decode.ngram import NgramProposer, PromptLookup
+from executor.core.spec_decode.ngram import NgramProposer, PromptLookup, RequestLookups
 from executor.core.spec_decode.proposer import ProposalContext
 from executor.core.spec_decode.verify import accept_greedy, rejection_sample
 from executor.offline.dataset import PromptRecord
@@ -88,6 +88,32 @@ def windowed_lookup(ngram: NgramProposer, tokens: list[int]) -> list[int]:
 def test_ngram_lookup_equals_comparing_every_earlier_ngram(tokens, k, min_n, extra):
     ngram = NgramProposer(num_speculative_tokens=k, min_n=min_n, max_n=min_n + extra)
     assert ngram.propose_for(tokens) == windowed_lookup(ngram, tokens)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    prompt=st.lists(st.integers(0, 4), min_size=1, max_size=20),
+    steps=st.lists(
+        st.tuples(st.lists(st.integers(0, 4), max_size=3), st.lists(st.integers(0, 4), max_size=3), st.booleans()),
+        max_size=12,
+    ),
+    k=st.integers(1, 4),
+    min_n=st.integers(1, 3),
+    extra=st.integers(0, 3),
+)
+def test_a_request_s_index_grows_with_it_and_looks_up_what_a_fresh_search_would(prompt, steps, k, min_n, extra):
+    """Each step looks up after the request's tokens and the step's emitted ones; those become its
+    output, or (a request cut short) others do, which the index notices. A finished one is let go."""
+    ngram = NgramProposer(num_speculative_tokens=k, min_n=min_n, max_n=min_n + extra)
+    lookups = RequestLookups(ngram)
+    request = make_request("r", prompt=prompt)
+    for new, other, kept in steps:
+        tokens = request.prompt_token_ids + request.output_token_ids + new
+        assert lookups.propose_after(request, new) == windowed_lookup(ngram, tokens)
+        request.output_token_ids.extend(new if kept else other)
+    request.status = RequestStatus.FINISHED
+    lookups.forget_finished()
+    assert not lookups._indexed  # a finished request's index is let go
 
 
 def test_prompt_lookup_counts_the_verifies_of_the_drafts_it_gave_and_forgets_finished_requests():
