@@ -7,7 +7,8 @@ The kernels: MKL on the plain weight (`F.linear`, eager with prepack_weights off
 oneDNN's blocked layout, and this project's panels (ops/csrc/packed_linear.cpp, the CPU's widest).
 With `--quantized`, the same weights rounded as a GGUF holds them (4-bit codes with an fp16 scale and
 minimum per 32 values, the LM head 8-bit with an fp16 scale per 32) through the few-row kernels
-with fp32 rows (wna16_linear.cpp) and with int8 rows (q8_dot_linear.cpp), and rounded to int8 per
+with fp32 rows (wna16_linear.cpp) and with int8 rows (q8_dot_linear.cpp; where the CPU has AVX-512 VNNI,
+its AVX2 form too), and rounded to int8 per
 channel through W8A8's AVX2 matmul (int16_madd_mm.cpp, its input int8 already).
 Prints JSON: the best ms of --repeats passes over the weights, and GB/s of the bytes each kernel
 reads, per row count and kernel.
@@ -33,6 +34,7 @@ from safetensors.torch import load_file
 from executor.model_loader.default_model import default_model_path
 from ops import cpu_kernels
 from ops.cpu import cpu_linear_method
+from ops.cpu_quantized import VNNI_FLAGS
 
 # Llama-style projections, fused as the model fuses them (models/llama/model.py).
 FUSED = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
@@ -114,6 +116,11 @@ def quantized_kernels(
             sum(t.numel() * t.element_size() for packed in q8 for t in packed),
         ),
     }
+    if VNNI_FLAGS <= cpu_kernels.cpu_flags():  # the AVX2 form beside the VNNI one the op takes here
+        found["gguf_int8_rows_avx2_form"] = (
+            lambda x, i: ops.q8_dot_linear(x, *q8[i], None, bits[i], weights[i].shape[0], 1),
+            found["gguf_int8_rows"][1],
+        )
     if "avx2" in cpu_kernels.cpu_flags():
         found["w8a8_int16_madd"] = (
             lambda x, i: ops.int16_madd_mm(x, int8[i], weights[i].shape[0]),

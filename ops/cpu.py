@@ -70,11 +70,18 @@ def _(a: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
 
 
 @fake("q8_dot_linear")
-def _(x: torch.Tensor, codes: torch.Tensor, *args: object) -> torch.Tensor:
+def _(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor,
+    bias: torch.Tensor | None,
+    bits: int,
+    out_features: int,
+    form: int = -1,
+) -> torch.Tensor:
     """A few-row WNA16 linear with int8 rows by ops/csrc/q8_dot_linear.cpp, one opaque op in a compiled
     graph (ops/cpu_quantized.py's Wna16Linear): [rows, out_features]."""
-    out_features = args[-1]
-    assert isinstance(out_features, int)
     return x.new_empty(x.shape[0], out_features)
 
 

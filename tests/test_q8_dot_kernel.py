@@ -2,7 +2,8 @@
 its row quantization gives llama.cpp's Q8 codes (gguf's Q8_0 quantizer, bit-exact with ggml's reference)
 and the plain-torch form of the same rounding exactly; its output is the dequantized row times the
 dequantized weight within the fp32 bound of a K-term sum, |y - y_exact| <= (K + 2) * 2^-24 *
-(sum_k |x_k w_k| + |b|); on a GGUF's Q4_1 blocks it is llama.cpp's Q4_1 x Q8_1 dot product."""
+(sum_k |x_k w_k| + |b|), the same bit for bit in every form the CPU runs (scalar, AVX2, AVX-512 VNNI);
+on a GGUF's Q4_1 blocks it is llama.cpp's Q4_1 x Q8_1 dot product."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from hypothesis import strategies as st
 from executor.model_loader.gguf_blocks import decode_q4_1
 from executor.types_.quant_scheme import GGUF_BLOCK_SCHEMES, GROUP, LinearScheme, QuantArgs
 from module.linear import ColumnParallelLinear
-from ops.cpu_quantized import WNA16_ROWS_MAX, Wna16Linear, dequantize_coded
+from ops.cpu_kernels import cpu_flags
+from ops.cpu_quantized import VNNI_FLAGS, WNA16_ROWS_MAX, Wna16Linear, dequantize_coded
 from ops.linear_method import PLAIN
 from ops.quantized_linear import DequantizedLinear
 from tests.q8_reference import dequantized_rows, q8_blocks
@@ -85,6 +87,25 @@ def test_int8_row_linear_is_the_dequantized_row_times_the_dequantized_weight(
     bias = torch.randn(out, generator=generator) if with_bias else None
     y = kernels.q8_dot_linear(x, packed, scales, offsets, bias, bits, out)
     assert within_fp32_sum_bound(y, dequantized_rows(x).float(), dense, bias)
+    # every form the CPU runs (scalar, AVX2, AVX-512 VNNI, whose 8-bit form reads c + 128 and takes 128 x
+    # the row's code sum off) sums each block in integers alike, then scales in one order: bit for bit
+    for form in forms_this_cpu_runs():
+        assert torch.equal(kernels.q8_dot_linear(x, packed, scales, offsets, bias, bits, out, form), y)
+
+
+def forms_this_cpu_runs() -> list[int]:
+    """q8_dot_linear's forms (its `form` argument): scalar, AVX2, AVX-512 VNNI, as far as the CPU goes."""
+    flags = cpu_flags()
+    has_avx2 = {"avx2", "fma", "f16c"} <= flags
+    return [0] + [1] * has_avx2 + [2] * (has_avx2 and VNNI_FLAGS <= flags)
+
+
+def test_a_form_the_cpu_lacks_is_refused(kernels):
+    packed, scales, offsets = kernels.pack_q8_dot_weight(
+        torch.zeros(8, 32, dtype=torch.uint8), *[torch.ones(8, 1)] * 2, 8
+    )
+    with pytest.raises(RuntimeError, match="form 3 is not one this CPU runs"):
+        kernels.q8_dot_linear(torch.ones(1, 32), packed, scales, offsets, None, 8, 8, 3)
 
 
 def test_int8_rows_on_q4_1_blocks_are_llama_cpps_dot_product(kernels):

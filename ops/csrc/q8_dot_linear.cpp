@@ -19,7 +19,8 @@
 // the offsets left out (an empty tensor) where all are zero (symmetric 8-bit). Columns past N are zero.
 // One broadcast of four row values then multiplies all 8 columns (vpmaddubsw), so the per-column sums
 // come out in one vector, with no horizontal add per block. The group must be a multiple of 32.
-// AVX2 form chosen when called by the CPU's flags; a scalar loop (the same arithmetic) elsewhere.
+// The form is chosen when called by the CPU's flags: AVX-512 VNNI, AVX2, else a scalar loop (the same
+// arithmetic; every form's integer sums per block are the same, so their outputs are too).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -40,11 +41,13 @@ constexpr int kMaxRows = 4;       // rows per pass over a panel
 // hardware prefetcher alone (Zen 2, one and two threads; 512 B and 2 KiB did less; docs/benchmarks.md).
 constexpr int64_t kPrefetchBytes = 1024;
 
-// A row quantized in blocks of 32: codes [K], scales d [K / 32], scaled code sums s [K / 32].
+// A row quantized in blocks of 32: codes [K], scales d [K / 32], scaled code sums s [K / 32]; for the
+// VNNI form's 8-bit weights also its integer code sums [K / 32].
 struct Q8Row {
   const int8_t* codes;
   const float* d;
   const float* s;
+  const int32_t* code_sums = nullptr;
 };
 
 // Scales and offsets are fp32, or fp16 where they are exactly so (a GGUF's: 20% fewer bytes a 4-bit
@@ -108,6 +111,23 @@ __attribute__((target("avx2,fma"))) void quantize_block_avx2(const float* x, int
 
 bool has_avx2() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+
+bool has_avx512_vnni() {
+  return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vnni");
+}
+
+// Which panel kernels a call runs: by the CPU's flags unless asked.
+enum class Form { kScalar = 0, kAvx2 = 1, kVnni = 2 };
+
+// `requested`: -1 for the CPU's best, else a Form's number (tests and benchmarks compare the forms).
+Form form_for(int64_t requested) {
+  const Form best = has_avx512_vnni() ? Form::kVnni : has_avx2() ? Form::kAvx2 : Form::kScalar;
+  if (requested < 0) return best;
+  TORCH_CHECK(requested <= static_cast<int64_t>(best), "q8_dot: form ", requested, " is not one this CPU runs (up to ",
+              static_cast<int64_t>(best), ")");
+  return static_cast<Form>(requested);
 }
 
 void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* q, float* d, float* s, bool avx2) {
@@ -205,6 +225,32 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256 load_eight(const void* va
     return _mm256_loadu_ps(static_cast<const float*>(values) + at);
 }
 
+// One block's integer sums [row] -> 8 columns, scaled into the rows' fp32 sums: the block's weight
+// scales (group at `at`) times each row's d, and the offsets times its s.
+template <int kRows, bool kHalf, bool kOffsets>
+__attribute__((target("avx2,fma,f16c"))) inline void accumulate_block(const Panels& w, int64_t at, const Q8Row* rows,
+                                                                      int64_t b, const __m256i* sums, __m256* acc) {
+  const __m256 scale = load_eight<kHalf>(w.scales, at);
+  for (int r = 0; r < kRows; ++r) {
+    const __m256 block_scale = _mm256_mul_ps(scale, _mm256_set1_ps(rows[r].d[b]));
+    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), block_scale, acc[r]);
+  }
+  if constexpr (kOffsets) {
+    const __m256 offset = load_eight<kHalf>(w.offsets, at);
+    for (int r = 0; r < kRows; ++r) acc[r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(rows[r].s[b]), acc[r]);
+  }
+}
+
+template <int kRows>
+__attribute__((target("avx2"))) inline void store_rows(const __m256* acc, float* out, int64_t ldo, int64_t columns,
+                                                       const float* bias) {
+  for (int r = 0; r < kRows; ++r) {
+    alignas(32) float values[kColumns];
+    _mm256_store_ps(values, acc[r]);
+    for (int64_t j = 0; j < columns; ++j) out[r * ldo + j] = values[j] + (bias ? bias[j] : 0.0f);
+  }
+}
+
 template <int kRows, int kBits, bool kHalf, bool kOffsets>
 __attribute__((target("avx2,fma,f16c"), flatten)) void panel_rows_avx2(const Panels& w, int64_t p, const Q8Row* rows,
                                                                    float* out, int64_t ldo, int64_t columns,
@@ -218,41 +264,113 @@ __attribute__((target("avx2,fma,f16c"), flatten)) void panel_rows_avx2(const Pan
     const char* ahead = reinterpret_cast<const char*>(panel + b * block_bytes) + kPrefetchBytes;
     for (int64_t line = 0; line < block_bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
     block_sums<kRows, kBits>(panel + b * block_bytes, rows, b * kBlock, sums);
-    const int64_t at = (p * w.groups() + b / per_group) * kColumns;
-    const __m256 scale = load_eight<kHalf>(w.scales, at);
+    accumulate_block<kRows, kHalf, kOffsets>(w, (p * w.groups() + b / per_group) * kColumns, rows, b, sums, acc);
+  }
+  store_rows<kRows>(acc, out, ldo, columns, bias);
+}
+
+// --- the AVX-512 VNNI form ---
+// vpdpbusd multiplies four unsigned bytes by four signed ones into each int32 lane, so one product
+// covers two chunks of a block (16 lanes: the 8 columns twice). The 4-bit codes are unsigned; the
+// 8-bit ones are read with their sign bit flipped (c + 128), and 128 x the row block's code sum is
+// taken off after, so that a block's integer sums are the AVX2 form's exactly. A row's operand for
+// each product (two of its four-value groups, each to the eight lanes it meets) is permuted from its
+// block's 32 values in a register: laid out in memory once a call instead, the rows' operands
+// outgrew the L1 cache at K = 1728 and that form ran 30% slower than AVX2's there.
+
+// Operand v of a block: which four-value groups of the row go to lanes 0-7 and to lanes 8-15.
+// 4-bit: the low nibbles of chunks 0 and 1, their high nibbles, then the same of chunks 2 and 3;
+// 8-bit: chunks 0 and 1, 2 and 3, 4 and 5, 6 and 7.
+constexpr int kQuads[2][4][2] = {{{0, 2}, {1, 3}, {4, 6}, {5, 7}}, {{0, 1}, {2, 3}, {4, 5}, {6, 7}}};
+
+// The integer code sum of each of a row's blocks (the 8-bit form's correction).
+void block_code_sums(const int8_t* codes, int64_t blocks, int32_t* code_sums) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    int32_t sum = 0;
+    for (int64_t i = 0; i < kBlock; ++i) sum += codes[b * kBlock + i];
+    code_sums[b] = sum;
+  }
+}
+
+// One operand of a block times its rows (each row's block values in `groups`), into their lanes' sums.
+template <int kRows>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void multiply_rows(__m512i codes, __m512i operand,
+                                                                                 const __m512i* groups, __m512i* wide) {
+  for (int r = 0; r < kRows; ++r)
+    wide[r] = _mm512_dpbusd_epi32(wide[r], codes, _mm512_permutexvar_epi32(operand, groups[r]));
+}
+
+template <int kRows, int kBits, bool kHalf, bool kOffsets>
+__attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma,f16c"), flatten)) void panel_rows_vnni(
+    const Panels& w, int64_t p, const Q8Row* rows, float* out, int64_t ldo, int64_t columns, const float* bias) {
+  const uint8_t* panel = w.codes + p * w.panel_bytes();
+  const int64_t blocks = w.k / kBlock, per_group = w.group / kBlock, block_bytes = kBlock * kColumns * kBits / 8;
+  const __m512i low_mask = _mm512_set1_epi8(0x0F), sign_bit = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512i operand[4];  // the dword permutation that gives operand v from a block's eight groups
+  for (int v = 0; v < 4; ++v) {
+    alignas(64) int32_t index[16];
+    for (int lane = 0; lane < 16; ++lane) index[lane] = kQuads[kBits == 8][v][lane / 8];
+    operand[v] = _mm512_load_si512(index);
+  }
+  __m256 acc[kRows];
+  for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = panel + b * block_bytes;
+    const char* ahead = reinterpret_cast<const char*>(block) + kPrefetchBytes;
+    for (int64_t line = 0; line < block_bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+    __m512i wide[kRows];
+    for (int r = 0; r < kRows; ++r) wide[r] = _mm512_setzero_si512();
+    __m512i groups[kRows];
+    for (int r = 0; r < kRows; ++r)
+      groups[r] = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[r].codes + b * kBlock)));
+    if constexpr (kBits == 8) {
+      for (int v = 0; v < 4; ++v)
+        multiply_rows<kRows>(_mm512_xor_si512(_mm512_loadu_si512(block + 64 * v), sign_bit), operand[v], groups, wide);
+    } else {
+      for (int pair = 0; pair < 2; ++pair) {
+        const __m512i bytes = _mm512_loadu_si512(block + 64 * pair);
+        multiply_rows<kRows>(_mm512_and_si512(bytes, low_mask), operand[2 * pair], groups, wide);
+        multiply_rows<kRows>(_mm512_and_si512(_mm512_srli_epi16(bytes, 4), low_mask), operand[2 * pair + 1], groups,
+                             wide);
+      }
+    }
+    __m256i sums[kRows];
     for (int r = 0; r < kRows; ++r) {
-      const __m256 block_scale = _mm256_mul_ps(scale, _mm256_set1_ps(rows[r].d[b]));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), block_scale, acc[r]);
+      sums[r] = _mm256_add_epi32(_mm512_castsi512_si256(wide[r]), _mm512_extracti64x4_epi64(wide[r], 1));
+      if constexpr (kBits == 8) sums[r] = _mm256_sub_epi32(sums[r], _mm256_set1_epi32(128 * rows[r].code_sums[b]));
     }
-    if constexpr (kOffsets) {
-      const __m256 offset = load_eight<kHalf>(w.offsets, at);
-      for (int r = 0; r < kRows; ++r) acc[r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(rows[r].s[b]), acc[r]);
-    }
+    accumulate_block<kRows, kHalf, kOffsets>(w, (p * w.groups() + b / per_group) * kColumns, rows, b, sums, acc);
   }
-  for (int r = 0; r < kRows; ++r) {
-    alignas(32) float values[kColumns];
-    _mm256_store_ps(values, acc[r]);
-    for (int64_t j = 0; j < columns; ++j) out[r * ldo + j] = values[j] + (bias ? bias[j] : 0.0f);
-  }
+  store_rows<kRows>(acc, out, ldo, columns, bias);
 }
 
 using PanelRows = void (*)(const Panels&, int64_t, const Q8Row*, float*, int64_t, int64_t, const float*);
 
 template <int kBits, bool kHalf, bool kOffsets>
+constexpr PanelRows kVnniByRows[] = {
+    panel_rows_vnni<1, kBits, kHalf, kOffsets>, panel_rows_vnni<2, kBits, kHalf, kOffsets>,
+    panel_rows_vnni<3, kBits, kHalf, kOffsets>, panel_rows_vnni<4, kBits, kHalf, kOffsets>};
+
+template <int kBits, bool kHalf, bool kOffsets>
 constexpr PanelRows kByRows[] = {panel_rows_avx2<1, kBits, kHalf, kOffsets>, panel_rows_avx2<2, kBits, kHalf, kOffsets>,
                                  panel_rows_avx2<3, kBits, kHalf, kOffsets>, panel_rows_avx2<4, kBits, kHalf, kOffsets>};
 
-// The AVX2 form for the weight's bits, scale type and offsets, by row count (1..kMaxRows).
+// The AVX2 or VNNI kernels for the weight's bits, scale type and offsets, by row count (1..kMaxRows).
 template <int kBits>
-const PanelRows* avx2_forms(const Panels& w) {
+const PanelRows* forms_for(const Panels& w, Form form) {
+  if (form == Form::kVnni) {
+    if (w.half) return w.offsets ? kVnniByRows<kBits, true, true> : kVnniByRows<kBits, true, false>;
+    return w.offsets ? kVnniByRows<kBits, false, true> : kVnniByRows<kBits, false, false>;
+  }
   if (w.half) return w.offsets ? kByRows<kBits, true, true> : kByRows<kBits, true, false>;
   return w.offsets ? kByRows<kBits, false, true> : kByRows<kBits, false, false>;
 }
 
 // One panel times every row, kMaxRows at a time.
 void panel_all_rows(const Panels& w, int64_t p, const Q8Row* rows, int64_t count, float* out, int64_t ldo,
-                    int64_t columns, const float* bias, bool avx2) {
-  const PanelRows* forms = avx2 ? (w.bits == 4 ? avx2_forms<4>(w) : avx2_forms<8>(w)) : nullptr;
+                    int64_t columns, const float* bias, Form form) {
+  const PanelRows* forms =
+      form == Form::kScalar ? nullptr : (w.bits == 4 ? forms_for<4>(w, form) : forms_for<8>(w, form));
   for (int64_t r = 0; r < count; r += kMaxRows) {
     const int64_t n = std::min<int64_t>(kMaxRows, count - r);
     if (forms)
@@ -409,22 +527,29 @@ c10::optional<torch::Tensor> offsets_if_any(const torch::Tensor& offsets) {
 }
 
 torch::Tensor q8_dot_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor offsets,
-                            c10::optional<torch::Tensor> bias, int64_t bits, int64_t out_features) {
+                            c10::optional<torch::Tensor> bias, int64_t bits, int64_t out_features, int64_t form_number) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "q8_dot: fp32 x [rows, in] expected");
   x = x.contiguous();
   const int64_t rows = x.size(0), k = x.size(1);
   TORCH_CHECK(k % q8_dot::kBlock == 0, "q8_dot: K must be a multiple of ", q8_dot::kBlock);
   const auto offset_values = offsets_if_any(offsets);
   q8_dot::check_layout(packed, scales, offset_values, k, bits, out_features);
-  const bool avx2 = q8_dot::has_avx2();
+  const q8_dot::Form form = q8_dot::form_for(form_number);
   const int64_t blocks = k / q8_dot::kBlock;
   auto codes = torch::empty({rows, k}, x.options().dtype(torch::kInt8));
   auto d = torch::empty({rows, blocks}, x.options()), s = torch::empty_like(d);
   q8_dot::quantize_rows(x.data_ptr<float>(), rows, k, codes.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>(),
-                        avx2);
+                        form != q8_dot::Form::kScalar);
+  const bool code_sums_needed = form == q8_dot::Form::kVnni && bits == 8;
+  auto code_sums = torch::empty({code_sums_needed ? rows : 0, blocks}, x.options().dtype(torch::kInt32));
   std::vector<q8_dot::Q8Row> quantized(rows);
-  for (int64_t r = 0; r < rows; ++r)
+  for (int64_t r = 0; r < rows; ++r) {
     quantized[r] = {codes.data_ptr<int8_t>() + r * k, d.data_ptr<float>() + r * blocks, s.data_ptr<float>() + r * blocks};
+    if (code_sums_needed) {
+      quantized[r].code_sums = code_sums.data_ptr<int32_t>() + r * blocks;
+      q8_dot::block_code_sums(quantized[r].codes, blocks, code_sums.data_ptr<int32_t>() + r * blocks);
+    }
+  }
   torch::Tensor bias_values;
   if (bias.has_value()) bias_values = bias->to(torch::kFloat32).contiguous();
   const float* bias_data = bias.has_value() ? bias_values.data_ptr<float>() : nullptr;
@@ -435,7 +560,7 @@ torch::Tensor q8_dot_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor
     for (int64_t p = begin; p < end; ++p) {
       const int64_t column = p * q8_dot::kColumns, columns = std::min(q8_dot::kColumns, out_features - column);
       q8_dot::panel_all_rows(w, p, quantized.data(), rows, ys + column, out_features, columns,
-                             bias_data ? bias_data + column : nullptr, avx2);
+                             bias_data ? bias_data + column : nullptr, form);
     }
   });
   return out;
@@ -467,7 +592,7 @@ TORCH_LIBRARY_FRAGMENT(infer_recipes_cpu, m) {
   m.def("quantize_q8_blocks(Tensor x) -> Tensor[]");
   m.def("pack_q8_dot_weight(Tensor codes, Tensor scales, Tensor offsets, int bits) -> Tensor[]");
   m.def("q8_dot_linear(Tensor x, Tensor packed, Tensor scales, Tensor offsets, Tensor? bias, int bits, "
-        "int out_features) -> Tensor");
+        "int out_features, int form=-1) -> Tensor");
   m.def("q8_dot_dequantize(Tensor packed, Tensor scales, Tensor offsets, int bits, int out_features) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(infer_recipes_cpu, CPU, m) {
