@@ -39,8 +39,8 @@ def save_tiny_llama(path: Path, seed: int = 0, **overrides: object) -> Path:
 
 @pytest.fixture(autouse=True)
 def torch_threads():
-    """Each test starts with the thread count the session began with: a script's main() sets its
-    --threads for the process, and kernels sum in another order on fewer threads."""
+    """Each test leaves the torch thread count as it found it: a script's main() sets its --threads
+    for the process, and kernels sum in another order on fewer threads."""
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
